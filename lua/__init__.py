@@ -1,0 +1,24 @@
+"""The Redis scripts, shipped as files and loaded from here, never inlined in Python.
+
+Each script is ``lib.lua`` (the shared counter helpers) followed by its body,
+so check, meter and apply share one implementation of the counter model.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.resources import files
+
+SCRIPTS = ("charge", "apply", "usage", "noop")
+
+
+@cache
+def source(name: str) -> str:
+    """The full source of script ``name``: shared helpers, then its body."""
+    if name not in SCRIPTS:
+        raise KeyError(f"no Lua script named {name!r} (known: {', '.join(SCRIPTS)})")
+    here = files(__name__)
+    body = here.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name == "noop":
+        return body
+    return here.joinpath("lib.lua").read_text(encoding="utf-8") + "\n" + body

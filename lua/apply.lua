@@ -1,0 +1,51 @@
+-- Projection of ledger events into committed counters, exactly once.
+--
+-- KEYS[1]    the watermark hash (partition -> last applied offset)
+-- KEYS[2..]  the counters the batch touches
+-- ARGV[1]    the partition field; ARGV[2] the number of events; then per event:
+--            offset, event id, number of charges, and per charge:
+--            key position in KEYS, amount, expire_at
+--
+-- An event at or below the watermark was applied before and changes nothing,
+-- so redelivery is harmless. For a fresh event, each charge's in-flight entry
+-- (written by the hot path under the same event id) is removed and the ledger's
+-- amount is committed; the watermark moves in the same script. A charge whose
+-- counter has already expired is dropped: its window is over.
+-- Returns the number of events applied.
+
+local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
+local wm = tonumber(wm_raw or '-1')
+local now = tonumber(redis.call('TIME')[1])
+local pos = 3
+local applied = 0
+for _ = 1, tonumber(ARGV[2]) do
+  local offset_raw = ARGV[pos]
+  local offset = tonumber(offset_raw)
+  local event_id = ARGV[pos + 1]
+  local charges = tonumber(ARGV[pos + 2])
+  pos = pos + 3
+  local fresh = offset > wm
+  for _ = 1, charges do
+    if fresh then
+      local key = KEYS[tonumber(ARGV[pos])]
+      local pending = redis.call('HGET', key, 'e:' .. event_id)
+      if pending then
+        if pending ~= '0' then redis.call('HINCRBY', key, 'f', negate(pending)) end
+        redis.call('HDEL', key, 'e:' .. event_id)
+      end
+      if tonumber(ARGV[pos + 2]) > now then
+        add(key, ARGV[pos + 1], '', ARGV[pos + 2])
+      end
+    end
+    pos = pos + 3
+  end
+  if fresh then
+    wm = offset
+    wm_raw = offset_raw
+    applied = applied + 1
+  end
+end
+if applied > 0 then
+  redis.call('HSET', KEYS[1], ARGV[1], wm_raw)
+end
+return applied

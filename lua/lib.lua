@@ -1,0 +1,35 @@
+-- Shared helpers, prepended to every script at load time (Redis scripts cannot
+-- import one another). They implement the counter model of counters.py:
+-- a hash per counter with 'c' (committed), 'f' (in-flight total) and
+-- 'e:<event id>' (in-flight amount of one event, moved once by apply).
+--
+-- Amounts travel as decimal strings and are handed to HINCRBY as given:
+-- Lua 5.1 formats large numbers as 1e+15, which HINCRBY would reject.
+
+local function used_of(key)
+  local v = redis.call('HMGET', key, 'c', 'f')
+  return (tonumber(v[1]) or 0) + (tonumber(v[2]) or 0)
+end
+
+-- The one admission rule (counters.fits): a zero charge needs one unit of room.
+local function fits(used, amount, cap)
+  if amount < 1 then amount = 1 end
+  return used + amount <= cap
+end
+
+local function negate(amount)
+  if string.sub(amount, 1, 1) == '-' then return string.sub(amount, 2) end
+  return '-' .. amount
+end
+
+-- Add a charge: committed inline when there is no event id, in-flight otherwise.
+-- Every write repairs the expiry, so a lost EXPIRE can never make a counter immortal.
+local function add(key, amount, event_id, expire_at)
+  if event_id == '' then
+    redis.call('HINCRBY', key, 'c', amount)
+  else
+    redis.call('HINCRBY', key, 'f', amount)
+    redis.call('HINCRBY', key, 'e:' .. event_id, amount)
+  end
+  redis.call('EXPIREAT', key, expire_at)
+end

@@ -1,0 +1,63 @@
+"""Exceptions raised by the governor.
+
+Every input error names the field and the offending value, so a bad policy or
+a bad call fails loudly at the point where it can be fixed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .decision import Decision
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class GovernorError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class InvalidInputError(GovernorError, ValueError):
+    """A value given to the governor is not acceptable.
+
+    ``field`` names what was wrong (``"Limit('burst').cap"``, ``"amount"``) and
+    ``value`` holds what was given.
+    """
+
+    def __init__(self, field: str, value: Any, problem: str) -> None:
+        self.field = field
+        self.value = value
+        self.problem = problem
+        super().__init__(f"{field}: {problem} (got {_show(value)})")
+
+
+class PolicyError(InvalidInputError):
+    """A policy or limit definition is invalid."""
+
+
+class UnknownModelError(GovernorError, LookupError):
+    """No price is known for a model: pricing it at zero would disable the budget."""
+
+    def __init__(self, model: str, known: int = 0) -> None:
+        self.model = model
+        hint = f" ({known} models known)" if known else " (the price table is empty)"
+        super().__init__(
+            f"model: no price for {_show(model)}{hint}; add one with "
+            f"PriceTable.with_price({model!r}, input_per_mtok, output_per_mtok)"
+        )
+
+
+class BackendUnavailableError(GovernorError, ConnectionError):
+    """The shared counter store could not be reached within the timeout."""
+
+
+class BudgetExceeded(GovernorError):  # noqa: N818 - public name kept from the baseline API
+    """A call was refused by a limit; ``decision`` says which and until when."""
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        super().__init__(decision.reason)

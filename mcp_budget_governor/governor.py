@@ -1,0 +1,400 @@
+"""The Governor: check before the work, meter after it.
+
+>>> import asyncio
+>>> from mcp_budget_governor import (
+...     Context, Governor, Limit, MemoryBackend, Policy, Scope, Window)
+>>> gov = Governor(
+...     Policy.of(Limit("burst", cap=2, window=Window.MINUTE, scope=Scope.USER)),
+...     MemoryBackend(),
+... )
+>>> async def three_calls():
+...     return [(await gov.check(Context(user="u_42"))).status for _ in range(3)]
+>>> asyncio.run(three_calls())
+[200, 200, 429]
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+from . import planning
+from .context import EMPTY, Context
+from .counters import Backend, ChargeResult, CounterOp
+from .decision import ADMITTED, Decision
+from .errors import BackendUnavailableError, BudgetExceeded, GovernorError, InvalidInputError
+from .ledger import EntryType, Ledger, LedgerEntry, TokenUsage, new_id
+from .limits import FailMode, Limit, OnExceed
+from .money import Unit, check_amount
+from .planning import Slot
+from .policy import Policy
+from .prices import PriceTable
+
+log = logging.getLogger("mcp_budget_governor")
+
+
+class Governor:
+    """Enforces a :class:`Policy` on shared counters.
+
+    - ``backend``: :class:`RedisBackend` (shared by every replica) or
+      :class:`MemoryBackend` (one process).
+    - ``ledger``: None commits every charge inline, in the same script that
+      checks it. With a ledger, the hot path writes in-flight amounts and
+      appends one entry per operation; the stream projection commits them.
+    - ``prices``: needed by :meth:`meter_tokens` on USD limits.
+    - ``retry_interval``: after the backend fails, how long (seconds) to use
+      the fail modes before trying it again.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        backend: Backend,
+        *,
+        ledger: Ledger | None = None,
+        prices: PriceTable | None = None,
+        clock: Callable[[], float] = time.time,
+        retry_interval: float = 1.0,
+        max_pending: int = 100_000,
+    ) -> None:
+        if not isinstance(policy, Policy):
+            raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
+        from mcp_budget_governor.projections.memory_counters import MemoryBackend
+
+        self.policy = policy
+        self.backend = backend
+        self.ledger = ledger
+        self.prices = prices
+        self._clock = clock
+        self._retry_interval = retry_interval
+        # Process-local counters for fail-open limits while the backend is down.
+        self._fallback = MemoryBackend(clock=clock)
+        # Inline mode only: charges made while the backend was down, replayed
+        # when it answers again so outage spend is not lost.
+        self._pending: deque[tuple[CounterOp, ...]] = deque()
+        self._max_pending = max_pending
+        self._down_until = 0.0
+
+    # -- the hot path -------------------------------------------------------
+
+    async def check(self, ctx: Context | None = None) -> Decision:
+        """Admit or refuse a call, charging every gated limit all or nothing.
+
+        A refusal charges nothing anywhere. One backend round trip, however
+        many limits apply.
+        """
+        ctx = ctx or EMPTY
+        now = self._clock()
+        slots = planning.check_slots(self.policy, ctx, now)
+        if not slots and self.ledger is None:
+            return ADMITTED
+        event_id = new_id() if self.ledger is not None else None
+        try:
+            result = await self._charge(slots, event_id)
+        except BackendUnavailableError:
+            decision = await self._degraded_check(slots, now)
+        else:
+            decision = self._decide(slots, result, now)
+        if self.ledger is not None and event_id is not None:
+            charged = slots if decision.admitted else ()
+            await self._append(
+                event_id,
+                EntryType.ADMITTED if decision.admitted else EntryType.REJECTED,
+                now,
+                ctx,
+                charged,
+                limit=decision.limit,
+                status=decision.status,
+                over=decision.over,
+                degraded=decision.degraded,
+            )
+        return decision
+
+    async def meter(self, limit: str, amount: int, ctx: Context | None = None) -> int:
+        """Record what a completed call cost on ``limit``; always charged, even past the cap.
+
+        Returns the amount charged: 0 when the context lacks the limit's scope
+        (the limit does not apply to this caller).
+        """
+        lim = self.policy[limit]
+        amount = check_amount(amount, "amount")
+        return await self._record(lim, amount, ctx or EMPTY, EntryType.METERED, None)
+
+    async def meter_tokens(
+        self,
+        limit: str,
+        model: str,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        ctx: Context | None = None,
+    ) -> int:
+        """Meter a model call by its token usage.
+
+        On a USD limit the cost comes from the price table (an unknown model
+        raises :class:`UnknownModelError`); on a TOKENS limit the tokens are
+        counted (``input_tokens`` already includes the cache tokens). Returns
+        the amount charged.
+        """
+        lim = self.policy[limit]
+        for name, value in (
+            ("input_tokens", input_tokens),
+            ("output_tokens", output_tokens),
+            ("cache_read_tokens", cache_read_tokens),
+            ("cache_write_tokens", cache_write_tokens),
+        ):
+            check_amount(value, name)
+        price_version: str | None = None
+        if lim.unit is Unit.USD_MICROS:
+            if self.prices is None:
+                raise GovernorError(
+                    "prices: meter_tokens on a USD limit needs a price table: "
+                    "Governor(..., prices=PriceTable.builtin()) or PriceTable().with_price(...)"
+                )
+            amount = self.prices.cost_micros(
+                model,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                cache_read_tokens=cache_read_tokens,
+                cache_write_tokens=cache_write_tokens,
+            )
+            price_version = self.prices.version
+        elif lim.unit is Unit.TOKENS:
+            amount = check_amount(input_tokens + output_tokens, "input_tokens + output_tokens")
+        else:
+            raise InvalidInputError(
+                "limit", limit, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
+            )
+        usage = TokenUsage(
+            model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, price_version
+        )
+        return await self._record(lim, amount, ctx or EMPTY, EntryType.METERED, usage)
+
+    def reserved(self, limit: str, estimate: int, ctx: Context | None = None) -> Reservation:
+        """Reserve ``estimate`` on ``limit`` for the duration of a block; settle on exit.
+
+        ``async with gov.reserved("spend", usd(0.05), ctx) as r: ... r.actual = cost``.
+        Entering raises :class:`BudgetExceeded` when the estimate does not fit.
+        """
+        return Reservation(self, self.policy[limit], check_amount(estimate, "estimate"), ctx or EMPTY)
+
+    async def usage(self, limit: str, ctx: Context | None = None) -> int:
+        """What ``limit`` has counted in the current window for ``ctx`` (committed + in-flight)."""
+        lim = self.policy[limit]
+        ctx = ctx or EMPTY
+        s = planning.slot(lim, ctx, self._clock(), self.policy.tz, 0, enforce=False)
+        if s is None:
+            missing = [d.value for d in lim.dimensions if getattr(ctx, d.value) is None]
+            raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
+        await self._flush_pending()
+        (total,) = await self.backend.usage([s.key])
+        return total
+
+    async def aclose(self) -> None:
+        """Flush what can be flushed and close the backend and ledger."""
+        try:
+            await self._flush_pending()
+        except BackendUnavailableError:
+            log.error("closing with %d unsent charges: the backend is unreachable", len(self._pending))
+        if self.ledger is not None:
+            await self.ledger.aclose()
+        await self.backend.aclose()
+
+    async def __aenter__(self) -> Governor:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- internals ----------------------------------------------------------
+
+    def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
+        if result.admitted:
+            return planning.admitted(slots, result.used)
+        return planning.refused(slots[result.refused], now)
+
+    async def _charge(self, slots: Sequence[Slot], event_id: str | None) -> ChargeResult:
+        if self._clock() < self._down_until:
+            raise BackendUnavailableError("backend marked down; retrying later")
+        await self._flush_pending()
+        try:
+            return await self.backend.charge([s.op for s in slots], event_id=event_id)
+        except BackendUnavailableError:
+            self._mark_down()
+            raise
+
+    def _mark_down(self) -> None:
+        if not self._down_until:
+            log.warning("budget counters unreachable: applying each limit's fail mode")
+        self._down_until = self._clock() + self._retry_interval
+
+    async def _flush_pending(self) -> None:
+        while self._pending:
+            ops = self._pending[0]
+            try:
+                await self.backend.charge(ops)
+            except BackendUnavailableError:
+                self._mark_down()
+                raise
+            self._pending.popleft()
+        if self._down_until:
+            log.warning("budget counters reachable again: normal enforcement resumed")
+            self._down_until = 0.0
+
+    def _keep_for_later(self, slots: Sequence[Slot]) -> None:
+        """Inline mode: remember charges made during an outage for the backend."""
+        if self.ledger is not None:
+            return  # the ledger carries them; the projection will count them
+        ops = tuple(
+            CounterOp(s.key, s.amount, s.limit.cap, False, s.expire_at) for s in slots if s.amount
+        )
+        if not ops:
+            return
+        if len(self._pending) >= self._max_pending:
+            log.error("outage buffer full (%d charges): the oldest is dropped", self._max_pending)
+            self._pending.popleft()
+        self._pending.append(ops)
+
+    async def _degraded_check(self, slots: Sequence[Slot], now: float) -> Decision:
+        for s in slots:
+            if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
+                return planning.unavailable(s, self._retry_interval)
+        local = [s for s in slots if _local(s.limit)]
+        result = await self._fallback.charge([s.op for s in local])
+        if not result.admitted:
+            return planning.refused(local[result.refused], now, degraded=True)
+        self._keep_for_later(slots)
+        return planning.admitted(local, result.used, degraded=True)
+
+    async def _record(
+        self,
+        lim: Limit,
+        amount: int,
+        ctx: Context,
+        kind: EntryType,
+        usage: TokenUsage | None,
+        *,
+        base: Slot | None = None,
+        reservation: str | None = None,
+    ) -> int:
+        now = self._clock()
+        s = (
+            base.with_amount(amount)
+            if base is not None
+            else planning.slot(lim, ctx, now, self.policy.tz, amount, enforce=False)
+        )
+        if s is None:
+            return 0
+        event_id = new_id() if self.ledger is not None else None
+        degraded = False
+        try:
+            await self._charge([s], event_id)
+        except BackendUnavailableError:
+            degraded = True
+            if _local(lim):
+                await self._fallback.charge([s.op])
+            self._keep_for_later([s])
+        if event_id is not None:
+            await self._append(
+                event_id, kind, now, ctx, [s], usage=usage, degraded=degraded, reservation=reservation
+            )
+        return amount
+
+    async def _append(
+        self,
+        event_id: str,
+        kind: EntryType,
+        now: float,
+        ctx: Context,
+        slots: Sequence[Slot],
+        **extra: Any,
+    ) -> None:
+        assert self.ledger is not None
+        charges = tuple(s.ledger_charge() for s in slots if s.amount)
+        await self.ledger.append(LedgerEntry(event_id, kind, now, ctx, charges, **extra))
+
+
+def _local(limit: Limit) -> bool:
+    return limit.fail_mode is FailMode.OPEN and limit.local_fallback
+
+
+class Reservation:
+    """An estimate held on a limit while work runs; see :meth:`Governor.reserved`.
+
+    Set ``actual`` to the real cost before the block ends; left unset, the
+    estimate stands (the safe direction: an unknown cost is not assumed zero).
+    ``release()`` returns the whole estimate, for work that never started.
+    """
+
+    def __init__(self, gov: Governor, limit: Limit, estimate: int, ctx: Context) -> None:
+        self._gov = gov
+        self.limit = limit
+        self.estimate = estimate
+        self.ctx = ctx
+        self.actual: int | None = None
+        self.decision: Decision | None = None
+        self.id: str | None = None
+        self._slot: Slot | None = None
+        self._released = False
+
+    def release(self) -> None:
+        """Return the whole reservation on exit (the work did not happen)."""
+        self._released = True
+
+    async def __aenter__(self) -> Reservation:
+        gov = self._gov
+        now = gov._clock()
+        enforce = self.limit.on_exceed is OnExceed.DENY
+        s = planning.slot(self.limit, self.ctx, now, gov.policy.tz, self.estimate, enforce=enforce)
+        if s is None:
+            self.decision = ADMITTED
+            return self
+        event_id = new_id() if gov.ledger is not None else None
+        try:
+            result = await gov._charge([s], event_id)
+            decision = gov._decide([s], result, now)
+        except BackendUnavailableError:
+            decision = await gov._degraded_check([s], now)
+        self.decision = decision
+        if not decision.admitted:
+            if event_id is not None:
+                await gov._append(
+                    event_id, EntryType.REJECTED, now, self.ctx, (), limit=decision.limit,
+                    status=decision.status, degraded=decision.degraded,
+                )
+            raise BudgetExceeded(decision)
+        self._slot = s
+        self.id = event_id
+        if event_id is not None:
+            await gov._append(
+                event_id, EntryType.RESERVED, now, self.ctx, [s], over=decision.over,
+                degraded=decision.degraded,
+            )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._slot is None:
+            return
+        if self._released:
+            final, kind = 0, EntryType.RELEASED
+        elif self.actual is None:
+            return  # the estimate stands as the charge
+        else:
+            final, kind = check_amount(self.actual, "actual"), EntryType.SETTLED
+        delta = final - self.estimate
+        if delta == 0 and self._gov.ledger is None:
+            return
+        await self._gov._record(
+            self.limit, delta, self.ctx, kind, None, base=self._slot, reservation=self.id
+        )

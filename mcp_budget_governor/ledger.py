@@ -1,0 +1,90 @@
+"""What the governor appends to the ledger, and the interface a ledger offers.
+
+Entries are plain data; producers (``mcp_budget_governor.producers``) decide
+how they travel (Kafka, a file, memory). Each charge carries its bucket and
+counter key, computed from the entry's time by the producer side, so a late
+projection lands in the right bucket by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+import uuid_utils
+
+from .context import Context
+from .money import Unit
+from .windows import Window
+
+
+class EntryType(str, Enum):
+    """One entry per admission, rejection, metered cost, reservation, settlement, release."""
+
+    ADMITTED = "admitted"
+    REJECTED = "rejected"
+    METERED = "metered"
+    RESERVED = "reserved"
+    SETTLED = "settled"
+    RELEASED = "released"
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerCharge:
+    """A signed amount charged to one counter."""
+
+    limit: str
+    unit: Unit
+    amount: int
+    window: Window
+    bucket: str
+    key: str
+    expire_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUsage:
+    """The tokens behind a metered cost, so it can be re-derived and audited."""
+
+    model: str
+    input_tokens: int
+    output_tokens: int
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    price_version: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One ledger event. ``id`` (a UUIDv7) is the idempotency key end to end."""
+
+    id: str
+    type: EntryType
+    time: float
+    context: Context
+    charges: tuple[LedgerCharge, ...] = ()
+    limit: str | None = None
+    status: int = 200
+    over: tuple[str, ...] = ()
+    usage: TokenUsage | None = None
+    degraded: bool = False
+    reservation: str | None = field(default=None)
+
+
+def new_id() -> str:
+    """A time-ordered UUIDv7."""
+    return str(uuid_utils.uuid7())
+
+
+@runtime_checkable
+class Ledger(Protocol):
+    """Somewhere entries are appended, in order, never lost."""
+
+    async def append(self, entry: LedgerEntry) -> None:
+        """Append one entry; must not block the hot path for long."""
+        ...
+
+    async def aclose(self) -> None:
+        """Flush what is buffered and release resources."""
+        ...

@@ -1,0 +1,150 @@
+"""Limits: one declarative ceiling each."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .errors import PolicyError
+from .money import MAX_AMOUNT, Unit
+from .scopes import Dimensions, Scope, normalize_scope
+from .windows import Window
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+class FailMode(str, Enum):
+    """What a limit does when the shared counters cannot be reached.
+
+    CLOSED refuses (503); OPEN keeps admitting, against a process-local
+    counter unless the limit sets ``local_fallback=False``.
+    """
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class OnExceed(str, Enum):
+    """What happens when a limit is exceeded: refuse (DENY), or admit and report (ALERT)."""
+
+    DENY = "deny"
+    ALERT = "alert"
+
+
+def _enum(cls: type[Any], value: Any, field_name: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if value.lower() in (member.value, member.name.lower()):
+                return member
+    choices = ", ".join(m.name for m in cls)
+    raise PolicyError(field_name, value, f"unknown {cls.__name__} (one of {choices})")
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One ceiling: ``cap`` units per ``window`` per ``scope``.
+
+    - ``gated`` limits are consulted by ``check()``; a CALLS limit charges one
+      call per admitted check, other units refuse once the window is spent.
+    - ``breaker`` limits shed every check (503) once their total reaches the
+      cap, until the window ends; they are typically ``gated=False`` spend
+      limits fed by ``meter()``.
+    - ``on_exceed=OnExceed.ALERT`` is shadow mode: never refuses, reports.
+    - ``status`` overrides the refusal status (429 quota, 402 spend, 503 breaker).
+
+    >>> Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER).scope
+    (<Scope.USER: 'user'>,)
+    """
+
+    name: str
+    cap: int
+    window: Window
+    scope: Any = None
+    unit: Unit = Unit.CALLS
+    breaker: bool = False
+    gated: bool = True
+    fail_mode: FailMode = FailMode.OPEN
+    local_fallback: bool = True
+    status: int | None = None
+    on_exceed: OnExceed = OnExceed.DENY
+    alert_at: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise PolicyError(
+                "Limit.name", name, "expected 1-64 characters from A-Z a-z 0-9 _ . -"
+            )
+        where = f"Limit({name!r})"
+        cap = self.cap
+        if isinstance(cap, bool) or not isinstance(cap, int):
+            raise PolicyError(f"{where}.cap", cap, "expected an integer (use usd() for dollars)")
+        if cap < 0:
+            raise PolicyError(f"{where}.cap", cap, "must not be negative")
+        if cap > MAX_AMOUNT:
+            raise PolicyError(f"{where}.cap", cap, f"exceeds the largest amount ({MAX_AMOUNT})")
+        set_ = object.__setattr__
+        set_(self, "window", _enum(Window, self.window, f"{where}.window"))
+        set_(self, "unit", _enum(Unit, self.unit, f"{where}.unit"))
+        set_(self, "fail_mode", _enum(FailMode, self.fail_mode, f"{where}.fail_mode"))
+        set_(self, "on_exceed", _enum(OnExceed, self.on_exceed, f"{where}.on_exceed"))
+        dims: Dimensions = normalize_scope(self.scope, f"{where}.scope")
+        if self.window is Window.SESSION and Scope.SESSION not in dims:
+            # A session window counts per session by definition.
+            dims = normalize_scope((*dims, Scope.SESSION), f"{where}.scope")
+        set_(self, "scope", dims)
+        for flag in ("breaker", "gated", "local_fallback"):
+            if not isinstance(getattr(self, flag), bool):
+                raise PolicyError(f"{where}.{flag}", getattr(self, flag), "expected True or False")
+        status = self.status
+        if status is not None and (
+            isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599
+        ):
+            raise PolicyError(f"{where}.status", status, "expected an HTTP status from 400 to 599")
+        set_(self, "alert_at", _levels(self.alert_at, f"{where}.alert_at"))
+        if not self.gated and not self.breaker and self.on_exceed is OnExceed.DENY:
+            # Metered-only limit: fine, check() never consults it; meter() records.
+            pass
+
+    @property
+    def dimensions(self) -> Dimensions:
+        """The scope as a normalised tuple of dimensions (() is global)."""
+        dims: Dimensions = self.scope
+        return dims
+
+    @property
+    def scope_label(self) -> str:
+        """``user``, ``tenant+tool`` or ``global``: how refusals name the scope."""
+        return "+".join(d.value for d in self.dimensions) or "global"
+
+    @property
+    def refusal_status(self) -> int:
+        """The HTTP status a refusal by this limit carries."""
+        if self.status is not None:
+            return self.status
+        if self.breaker:
+            return 503
+        if self.unit is Unit.USD_MICROS:
+            return 402
+        return 429
+
+    @property
+    def check_charge(self) -> int:
+        """What one admitted check charges to this limit: a call, or nothing."""
+        return 1 if self.gated and self.unit is Unit.CALLS else 0
+
+
+def _levels(levels: Any, field_name: str) -> tuple[int, ...]:
+    if not isinstance(levels, Iterable) or isinstance(levels, str):
+        raise PolicyError(field_name, levels, "expected a list of percentages")
+    out: list[int] = []
+    for level in levels:
+        if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= 1000:
+            raise PolicyError(field_name, level, "expected whole percentages from 1 to 1000")
+        out.append(level)
+    return tuple(sorted(set(out)))

@@ -1,0 +1,80 @@
+"""Money and amounts: integer USD micros, never floats.
+
+Amounts are bounded by ``MAX_AMOUNT`` = 2**53 - 1, the largest integer that
+Redis's Lua (double-precision numbers) compares and adds exactly. In USD micros
+that is about nine billion dollars, in calls or tokens nine quadrillion.
+"""
+
+from __future__ import annotations
+
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from enum import Enum
+from typing import Any
+
+from .errors import InvalidInputError
+
+MAX_AMOUNT = 2**53 - 1
+MICROS_PER_USD = 1_000_000
+
+
+class Unit(str, Enum):
+    """What a limit counts."""
+
+    CALLS = "calls"
+    TOKENS = "tokens"
+    USD_MICROS = "usd_micros"
+
+
+def to_decimal(value: Any, field: str) -> Decimal:
+    """Read a price or dollar figure exactly; floats go through their shortest repr."""
+    if isinstance(value, bool):
+        raise InvalidInputError(field, value, "expected a number, not a bool")
+    if isinstance(value, Decimal):
+        result = value
+    elif isinstance(value, int | float | str):
+        try:
+            result = Decimal(str(value).strip()) if not isinstance(value, int) else Decimal(value)
+        except InvalidOperation:
+            raise InvalidInputError(field, value, "not a number") from None
+    else:
+        raise InvalidInputError(field, value, "expected a number")
+    if not result.is_finite():
+        raise InvalidInputError(field, value, "must be finite")
+    return result
+
+
+def usd(dollars: int | float | str | Decimal) -> int:
+    """Convert dollars to integer USD micros, rounding a fraction of a micro up.
+
+    >>> usd(25)
+    25000000
+    >>> usd("0.05")
+    50000
+    >>> usd(0.1) + usd(0.2) == usd(0.3)
+    True
+    """
+    value = to_decimal(dollars, "usd")
+    if value < 0:
+        raise InvalidInputError("usd", dollars, "must not be negative")
+    micros = int((value * MICROS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
+    if micros > MAX_AMOUNT:
+        raise InvalidInputError("usd", dollars, f"exceeds the largest amount ({MAX_AMOUNT} micros)")
+    return micros
+
+
+def format_usd(micros: int) -> str:
+    """Render micros as an exact dollar string: ``format_usd(1_500_000) == '1.500000'``."""
+    sign = "-" if micros < 0 else ""
+    whole, frac = divmod(abs(micros), MICROS_PER_USD)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+def check_amount(value: Any, field: str, *, allow_negative: bool = False) -> int:
+    """Validate an integer amount (calls, tokens or micros) and return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(field, value, "expected an integer")
+    if value < 0 and not allow_negative:
+        raise InvalidInputError(field, value, "must not be negative")
+    if abs(value) > MAX_AMOUNT:
+        raise InvalidInputError(field, value, f"exceeds the largest amount ({MAX_AMOUNT})")
+    return value

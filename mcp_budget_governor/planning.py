@@ -1,0 +1,117 @@
+"""Pure rules of a call: which counters it touches and what the answer is.
+
+No I/O here: the governor feeds these functions the clock and what the
+backend returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import tzinfo
+
+from .context import Context
+from .counters import CounterOp, fits
+from .decision import Decision, at
+from .keys import counter_key, scope_segment
+from .ledger import LedgerCharge
+from .limits import Limit, OnExceed
+from .policy import Policy
+from .scopes import scope_values
+from .windows import Bucket, bucket_for
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One limit's counter for one call, and what the call does to it."""
+
+    limit: Limit
+    key: str
+    bucket: Bucket
+    amount: int
+    enforce: bool
+    expire_at: int
+
+    @property
+    def op(self) -> CounterOp:
+        return CounterOp(self.key, self.amount, self.limit.cap, self.enforce, self.expire_at)
+
+    def with_amount(self, amount: int, *, enforce: bool = False) -> Slot:
+        """The same counter and bucket with another amount (a settlement's delta)."""
+        return Slot(self.limit, self.key, self.bucket, amount, enforce, self.expire_at)
+
+    def ledger_charge(self) -> LedgerCharge:
+        lim = self.limit
+        return LedgerCharge(
+            lim.name, lim.unit, self.amount, lim.window, self.bucket.label, self.key, self.expire_at
+        )
+
+
+def slot(
+    limit: Limit, ctx: Context, now: float, tz: tzinfo, amount: int, *, enforce: bool
+) -> Slot | None:
+    """The counter of ``limit`` for ``ctx`` at ``now``; None if ctx lacks the scope."""
+    values = scope_values(limit.dimensions, ctx)
+    if values is None:
+        return None
+    bucket = bucket_for(limit.window, now, tz)
+    key = counter_key(limit.name, scope_segment(limit.dimensions, values), bucket.label)
+    return Slot(limit, key, bucket, amount, enforce, bucket.expire_at(now))
+
+
+def check_slots(policy: Policy, ctx: Context, now: float) -> list[Slot]:
+    """Every counter a check consults: gated limits (charged) and breakers (read)."""
+    out: list[Slot] = []
+    tz = policy.tz
+    for limit in policy.limits:
+        if not (limit.gated or limit.breaker):
+            continue
+        enforce = limit.on_exceed is OnExceed.DENY
+        s = slot(limit, ctx, now, tz, limit.check_charge, enforce=enforce)
+        if s is not None:
+            out.append(s)
+    return out
+
+
+def reason(limit: Limit, prefix: str = "budget_exceeded") -> str:
+    """``budget_exceeded:user/day``: what an agent reads in a refusal."""
+    return f"{prefix}:{limit.scope_label}/{limit.window.value}"
+
+
+def refused(s: Slot, now: float, *, degraded: bool = False) -> Decision:
+    """The decision when ``s`` refuses a call."""
+    status = s.limit.refusal_status
+    left = s.bucket.seconds_left(now)
+    return Decision(
+        admitted=False,
+        limit=s.limit.name,
+        status=status,
+        retry_after=None if status == 402 else left,
+        resets_at=at(s.bucket.end),
+        reason=reason(s.limit),
+        degraded=degraded,
+    )
+
+
+def unavailable(s: Slot, retry_after: float) -> Decision:
+    """A fail-closed limit whose counters cannot be reached: 503, try again soon."""
+    return Decision(
+        admitted=False,
+        limit=s.limit.name,
+        status=503,
+        retry_after=max(1, math.ceil(retry_after)),
+        resets_at=None,
+        reason=reason(s.limit, "budget_unavailable"),
+        degraded=True,
+    )
+
+
+def admitted(slots: Sequence[Slot], used: Sequence[int], *, degraded: bool = False) -> Decision:
+    """The decision for an admitted call, naming shadow limits it went over."""
+    over = tuple(
+        s.limit.name
+        for s, total in zip(slots, used, strict=True)
+        if not s.enforce and not fits(total, s.amount, s.limit.cap)
+    )
+    return Decision(admitted=True, over=over, degraded=degraded)

@@ -1,0 +1,66 @@
+"""Scopes: which part of the context a limit counts per."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from .context import Context
+from .errors import PolicyError
+
+
+class Scope(str, Enum):
+    """A dimension of the caller's context. A limit with no scope is global."""
+
+    TENANT = "tenant"
+    USER = "user"
+    AGENT = "agent"
+    SESSION = "session"
+    TOOL = "tool"
+
+
+_ORDER = {s: i for i, s in enumerate(Scope)}
+
+#: A limit's scope, normalised: the dimensions in canonical order, () for global.
+Dimensions = tuple[Scope, ...]
+
+
+def normalize_scope(scope: Any, field: str) -> Dimensions:
+    """Accept None, a Scope, or a tuple/list of Scopes; return them in canonical order.
+
+    ``(USER, TOOL)`` and ``(TOOL, USER)`` are the same scope and share counters.
+    """
+    if scope is None:
+        return ()
+    items = [scope] if isinstance(scope, Scope | str) else scope
+    if not isinstance(items, tuple | list | frozenset | set):
+        raise PolicyError(field, scope, "expected a Scope or a tuple of Scopes")
+    dims: list[Scope] = []
+    for item in items:
+        if isinstance(item, Scope):
+            dims.append(item)
+            continue
+        try:
+            dims.append(Scope(item))
+        except ValueError:
+            raise PolicyError(
+                field, item, f"not a Scope (one of {', '.join(s.name for s in Scope)})"
+            ) from None
+    if len(set(dims)) != len(dims):
+        raise PolicyError(field, scope, "a dimension appears twice")
+    return tuple(sorted(dims, key=_ORDER.__getitem__))
+
+
+def scope_values(dims: Dimensions, ctx: Context) -> tuple[str, ...] | None:
+    """The context's values for ``dims``, or None when the context lacks one.
+
+    A limit whose scope the context cannot supply is skipped, so a per-tenant
+    limit stays inert until the caller starts passing a tenant.
+    """
+    values: list[str] = []
+    for dim in dims:
+        value = getattr(ctx, dim.value)
+        if value is None:
+            return None
+        values.append(value)
+    return tuple(values)

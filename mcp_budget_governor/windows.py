@@ -1,0 +1,117 @@
+"""Windows and their calendar buckets.
+
+A counter never resets: each instant falls in a bucket, and the bucket's label
+is part of the counter key, so tomorrow is simply another key and yesterday's
+expires on its own. Two replicas computing the bucket of one instant produce
+the same label by construction.
+
+MINUTE and HOUR buckets are always UTC. DAY and MONTH follow the policy's time
+zone (UTC by default); a non-UTC zone is part of the label so that changing
+the zone can never fold two different periods into one counter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta, tzinfo
+from enum import Enum
+from functools import lru_cache
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from .errors import PolicyError
+
+#: Seconds a counter outlives its bucket, so late charges still land in it.
+GRACE_SECONDS = 3600
+#: A session has no known end: its counters live this long after their last write.
+SESSION_TTL_SECONDS = 86_400
+SESSION_BUCKET = "session"
+
+
+class Window(str, Enum):
+    """The period a limit counts over."""
+
+    MINUTE = "minute"
+    HOUR = "hour"
+    DAY = "day"
+    MONTH = "month"
+    SESSION = "session"
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One period of a window: its key label and its bounds in epoch seconds.
+
+    ``end`` is None for a SESSION bucket, which lasts as long as the session.
+    """
+
+    label: str
+    start: float | None
+    end: float | None
+
+    def expire_at(self, now: float) -> int:
+        """The absolute expiry (epoch seconds) a counter in this bucket gets."""
+        if self.end is None:
+            return math.ceil(now) + SESSION_TTL_SECONDS
+        return math.ceil(self.end) + GRACE_SECONDS
+
+    def seconds_left(self, now: float) -> int | None:
+        """Whole seconds until the bucket ends (at least 1), None for sessions."""
+        if self.end is None:
+            return None
+        return max(1, math.ceil(self.end - now))
+
+
+def zone(name: str | None) -> tzinfo:
+    """Resolve a policy time zone name; None or "UTC" mean UTC."""
+    if name is None or name.upper() in ("UTC", "Z", "ETC/UTC"):
+        return UTC
+    if not isinstance(name, str) or not name:
+        raise PolicyError("Policy.timezone", name, "expected an IANA time zone name")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise PolicyError("Policy.timezone", name, "unknown IANA time zone") from None
+
+
+def _tz_suffix(tz: tzinfo) -> str:
+    return "" if tz is UTC else f"@{tz}"
+
+
+def bucket_for(window: Window, now: float, tz: tzinfo = UTC) -> Bucket:
+    """The bucket of ``window`` that contains the instant ``now`` (epoch seconds).
+
+    >>> bucket_for(Window.DAY, 1_764_374_400.0).label   # 2025-11-29T00:00:00Z
+    '20251129'
+    """
+    if window is Window.SESSION:
+        return Bucket(SESSION_BUCKET, None, None)
+    if window is Window.MINUTE:
+        start = math.floor(now / 60) * 60
+        return _utc_bucket(start, 60, "%Y%m%dT%H%M")
+    if window is Window.HOUR:
+        start = math.floor(now / 3600) * 3600
+        return _utc_bucket(start, 3600, "%Y%m%dT%H")
+    return _calendar_bucket(window, math.floor(now / 60), tz)
+
+
+@lru_cache(maxsize=4096)
+def _utc_bucket(start: int, length: int, fmt: str) -> Bucket:
+    label = datetime.fromtimestamp(start, UTC).strftime(fmt)
+    return Bucket(label, float(start), float(start + length))
+
+
+@lru_cache(maxsize=4096)
+def _calendar_bucket(window: Window, minute: int, tz: tzinfo) -> Bucket:
+    # Cached per minute: DAY/MONTH boundaries in every IANA zone fall on whole minutes.
+    local = datetime.fromtimestamp(minute * 60, tz)
+    if window is Window.DAY:
+        start = datetime(local.year, local.month, local.day, tzinfo=tz)
+        nxt = (start + timedelta(days=1)).replace(hour=0)
+        label = start.strftime("%Y%m%d")
+    else:
+        start = datetime(local.year, local.month, 1, tzinfo=tz)
+        year, month = (local.year + 1, 1) if local.month == 12 else (local.year, local.month + 1)
+        nxt = datetime(year, month, 1, tzinfo=tz)
+        label = start.strftime("%Y%m")
+    return Bucket(label + _tz_suffix(tz), start.timestamp(), nxt.timestamp())

@@ -1,0 +1,1 @@
+"""Everything that appends to the ledger: Kafka, a durable outbox, files, memory."""

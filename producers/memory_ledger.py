@@ -1,0 +1,45 @@
+"""An in-memory ledger: entries kept in a list, in order.
+
+For tests and single-process experiments; it is lost with the process. Its
+``project()`` applies the entries through a backend's ``apply`` exactly as
+the stream worker does, offsets being list positions.
+"""
+
+from __future__ import annotations
+
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
+from mcp_budget_governor.ledger import LedgerEntry
+
+
+class MemoryLedger:
+    """Keeps every appended entry in ``entries``."""
+
+    def __init__(self) -> None:
+        self.entries: list[LedgerEntry] = []
+
+    async def append(self, entry: LedgerEntry) -> None:
+        self.entries.append(entry)
+
+    async def aclose(self) -> None:
+        return None
+
+    def events(self, start: int = 0, stop: int | None = None) -> list[AppliedEvent]:
+        """Entries ``[start:stop]`` as the projection sees them (offset = position)."""
+        return [
+            AppliedEvent(
+                offset,
+                entry.id,
+                tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in entry.charges),
+            )
+            for offset, entry in enumerate(self.entries[start:stop], start=start)
+        ]
+
+    async def project(
+        self, backend: Backend, *, partition: str = "memory:0", start: int = 0, batch: int = 500
+    ) -> int:
+        """Apply entries from ``start`` through ``backend``; returns how many were new."""
+        applied = 0
+        events = self.events(start)
+        for i in range(0, len(events), batch):
+            applied += await backend.apply(partition, events[i : i + batch])
+        return applied

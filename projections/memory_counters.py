@@ -1,0 +1,120 @@
+"""Process-local counters: the same model as the Redis scripts, in a dict.
+
+Correct for one replica and in tests, and the per-replica fallback a fail-open
+limit uses while Redis is unreachable. Operations never await, so under
+asyncio each one is atomic just as a Lua script is in Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from mcp_budget_governor.counters import (
+    AppliedEvent,
+    ChargeResult,
+    CounterOp,
+    CounterState,
+    fits,
+)
+
+
+@dataclass(slots=True)
+class _Counter:
+    committed: int = 0
+    in_flight: int = 0
+    pending: dict[str, int] = field(default_factory=dict)
+    expire_at: float = float("inf")
+
+
+class MemoryBackend:
+    """In-process counters with expiry, for a single replica or tests.
+
+    >>> import asyncio
+    >>> from mcp_budget_governor import Governor, Limit, Policy, Window
+    >>> gov = Governor(Policy.of(Limit("calls", cap=1, window=Window.DAY)), MemoryBackend())
+    >>> [asyncio.run(gov.check()).admitted for _ in range(2)]
+    [True, False]
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._counters: dict[str, _Counter] = {}
+        self._watermarks: dict[str, int] = {}
+
+    def _get(self, key: str, now: float) -> _Counter | None:
+        counter = self._counters.get(key)
+        if counter is not None and counter.expire_at <= now:
+            del self._counters[key]
+            return None
+        return counter
+
+    def _used(self, key: str, now: float) -> int:
+        counter = self._get(key, now)
+        return 0 if counter is None else counter.committed + counter.in_flight
+
+    def _add(self, key: str, amount: int, event_id: str | None, expire_at: int, now: float) -> None:
+        counter = self._get(key, now)
+        if counter is None:
+            counter = self._counters[key] = _Counter()
+        if event_id is None:
+            counter.committed += amount
+        else:
+            counter.in_flight += amount
+            counter.pending[event_id] = counter.pending.get(event_id, 0) + amount
+        counter.expire_at = expire_at
+
+    async def charge(
+        self, ops: Sequence[CounterOp], *, event_id: str | None = None
+    ) -> ChargeResult:
+        now = self._clock()
+        used = tuple(self._used(op.key, now) for op in ops)
+        for i, (op, total) in enumerate(zip(ops, used, strict=True)):
+            if op.enforce and not fits(total, op.amount, op.cap):
+                return ChargeResult(i, used)
+        for op in ops:
+            if op.amount:
+                self._add(op.key, op.amount, event_id, op.expire_at, now)
+        return ChargeResult(-1, used)
+
+    async def usage(self, keys: Sequence[str]) -> list[int]:
+        now = self._clock()
+        return [self._used(key, now) for key in keys]
+
+    async def apply(self, partition: str, events: Sequence[AppliedEvent]) -> int:
+        now = self._clock()
+        mark = self._watermarks.get(partition, -1)
+        applied = 0
+        for event in events:
+            if event.offset <= mark:
+                continue
+            for charge in event.charges:
+                counter = self._get(charge.key, now)
+                if counter is not None and event.event_id in counter.pending:
+                    counter.in_flight -= counter.pending.pop(event.event_id)
+                if charge.expire_at > now:
+                    self._add(charge.key, charge.amount, None, charge.expire_at, now)
+            mark = event.offset
+            applied += 1
+        if applied:
+            self._watermarks[partition] = mark
+        return applied
+
+    async def state(self, key: str) -> CounterState:
+        counter = self._get(key, self._clock())
+        if counter is None:
+            return CounterState(0, 0, {})
+        return CounterState(counter.committed, counter.in_flight, dict(counter.pending))
+
+    async def watermark(self, partition: str) -> int:
+        """The last applied offset of a partition, -1 when none."""
+        return self._watermarks.get(partition, -1)
+
+    def keys(self) -> list[str]:
+        """Every live counter key (for reports and tests)."""
+        now = self._clock()
+        return [k for k in list(self._counters) if self._get(k, now) is not None]
+
+    async def aclose(self) -> None:
+        return None

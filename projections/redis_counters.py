@@ -1,0 +1,130 @@
+"""Redis counters: the shared read model, driven only through the scripts in ``lua/``.
+
+Each operation is one EVALSHA (redis-py reloads a script after a Redis
+restart). Connection failures and timeouts become
+:class:`BackendUnavailableError` so the governor can apply each limit's fail
+mode; a short socket timeout bounds how long a call can wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis import exceptions as redis_errors
+
+from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
+from mcp_budget_governor.errors import BackendUnavailableError
+from mcp_budget_governor.keys import EPOCH_KEY, WATERMARK_KEY
+from mcp_budget_governor.lua import source
+
+_UNAVAILABLE = (
+    redis_errors.ConnectionError,
+    redis_errors.TimeoutError,
+    redis_errors.BusyLoadingError,
+    OSError,
+)
+
+DEFAULT_TIMEOUT = 0.25
+
+
+class RedisBackend:
+    """Counters in Redis, shared by every replica.
+
+    >>> backend = RedisBackend.from_url("redis://localhost:6379/0")  # doctest: +SKIP
+    """
+
+    def __init__(self, client: aioredis.Redis, *, require_epoch: bool = False) -> None:
+        self.client = client
+        self.require_epoch = require_epoch
+        self._charge = client.register_script(source("charge"))
+        self._apply = client.register_script(source("apply"))
+        self._usage = client.register_script(source("usage"))
+        self._noop = client.register_script(source("noop"))
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 64, **kwargs: Any
+    ) -> RedisBackend:
+        """Connect lazily to ``url``; ``timeout`` (seconds) bounds every call.
+
+        The pool blocks when all ``max_connections`` are busy (a burst of
+        concurrent checks queues for a connection, it is not an outage) and
+        retries a dead connection once, so a restarted Redis is picked up at once.
+        """
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=max(timeout, 1.0),
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1),
+            **kwargs,
+        )
+        return cls(aioredis.Redis(connection_pool=pool))
+
+    async def _run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+
+    async def charge(
+        self, ops: Sequence[CounterOp], *, event_id: str | None = None
+    ) -> ChargeResult:
+        keys = [EPOCH_KEY]
+        args: list[str | int] = [event_id or "", "1" if self.require_epoch else "0"]
+        for op in ops:
+            keys.append(op.key)
+            args += (op.amount, op.cap, "1" if op.enforce else "0", op.expire_at)
+        reply = await self._run(self._charge, keys, args)
+        head = int(reply[0])
+        if head < 0:
+            raise BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding")
+        return ChargeResult(head - 1, tuple(int(v) for v in reply[1:]))
+
+    async def usage(self, keys: Sequence[str]) -> list[int]:
+        if not keys:
+            return []
+        reply = await self._run(self._usage, keys, ())
+        return [int(v) for v in reply]
+
+    async def apply(self, partition: str, events: Sequence[AppliedEvent]) -> int:
+        if not events:
+            return 0
+        keys = [WATERMARK_KEY]
+        index: dict[str, int] = {}
+        args: list[str | int] = [partition, len(events)]
+        for event in events:
+            args += (event.offset, event.event_id, len(event.charges))
+            for charge in event.charges:
+                pos = index.get(charge.key)
+                if pos is None:
+                    keys.append(charge.key)
+                    pos = index[charge.key] = len(keys)
+                args += (pos, charge.amount, charge.expire_at)
+        return int(await self._run(self._apply, keys, args))
+
+    async def state(self, key: str) -> CounterState:
+        try:
+            raw: dict[bytes, bytes] = await self.client.hgetall(key)  # type: ignore[misc]
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+        fields = {k.decode(): int(v) for k, v in raw.items()}
+        pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
+        return CounterState(fields.get("c", 0), fields.get("f", 0), pending)
+
+    async def watermark(self, partition: str) -> int:
+        """The last applied offset of a partition, -1 when none."""
+        raw = await self.client.hget(WATERMARK_KEY, partition)  # type: ignore[misc]
+        return -1 if raw is None else int(raw)
+
+    async def noop(self) -> Any:
+        """One EVALSHA of a script that does nothing: the benchmark baseline."""
+        return await self._run(self._noop, (), ())
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
