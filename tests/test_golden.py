@@ -1,0 +1,45 @@
+"""The key scheme, buckets, expiries, money and prices match the committed golden vectors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent / "golden"
+sys.path.insert(0, str(HERE))
+
+from generate import vectors  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[dict[str, Any], dict[str, Any]]:
+    committed = json.loads((HERE / "vectors.json").read_text())
+    return committed, json.loads(json.dumps(vectors()))
+
+
+@pytest.mark.parametrize("section", ["keys", "escape", "usd", "prices", "scripts"])
+def test_contract_unchanged(pair: tuple[dict[str, Any], dict[str, Any]], section: str) -> None:
+    committed, current = pair
+    if committed[section] != current[section]:
+        old, new = committed[section], current[section]
+        if isinstance(old, list):
+            diff = [(a, b) for a, b in zip(old, new, strict=False) if a != b][:3]
+        else:
+            diff = [(k, old.get(k), new.get(k)) for k in set(old) | set(new)
+                    if old.get(k) != new.get(k)][:3]
+        pytest.fail(
+            f"the {section} contract changed (first differences: {diff}). Every live counter "
+            "would reset. If intended, bump the key version and regenerate: "
+            "python tests/golden/generate.py > tests/golden/vectors.json"
+        )
+
+
+def test_vectors_cover_the_contract(pair: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    committed, _ = pair
+    assert len(committed["keys"]) >= 300
+    assert all(k["key"].startswith("mcpbg:v1:") for k in committed["keys"])
+    assert len({k["key"] for k in committed["keys"]}) > 100

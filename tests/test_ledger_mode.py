@@ -1,0 +1,109 @@
+"""With a ledger the hot path writes in-flight amounts; projection commits them once."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+from mcp_budget_governor import (
+    Backend,
+    BudgetExceeded,
+    Context,
+    Governor,
+    Limit,
+    Policy,
+    Scope,
+    Unit,
+    Window,
+    usd,
+)
+from mcp_budget_governor.ledger import EntryType
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+
+
+def policy() -> Policy:
+    return Policy.of(
+        Limit("burst", cap=5, window=Window.MINUTE, scope=Scope.USER),
+        Limit("daily", cap=40, window=Window.DAY, scope=Scope.USER),
+        Limit("spend", cap=usd(2), window=Window.DAY, unit=Unit.USD_MICROS, breaker=True,
+              gated=False),
+    )
+
+
+async def mixed_run(gov: Governor, n: int, seed: int = 7) -> dict[str, int]:
+    rng = random.Random(seed)
+    done: dict[str, int] = defaultdict(int)
+    for _ in range(n):
+        ctx = Context(user=f"u{rng.randrange(4)}")
+        op = rng.random()
+        if op < 0.6:
+            d = await gov.check(ctx)
+            done["admitted" if d.admitted else "rejected"] += 1
+        elif op < 0.85:
+            await gov.meter("spend", rng.randrange(1, 50_000), ctx)
+            done["metered"] += 1
+        else:
+            try:
+                async with gov.reserved("spend", 20_000, ctx) as r:
+                    r.actual = rng.randrange(0, 40_000)
+                done["reserved"] += 1
+            except BudgetExceeded:
+                done["rejected"] += 1
+    return done
+
+
+async def test_in_flight_then_projection_conserves_every_charge(backend: Backend) -> None:
+    ledger = MemoryLedger()
+    gov = Governor(policy(), backend, ledger=ledger)
+    done = await mixed_run(gov, 400)
+    keys = sorted({c.key for e in ledger.entries for c in e.charges})
+    live_before = await backend.usage(keys)
+
+    # Every operation is in the ledger once, with a unique id.
+    ids = [e.id for e in ledger.entries]
+    assert len(ids) == len(set(ids))
+    kinds: dict[str, int] = defaultdict(int)
+    for e in ledger.entries:
+        kinds[e.type.value] += 1
+    assert kinds["admitted"] == done["admitted"]
+    assert kinds["rejected"] == done["rejected"]
+    assert kinds["metered"] == done["metered"]
+    assert kinds["reserved"] == done["reserved"]
+    assert all(not e.charges for e in ledger.entries if e.type is EntryType.REJECTED)
+
+    # Before projection everything is in flight and nothing committed.
+    states = [await backend.state(k) for k in keys]
+    assert all(s.committed == 0 for s in states)
+
+    assert await ledger.project(backend) == len(ledger.entries)
+    totals: dict[str, int] = defaultdict(int)
+    for e in ledger.entries:
+        for c in e.charges:
+            totals[c.key] += c.amount
+    for key in keys:
+        state = await backend.state(key)
+        assert (state.committed, state.in_flight, state.pending) == (totals[key], 0, {})
+    # The hot path saw the same totals before projection as after: nothing moved twice.
+    assert await backend.usage(keys) == live_before == [totals[k] for k in keys]
+
+    # Idempotent projection: replaying all, or any part, changes nothing.
+    assert await ledger.project(backend) == 0
+    assert await ledger.project(backend, start=len(ledger.entries) // 2) == 0
+    assert await backend.usage(keys) == [totals[k] for k in keys]
+
+
+async def test_projection_of_events_the_hot_path_never_saw(backend: Backend) -> None:
+    """Events from emit-only producers (no in-flight entry here) are simply committed."""
+    from mcp_budget_governor import MemoryBackend
+
+    source = MemoryLedger()
+    emitter = Governor(policy(), MemoryBackend(), ledger=source)
+    await emitter.meter("spend", 1234, Context(user="x"))
+    await emitter.meter("spend", 766, Context(user="y"))
+    assert await backend.apply("elsewhere:0", source.events()) == 2
+    reader = Governor(policy(), backend)
+    assert await reader.usage("spend") == 2000
+    state = await backend.state(source.entries[0].charges[0].key)
+    assert (state.committed, state.in_flight, state.pending) == (2000, 0, {})
+    assert await backend.apply("elsewhere:0", source.events()) == 0
+    assert await reader.usage("spend") == 2000
