@@ -55,7 +55,7 @@ class BackendUnavailableError(GovernorError, ConnectionError):
     """The shared counter store could not be reached within the timeout."""
 
 
-class BudgetExceeded(GovernorError):  # noqa: N818 - public name kept from the baseline API
+class BudgetExceeded(GovernorError):
     """A call was refused by a limit; ``decision`` says which and until when."""
 
     def __init__(self, decision: Decision) -> None:

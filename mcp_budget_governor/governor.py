@@ -182,7 +182,9 @@ class Governor:
         ``async with gov.reserved("spend", usd(0.05), ctx) as r: ... r.actual = cost``.
         Entering raises :class:`BudgetExceeded` when the estimate does not fit.
         """
-        return Reservation(self, self.policy[limit], check_amount(estimate, "estimate"), ctx or EMPTY)
+        return Reservation(
+            self, self.policy[limit], check_amount(estimate, "estimate"), ctx or EMPTY
+        )
 
     async def usage(self, limit: str, ctx: Context | None = None) -> int:
         """What ``limit`` has counted in the current window for ``ctx`` (committed + in-flight)."""
@@ -201,7 +203,9 @@ class Governor:
         try:
             await self._flush_pending()
         except BackendUnavailableError:
-            log.error("closing with %d unsent charges: the backend is unreachable", len(self._pending))
+            log.error(
+                "closing with %d unsent charges: the backend is unreachable", len(self._pending)
+            )
         if self.ledger is not None:
             await self.ledger.aclose()
         await self.backend.aclose()
@@ -302,7 +306,14 @@ class Governor:
             self._keep_for_later([s])
         if event_id is not None:
             await self._append(
-                event_id, kind, now, ctx, [s], usage=usage, degraded=degraded, reservation=reservation
+                event_id,
+                kind,
+                now,
+                ctx,
+                [s],
+                usage=usage,
+                degraded=degraded,
+                reservation=reservation,
             )
         return amount
 
@@ -365,15 +376,26 @@ class Reservation:
         if not decision.admitted:
             if event_id is not None:
                 await gov._append(
-                    event_id, EntryType.REJECTED, now, self.ctx, (), limit=decision.limit,
-                    status=decision.status, degraded=decision.degraded,
+                    event_id,
+                    EntryType.REJECTED,
+                    now,
+                    self.ctx,
+                    (),
+                    limit=decision.limit,
+                    status=decision.status,
+                    degraded=decision.degraded,
                 )
             raise BudgetExceeded(decision)
         self._slot = s
         self.id = event_id
         if event_id is not None:
             await gov._append(
-                event_id, EntryType.RESERVED, now, self.ctx, [s], over=decision.over,
+                event_id,
+                EntryType.RESERVED,
+                now,
+                self.ctx,
+                [s],
+                over=decision.over,
                 degraded=decision.degraded,
             )
         return self

@@ -9,7 +9,7 @@ projection lands in the right bucket by construction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 import uuid_utils
@@ -19,7 +19,7 @@ from .money import Unit
 from .windows import Window
 
 
-class EntryType(str, Enum):
+class EntryType(StrEnum):
     """One entry per admission, rejection, metered cost, reservation, settlement, release."""
 
     ADMITTED = "admitted"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from .errors import PolicyError
@@ -16,7 +16,7 @@ from .windows import Window
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
-class FailMode(str, Enum):
+class FailMode(StrEnum):
     """What a limit does when the shared counters cannot be reached.
 
     CLOSED refuses (503); OPEN keeps admitting, against a process-local
@@ -27,7 +27,7 @@ class FailMode(str, Enum):
     CLOSED = "closed"
 
 
-class OnExceed(str, Enum):
+class OnExceed(StrEnum):
     """What happens when a limit is exceeded: refuse (DENY), or admit and report (ALERT)."""
 
     DENY = "deny"
@@ -77,9 +77,7 @@ class Limit:
     def __post_init__(self) -> None:
         name = self.name
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise PolicyError(
-                "Limit.name", name, "expected 1-64 characters from A-Z a-z 0-9 _ . -"
-            )
+            raise PolicyError("Limit.name", name, "expected 1-64 characters from A-Z a-z 0-9 _ . -")
         where = f"Limit({name!r})"
         cap = self.cap
         if isinstance(cap, bool) or not isinstance(cap, int):

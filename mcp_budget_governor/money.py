@@ -8,7 +8,7 @@ that is about nine billion dollars, in calls or tokens nine quadrillion.
 from __future__ import annotations
 
 from decimal import ROUND_CEILING, Decimal, InvalidOperation
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from .errors import InvalidInputError
@@ -17,7 +17,7 @@ MAX_AMOUNT = 2**53 - 1
 MICROS_PER_USD = 1_000_000
 
 
-class Unit(str, Enum):
+class Unit(StrEnum):
     """What a limit counts."""
 
     CALLS = "calls"

@@ -59,7 +59,9 @@ class Policy:
         try:
             return by_name[name]
         except KeyError:
-            raise PolicyError("limit", name, f"no such limit (known: {', '.join(by_name)})") from None
+            raise PolicyError(
+                "limit", name, f"no such limit (known: {', '.join(by_name)})"
+            ) from None
 
     def __contains__(self, name: Any) -> bool:
         return name in self.__dict__["_by_name"]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from .context import Context
 from .errors import PolicyError
 
 
-class Scope(str, Enum):
+class Scope(StrEnum):
     """A dimension of the caller's context. A limit with no scope is global."""
 
     TENANT = "tenant"

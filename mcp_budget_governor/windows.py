@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, tzinfo
-from enum import Enum
+from enum import StrEnum
 from functools import lru_cache
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -28,7 +28,7 @@ SESSION_TTL_SECONDS = 86_400
 SESSION_BUCKET = "session"
 
 
-class Window(str, Enum):
+class Window(StrEnum):
     """The period a limit counts over."""
 
     MINUTE = "minute"

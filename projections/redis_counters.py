@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis import exceptions as redis_errors
 
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError
@@ -110,16 +110,16 @@ class RedisBackend:
 
     async def state(self, key: str) -> CounterState:
         try:
-            raw: dict[bytes, bytes] = await self.client.hgetall(key)  # type: ignore[misc]
+            raw = await self.client.hgetall(key)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
-        fields = {k.decode(): int(v) for k, v in raw.items()}
+        fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
         return CounterState(fields.get("c", 0), fields.get("f", 0), pending)
 
     async def watermark(self, partition: str) -> int:
         """The last applied offset of a partition, -1 when none."""
-        raw = await self.client.hget(WATERMARK_KEY, partition)  # type: ignore[misc]
+        raw = await self.client.hget(WATERMARK_KEY, partition)
         return -1 if raw is None else int(raw)
 
     async def noop(self) -> Any:

@@ -17,9 +17,9 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from services import RedisService, start_redis  # noqa: E402
+from services import RedisService, start_redis
 
-from mcp_budget_governor import Backend, MemoryBackend, RedisBackend  # noqa: E402
+from mcp_budget_governor import Backend, MemoryBackend, RedisBackend
 
 
 @pytest.fixture(scope="session")

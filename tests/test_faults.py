@@ -26,12 +26,20 @@ def policy() -> Policy:
     return Policy.of(
         Limit("per_user", cap=5, window=Window.DAY, scope=Scope.USER, fail_mode=FailMode.OPEN),
         Limit(
-            "unguarded", cap=1000, window=Window.DAY, scope=Scope.USER,
-            fail_mode=FailMode.OPEN, local_fallback=False,
+            "unguarded",
+            cap=1000,
+            window=Window.DAY,
+            scope=Scope.USER,
+            fail_mode=FailMode.OPEN,
+            local_fallback=False,
         ),
         Limit(
-            "tenant_spend", cap=10**9, window=Window.DAY, scope=Scope.TENANT,
-            unit=Unit.USD_MICROS, fail_mode=FailMode.CLOSED,
+            "tenant_spend",
+            cap=10**9,
+            window=Window.DAY,
+            scope=Scope.TENANT,
+            unit=Unit.USD_MICROS,
+            fail_mode=FailMode.CLOSED,
         ),
     )
 
@@ -40,7 +48,9 @@ def replica(url: str) -> Governor:
     return Governor(policy(), RedisBackend.from_url(url, timeout=0.25), retry_interval=RETRY)
 
 
-async def test_closed_refuses_open_enforces_per_replica_then_recovers(own_redis: RedisService) -> None:
+async def test_closed_refuses_open_enforces_per_replica_then_recovers(
+    own_redis: RedisService,
+) -> None:
     a, b = replica(own_redis.url), replica(own_redis.url)
     alice, paying = Context(user="alice"), Context(user="bob", tenant="acme")
     assert (await a.check(alice)).admitted

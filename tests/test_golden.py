@@ -29,8 +29,9 @@ def test_contract_unchanged(pair: tuple[dict[str, Any], dict[str, Any]], section
         if isinstance(old, list):
             diff = [(a, b) for a, b in zip(old, new, strict=False) if a != b][:3]
         else:
-            diff = [(k, old.get(k), new.get(k)) for k in set(old) | set(new)
-                    if old.get(k) != new.get(k)][:3]
+            diff = [
+                (k, old.get(k), new.get(k)) for k in set(old) | set(new) if old.get(k) != new.get(k)
+            ][:3]
         pytest.fail(
             f"the {section} contract changed (first differences: {diff}). Every live counter "
             "would reset. If intended, bump the key version and regenerate: "

@@ -112,8 +112,12 @@ async def test_breaker_sheds_next_caller_after_completed_call_crosses_cap(backen
         backend,
         Limit("calls", cap=100, window=Window.DAY, scope=Scope.USER),
         Limit(
-            "global_spend", cap=usd(1), window=Window.DAY, unit=Unit.USD_MICROS,
-            breaker=True, gated=False,
+            "global_spend",
+            cap=usd(1),
+            window=Window.DAY,
+            unit=Unit.USD_MICROS,
+            breaker=True,
+            gated=False,
         ),
     )
     assert (await gov.check(U42)).admitted

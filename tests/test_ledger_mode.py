@@ -25,8 +25,9 @@ def policy() -> Policy:
     return Policy.of(
         Limit("burst", cap=5, window=Window.MINUTE, scope=Scope.USER),
         Limit("daily", cap=40, window=Window.DAY, scope=Scope.USER),
-        Limit("spend", cap=usd(2), window=Window.DAY, unit=Unit.USD_MICROS, breaker=True,
-              gated=False),
+        Limit(
+            "spend", cap=usd(2), window=Window.DAY, unit=Unit.USD_MICROS, breaker=True, gated=False
+        ),
     )
 
 

@@ -78,7 +78,7 @@ def test_duplicate_names_and_non_limits_are_refused() -> None:
         Policy.of(make(name="a"), make(name="a"))
     with pytest.raises(PolicyError, match=r"limits\[0\].*expected a Limit"):
         Policy.of("not a limit")  # type: ignore[arg-type]
-    with pytest.raises(PolicyError, match="Policy.timezone.*Mars/Olympus"):
+    with pytest.raises(PolicyError, match=r"Policy\.timezone.*Mars/Olympus"):
         Policy.of(make(), timezone="Mars/Olympus")
     with pytest.raises(InvalidInputError, match="expected a Policy"):
         Governor([make()], MemoryBackend())  # type: ignore[arg-type]
@@ -92,8 +92,14 @@ def test_lookup_of_unknown_limit_names_it() -> None:
 
 
 def test_string_spellings_are_accepted_and_normalised() -> None:
-    limit = make(unit="usd_micros", window="month", fail_mode="CLOSED", on_exceed="alert",
-                 scope=("user", Scope.TOOL), alert_at=[80, 50, 80])
+    limit = make(
+        unit="usd_micros",
+        window="month",
+        fail_mode="CLOSED",
+        on_exceed="alert",
+        scope=("user", Scope.TOOL),
+        alert_at=[80, 50, 80],
+    )
     assert limit.unit is Unit.USD_MICROS
     assert limit.window is Window.MONTH
     assert limit.fail_mode is FailMode.CLOSED

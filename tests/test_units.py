@@ -55,9 +55,12 @@ def test_utc_buckets_and_bounds() -> None:
     assert month.label == "202612" and month.end == ts(2027, 1, 1)
     assert day.expire_at(now) == int(ts(2026, 11, 30)) + GRACE_SECONDS
     assert day.seconds_left(now) == int(ts(2026, 11, 30) - now) == 17_123
-    assert bucket_for(Window.MINUTE, ts(2026, 1, 1, 0, 0, 59)).seconds_left(
-        ts(2026, 1, 1, 0, 0, 59) + 0.5
-    ) == 1
+    assert (
+        bucket_for(Window.MINUTE, ts(2026, 1, 1, 0, 0, 59)).seconds_left(
+            ts(2026, 1, 1, 0, 0, 59) + 0.5
+        )
+        == 1
+    )
     session = bucket_for(Window.SESSION, now)
     assert session.end is None and session.seconds_left(now) is None
     assert session.expire_at(now) == int(now) + SESSION_TTL_SECONDS

@@ -34,25 +34,52 @@ LIMITS = [
     Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER),
     Limit("hourly", cap=30, window=Window.HOUR, scope=(Scope.TOOL, Scope.USER)),
     Limit("per_user_calls", cap=2000, window=Window.DAY, scope=Scope.USER),
-    Limit("tenant_month", cap=usd(100), window=Window.MONTH, scope=Scope.TENANT,
-          unit=Unit.USD_MICROS),
+    Limit(
+        "tenant_month", cap=usd(100), window=Window.MONTH, scope=Scope.TENANT, unit=Unit.USD_MICROS
+    ),
     Limit("agent_session", cap=100, window=Window.SESSION, scope=Scope.AGENT),
-    Limit("everything", cap=5, window=Window.DAY,
-          scope=(Scope.TENANT, Scope.USER, Scope.AGENT, Scope.SESSION, Scope.TOOL)),
+    Limit(
+        "everything",
+        cap=5,
+        window=Window.DAY,
+        scope=(Scope.TENANT, Scope.USER, Scope.AGENT, Scope.SESSION, Scope.TOOL),
+    ),
 ]
 CONTEXTS = [
     Context(user="u_42", tenant="acme", tool="search", session="s-1", agent="coder"),
     Context(user="a:b", tenant="x,y", tool="{tag}", session="new\nline", agent="é ü 漢字"),
     Context(user="", tenant="%41", tool="#hash", session="=", agent="x" * 300),
 ]
-ESCAPES = ["plain", "a:b", "a,b=c", "{x}", "%", "#", "new\nline", "tab\t", "é", "漢字", "🙂",
-           "", " ", "x" * 64, "y" * 193, "z" * 10_000]
+ESCAPES = [
+    "plain",
+    "a:b",
+    "a,b=c",
+    "{x}",
+    "%",
+    "#",
+    "new\nline",
+    "tab\t",
+    "é",
+    "漢字",
+    "🙂",
+    "",
+    " ",
+    "x" * 64,
+    "y" * 193,
+    "z" * 10_000,
+]
 USD = ["0", "0.000001", "0.0000001", "0.05", "1", "25", "3.14159265", "0.1", "1e-7", "9000"]
 PRICES = PriceTable().with_price("m", 3, 15, cache_read_per_mtok="0.3", cache_write_per_mtok="3.75")
 PRICE_CASES = [
-    (0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (3200, 850, 0, 0),
-    (10_000, 500, 8_000, 0), (10_000, 500, 0, 2_000), (10_000, 500, 6_000, 4_000),
-    (7, 3, 1, 1), (1_000_000, 1_000_000, 0, 0),
+    (0, 0, 0, 0),
+    (1, 0, 0, 0),
+    (0, 1, 0, 0),
+    (3200, 850, 0, 0),
+    (10_000, 500, 8_000, 0),
+    (10_000, 500, 0, 2_000),
+    (10_000, 500, 6_000, 4_000),
+    (7, 3, 1, 1),
+    (1_000_000, 1_000_000, 0, 0),
 ]
 
 
@@ -70,19 +97,33 @@ def vectors() -> dict[str, Any]:
                 for i, ctx in enumerate(CONTEXTS):
                     s = slot(limit, ctx, now, policy.tz, 1, enforce=True)
                     assert s is not None
-                    keys.append({
-                        "tz": tz, "at": instant, "limit": limit.name, "context": i,
-                        "key": s.key, "bucket": s.bucket.label, "expire_at": s.expire_at,
-                        "seconds_left": s.bucket.seconds_left(now),
-                    })
+                    keys.append(
+                        {
+                            "tz": tz,
+                            "at": instant,
+                            "limit": limit.name,
+                            "context": i,
+                            "key": s.key,
+                            "bucket": s.bucket.label,
+                            "expire_at": s.expire_at,
+                            "seconds_left": s.bucket.seconds_left(now),
+                        }
+                    )
     return {
         "keys": keys,
         "escape": {v if len(v) < 100 else f"{v[0]}*{len(v)}": escape(v) for v in ESCAPES},
         "usd": {v: usd(v) for v in USD},
         "prices": [
-            {"tokens": list(c), "micros": PRICES.cost_micros(
-                "m", input_tokens=c[0], output_tokens=c[1],
-                cache_read_tokens=c[2], cache_write_tokens=c[3])}
+            {
+                "tokens": list(c),
+                "micros": PRICES.cost_micros(
+                    "m",
+                    input_tokens=c[0],
+                    output_tokens=c[1],
+                    cache_read_tokens=c[2],
+                    cache_write_tokens=c[3],
+                ),
+            }
             for c in PRICE_CASES
         ],
         "scripts": {n: hashlib.sha1(source(n).encode()).hexdigest() for n in SCRIPTS},
