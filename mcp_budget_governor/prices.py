@@ -9,8 +9,13 @@ Pricing rules:
   Anthropic's API reports ``input_tokens`` *without* the cache tokens: such
   callers pass ``input_tokens + cache_read_input_tokens +
   cache_creation_input_tokens``.
-- A cache price of ``None`` bills those tokens at the input price: an
-  over-report beats a silent under-report.
+- Tiered prices (dearer above a context size) follow genai-prices exactly: the
+  prompt size ``input_tokens`` (cache tokens included) picks the last tier whose
+  ``start`` it *exceeds*, and that tier's rates then apply to every token of the
+  call (input, output and cache alike), not just to the tokens past ``start``.
+  Below every tier, the base rates apply.
+- A cache price of ``None`` bills those tokens at the input price (of the same
+  tier): an over-report beats a silent under-report.
 - A price in USD per million tokens times a token count is micro-USD exactly,
   so the cost is ``sum(tokens * price)`` in exact Decimal arithmetic, rounded
   up once to a whole micro. It never under-reports and is at most one micro
@@ -20,11 +25,13 @@ Pricing rules:
 package (never its network updater). The data is more detailed than
 ``ModelPrice``; where it must be simplified, it errs on the expensive side:
 
-- Tiered prices (a higher rate above a context size) use the highest tier.
+- Tiers are kept exact. genai-prices tiers each price separately (its own
+  thresholds), all selected by the same prompt size; they are merged into
+  ``PriceTier`` rows giving every rate in force above each threshold.
 - Prices changing over time use the price in force when the table is built
-  *and* every price already scheduled to start later (component-wise highest),
-  so a long-lived process never bills below list price after a scheduled rise.
-  Peak/off-peak prices use the peak price.
+  *and* every price already scheduled to start later (the highest of them for
+  each rate and prompt size), so a long-lived process never bills below list
+  price after a scheduled rise. Peak/off-peak prices use the peak price.
 - The cache-write price is the higher of the 5-minute and 1-hour write prices.
 - Not covered, so callers using them must price them with ``with_price``:
   opt-in service tiers (batch, flex, and the dearer priority and fast), fees
@@ -46,6 +53,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import MAX_EMAX, MIN_EMIN, ROUND_CEILING, Context, Decimal
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .errors import InvalidInputError, UnknownModelError
@@ -55,7 +63,7 @@ if TYPE_CHECKING:
     from genai_prices import types as gp
     from genai_prices.data_snapshot import DataSnapshot
 
-__all__ = ["ModelPrice", "PriceTable"]
+__all__ = ["ModelPrice", "PriceTable", "PriceTier"]
 
 PriceInput: TypeAlias = int | float | str | Decimal
 """What a price argument may be; floats are read through their shortest repr."""
@@ -85,27 +93,82 @@ def _check_model(model: Any, field: str = "model") -> str:
     return model
 
 
-@dataclass(frozen=True, slots=True)
-class ModelPrice:
-    """Prices of one model in USD per million tokens.
+def _check_prices(obj: ModelPrice | PriceTier) -> None:
+    for name in _REQUIRED + _OPTIONAL:
+        value = getattr(obj, name)
+        if value is None and name in _OPTIONAL:
+            continue
+        # Frozen dataclass: normalise in place once, at construction.
+        object.__setattr__(obj, name, _check_price(value, name))
 
-    A cache price of ``None`` means "bill those tokens at the input price".
-    Arguments may be ``int``, ``float``, ``str`` or ``Decimal``; they are stored
-    as ``Decimal`` and must be finite and non-negative.
+
+@dataclass(frozen=True, slots=True)
+class PriceTier:
+    """Rates that replace a model's base rates once the prompt exceeds ``start`` tokens.
+
+    ``start`` is a token count (the prompt size, cache tokens included); the
+    rates follow :class:`ModelPrice`'s rules, and a cache price of ``None``
+    bills those tokens at this tier's input price.
     """
 
+    start: int
     input_per_mtok: Decimal
     output_per_mtok: Decimal
     cache_read_per_mtok: Decimal | None = None
     cache_write_per_mtok: Decimal | None = None
 
     def __post_init__(self) -> None:
-        for name in _REQUIRED + _OPTIONAL:
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL:
-                continue
-            # Frozen dataclass: normalise in place once, at construction.
-            object.__setattr__(self, name, _check_price(value, name))
+        check_amount(self.start, "start")
+        _check_prices(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPrice:
+    """Prices of one model in USD per million tokens.
+
+    A cache price of ``None`` means "bill those tokens at the input price".
+    Arguments may be ``int``, ``float``, ``str`` or ``Decimal``; they are stored
+    as ``Decimal`` and must be finite and non-negative. The four rates are the
+    base rates; ``tiers`` (stored sorted by ``start``, starts distinct) replace
+    them for larger prompts, see :meth:`rates_for`.
+    """
+
+    input_per_mtok: Decimal
+    output_per_mtok: Decimal
+    cache_read_per_mtok: Decimal | None = None
+    cache_write_per_mtok: Decimal | None = None
+    tiers: tuple[PriceTier, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_prices(self)
+        object.__setattr__(self, "tiers", _check_tiers(self.tiers))
+
+    def rates_for(self, prompt_tokens: int) -> ModelPrice | PriceTier:
+        """The rates billed when the prompt (cache tokens included) has ``prompt_tokens`` tokens.
+
+        That is the last tier whose ``start`` the prompt exceeds, else these base
+        rates; the rates apply to every token of the call.
+        """
+        for tier in reversed(self.tiers):
+            if prompt_tokens > tier.start:
+                return tier
+        return self
+
+
+def _check_tiers(tiers: Any) -> tuple[PriceTier, ...]:
+    """``tiers`` as a tuple sorted by start; raises unless PriceTiers with distinct starts."""
+    if isinstance(tiers, str | bytes) or not isinstance(tiers, Iterable):
+        raise InvalidInputError("tiers", tiers, "expected an iterable of PriceTier")
+    ordered: list[PriceTier] = []
+    for tier in tiers:
+        if not isinstance(tier, PriceTier):
+            raise InvalidInputError("tiers", tier, "expected a PriceTier")
+        ordered.append(tier)
+    ordered.sort(key=lambda tier: tier.start)
+    for below, above in pairwise(ordered):
+        if below.start == above.start:
+            raise InvalidInputError("tiers", tiers, f"two tiers start at {above.start}")
+    return tuple(ordered)
 
 
 class PriceTable:
@@ -173,11 +236,15 @@ class PriceTable:
         output_per_mtok: PriceInput,
         cache_read_per_mtok: PriceInput | None = None,
         cache_write_per_mtok: PriceInput | None = None,
+        *,
+        tiers: Iterable[PriceTier] = (),
     ) -> PriceTable:
         """Return a new table with ``model`` priced as given (USD per million tokens).
 
-        This table is left unchanged. On a builtin table the version gains
-        ``"+overrides"`` so recorded costs show that the prices were edited.
+        ``tiers`` optionally gives the rates for larger prompts (see
+        :class:`PriceTier`). This table is left unchanged. On a builtin table
+        the version gains ``"+overrides"`` so recorded costs show that the
+        prices were edited.
         """
         _check_model(model)
         price = ModelPrice(
@@ -189,6 +256,7 @@ class PriceTable:
             None
             if cache_write_per_mtok is None
             else _check_price(cache_write_per_mtok, "cache_write_per_mtok"),
+            _check_tiers(tiers),
         )
         prices = dict(self._prices)
         prices[model] = price
@@ -227,7 +295,10 @@ class PriceTable:
         cache_read_tokens: int = 0,
         cache_write_tokens: int = 0,
     ) -> int:
-        """Cost of one call in USD micros, rounded up; ``input_tokens`` includes cache tokens."""
+        """Cost of one call in USD micros, rounded up; ``input_tokens`` includes cache tokens.
+
+        ``input_tokens`` also picks the price tier, if the model has tiers.
+        """
         prompt = check_amount(input_tokens, "input_tokens")
         output = check_amount(output_tokens, "output_tokens")
         cache_read = check_amount(cache_read_tokens, "cache_read_tokens")
@@ -239,12 +310,12 @@ class PriceTable:
                 f"{cache_read} + {cache_write} exceeds input_tokens ({prompt}), "
                 "which must include the cache tokens",
             )
-        price = self.price_of(model)
+        rates = self.price_of(model).rates_for(prompt)
         terms = (
-            (prompt - cache_read - cache_write, price.input_per_mtok),
-            (output, price.output_per_mtok),
-            (cache_read, _or(price.cache_read_per_mtok, price.input_per_mtok)),
-            (cache_write, _or(price.cache_write_per_mtok, price.input_per_mtok)),
+            (prompt - cache_read - cache_write, rates.input_per_mtok),
+            (output, rates.output_per_mtok),
+            (cache_read, _or(rates.cache_read_per_mtok, rates.input_per_mtok)),
+            (cache_write, _or(rates.cache_write_per_mtok, rates.input_per_mtok)),
         )
         # A fresh context per call: contexts carry mutable flags.
         ctx = Context(prec=_COST_PRECISION, rounding=ROUND_CEILING, Emin=MIN_EMIN, Emax=MAX_EMAX)
@@ -283,6 +354,7 @@ def _or(value: Decimal | None, default: Decimal) -> Decimal:
 class _BuiltinData:
     prices: dict[str, ModelPrice]
     aliases: dict[str, str]  # lower-case alias -> canonical model id
+    sources: dict[str, str]  # model id -> id of the provider whose listing priced it
     snapshot: DataSnapshot
     version: str
 
@@ -296,8 +368,9 @@ def _builtin_data() -> _BuiltinData:
     # Our own snapshot of the bundled data: genai-prices' global one may have
     # been replaced by its network updater, which would make prices drift.
     snapshot = DataSnapshot(providers=providers, from_auto_update=False)
-    prices, aliases = _parse(providers, snapshot, datetime.now(UTC).date())
-    return _BuiltinData(prices, aliases, snapshot, f"genai-prices {genai_prices.__version__}")
+    prices, aliases, sources = _parse(providers, snapshot, datetime.now(UTC).date())
+    version = f"genai-prices {genai_prices.__version__}"
+    return _BuiltinData(prices, aliases, sources, snapshot, version)
 
 
 @functools.cache
@@ -308,8 +381,12 @@ def _builtin_table() -> PriceTable:
 
 def _parse(
     providers: list[gp.Provider], snapshot: DataSnapshot, today: date
-) -> tuple[dict[str, ModelPrice], dict[str, str]]:
-    """Turn genai-prices providers into ``{model id: price}`` and ``{alias: model id}``."""
+) -> tuple[dict[str, ModelPrice], dict[str, str], dict[str, str]]:
+    """Read genai-prices providers into prices, aliases and sources.
+
+    That is ``{model id: price}``, ``{alias: model id}`` and ``{model id: id of
+    the provider whose listing gave the price}``.
+    """
 
     def vendor(name: str) -> str | None:
         try:
@@ -323,19 +400,17 @@ def _parse(
             listings.setdefault(info.id, []).append((provider.id, info))
 
     prices: dict[str, ModelPrice] = {}
+    sources: dict[str, str] = {}
     for model_id, listed in listings.items():
         owner = vendor(model_id)
-        own = [info for provider_id, info in listed if provider_id == owner]
-        if own:
-            # The vendor is authoritative: if its price cannot be expressed,
-            # a reseller's differently shaped price is no better.
-            price = _convert(own[0], today)
-        else:
-            price = next(
-                (p for _, info in listed if (p := _convert(info, today)) is not None), None
-            )
-        if price is not None:
-            prices[model_id] = price
+        own = [(provider_id, info) for provider_id, info in listed if provider_id == owner]
+        # The vendor is authoritative: if its price cannot be expressed, a
+        # reseller's differently shaped price is no better.
+        for provider_id, info in own[:1] or listed:
+            if (price := _convert(info, today)) is not None:
+                prices[model_id] = price
+                sources[model_id] = provider_id
+                break
 
     aliases: dict[str, str] = {}
     declared = [
@@ -350,7 +425,7 @@ def _parse(
         for alias, provider_id, model_id in declared:
             if (provider_id == vendor(alias)) is prefer_vendor and alias != model_id.lower():
                 aliases.setdefault(alias, model_id)
-    return prices, aliases
+    return prices, aliases, sources
 
 
 def _equals_clauses(clause: Any) -> Iterator[str]:
@@ -365,17 +440,43 @@ def _equals_clauses(clause: Any) -> Iterator[str]:
 
 
 def _convert(info: gp.ModelInfo, today: date) -> ModelPrice | None:
-    """The highest price ``info`` can charge from ``today`` on, or None if inexpressible."""
+    """The highest price ``info`` can charge from ``today`` on, or None if inexpressible.
+
+    Each genai-prices rate is a step function of the prompt size (its tiers).
+    At every prompt size the highest live rate is taken, and the result is cut
+    into tiers wherever any of the four rates changes.
+    """
+    from genai_prices import types as gp
+
     candidates = _live_prices(info, today)
     if any(p.requests_kcount is not None for p in candidates):
         return None  # a per-request fee has no place in a per-token price
-    input_price = _highest(p.input_mtok for p in candidates)
-    output_price = _highest(p.output_mtok for p in candidates)
-    if input_price is None or output_price is None:
+    inputs = [p.input_mtok for p in candidates if p.input_mtok is not None]
+    outputs = [p.output_mtok for p in candidates if p.output_mtok is not None]
+    if not candidates or len(inputs) < len(candidates) or len(outputs) < len(candidates):
         return None
-    cache_read = _highest(p.cache_read_mtok for p in candidates)
-    cache_write = _highest(_cache_write(p) for p in candidates)
-    return ModelPrice(input_price, output_price, cache_read, cache_write)
+    reads = [None if p.cache_read_mtok is None else [p.cache_read_mtok] for p in candidates]
+    writes = [_cache_writes(p) for p in candidates]
+
+    def rates(prompt: int) -> tuple[Decimal, Decimal, Decimal | None, Decimal | None]:
+        return (
+            _top(inputs, prompt),
+            _top(outputs, prompt),
+            _top_cache(reads, prompt),
+            _top_cache(writes, prompt),
+        )
+
+    values = [*inputs, *outputs, *(v for c in (*reads, *writes) if c is not None for v in c)]
+    starts = sorted({t.start for v in values if isinstance(v, gp.TieredPrices) for t in v.tiers})
+    base = previous = rates(0)
+    tiers: list[PriceTier] = []
+    for start in starts:
+        # A tier applies to prompts exceeding its start: start + 1 is the first.
+        current = rates(start + 1)
+        if current != previous:
+            tiers.append(PriceTier(start, *current))
+            previous = current
+    return ModelPrice(*base, tiers=tuple(tiers))
 
 
 def _live_prices(info: gp.ModelInfo, today: date) -> list[gp.ModelPrice]:
@@ -401,35 +502,52 @@ def _live_prices(info: gp.ModelInfo, today: date) -> list[gp.ModelPrice]:
     return [entry.prices for entry in conditional[start:]]
 
 
-def _cache_write(price: gp.ModelPrice) -> Decimal | gp.TieredPrices | None:
-    # Callers do not tell 5-minute from 1-hour writes: bill the dearer one.
-    # The result only feeds _highest, so a mixed pair is fine as a Decimal.
-    values = [v for v in (price.cache_write_mtok, price.cache_write_1h_mtok) if v is not None]
-    if not values:
-        return None
-    return max(_top_tier(v) for v in values)
+def _cache_writes(price: gp.ModelPrice) -> list[Decimal | gp.TieredPrices] | None:
+    """The cache-write rates of ``price``; None if cache writes are billed as input.
 
-
-def _top_tier(value: Decimal | gp.TieredPrices) -> Decimal:
-    from genai_prices import types as gp
-
-    if isinstance(value, gp.TieredPrices):
-        return max([value.base, *(tier.price for tier in value.tiers)])
-    return value
-
-
-def _highest(values: Iterable[Decimal | gp.TieredPrices | None]) -> Decimal | None:
-    """The highest of ``values`` (top tier of tiered ones); None if any is missing.
-
-    A missing component means "not priced" for the base prices and "billed at
-    the input price" for cache prices; both are safest kept as None.
+    Callers do not tell 5-minute from 1-hour writes, so both count (the dearer
+    one is billed). Without a 5-minute price genai-prices bills those writes at
+    the input price, which then counts instead.
     """
-    tops: list[Decimal] = []
+    if price.cache_write_1h_mtok is None:
+        return None if price.cache_write_mtok is None else [price.cache_write_mtok]
+    five_minutes = price.input_mtok if price.cache_write_mtok is None else price.cache_write_mtok
+    return [v for v in (five_minutes, price.cache_write_1h_mtok) if v is not None]
+
+
+def _rate(value: Decimal | gp.TieredPrices, prompt: int) -> Decimal:
+    """The rate genai-prices bills for ``value`` when the prompt has ``prompt`` tokens.
+
+    As ``genai_prices.types.calc_unit_price``: the last tier (by start) whose
+    start the total input tokens exceed, else the base price; it applies to all
+    the tokens it prices.
+    """
+    if isinstance(value, Decimal):
+        return value
+    # Sorted stably, as genai-prices does: of equal starts the last listed wins.
+    passed = [tier for tier in sorted(value.tiers, key=lambda t: t.start) if prompt > tier.start]
+    return passed[-1].price if passed else value.base
+
+
+def _top(values: Iterable[Decimal | gp.TieredPrices], prompt: int) -> Decimal:
+    """The highest of ``values`` (not empty) at a prompt of ``prompt`` tokens."""
+    return max(_rate(value, prompt) for value in values)
+
+
+def _top_cache(
+    values: Iterable[list[Decimal | gp.TieredPrices] | None], prompt: int
+) -> Decimal | None:
+    """The highest cache rate of the live prices at ``prompt`` tokens; None if any lacks one.
+
+    A missing cache price means "billed at the input price", and the highest
+    input rate is then the safe bound, which None stands for.
+    """
+    rates: list[Decimal] = []
     for value in values:
         if value is None:
             return None
-        tops.append(_top_tier(value))
-    return max(tops) if tops else None
+        rates.extend(_rate(v, prompt) for v in value)
+    return max(rates) if rates else None
 
 
 def _split_provider(model: str, data: _BuiltinData) -> tuple[str, str] | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import date
+from datetime import UTC, date, datetime, time
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_budget_governor import MAX_AMOUNT, InvalidInputError, UnknownModelError
-from mcp_budget_governor.prices import ModelPrice, PriceTable, _convert
+from mcp_budget_governor.prices import ModelPrice, PriceTable, PriceTier, _convert
 
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
 
@@ -47,7 +47,8 @@ def test_with_price_returns_a_new_table_and_leaves_the_old_one_alone() -> None:
 def test_prices_accept_int_float_str_decimal_exactly() -> None:
     price = PriceTable().with_price("m", 1, 0.1, "0.30", Decimal("2.5")).price_of("m")
     assert price == ModelPrice(Decimal(1), Decimal("0.1"), Decimal("0.3"), Decimal("2.5"))
-    assert all(isinstance(v, Decimal) for v in dataclasses.astuple(price))
+    assert all(isinstance(v, Decimal) for v in dataclasses.astuple(price)[:4])
+    assert price.tiers == ()
 
 
 @pytest.mark.parametrize(
@@ -177,6 +178,109 @@ def test_lookup_is_exact_first_then_case_insensitive() -> None:
     assert "openai:my-model" not in t
 
 
+# --- tiers --------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiered() -> PriceTable:
+    # 3/15 up to 200k prompt tokens, 6/22.5 above; cache reads priced in both,
+    # cache writes only above (below, they are billed at the base input price).
+    return PriceTable().with_price(
+        "m",
+        3,
+        15,
+        "0.3",
+        tiers=[PriceTier(200_000, Decimal(6), Decimal("22.5"), Decimal("0.6"), Decimal(12))],
+    )
+
+
+def test_a_tier_applies_only_once_the_prompt_exceeds_its_start(tiered: PriceTable) -> None:
+    price = tiered.price_of("m")
+    assert price.rates_for(0) is price
+    assert price.rates_for(200_000) is price
+    assert price.rates_for(200_001) is price.tiers[0]
+    assert cost(tiered, input_tokens=3200, output_tokens=850) == 3200 * 3 + 850 * 15
+    assert cost(tiered, input_tokens=200_000, output_tokens=1000) == 600_000 + 15_000
+    # Past the start, the tier's rates apply to *every* token of the call.
+    assert cost(tiered, input_tokens=200_001, output_tokens=1000) == 1_200_006 + 22_500
+
+
+def test_cache_tokens_count_towards_the_tier_and_use_its_rates(tiered: PriceTable) -> None:
+    # 250k prompt, mostly cached: the tier is picked by the whole prompt.
+    assert cost(tiered, input_tokens=250_000, cache_read_tokens=200_000) == (
+        50_000 * 6 + 200_000 * Decimal("0.6")
+    )
+    # A missing cache price falls back to the input price of the *same* tier.
+    assert cost(tiered, input_tokens=1000, cache_write_tokens=1000) == 3000
+    assert cost(tiered, input_tokens=300_000, cache_write_tokens=100_000) == (
+        200_000 * 6 + 100_000 * 12
+    )
+
+
+def test_several_tiers_pick_the_last_one_passed() -> None:
+    d = Decimal
+    tiers = (PriceTier(256_000, d(4), d(4)), PriceTier(32_000, d(2), d(2)))  # stored sorted
+    price = ModelPrice(Decimal(1), Decimal(1), None, None, tiers)
+    assert [t.start for t in price.tiers] == [32_000, 256_000]
+    t = PriceTable({"m": price})
+    assert [cost(t, input_tokens=n) for n in (32_000, 32_001, 256_000, 256_001)] == [
+        32_000,
+        64_002,
+        512_000,
+        1_024_004,
+    ]
+    # Tiers may also be cheaper: they are rates, not surcharges.
+    cheaper = ModelPrice(d(2), d(2), tiers=(PriceTier(0, d(1), d(1)),))
+    assert PriceTable({"m": cheaper}).cost_micros("m", input_tokens=10, output_tokens=10) == 20
+
+
+def test_model_price_stays_positional_and_tiers_are_immutable() -> None:
+    price = ModelPrice(3, 15, "0.3", "3.75")  # type: ignore[arg-type]
+    assert price == PriceTable().with_price("m", 3, 15, "0.3", "3.75").price_of("m")
+    assert price.tiers == ()
+    tier = PriceTier(100, "1.5", 2)  # type: ignore[arg-type]
+    assert tier.input_per_mtok == Decimal("1.5")
+    assert tier.cache_read_per_mtok is None
+    assert isinstance(ModelPrice(Decimal(1), Decimal(1), tiers=[tier]).tiers, tuple)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tier.start = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("tiers", "field"),
+    [
+        ("abc", "tiers"),
+        (5, "tiers"),
+        ([(100, 1, 1)], "tiers"),
+        ([PriceTier(100, Decimal(1), Decimal(1)), PriceTier(100, Decimal(2), Decimal(2))], "tiers"),
+    ],
+)
+def test_bad_tiers_raise(tiers: Any, field: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        PriceTable().with_price("m", 1, 1, tiers=tiers)
+    assert info.value.field == field
+    with pytest.raises(InvalidInputError):
+        ModelPrice(Decimal(1), Decimal(1), tiers=tiers)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ((-1, 1, 1), "start"),
+        ((True, 1, 1), "start"),
+        ((1.5, 1, 1), "start"),
+        ((0, -1, 1), "input_per_mtok"),
+        ((0, 1, "x"), "output_per_mtok"),
+        ((0, 1, 1, -1), "cache_read_per_mtok"),
+        ((0, 1, 1, None, float("inf")), "cache_write_per_mtok"),
+    ],
+)
+def test_bad_tier_values_raise_naming_the_field(args: tuple[Any, ...], field: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        PriceTier(*args)
+    assert info.value.field == field
+
+
 # --- builtin ------------------------------------------------------------------
 
 
@@ -246,6 +350,150 @@ def test_with_price_on_builtin_overrides_and_marks_the_version(builtin: PriceTab
     assert len(edited) == len(builtin) + 1
 
 
+def test_builtin_tiers_bill_ordinary_calls_at_the_base_rate(builtin: PriceTable) -> None:
+    # claude-sonnet-4-5: 3/15 up to a 200k-token prompt, 6/22.5 above.
+    assert builtin.cost_micros("claude-sonnet-4-5", input_tokens=3200, output_tokens=850) == 22350
+    assert builtin.cost_micros("claude-sonnet-4-5", input_tokens=200_000, output_tokens=0) == (
+        600_000
+    )
+    assert builtin.cost_micros("claude-sonnet-4-5", input_tokens=250_000, output_tokens=0) == (
+        1_500_000
+    )
+    # The dated id resolves to the same tiered price.
+    assert builtin.price_of("claude-sonnet-4-5-20250929").tiers[0].start == 200_000
+
+
+# --- cross-check against genai-prices' own calculation (bundled data only) ----------
+
+_MIXES = [  # (input incl. cache, output, cache read, cache write)
+    (0, 0, 0, 0),
+    (3200, 850, 0, 0),
+    (1000, 50, 800, 0),
+    (40_000, 2_000, 30_000, 5_000),
+    (150_000, 2_000, 100_000, 20_000),
+    (250_000, 5_000, 50_000, 10_000),
+    (600_000, 1_000, 0, 300_000),
+]
+
+
+def _sample(builtin: PriceTable) -> list[str]:
+    models = builtin.models()
+    tiered = [m for m in models if builtin.price_of(m).tiers]
+    flat = [m for m in models if not builtin.price_of(m).tiers]
+    named = [
+        "claude-sonnet-4-5",
+        "claude-haiku-5-5",
+        "gemini-2.5-pro",
+        "gpt-4o",
+        "deepseek-chat",  # off-peak discount
+        "gemini-4-argon",  # scheduled price change
+    ]
+    sample = [m for m in named if m in models]
+    sample += tiered[:: max(1, len(tiered) // 25)][:25] + flat[:: max(1, len(flat) // 25)][:25]
+    return list(dict.fromkeys(sample))
+
+
+def _moments(info: Any, now: datetime) -> list[datetime]:
+    """When to ask genai-prices: now, or for prices that change, every moment that may differ."""
+    from genai_prices import types as gp
+
+    if isinstance(info.prices, gp.ModelPrice):
+        return [now]
+    constraints = [entry.constraint for entry in info.prices]
+    days = {now.date()} | {
+        c.start_date
+        for c in constraints
+        if isinstance(c, gp.StartDateConstraint) and c.start_date > now.date()
+    }
+    times = {time(hour, minute) for hour in range(24) for minute in (0, 30)} | {
+        t.replace(tzinfo=None)
+        for c in constraints
+        if isinstance(c, gp.TimeOfDateConstraint)
+        for t in (c.start_time, c.end_time)
+    }
+    return [datetime.combine(day, t, UTC) for day in days for t in times]
+
+
+def _genai_micros(model: str, mix: tuple[int, int, int, int], now: datetime) -> tuple[int, bool]:
+    """genai-prices' price of ``mix`` in micros, rounded up; and whether it varies in time.
+
+    The highest over the 5-minute and 1-hour cache-write prices and, for prices
+    that change in time, over every moment from now on: our documented
+    conservative choices.
+    """
+    from genai_prices import Usage
+    from genai_prices.data import providers
+
+    from mcp_budget_governor.prices import _builtin_data
+
+    # The same provider listing the builtin table priced the model from.
+    provider_id = _builtin_data().sources[model]
+    provider = next(p for p in providers if p.id == provider_id)
+    info = next(i for i in provider.models if i.id == model)
+    prompt, output, read, write = mix
+    tokens = {
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "cache_read_tokens": read,
+        "cache_write_tokens": write,
+    }
+    usages = [Usage(**tokens)]
+    if write:
+        usages.append(Usage(**tokens, cache_write_1h_tokens=write))  # all 1-hour writes
+    moments = _moments(info, now)
+    usd = max(
+        info.calc_price(usage, provider, genai_request_timestamp=moment).total_price
+        for usage in usages
+        for moment in moments
+    )
+    return int((usd * 1_000_000).to_integral_value(rounding=ROUND_CEILING)), len(moments) > 1
+
+
+def test_costs_match_genai_prices_calc_price(builtin: PriceTable) -> None:
+    now = datetime.now(UTC)
+    sample = _sample(builtin)
+    assert len(sample) >= 50
+    assert sum(1 for m in sample if builtin.price_of(m).tiers) >= 25
+    checked = 0
+    mismatches = []
+    for model in sample:
+        starts = [tier.start for tier in builtin.price_of(model).tiers]
+        # Both sides of every threshold, with cache tokens.
+        edges = [(n, 100, s // 2, s // 4) for s in starts for n in (s, s + 1)]
+        for mix in _MIXES + edges:
+            prompt, output, read, write = mix
+            ours = builtin.cost_micros(
+                model,
+                input_tokens=prompt,
+                output_tokens=output,
+                cache_read_tokens=read,
+                cache_write_tokens=write,
+            )
+            theirs, varies = _genai_micros(model, mix, now)
+            # Prices varying in time take, rate by rate, the highest of them,
+            # which may exceed the highest single moment.
+            if ours != theirs and not (varies and ours > theirs):
+                mismatches.append((model, mix, ours, theirs))
+            checked += 1
+    assert not mismatches
+    assert checked > 400
+
+
+def test_the_public_calc_price_agrees_for_a_tiered_model(builtin: PriceTable) -> None:
+    from genai_prices import Usage, calc_price
+
+    for prompt, output in ((3200, 850), (250_000, 850)):
+        result = calc_price(
+            Usage(input_tokens=prompt, output_tokens=output),
+            "claude-sonnet-4-5",
+            provider_id="anthropic",
+        )
+        micros = (result.total_price * 1_000_000).to_integral_value(rounding=ROUND_CEILING)
+        assert builtin.cost_micros(
+            "claude-sonnet-4-5", input_tokens=prompt, output_tokens=output
+        ) == int(micros)
+
+
 def test_genai_prices_is_not_imported_by_the_module() -> None:
     import subprocess
     import sys
@@ -264,27 +512,104 @@ def _info(prices: Any) -> Any:
     return gp.ModelInfo(id="x", match=gp.ClauseEquals(equals="x"), prices=prices)
 
 
-def test_tiered_prices_use_the_highest_tier() -> None:
+def _tiered(base: str, *tiers: tuple[int, str]) -> Any:
     from genai_prices import types as gp
 
-    def tiered(base: str, top: str) -> gp.TieredPrices:
-        return gp.TieredPrices(
-            base=Decimal(base), tiers=[gp.Tier(start=200_000, price=Decimal(top))]
-        )
+    return gp.TieredPrices(
+        base=Decimal(base), tiers=[gp.Tier(start=s, price=Decimal(p)) for s, p in tiers]
+    )
+
+
+def test_tiered_prices_are_kept_as_tiers_merged_across_components() -> None:
+    from genai_prices import types as gp
 
     price = _convert(
         _info(
             gp.ModelPrice(
-                input_mtok=tiered("3", "6"),
-                output_mtok=tiered("15", "22.5"),
-                cache_read_mtok=Decimal("0.3"),
+                input_mtok=_tiered("3", (200_000, "6")),
+                output_mtok=_tiered("15", (200_000, "22.5")),
+                # Its own extra threshold, listed out of order.
+                cache_read_mtok=_tiered("0.3", (200_000, "0.6"), (128_000, "0.4")),
                 cache_write_mtok=Decimal("3.75"),
-                cache_write_1h_mtok=tiered("6", "12"),
+                cache_write_1h_mtok=_tiered("6", (200_000, "12")),
             )
         ),
         date(2026, 1, 1),
     )
-    assert price == ModelPrice(Decimal(6), Decimal("22.5"), Decimal("0.3"), Decimal(12))
+    d = Decimal
+    assert price == ModelPrice(
+        d(3),
+        d(15),
+        d("0.3"),
+        d(6),  # the dearer 1-hour write price
+        (
+            PriceTier(128_000, d(3), d(15), d("0.4"), d(6)),
+            PriceTier(200_000, d(6), d("22.5"), d("0.6"), d(12)),
+        ),
+    )
+
+
+def test_tiers_that_change_no_rate_are_dropped() -> None:
+    from genai_prices import types as gp
+
+    price = _convert(
+        _info(
+            gp.ModelPrice(
+                input_mtok=Decimal(3),
+                output_mtok=Decimal(15),
+                # The 5-minute write price rises above 200k but stays below the 1-hour one.
+                cache_write_mtok=_tiered("3.75", (200_000, "5")),
+                cache_write_1h_mtok=Decimal(6),
+            )
+        ),
+        date(2026, 1, 1),
+    )
+    assert price == ModelPrice(Decimal(3), Decimal(15), None, Decimal(6))
+
+
+def test_a_missing_five_minute_write_price_counts_as_the_input_price() -> None:
+    from genai_prices import types as gp
+
+    price = _convert(
+        _info(
+            gp.ModelPrice(
+                input_mtok=_tiered("3", (200_000, "8")),
+                output_mtok=Decimal(15),
+                cache_write_1h_mtok=Decimal(6),
+            )
+        ),
+        date(2026, 1, 1),
+    )
+    assert price == ModelPrice(
+        Decimal(3),
+        Decimal(15),
+        None,
+        Decimal(6),
+        (PriceTier(200_000, Decimal(8), Decimal(15), None, Decimal(8)),),
+    )
+
+
+def test_dated_tiered_prices_take_the_highest_at_every_prompt_size() -> None:
+    from genai_prices import types as gp
+
+    info = _info(
+        [
+            gp.ConditionalPrice(
+                constraint=None,
+                prices=gp.ModelPrice(
+                    input_mtok=_tiered("3", (200_000, "6")), output_mtok=Decimal(15)
+                ),
+            ),
+            gp.ConditionalPrice(
+                constraint=gp.StartDateConstraint(start_date=date(2027, 1, 1)),
+                prices=gp.ModelPrice(input_mtok=Decimal(4), output_mtok=Decimal(10)),
+            ),
+        ]
+    )
+    assert _convert(info, date(2026, 1, 1)) == ModelPrice(
+        Decimal(4), Decimal(15), tiers=(PriceTier(200_000, Decimal(6), Decimal(15)),)
+    )
+    assert _convert(info, date(2027, 1, 1)) == ModelPrice(Decimal(4), Decimal(10))
 
 
 def test_dated_prices_use_the_current_and_every_later_price() -> None:
