@@ -53,14 +53,15 @@ POLICY = Policy.of(
 # Each agent: calls per simulated second, and prompt tokens per call.
 AGENTS = {"alice": (0.2, 2_000), "bob": (0.5, 6_000), "runaway-loop": (4.0, 12_000)}
 TOOLS = ("search", "fetch", "summarise")
-SIMULATED_SECONDS = 6 * 60
+SIMULATED_SECONDS = 8 * 60
 
 
 class SimClock:
     """Simulated time starting now, so minute windows roll over in a blink."""
 
     def __init__(self) -> None:
-        self.now = time.time()
+        # From the next whole minute, so every run tells the same story.
+        self.now = float(int(time.time() // 60 + 1) * 60)
 
     def __call__(self) -> float:
         return self.now
