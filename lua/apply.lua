@@ -1,17 +1,20 @@
 -- Projection of ledger events into committed counters, exactly once.
 --
 -- KEYS[1]    the watermark hash (partition -> last applied offset)
--- KEYS[2..]  the counters the batch touches
+-- KEYS[2..]  the counters and seen-id sets the batch touches
 -- ARGV[1]    the partition field; ARGV[2] the number of events; then per event:
---            offset, event id, number of charges, and per charge:
---            key position in KEYS, amount, expire_at
+--            offset, event id, position in KEYS of the seen-id set of the
+--            event's day, that set's expire_at, number of charges, and per
+--            charge: key position in KEYS, amount, expire_at
 --
--- An event at or below the watermark was applied before and changes nothing,
--- so redelivery is harmless. For a fresh event, each charge's in-flight entry
--- (written by the hot path under the same event id) is removed and the ledger's
--- amount is committed; the watermark moves in the same script. A charge whose
--- counter has already expired is dropped: its window is over.
--- Returns the number of events applied.
+-- Two guards make delivery at-least-once yet counting exactly-once:
+-- an offset at or below the watermark was applied before (redelivery), and an
+-- event id already in its day's seen set was applied from another offset (a
+-- producer retry that reached the broker twice). For a fresh event, each
+-- charge's in-flight entry (written by the hot path under the same event id)
+-- is removed and the ledger's amount committed; the watermark moves in the
+-- same script. A charge whose counter has already expired is dropped: its
+-- window is over. Returns the number of events applied.
 
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
 local wm = tonumber(wm_raw or '-1')
@@ -22,9 +25,19 @@ for _ = 1, tonumber(ARGV[2]) do
   local offset_raw = ARGV[pos]
   local offset = tonumber(offset_raw)
   local event_id = ARGV[pos + 1]
-  local charges = tonumber(ARGV[pos + 2])
-  pos = pos + 3
+  local seen = KEYS[tonumber(ARGV[pos + 2])]
+  local seen_expire_at = ARGV[pos + 3]
+  local charges = tonumber(ARGV[pos + 4])
+  pos = pos + 5
   local fresh = offset > wm
+  if fresh then
+    wm = offset
+    wm_raw = offset_raw
+    fresh = redis.call('SADD', seen, event_id) == 1
+    if fresh then
+      redis.call('EXPIREAT', seen, seen_expire_at)
+    end
+  end
   for _ = 1, charges do
     if fresh then
       local key = KEYS[tonumber(ARGV[pos])]
@@ -40,12 +53,10 @@ for _ = 1, tonumber(ARGV[2]) do
     pos = pos + 3
   end
   if fresh then
-    wm = offset
-    wm_raw = offset_raw
     applied = applied + 1
   end
 end
-if applied > 0 then
+if wm_raw then
   redis.call('HSET', KEYS[1], ARGV[1], wm_raw)
 end
 return applied

@@ -11,9 +11,13 @@ model; a property test drives both and requires identical answers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+
+SECONDS_PER_DAY = 86_400
 
 
 def fits(used: int, amount: int, cap: int) -> bool:
@@ -67,11 +71,22 @@ class AppliedCharge:
 
 @dataclass(frozen=True, slots=True)
 class AppliedEvent:
-    """A ledger event at ``offset`` of a partition, with its charges."""
+    """A ledger event at ``offset`` of a partition, with its time and charges."""
 
     offset: int
     event_id: str
+    time: float
     charges: tuple[AppliedCharge, ...]
+
+    @property
+    def seen_day(self) -> str:
+        """The UTC day whose seen-id set records this event (``20261129``)."""
+        return time.strftime("%Y%m%d", time.gmtime(self.time))
+
+    @property
+    def seen_expire_at(self) -> int:
+        """When that set may go: the day's end plus a day of grace for late retries."""
+        return (int(self.time) // SECONDS_PER_DAY + 2) * SECONDS_PER_DAY
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +121,8 @@ class Backend(Protocol):
     async def apply(self, partition: str, events: Sequence[AppliedEvent]) -> int:
         """Project events: move each one's amounts from in-flight to committed and
         advance the partition's applied-offset watermark, skipping offsets at or
-        below it. Returns how many events were applied."""
+        below it and event ids already applied (a producer retry delivered
+        twice). Returns how many events were applied."""
         ...
 
     async def state(self, key: str) -> CounterState:

@@ -56,5 +56,7 @@ def counter_key(limit: str, scope: str, bucket: str) -> str:
 
 #: Hash of partition -> last applied offset, advanced by the projection.
 WATERMARK_KEY = f"{PREFIX}:_applied"
+#: Prefix of the per-day sets of applied event ids (``<prefix>:20261129``).
+SEEN_PREFIX = f"{PREFIX}:_seen"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"

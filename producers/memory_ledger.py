@@ -29,6 +29,7 @@ class MemoryLedger:
             AppliedEvent(
                 offset,
                 entry.id,
+                entry.time,
                 tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in entry.charges),
             )
             for offset, entry in enumerate(self.entries[start:stop], start=start)

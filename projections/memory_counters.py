@@ -42,6 +42,8 @@ class MemoryBackend:
         self._clock = clock
         self._counters: dict[str, _Counter] = {}
         self._watermarks: dict[str, int] = {}
+        # day -> (applied event ids, expire_at): the seen-id sets of apply.lua
+        self._seen: dict[str, tuple[set[str], int]] = {}
 
     def _get(self, key: str, now: float) -> _Counter | None:
         counter = self._counters.get(key)
@@ -89,17 +91,29 @@ class MemoryBackend:
         for event in events:
             if event.offset <= mark:
                 continue
+            mark = event.offset
+            if not self._first_sight(event, now):
+                continue
             for charge in event.charges:
                 counter = self._get(charge.key, now)
                 if counter is not None and event.event_id in counter.pending:
                     counter.in_flight -= counter.pending.pop(event.event_id)
                 if charge.expire_at > now:
                     self._add(charge.key, charge.amount, None, charge.expire_at, now)
-            mark = event.offset
             applied += 1
-        if applied:
+        if events:
             self._watermarks[partition] = mark
         return applied
+
+    def _first_sight(self, event: AppliedEvent, now: float) -> bool:
+        day = event.seen_day
+        entry = self._seen.get(day)
+        if entry is None or entry[1] <= now:
+            entry = self._seen[day] = (set(), event.seen_expire_at)
+        if event.event_id in entry[0]:
+            return False
+        entry[0].add(event.event_id)
+        return True
 
     async def state(self, key: str) -> CounterState:
         counter = self._get(key, self._clock())

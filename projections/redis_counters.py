@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError
-from mcp_budget_governor.keys import EPOCH_KEY, WATERMARK_KEY
+from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.lua import source
 
 _UNAVAILABLE = (
@@ -90,7 +90,7 @@ class RedisBackend:
         if not keys:
             return []
         reply = await self._run(self._usage, keys, ())
-        return [int(v) for v in reply]
+        return [int(reply[i]) + int(reply[i + 1]) for i in range(0, len(reply), 2)]
 
     async def apply(self, partition: str, events: Sequence[AppliedEvent]) -> int:
         if not events:
@@ -98,14 +98,19 @@ class RedisBackend:
         keys = [WATERMARK_KEY]
         index: dict[str, int] = {}
         args: list[str | int] = [partition, len(events)]
+
+        def position(key: str) -> int:
+            pos = index.get(key)
+            if pos is None:
+                keys.append(key)
+                pos = index[key] = len(keys)
+            return pos
+
         for event in events:
-            args += (event.offset, event.event_id, len(event.charges))
+            seen = position(f"{SEEN_PREFIX}:{event.seen_day}")
+            args += (event.offset, event.event_id, seen, event.seen_expire_at, len(event.charges))
             for charge in event.charges:
-                pos = index.get(charge.key)
-                if pos is None:
-                    keys.append(charge.key)
-                    pos = index[charge.key] = len(keys)
-                args += (pos, charge.amount, charge.expire_at)
+                args += (position(charge.key), charge.amount, charge.expire_at)
         return int(await self._run(self._apply, keys, args))
 
     async def state(self, key: str) -> CounterState:

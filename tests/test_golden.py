@@ -32,9 +32,14 @@ def test_contract_unchanged(pair: tuple[dict[str, Any], dict[str, Any]], section
             diff = [
                 (k, old.get(k), new.get(k)) for k in set(old) | set(new) if old.get(k) != new.get(k)
             ][:3]
+        consequence = (
+            "Replicas running the old scripts would disagree with the new ones; if the change "
+            "is compatible, regenerate"
+            if section == "scripts"
+            else "Every live counter would reset; if intended, bump the key version and regenerate"
+        )
         pytest.fail(
-            f"the {section} contract changed (first differences: {diff}). Every live counter "
-            "would reset. If intended, bump the key version and regenerate: "
+            f"the {section} contract changed (first differences: {diff}). {consequence}: "
             "python tests/golden/generate.py > tests/golden/vectors.json"
         )
 

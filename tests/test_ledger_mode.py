@@ -108,3 +108,22 @@ async def test_projection_of_events_the_hot_path_never_saw(backend: Backend) -> 
     assert (state.committed, state.in_flight, state.pending) == (2000, 0, {})
     assert await backend.apply("elsewhere:0", source.events()) == 0
     assert await reader.usage("spend") == 2000
+
+
+async def test_an_event_delivered_twice_at_new_offsets_counts_once(backend: Backend) -> None:
+    """A producer retry can put one event on the topic twice; its id is applied once."""
+    from dataclasses import replace
+
+    ledger = MemoryLedger()
+    gov = Governor(policy(), backend, ledger=ledger)
+    for user in ("a", "b", "a"):
+        await gov.meter("spend", 1000, Context(user=user))
+        await gov.check(Context(user=user))
+    events = ledger.events()
+    assert await backend.apply("p:0", events) == len(events)
+    total = await gov.usage("spend")
+    # The same events again, further down the partition (a re-sent batch).
+    again = [replace(e, offset=e.offset + 100) for e in events]
+    assert await backend.apply("p:0", again) == 0
+    assert await gov.usage("spend") == total == 3000
+    assert await gov.usage("daily", Context(user="a")) == 2
