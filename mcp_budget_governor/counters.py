@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-
 SECONDS_PER_DAY = 86_400
 
 
@@ -107,11 +106,12 @@ class Backend(Protocol):
     """Shared counter storage. Every method is one atomic step (one round trip)."""
 
     async def charge(
-        self, ops: Sequence[CounterOp], *, event_id: str | None = None
+        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
     ) -> ChargeResult:
         """All or nothing: refuse (writing nothing) if any enforcing op does not fit,
         else add every non-zero amount, committed inline when ``event_id`` is None,
-        in-flight under ``event_id`` otherwise."""
+        in-flight under ``event_id`` otherwise. ``want_used=False`` lets a backend
+        skip returning the totals (``used`` may then be empty)."""
         ...
 
     async def usage(self, keys: Sequence[str]) -> list[int]:

@@ -78,6 +78,7 @@ class Governor:
         self._pending: deque[tuple[CounterOp, ...]] = deque()
         self._max_pending = max_pending
         self._down_until = 0.0
+        self._plans: dict[tuple[Context, int], planning.Plan] = {}
 
     # -- the hot path -------------------------------------------------------
 
@@ -89,18 +90,21 @@ class Governor:
         """
         ctx = ctx or EMPTY
         now = self._clock()
-        slots = planning.check_slots(self.policy, ctx, now)
-        if not slots and self.ledger is None:
+        plan = self._plan(ctx, now)
+        if not plan.slots and self.ledger is None:
             return ADMITTED
         event_id = new_id() if self.ledger is not None else None
         try:
-            result = await self._charge(slots, event_id)
+            result = await self._charge(plan.ops, event_id, want_used=plan.shadow)
         except BackendUnavailableError:
-            decision = await self._degraded_check(slots, now)
+            decision = await self._degraded_check(plan.slots, now)
         else:
-            decision = self._decide(slots, result, now)
+            if result.admitted and not plan.shadow:
+                decision = ADMITTED
+            else:
+                decision = self._decide(plan.slots, result, now)
         if self.ledger is not None and event_id is not None:
-            charged = slots if decision.admitted else ()
+            charged = plan.slots if decision.admitted else ()
             await self._append(
                 event_id,
                 EntryType.ADMITTED if decision.admitted else EntryType.REJECTED,
@@ -223,12 +227,26 @@ class Governor:
             return planning.admitted(slots, result.used)
         return planning.refused(slots[result.refused], now)
 
-    async def _charge(self, slots: Sequence[Slot], event_id: str | None) -> ChargeResult:
-        if self._clock() < self._down_until:
-            raise BackendUnavailableError("backend marked down; retrying later")
-        await self._flush_pending()
+    def _plan(self, ctx: Context, now: float) -> planning.Plan:
+        # Planning (buckets, escaped keys, ops) is pure and the same for a whole
+        # minute: cache it per context, so a hot caller pays for it once a minute.
+        cache_key = (ctx, int(now // 60))
+        plan = self._plans.get(cache_key)
+        if plan is None:
+            if len(self._plans) >= 4096:
+                self._plans.clear()
+            plan = self._plans[cache_key] = planning.check_plan(self.policy, ctx, now)
+        return plan
+
+    async def _charge(
+        self, ops: Sequence[CounterOp], event_id: str | None, *, want_used: bool = True
+    ) -> ChargeResult:
+        if self._down_until:
+            if self._clock() < self._down_until:
+                raise BackendUnavailableError("backend marked down; retrying later")
+            await self._flush_pending()
         try:
-            return await self.backend.charge([s.op for s in slots], event_id=event_id)
+            return await self.backend.charge(ops, event_id=event_id, want_used=want_used)
         except BackendUnavailableError:
             self._mark_down()
             raise
@@ -239,10 +257,11 @@ class Governor:
         self._down_until = self._clock() + self._retry_interval
 
     async def _flush_pending(self) -> None:
+        """Replay outage charges, then resume normal enforcement."""
         while self._pending:
             ops = self._pending[0]
             try:
-                await self.backend.charge(ops)
+                await self.backend.charge(ops, want_used=False)
             except BackendUnavailableError:
                 self._mark_down()
                 raise
@@ -298,7 +317,7 @@ class Governor:
         event_id = new_id() if self.ledger is not None else None
         degraded = False
         try:
-            await self._charge([s], event_id)
+            await self._charge((s.op,), event_id, want_used=False)
         except BackendUnavailableError:
             degraded = True
             if _local(lim):
@@ -368,7 +387,7 @@ class Reservation:
             return self
         event_id = new_id() if gov.ledger is not None else None
         try:
-            result = await gov._charge([s], event_id)
+            result = await gov._charge((s.op,), event_id, want_used=not s.enforce)
             decision = gov._decide([s], result, now)
         except BackendUnavailableError:
             decision = await gov._degraded_check([s], now)

@@ -60,6 +60,26 @@ def slot(
     return Slot(limit, key, bucket, amount, enforce, bucket.expire_at(now))
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a check does for one context within one minute: its slots and their ops.
+
+    ``shadow`` is true when a slot never refuses (``OnExceed.ALERT``): only then
+    does the decision need the totals, to report what went over.
+    """
+
+    slots: tuple[Slot, ...]
+    ops: tuple[CounterOp, ...]
+    shadow: bool
+
+
+def check_plan(policy: Policy, ctx: Context, now: float) -> Plan:
+    """The plan of a check at ``now``. Valid for the whole minute: every bucket
+    boundary (UTC or zoned) falls on a whole minute."""
+    slots = tuple(check_slots(policy, ctx, now))
+    return Plan(slots, tuple(s.op for s in slots), any(not s.enforce for s in slots))
+
+
 def check_slots(policy: Policy, ctx: Context, now: float) -> list[Slot]:
     """Every counter a check consults: gated limits (charged) and breakers (read)."""
     out: list[Slot] = []
@@ -108,7 +128,12 @@ def unavailable(s: Slot, retry_after: float) -> Decision:
 
 
 def admitted(slots: Sequence[Slot], used: Sequence[int], *, degraded: bool = False) -> Decision:
-    """The decision for an admitted call, naming shadow limits it went over."""
+    """The decision for an admitted call, naming shadow limits it went over.
+
+    ``used`` may be empty when the backend was not asked for totals (no shadow limit).
+    """
+    if not used:
+        return Decision(admitted=True, degraded=degraded)
     over = tuple(
         s.limit.name
         for s, total in zip(slots, used, strict=True)

@@ -68,7 +68,7 @@ class MemoryBackend:
         counter.expire_at = expire_at
 
     async def charge(
-        self, ops: Sequence[CounterOp], *, event_id: str | None = None
+        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
     ) -> ChargeResult:
         now = self._clock()
         used = tuple(self._used(op.key, now) for op in ops)
