@@ -1,0 +1,288 @@
+"""Ledger events: CloudEvents 1.0 in structured JSON, one per operation.
+
+Any CloudEvents consumer can read the ledger. The envelope is ``specversion``,
+``id`` (a UUIDv7, the idempotency key end to end), ``source``, ``type``
+(``mcpbg.<kind>.v1``), ``time``, ``subject``, ``datacontenttype`` and ``data``.
+``data`` carries the caller's context, the signed charges with the bucket and
+counter key each falls in (computed by the producer from the event time), the
+decision, and for metered model calls the token usage and price-table version.
+
+The pydantic models below are the schema (``mcpbg schema`` prints it) and the
+parser every consumer uses. The hot path does not build them: it encodes its
+plain :class:`LedgerEntry` with :func:`encode`, whose output the models accept
+(a property test holds the two together).
+
+>>> from mcp_budget_governor.context import Context
+>>> from mcp_budget_governor.ledger import EntryType, LedgerEntry
+>>> entry = LedgerEntry("01938f5e-0000-7000-8000-000000000000", EntryType.ADMITTED,
+...                     1764442477.0, Context(user="u_42"))
+>>> parse(encode(entry, "/mcpbg/doc")).type
+'mcpbg.admitted.v1'
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+
+from .context import Context
+from .errors import GovernorError
+from .keys import PREFIX
+from .ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage
+from .limits import NAME_PATTERN
+from .money import MAX_AMOUNT, Unit
+from .windows import Window
+
+SPECVERSION = "1.0"
+CONTENT_TYPE = "application/json"
+SCHEMA_VERSION = "v1"
+
+Amount = Annotated[int, Field(strict=True, ge=-MAX_AMOUNT, le=MAX_AMOUNT)]
+Count = Annotated[int, Field(strict=True, ge=0, le=MAX_AMOUNT)]
+LimitName = Annotated[str, StringConstraints(pattern=f"^{NAME_PATTERN.pattern}$")]
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+class MalformedEventError(GovernorError, ValueError):
+    """A ledger record that is not a valid event; ``reason`` says why."""
+
+    def __init__(self, reason: str, raw: bytes | str | None = None) -> None:
+        self.reason = reason
+        self.raw = raw
+        super().__init__(reason)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EventContext(_Model):
+    """Who the operation was for; any dimension may be unknown."""
+
+    user: str | None = None
+    tenant: str | None = None
+    tool: str | None = None
+    session: str | None = None
+    agent: str | None = None
+
+
+class Charge(_Model):
+    """A signed amount on one counter, in the bucket the event's time falls in."""
+
+    limit: LimitName
+    unit: Unit
+    amount: Amount
+    window: Window
+    bucket: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    key: Annotated[str, StringConstraints(pattern=f"^{PREFIX}:")]
+    expire_at: Annotated[int, Field(strict=True, gt=0)]
+
+
+class Tokens(_Model):
+    """The model call behind a metered cost, so the cost can be re-derived."""
+
+    model: Annotated[str, StringConstraints(min_length=1)]
+    input_tokens: Count
+    output_tokens: Count
+    cache_read_tokens: Count = 0
+    cache_write_tokens: Count = 0
+    price_version: str | None = None
+
+
+class Decided(_Model):
+    """The governor's answer: refusing limit and status, shadow limits over, fail mode."""
+
+    limit: LimitName | None = None
+    status: Annotated[int, Field(strict=True, ge=100, le=599)] = 200
+    over: tuple[LimitName, ...] = ()
+    degraded: bool = False
+
+
+class EventData(_Model):
+    context: EventContext
+    charges: tuple[Charge, ...] = ()
+    decision: Decided = Decided()
+    usage: Tokens | None = None
+    reservation: str | None = None
+
+
+class _Event(_Model):
+    specversion: Literal["1.0"]
+    id: Annotated[str, StringConstraints(pattern=_UUID.pattern)]
+    source: Annotated[str, StringConstraints(min_length=1)]
+    time: datetime
+    subject: str | None = None
+    datacontenttype: Literal["application/json"] = "application/json"
+    data: EventData
+
+
+class AdmittedEvent(_Event):
+    """A check admitted the call; its gated charges (calls) are here."""
+
+    type: Literal["mcpbg.admitted.v1"]
+
+
+class RejectedEvent(_Event):
+    """A check or reservation refused the call; it charged nothing."""
+
+    type: Literal["mcpbg.rejected.v1"]
+
+    def model_post_init(self, _: Any) -> None:
+        if self.data.charges:
+            raise ValueError("a rejected event carries no charges")
+
+
+class MeteredEvent(_Event):
+    """What a completed call cost, always charged."""
+
+    type: Literal["mcpbg.metered.v1"]
+
+
+class ReservedEvent(_Event):
+    """An estimate held before expensive work."""
+
+    type: Literal["mcpbg.reserved.v1"]
+
+
+class SettledEvent(_Event):
+    """A reservation corrected to the real cost (a signed delta); ``reservation`` links it."""
+
+    type: Literal["mcpbg.settled.v1"]
+
+
+class ReleasedEvent(_Event):
+    """A reservation returned whole (the work never ran)."""
+
+    type: Literal["mcpbg.released.v1"]
+
+
+EVENT_TYPES: tuple[type[_Event], ...] = (
+    AdmittedEvent,
+    RejectedEvent,
+    MeteredEvent,
+    ReservedEvent,
+    SettledEvent,
+    ReleasedEvent,
+)
+LedgerEvent = Annotated[
+    AdmittedEvent | RejectedEvent | MeteredEvent | ReservedEvent | SettledEvent | ReleasedEvent,
+    Field(discriminator="type"),
+]
+_ADAPTER: TypeAdapter[LedgerEvent] = TypeAdapter(LedgerEvent)
+
+
+def type_name(kind: EntryType) -> str:
+    """``mcpbg.metered.v1`` for ``EntryType.METERED``."""
+    return f"mcpbg.{kind.value}.{SCHEMA_VERSION}"
+
+
+def _rfc3339(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _subject(ctx: Context) -> str | None:
+    for dim in ("user", "tenant", "agent", "session", "tool"):
+        value = getattr(ctx, dim)
+        if value is not None:
+            return f"{dim}/{value}"
+    return None
+
+
+def encode(entry: LedgerEntry, source: str) -> bytes:
+    """One structured-mode CloudEvent as compact UTF-8 JSON, built without validation."""
+    ctx = entry.context
+    usage = entry.usage
+    event = {
+        "specversion": SPECVERSION,
+        "id": entry.id,
+        "source": source,
+        "type": type_name(entry.type),
+        "time": _rfc3339(entry.time),
+        "subject": _subject(ctx),
+        "datacontenttype": CONTENT_TYPE,
+        "data": {
+            "context": {
+                "user": ctx.user,
+                "tenant": ctx.tenant,
+                "tool": ctx.tool,
+                "session": ctx.session,
+                "agent": ctx.agent,
+            },
+            "charges": [
+                {
+                    "limit": c.limit,
+                    "unit": c.unit.value,
+                    "amount": c.amount,
+                    "window": c.window.value,
+                    "bucket": c.bucket,
+                    "key": c.key,
+                    "expire_at": c.expire_at,
+                }
+                for c in entry.charges
+            ],
+            "decision": {
+                "limit": entry.limit,
+                "status": entry.status,
+                "over": list(entry.over),
+                "degraded": entry.degraded,
+            },
+            "usage": None
+            if usage is None
+            else {
+                "model": usage.model,
+                "input_tokens": usage.input_tokens,
+                "output_tokens": usage.output_tokens,
+                "cache_read_tokens": usage.cache_read_tokens,
+                "cache_write_tokens": usage.cache_write_tokens,
+                "price_version": usage.price_version,
+            },
+            "reservation": entry.reservation,
+        },
+    }
+    return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def parse(raw: bytes | str) -> LedgerEvent:
+    """Parse and validate one event; raises :class:`MalformedEventError` with the reason."""
+    try:
+        return _ADAPTER.validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "event"
+        raise MalformedEventError(f"{where}: {first['msg']}", raw) from None
+
+
+def to_entry(event: LedgerEvent) -> LedgerEntry:
+    """The governor-side view of a parsed event (for projection and tools)."""
+    d = event.data
+    kind = EntryType(event.type.split(".")[1])
+    return LedgerEntry(
+        id=event.id,
+        type=kind,
+        time=event.time.timestamp(),
+        context=Context(**d.context.model_dump()),
+        charges=tuple(
+            LedgerCharge(c.limit, c.unit, c.amount, c.window, c.bucket, c.key, c.expire_at)
+            for c in d.charges
+        ),
+        limit=d.decision.limit,
+        status=d.decision.status,
+        over=d.decision.over,
+        usage=None if d.usage is None else TokenUsage(**d.usage.model_dump()),
+        degraded=d.decision.degraded,
+        reservation=d.reservation,
+    )
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schema of every event type, by type name."""
+    out: dict[str, dict[str, Any]] = {}
+    for model in EVENT_TYPES:
+        schema = model.model_json_schema()
+        name = model.model_fields["type"].annotation.__args__[0]  # type: ignore[union-attr]
+        out[str(name)] = schema
+    return out
