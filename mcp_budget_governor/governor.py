@@ -26,10 +26,10 @@ from . import planning
 from .context import EMPTY, Context
 from .counters import Backend, ChargeResult, CounterOp
 from .decision import ADMITTED, Decision
-from .errors import BackendUnavailableError, BudgetExceeded, GovernorError, InvalidInputError
+from .errors import BackendUnavailableError, BudgetExceeded, InvalidInputError
 from .ledger import EntryType, Ledger, LedgerEntry, TokenUsage, new_id
 from .limits import FailMode, Limit, OnExceed
-from .money import Unit, check_amount
+from .money import check_amount
 from .planning import Slot
 from .policy import Policy
 from .prices import PriceTable
@@ -147,36 +147,14 @@ class Governor:
         the amount charged.
         """
         lim = self.policy[limit]
-        for name, value in (
-            ("input_tokens", input_tokens),
-            ("output_tokens", output_tokens),
-            ("cache_read_tokens", cache_read_tokens),
-            ("cache_write_tokens", cache_write_tokens),
-        ):
-            check_amount(value, name)
-        price_version: str | None = None
-        if lim.unit is Unit.USD_MICROS:
-            if self.prices is None:
-                raise GovernorError(
-                    "prices: meter_tokens on a USD limit needs a price table: "
-                    "Governor(..., prices=PriceTable.builtin()) or PriceTable().with_price(...)"
-                )
-            amount = self.prices.cost_micros(
-                model,
-                input_tokens=input_tokens,
-                output_tokens=output_tokens,
-                cache_read_tokens=cache_read_tokens,
-                cache_write_tokens=cache_write_tokens,
-            )
-            price_version = self.prices.version
-        elif lim.unit is Unit.TOKENS:
-            amount = check_amount(input_tokens + output_tokens, "input_tokens + output_tokens")
-        else:
-            raise InvalidInputError(
-                "limit", limit, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
-            )
-        usage = TokenUsage(
-            model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, price_version
+        amount, usage = planning.token_charge(
+            lim,
+            self.prices,
+            model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cache_read_tokens=cache_read_tokens,
+            cache_write_tokens=cache_write_tokens,
         )
         return await self._record(lim, amount, ctx or EMPTY, EntryType.METERED, usage)
 

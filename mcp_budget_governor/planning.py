@@ -10,16 +10,22 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import tzinfo
+from typing import TYPE_CHECKING
 
 from .context import Context
 from .counters import CounterOp, fits
 from .decision import Decision, at
+from .errors import GovernorError, InvalidInputError
 from .keys import counter_key, scope_segment
-from .ledger import LedgerCharge
+from .ledger import LedgerCharge, TokenUsage
 from .limits import Limit, OnExceed
+from .money import Unit, check_amount
 from .policy import Policy
 from .scopes import scope_values
 from .windows import Bucket, bucket_for
+
+if TYPE_CHECKING:
+    from .prices import PriceTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,55 @@ def slot(
     bucket = bucket_for(limit.window, now, tz)
     key = counter_key(limit.name, scope_segment(limit.dimensions, values), bucket.label)
     return Slot(limit, key, bucket, amount, enforce, bucket.expire_at(now))
+
+
+def token_charge(
+    limit: Limit,
+    prices: PriceTable | None,
+    model: str,
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    cache_read_tokens: int = 0,
+    cache_write_tokens: int = 0,
+) -> tuple[int, TokenUsage]:
+    """What a model call charges to ``limit``, and the usage that travels with it.
+
+    USD limits price the tokens (an unknown model raises); TOKENS limits count
+    ``input_tokens + output_tokens`` (input already includes the cache tokens).
+    """
+    for name, value in (
+        ("input_tokens", input_tokens),
+        ("output_tokens", output_tokens),
+        ("cache_read_tokens", cache_read_tokens),
+        ("cache_write_tokens", cache_write_tokens),
+    ):
+        check_amount(value, name)
+    price_version: str | None = None
+    if limit.unit is Unit.USD_MICROS:
+        if prices is None:
+            raise GovernorError(
+                "prices: meter_tokens on a USD limit needs a price table: "
+                "prices=PriceTable.builtin() or PriceTable().with_price(...)"
+            )
+        amount = prices.cost_micros(
+            model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cache_read_tokens=cache_read_tokens,
+            cache_write_tokens=cache_write_tokens,
+        )
+        price_version = prices.version
+    elif limit.unit is Unit.TOKENS:
+        amount = check_amount(input_tokens + output_tokens, "input_tokens + output_tokens")
+    else:
+        raise InvalidInputError(
+            "limit", limit.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
+        )
+    usage = TokenUsage(
+        model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, price_version
+    )
+    return amount, usage
 
 
 @dataclass(frozen=True, slots=True)
