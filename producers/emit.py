@@ -1,0 +1,186 @@
+"""Emit-only metering: charge budgets from code that cannot reach the counters.
+
+A batch job, a worker on another network, a script replaying a provider's
+usage export: it spent money and the budget must know, but it has no Redis and
+no business gating anyone. :class:`Recorder` (and the one-shot :func:`emit`)
+appends a ``metered`` ledger event, exactly the event ``Governor.meter`` /
+``Governor.meter_tokens`` would append for the same context at the same
+instant: same validation, same pricing, the same bucket, counter key and
+expiry (``planning.slot`` at the event time), token usage and price-table
+version attached. The projection then counts it like any other event.
+
+When to use which:
+
+- :class:`~mcp_budget_governor.Governor` where calls are served and Redis is
+  reachable: ``check()`` gates before the work, and ``meter()`` writes the
+  amount in flight so the very next check already sees it.
+- :class:`Recorder` / :func:`emit` everywhere else. They never check, never
+  refuse, never read a counter: no hot-path enforcement, emit only. The charge
+  reaches the counters when the projection applies the event, so checks see it
+  after the projection lag (a breaker trips then, not at once).
+- Never both for the same cost: that charges it twice.
+
+The ledger must be the one the projection reads (the Kafka producer, the
+durable outbox, ...). A context lacking a limit's scope is not charged on
+that limit (0 is returned and nothing is appended), as with ``Governor.meter``.
+
+>>> import asyncio
+>>> from mcp_budget_governor import Context, Limit, Policy, Unit, Window, usd
+>>> from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+>>> policy = Policy.of(Limit("spend", cap=usd(25), window=Window.DAY,
+...                          unit=Unit.USD_MICROS, breaker=True, gated=False))
+>>> ledger = MemoryLedger()
+>>> asyncio.run(emit(ledger, policy, "spend", usd("0.05"), Context(user="nightly-batch")))
+50000
+>>> [(e.type.value, e.charges[0].limit, e.charges[0].amount) for e in ledger.entries]
+[('metered', 'spend', 50000)]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from mcp_budget_governor import planning
+from mcp_budget_governor.context import EMPTY, Context
+from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.ledger import EntryType, Ledger, LedgerEntry, TokenUsage, new_id
+from mcp_budget_governor.limits import Limit
+from mcp_budget_governor.money import check_amount
+from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.prices import PriceTable
+
+__all__ = ["Recorder", "emit"]
+
+
+class Recorder:
+    """Appends ``metered`` events for a policy to a ledger; keeps no counters.
+
+    ``meter`` and ``meter_tokens`` take the same arguments, validate them the
+    same way and return the same amount as the :class:`Governor` methods of
+    the same name; invalid input raises before anything is appended.
+    ``prices`` is needed by ``meter_tokens`` on USD limits; ``clock`` gives
+    the event time, which picks the window bucket.
+
+    >>> import asyncio
+    >>> from mcp_budget_governor import Context, Limit, Policy, PriceTable, Unit, Window, usd
+    >>> from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+    >>> policy = Policy.of(Limit("spend", cap=usd(25), window=Window.DAY,
+    ...                          unit=Unit.USD_MICROS, breaker=True, gated=False))
+    >>> ledger = MemoryLedger()
+    >>> rec = Recorder(policy, ledger, prices=PriceTable().with_price("my-model", 3, 15))
+    >>> asyncio.run(rec.meter_tokens("spend", "my-model", input_tokens=3200, output_tokens=850,
+    ...                              ctx=Context(user="u_42")))
+    22350
+    >>> entry = ledger.entries[0]
+    >>> entry.type.value, entry.charges[0].amount, entry.usage.model
+    ('metered', 22350, 'my-model')
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        ledger: Ledger,
+        *,
+        prices: PriceTable | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not isinstance(ledger, Ledger):
+            raise InvalidInputError(
+                "ledger", ledger, "expected a Ledger (async append(entry) and aclose())"
+            )
+        if not isinstance(policy, Policy):
+            raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
+        self.policy = policy
+        self.ledger = ledger
+        self.prices = prices
+        self._clock = clock
+
+    async def meter(self, limit: str, amount: int, ctx: Context | None = None) -> int:
+        """Append what a completed call cost on ``limit``; see :meth:`Governor.meter`.
+
+        Returns the amount charged: 0 (and nothing appended) when the context
+        lacks the limit's scope.
+        """
+        lim = self.policy[limit]
+        return await self._append(lim, check_amount(amount, "amount"), ctx or EMPTY, None)
+
+    async def meter_tokens(
+        self,
+        limit: str,
+        model: str,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        ctx: Context | None = None,
+    ) -> int:
+        """Append a model call's cost by its token usage; see :meth:`Governor.meter_tokens`.
+
+        On a USD limit the cost comes from ``prices`` (an unknown model raises
+        :class:`~mcp_budget_governor.UnknownModelError`); on a TOKENS limit
+        the tokens are counted. The usage and price-table version travel with
+        the event.
+        """
+        lim = self.policy[limit]
+        amount, usage = planning.token_charge(
+            lim,
+            self.prices,
+            model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cache_read_tokens=cache_read_tokens,
+            cache_write_tokens=cache_write_tokens,
+        )
+        return await self._append(lim, amount, ctx or EMPTY, usage)
+
+    async def _append(self, lim: Limit, amount: int, ctx: Context, usage: TokenUsage | None) -> int:
+        now = self._clock()
+        s = planning.slot(lim, ctx, now, self.policy.tz, amount, enforce=False)
+        if s is None:
+            return 0
+        charges = (s.ledger_charge(),) if amount else ()
+        await self.ledger.append(
+            LedgerEntry(new_id(), EntryType.METERED, now, ctx, charges, usage=usage)
+        )
+        return amount
+
+    async def aclose(self) -> None:
+        """Flush and close the ledger (as ``Governor.aclose`` does)."""
+        await self.ledger.aclose()
+
+    async def __aenter__(self) -> Recorder:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def emit(
+    ledger: Ledger,
+    policy: Policy,
+    limit: str,
+    amount: int,
+    ctx: Context | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> int:
+    """Append one ``metered`` event of ``amount`` on ``limit``; returns the amount charged.
+
+    A one-shot :meth:`Recorder.meter` that leaves ``ledger`` open; keep a
+    :class:`Recorder` when emitting many events or token usage.
+
+    >>> import asyncio
+    >>> from mcp_budget_governor import Context, Limit, Policy, Scope, Window
+    >>> from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+    >>> policy = Policy.of(Limit("calls", cap=100, window=Window.DAY, scope=Scope.USER))
+    >>> ledger = MemoryLedger()
+    >>> asyncio.run(emit(ledger, policy, "calls", 3, Context(user="u_42")))
+    3
+    >>> asyncio.run(emit(ledger, policy, "calls", 3))  # no user: the limit does not apply
+    0
+    >>> len(ledger.entries)
+    1
+    """
+    return await Recorder(policy, ledger, clock=clock).meter(limit, amount, ctx)
