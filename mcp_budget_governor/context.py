@@ -26,8 +26,19 @@ class Context:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value: Any = getattr(self, f.name)
-            if value is not None and not isinstance(value, str):
+            if value is None:
+                continue
+            if not isinstance(value, str):
                 raise InvalidInputError(f"Context.{f.name}", value, "expected a string or None")
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    # A lone surrogate (bytes decoded with surrogateescape) is not
+                    # text: it could not be written to the ledger or shown to anyone.
+                    raise InvalidInputError(
+                        f"Context.{f.name}", value, "not valid Unicode (lone surrogate)"
+                    ) from None
 
     def with_tool(self, tool: str | None) -> Context:
         """The same caller, using another tool."""

@@ -31,7 +31,7 @@ def escape(value: str) -> str:
     >>> escape("a:b{c}")
     'a%3Ab%7Bc%7D'
     """
-    raw = value.encode("utf-8", "surrogatepass")
+    raw = value.encode("utf-8")
     out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     if len(out) > MAX_VALUE_CHARS:
         return "#" + hashlib.sha256(raw).hexdigest()

@@ -125,3 +125,6 @@ def test_context_rejects_non_strings() -> None:
 
     with pytest.raises(InvalidInputError, match=r"Context.user.*42"):
         Context(user=42)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match=r"Context.tool.*lone surrogate"):
+        Context(tool="bad\udcff")
+    assert Context(user="漢字 🙂").user == "漢字 🙂"
