@@ -1,0 +1,726 @@
+"""The one on-disk record format of the outbox and the file ledger.
+
+**Format.** JSON Lines: one CloudEvent per line, UTF-8, each line ended by
+``\\n``, in segment files ``<prefix>-<first sequence number, 20 digits>.jsonl``
+inside one directory. DuckDB reads a folder as it is::
+
+    SELECT * FROM read_json('<dir>/*.jsonl', format='newline_delimited')
+
+Every record has a **sequence number**, counted from 0 across the whole log
+(deleted segments included); a segment is named by the sequence number of its
+first record, as a Kafka segment is named by its base offset. Nothing else
+ending in ``.jsonl`` is written to the directory (the lock and cursor files
+have other suffixes), so the glob above sees records only.
+
+**Positions.** A :class:`Position` is ``(segment, offset, index)``: the
+segment's first sequence number, the byte offset of the record's first byte in
+that file, and the record's index within the segment (its line number from 0).
+The byte offset lets a reader resume with one ``seek``; the index gives the
+record's sequence number (``segment + index``) and is the per-segment offset
+the file projector hands to ``Backend.apply``. A position may also be the end
+of a segment (``offset`` = file size), which a reader treats as the start of
+the next segment.
+
+**Durability** (``fsync``), the policy a log is opened with:
+
+- ``"always"``: :meth:`RecordLog.append` returns after the batch is fsync'd
+  (one fsync per call, whatever the number of records in it).
+- ``"batch"`` (group commit): appends only ``write()``; one fsync covers every
+  append since the previous one, at most every ``batch_interval`` seconds,
+  done by an attached :class:`Flusher` (off the event loop, in a thread) or,
+  without one, by the first append that finds the interval elapsed. A crash
+  of the *process* loses nothing (written bytes are in the kernel); a crash of
+  the *machine* may lose the appends of the last interval.
+- ``"never"``: the OS writes back when it likes; :meth:`RecordLog.close` still
+  fsyncs once.
+
+Whatever the policy, the directory is fsync'd when a segment is created
+(except under ``"never"``), so a new segment's name survives a machine crash,
+and a segment is fsync'd before the log rotates away from it.
+
+**Damage.** A last line without its ``\\n`` (a crash mid-write) is a *torn
+tail*: a reader skips it with a warning naming the file and byte offset. In
+the newest segment it stops there instead, since a live writer may still be
+completing that line (the next ``read`` from the same position sees it whole);
+it warns only once the file has not changed for ``IN_PROGRESS_SECONDS``, so
+a tailing reader does not cry wolf. A writer opening the log truncates a torn
+tail away, with a warning, so that new records start on a clean line. A complete line that is
+not a valid record (empty, or rejected by the caller's ``validate``) is
+yielded flagged with :attr:`LogRecord.error` and its position; reading never
+raises because of what a file contains.
+
+One writer per directory and prefix, enforced with an advisory ``flock`` on
+``<prefix>.lock`` (the kernel drops it when the process dies, even by
+SIGKILL). Readers (``writable=False``) take no lock and may run in other
+processes while the writer appends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from mcp_budget_governor.errors import GovernorError
+
+log = logging.getLogger(__name__)
+
+FsyncPolicy = Literal["always", "batch", "never"]
+FSYNC_POLICIES: tuple[FsyncPolicy, ...] = ("always", "batch", "never")
+
+SUFFIX = ".jsonl"
+SEQ_DIGITS = 20
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+DEFAULT_BATCH_INTERVAL = 0.005
+_SCAN_CHUNK = 1024 * 1024
+#: An unterminated newest line younger than this may be a write in progress.
+IN_PROGRESS_SECONDS = 2.0
+_PREFIX = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+class RecordLogError(GovernorError, OSError):
+    """The log cannot take writes: closed, locked by another writer, or a failed fsync.
+
+    After a failed fsync the log refuses further writes: the kernel may have
+    dropped the dirty pages, and a later fsync could report success for data
+    that never reached the disk.
+    """
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Position:
+    """Where a record starts: segment (its first sequence number), byte offset, index."""
+
+    segment: int
+    offset: int
+    index: int
+
+    @property
+    def seq(self) -> int:
+        """The record's sequence number in the whole log."""
+        return self.segment + self.index
+
+    def to_json(self) -> dict[str, int]:
+        """A plain mapping, for cursor files."""
+        return {"segment": self.segment, "offset": self.offset, "index": self.index}
+
+    @classmethod
+    def from_json(cls, raw: object) -> Position:
+        """The inverse of :meth:`to_json`; raises ``ValueError`` on anything else."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a position is an object, got {raw!r}")
+        values: list[int] = []
+        for name in ("segment", "offset", "index"):
+            value = raw.get(name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}: a non-negative integer, got {value!r}")
+            values.append(value)
+        return cls(*values)
+
+
+@dataclass(frozen=True, slots=True)
+class LogRecord:
+    """One complete line: its position, its bytes (without ``\\n``), and why it is bad, if it is."""
+
+    position: Position
+    data: bytes
+    error: str | None = None
+
+    @property
+    def next(self) -> Position:
+        """The position just past this record (where the next one starts)."""
+        p = self.position
+        return Position(p.segment, p.offset + len(self.data) + 1, p.index + 1)
+
+
+def json_object(data: bytes) -> None:
+    """A ``validate`` for :meth:`RecordLog.read`: the line must be one JSON object."""
+    value = json.loads(data)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object but a {type(value).__name__}")
+
+
+def segment_name(prefix: str, segment: int) -> str:
+    """``ledger-00000000000000000042.jsonl`` for ``("ledger", 42)``."""
+    return f"{prefix}-{segment:0{SEQ_DIGITS}d}{SUFFIX}"
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a created, renamed or deleted directory entry durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RecordLog:
+    """An append-only log of byte records in JSON Lines segment files.
+
+    Thread-safe for one appending thread plus others that ``sync``,
+    ``delete_before`` or read sizes (an outbox acknowledged from a worker thread).
+
+    ``writable=True`` (one process at a time) opens the newest segment for
+    appending after truncating a torn tail; ``writable=False`` only reads, and
+    sees segments another process creates. ``first_seq`` numbers the first
+    segment of an empty directory (an outbox whose segments were all deleted
+    continues its numbering from its cursor). ``fresh_segment=True`` makes a
+    writer continue in a new segment rather than the newest one unless that
+    is empty (see :class:`~mcp_budget_governor.producers.file_ledger.FileLedger`).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        prefix: str = "log",
+        fsync: FsyncPolicy = "batch",
+        batch_interval: float = DEFAULT_BATCH_INTERVAL,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        writable: bool = True,
+        first_seq: int = 0,
+        fresh_segment: bool = False,
+    ) -> None:
+        if not _PREFIX.match(prefix):
+            raise ValueError(f"prefix: use letters, digits, '_' and '.' only (got {prefix!r})")
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync: one of {FSYNC_POLICIES} (got {fsync!r})")
+        if batch_interval < 0:
+            raise ValueError(f"batch_interval: seconds >= 0 (got {batch_interval!r})")
+        if segment_bytes < 1:
+            raise ValueError(f"segment_bytes: a positive size (got {segment_bytes!r})")
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self.fsync: FsyncPolicy = fsync
+        self.batch_interval = batch_interval
+        self.segment_bytes = segment_bytes
+        self.writable = writable
+        name = rf"^{re.escape(prefix)}-(\d{{{SEQ_DIGITS}}}){re.escape(SUFFIX)}$"
+        self._pattern = re.compile(name)
+        # Torn tails already reported by this reader, so a tailing reader warns once.
+        self._warned: set[tuple[int, int]] = set()
+        # The writer's state below is guarded by _lock: a Flusher fsyncs from a thread.
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._lock_fd = -1
+        self._end = Position(first_seq, 0, 0)
+        self._sizes: dict[int, int] = {}
+        self._written = 0  # bytes appended by this instance
+        self._synced = 0  # of which known to be fsync'd
+        self._last_sync = time.monotonic()
+        self._failed: BaseException | None = None
+        self._closed = False
+        self.flusher_attached = False
+        if writable:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._open_writer(first_seq)
+            if fresh_segment and self._end.offset:
+                self._rotate(self._end.seq)
+
+    # -- opening -------------------------------------------------------------
+
+    def _open_writer(self, first_seq: int) -> None:
+        lock_path = self.directory / f"{self.prefix}.lock"
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise RecordLogError(
+                f"{lock_path}: another process is writing this log (one writer per directory)"
+            ) from None
+        try:
+            self._open_segments(first_seq)
+        except BaseException:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise
+
+    def _open_segments(self, first_seq: int) -> None:
+        segments = self.segments()
+        for seg in segments:
+            self._sizes[seg] = self.path(seg).stat().st_size
+        if not segments:
+            self._create_segment(first_seq)
+            return
+        last = segments[-1]
+        path = self.path(last)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        end, count = _scan_lines(path)
+        size = self._sizes[last]
+        if end < size:
+            # A crash mid-write left a line without its newline: cut it off so
+            # the next record starts on a clean line instead of extending it.
+            log.warning(
+                "%s: torn tail at byte %d (%d bytes without a newline, a crash mid-write): "
+                "truncated",
+                path,
+                end,
+                size - end,
+            )
+            os.ftruncate(self._fd, end)
+            if self.fsync != "never":
+                os.fsync(self._fd)
+            self._sizes[last] = end
+        self._end = Position(last, end, count)
+
+    def _create_segment(self, seq: int) -> None:
+        path = self.path(seq)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        if self.fsync != "never":
+            fsync_dir(self.directory)
+        self._sizes[seq] = 0
+        self._end = Position(seq, 0, 0)
+
+    # -- layout --------------------------------------------------------------
+
+    def path(self, segment: int) -> Path:
+        """The file of a segment."""
+        return self.directory / segment_name(self.prefix, segment)
+
+    def segments(self) -> list[int]:
+        """The segments on disk now, oldest first (a fresh directory listing)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            m = self._pattern.match(name)
+            if m:
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    @property
+    def end(self) -> Position:
+        """Where the next appended record goes (writer only)."""
+        return self._end
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes in this log's segment files (tracked by the writer, listed by a reader)."""
+        if self.writable:
+            with self._lock:
+                return sum(self._sizes.values())
+        total = 0
+        for seg in self.segments():
+            with contextlib.suppress(FileNotFoundError):
+                total += self.path(seg).stat().st_size
+        return total
+
+    def size(self, segment: int) -> int:
+        """Bytes in one segment (writer only; 0 for a segment not on disk)."""
+        return self._sizes.get(segment, 0)
+
+    def has_segment(self, segment: int) -> bool:
+        """Whether the writer knows this segment (no directory listing)."""
+        return segment in self._sizes
+
+    def next_segment(self, segment: int) -> int | None:
+        """The writer's first segment after ``segment``, if any."""
+        with self._lock:
+            later = [s for s in self._sizes if s > segment]
+        return min(later) if later else None
+
+    def bytes_from(self, position: Position) -> int:
+        """Bytes from ``position`` to the end of the log (writer only, no I/O)."""
+        with self._lock:
+            tail = sum(size for seg, size in self._sizes.items() if seg >= position.segment)
+            known = position.segment in self._sizes
+        return tail - position.offset if known else tail
+
+    # -- writing -------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if not self.writable:
+            raise RecordLogError(f"{self.directory}: this log was opened read-only")
+        if self._closed:
+            raise RecordLogError(f"{self.directory}: the log is closed")
+        if self._failed is not None:
+            raise RecordLogError(
+                f"{self.directory}: an earlier fsync failed ({self._failed}); "
+                "reopen the log to know what is on disk"
+            )
+
+    def append(self, records: Sequence[bytes], *, sync: bool | None = None) -> Position:
+        """Write ``records`` (each one line, without ``\\n``) in order, in one write.
+
+        Returns the position of the first. ``sync`` overrides the policy for
+        this call (``False``: the caller fsyncs through a :class:`Flusher`).
+        A batch is never split across segments; the log rotates before a
+        batch that would take the current segment past ``segment_bytes``.
+        """
+        if not records:
+            return self._end
+        for record in records:
+            if not record or b"\n" in record:
+                raise ValueError(
+                    "a record is one non-empty line: no newline inside "
+                    f"(got {bytes(record[:60])!r}...)"
+                )
+        buf = b"\n".join(records) + b"\n"
+        with self._lock:
+            self._check_open()
+            if self._end.offset and self._end.offset + len(buf) > self.segment_bytes:
+                self._rotate(self._end.seq)
+            first = self._end
+            _write_all(self._fd, buf)
+            self._end = Position(first.segment, first.offset + len(buf), first.index + len(records))
+            self._sizes[first.segment] += len(buf)
+            self._written += len(buf)
+        if sync is None:
+            if self.fsync == "always":
+                sync = True
+            elif self.fsync == "batch" and not self.flusher_attached:
+                sync = time.monotonic() - self._last_sync >= self.batch_interval
+            else:
+                sync = False
+        if sync:
+            self.sync()
+        return first
+
+    def _rotate(self, seq: int) -> None:
+        """Start a new segment at ``seq`` (lock held)."""
+        if self.fsync != "never" and self._written > self._synced:
+            # The old segment is closed for good: make it durable now rather
+            # than leave a Flusher holding on to its descriptor.
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                self._failed = exc
+                raise RecordLogError(f"fsync of {self.path(self._end.segment)}: {exc}") from exc
+            self._synced = self._written
+        old = self._end
+        os.close(self._fd)
+        self._fd = -1
+        if old.offset == 0 and old.segment != seq:
+            # An empty segment named for a sequence number that will not be used.
+            self.path(old.segment).unlink()
+            del self._sizes[old.segment]
+        self._create_segment(seq)
+
+    def roll(self, min_seq: int) -> None:
+        """Continue in a new segment numbered at least ``min_seq`` (used when a
+        cursor is ahead of what survived on disk, so new records sort after it)."""
+        with self._lock:
+            self._check_open()
+            seq = max(min_seq, self._end.seq)
+            if self._end.offset == 0 and self._end.segment == seq:
+                return
+            self._rotate(seq)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes this instance has appended (a mark :class:`Flusher` waits on)."""
+        return self._written
+
+    @property
+    def synced_bytes(self) -> int:
+        """Of :attr:`written_bytes`, how many an fsync has covered."""
+        return self._synced
+
+    @property
+    def unsynced_bytes(self) -> int:
+        """Bytes this instance appended that no fsync has covered yet."""
+        return self._written - self._synced
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def sync(self) -> None:
+        """fsync everything appended so far. Thread-safe; appends may continue meanwhile."""
+        with self._lock:
+            self._check_open()
+            mark = self._written
+            if mark <= self._synced:
+                self._last_sync = time.monotonic()
+                return
+            # A duplicate descriptor: a rotation may close the original while
+            # this fsync runs in a Flusher's thread.
+            fd = os.dup(self._fd)
+            path = self.path(self._end.segment)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            self._failed = exc
+            log.error("fsync of %s failed: %s; the log refuses further writes", path, exc)
+            raise RecordLogError(f"fsync of {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._synced = max(self._synced, mark)
+            self._last_sync = time.monotonic()
+
+    def delete_before(self, segment: int) -> int:
+        """Delete the whole segments older than ``segment`` (never the one being
+        written). Returns the bytes freed."""
+        freed = 0
+        deleted = False
+        for seg in self.segments():
+            if seg >= segment or seg >= self._end.segment:
+                break
+            path = self.path(seg)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("%s: not deleted (%s); will retry", path, exc)
+                continue
+            with self._lock:
+                freed += self._sizes.pop(seg, 0)
+            deleted = True
+        if deleted and self.fsync != "never":
+            fsync_dir(self.directory)
+        return freed
+
+    def close(self) -> None:
+        """fsync (whatever the policy) and release the file and the writer lock."""
+        if self._closed:
+            return
+        try:
+            if self.writable and self._failed is None and self._written > self._synced:
+                self.sync()
+        finally:
+            self._closed = True
+            for fd in (self._fd, self._lock_fd):
+                if fd >= 0:
+                    os.close(fd)  # closing the lock file releases the flock
+            self._fd = self._lock_fd = -1
+
+    def __enter__(self) -> RecordLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading -------------------------------------------------------------
+
+    def read(
+        self,
+        start: Position | None = None,
+        *,
+        validate: Callable[[bytes], object] | None = None,
+    ) -> Generator[LogRecord, None, None]:
+        """Every complete record from ``start`` (default: the oldest), in order across segments.
+
+        ``validate(data)`` may raise ``ValueError`` for a record the caller
+        cannot use; such a record (and an empty line) is yielded with
+        ``error`` set, never raised. A torn tail is skipped with a warning; in
+        the newest segment reading stops before it (a writer may be finishing
+        that line; the next ``read`` from the same position sees it complete).
+        A ``start`` in a segment that no longer exists resumes at the next one.
+        """
+        segments = self.segments()
+        if start is None:
+            if not segments:
+                return
+            start = Position(segments[0], 0, 0)
+        for i, seg in enumerate(segments):
+            if seg < start.segment:
+                continue
+            offset, index = (start.offset, start.index) if seg == start.segment else (0, 0)
+            newest = i == len(segments) - 1
+            path = self.path(seg)
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - closed in the finally below
+            except FileNotFoundError:
+                continue  # deleted (shipped) while we listed
+            try:
+                f.seek(offset)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        self._torn(path, seg, offset, len(line), newest)
+                        break
+                    data = line[:-1]
+                    error = None
+                    if not data:
+                        error = "empty line"
+                    elif validate is not None:
+                        try:
+                            validate(data)
+                        except ValueError as exc:
+                            error = str(exc) or type(exc).__name__
+                    yield LogRecord(Position(seg, offset, index), data, error)
+                    offset += len(line)
+                    index += 1
+                else:
+                    continue
+                if newest:
+                    return
+            finally:
+                f.close()
+
+    def _torn(self, path: Path, seg: int, offset: int, length: int, newest: bool) -> None:
+        if (seg, offset) in self._warned:
+            return
+        if newest:
+            try:
+                age = time.time() - path.stat().st_mtime
+            except FileNotFoundError:
+                return
+            if age < IN_PROGRESS_SECONDS:
+                # Most likely a live writer's line caught half copied: say
+                # nothing yet; if it is still unterminated later, it is torn.
+                return
+            self._warned.add((seg, offset))
+            log.warning(
+                "%s: torn tail at byte %d (%d bytes without a newline, unchanged for %.0f s): "
+                "not read",
+                path,
+                offset,
+                length,
+                age,
+            )
+            return
+        self._warned.add((seg, offset))
+        log.warning(
+            "%s: torn tail at byte %d (%d bytes without a newline): skipped",
+            path,
+            offset,
+            length,
+        )
+
+
+def _write_all(fd: int, buf: bytes) -> None:
+    """Write all of ``buf`` or nothing: a failure (a full disk) truncates back
+    to where the batch started, so no half record is left for the next one to extend."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    view = memoryview(buf)
+    try:
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
+
+
+def _scan_lines(path: Path) -> tuple[int, int]:
+    """The byte length of the complete lines of a file, and how many there are."""
+    end = count = pos = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_SCAN_CHUNK):
+            n = chunk.count(b"\n")
+            if n:
+                count += n
+                end = pos + chunk.rindex(b"\n") + 1
+            pos += len(chunk)
+    return end, count
+
+
+class Flusher:
+    """Group commit on an event loop: one fsync, in a thread, for every append since the last.
+
+    The log stops syncing inline once a flusher is attached. ``notify()``
+    after an append schedules an fsync no sooner than ``interval`` after the
+    previous one ("batch"); ``await wait_synced()`` returns once an fsync
+    covers everything appended before the call ("always" with ``interval=0``:
+    callers that arrive while an fsync runs share the next one).
+    """
+
+    def __init__(self, record_log: RecordLog, interval: float | None = None) -> None:
+        self.log = record_log
+        self.interval = record_log.batch_interval if interval is None else interval
+        record_log.flusher_attached = True
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._last = 0.0
+
+    def _ensure(self) -> asyncio.Event:
+        loop = asyncio.get_running_loop()
+        if self._wake is None or self._loop is not loop:
+            # First use, or a new event loop (the old one's task died with it).
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._task = None
+            self._waiters = []
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run())
+        return self._wake
+
+    def notify(self) -> None:
+        """Something was appended: fsync it within ``interval``."""
+        self._ensure().set()
+
+    async def wait_synced(self) -> None:
+        """Return once everything appended so far is fsync'd (raises if the fsync failed)."""
+        target = self.log.written_bytes
+        if target <= self.log.synced_bytes:
+            return
+        wake = self._ensure()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, future))
+        wake.set()
+        await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        assert wake is not None
+        while True:
+            await wake.wait()
+            wake.clear()
+            delay = self._last + self.interval - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                await asyncio.to_thread(self.log.sync)
+            except Exception as exc:  # a failed fsync: every waiter must hear of it
+                self._release(exc)
+                return
+            self._last = loop.time()
+            self._release(None)
+            if self.log.written_bytes > self.log.synced_bytes:
+                wake.set()
+
+    def _release(self, exc: BaseException | None) -> None:
+        synced = self.log.synced_bytes
+        keep = []
+        for target, future in self._waiters:
+            if future.done():
+                continue
+            if exc is not None:
+                future.set_exception(exc)
+            elif target <= synced:
+                future.set_result(None)
+            else:
+                keep.append((target, future))
+        self._waiters = keep
+
+    async def aclose(self) -> None:
+        """Stop the task and fsync what is left."""
+        if self._task is not None and self._loop is asyncio.get_running_loop():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        error: BaseException | None = None
+        try:
+            if not self.log.closed:
+                await asyncio.to_thread(self.log.sync)
+        except RecordLogError as exc:
+            error = exc
+        self._release(error)
+        for _, future in self._waiters:
+            if not future.done():
+                future.set_exception(RecordLogError("the flusher was closed"))
+        self._waiters = []
+        if error is not None:
+            raise error
