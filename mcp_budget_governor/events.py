@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -180,8 +181,20 @@ def type_name(kind: EntryType) -> str:
     return f"mcpbg.{kind.value}.{SCHEMA_VERSION}"
 
 
+_TYPE_NAMES = {kind: type_name(kind) for kind in EntryType}
+
+
 def _rfc3339(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    whole = int(epoch)
+    micros = round((epoch - whole) * 1_000_000)
+    if micros == 1_000_000:
+        whole, micros = whole + 1, 0
+    return f"{_second(whole)}.{micros:06d}Z"
+
+
+@lru_cache(maxsize=1024)
+def _second(whole: int) -> str:
+    return datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def _subject(ctx: Context) -> str | None:
@@ -192,31 +205,26 @@ def _subject(ctx: Context) -> str | None:
     return None
 
 
-def encode(entry: LedgerEntry, source: str) -> bytes:
-    """One structured-mode CloudEvent as compact UTF-8 JSON, built without validation.
+# The context and the charges of a hot caller repeat call after call (the
+# governor reuses one plan per context and minute), so their JSON is made once
+# and embedded as a pre-serialised fragment.
+@lru_cache(maxsize=4096)
+def _context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
+    fields = {
+        "user": ctx.user,
+        "tenant": ctx.tenant,
+        "tool": ctx.tool,
+        "session": ctx.session,
+        "agent": ctx.agent,
+    }
+    return orjson.Fragment(orjson.dumps(fields)), _subject(ctx)
 
-    orjson writes it: about 4 us an event against 14 with the standard library,
-    and this runs once per governed call.
-    """
-    ctx = entry.context
-    usage = entry.usage
-    event = {
-        "specversion": SPECVERSION,
-        "id": entry.id,
-        "source": source,
-        "type": type_name(entry.type),
-        "time": _rfc3339(entry.time),
-        "subject": _subject(ctx),
-        "datacontenttype": CONTENT_TYPE,
-        "data": {
-            "context": {
-                "user": ctx.user,
-                "tenant": ctx.tenant,
-                "tool": ctx.tool,
-                "session": ctx.session,
-                "agent": ctx.agent,
-            },
-            "charges": [
+
+@lru_cache(maxsize=4096)
+def _charges_json(charges: tuple[LedgerCharge, ...]) -> orjson.Fragment:
+    return orjson.Fragment(
+        orjson.dumps(
+            [
                 {
                     "limit": c.limit,
                     "unit": c.unit.value,
@@ -226,12 +234,35 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
                     "key": c.key,
                     "expire_at": c.expire_at,
                 }
-                for c in entry.charges
-            ],
+                for c in charges
+            ]
+        )
+    )
+
+
+def encode(entry: LedgerEntry, source: str) -> bytes:
+    """One structured-mode CloudEvent as compact UTF-8 JSON, built without validation.
+
+    orjson writes it, with the repeating parts cached: a few microseconds an
+    event, and this runs once per governed call.
+    """
+    context, subject = _context_json(entry.context)
+    usage = entry.usage
+    event = {
+        "specversion": SPECVERSION,
+        "id": entry.id,
+        "source": source,
+        "type": _TYPE_NAMES[entry.type],
+        "time": _rfc3339(entry.time),
+        "subject": subject,
+        "datacontenttype": CONTENT_TYPE,
+        "data": {
+            "context": context,
+            "charges": _charges_json(entry.charges),
             "decision": {
                 "limit": entry.limit,
                 "status": entry.status,
-                "over": list(entry.over),
+                "over": entry.over,
                 "degraded": entry.degraded,
             },
             "usage": None

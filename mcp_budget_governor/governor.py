@@ -27,7 +27,7 @@ from .context import EMPTY, Context
 from .counters import Backend, ChargeResult, CounterOp
 from .decision import ADMITTED, Decision
 from .errors import BackendUnavailableError, BudgetExceeded, InvalidInputError
-from .ledger import EntryType, Ledger, LedgerEntry, TokenUsage, new_id
+from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from .limits import FailMode, Limit, OnExceed
 from .money import check_amount
 from .planning import Slot
@@ -91,8 +91,13 @@ class Governor:
         ctx = ctx or EMPTY
         now = self._clock()
         plan = self._plan(ctx, now)
-        if not plan.slots and self.ledger is None:
-            return ADMITTED
+        if self.ledger is None:
+            if not plan.slots:
+                return ADMITTED
+        elif not getattr(self.ledger, "accepting", True):
+            # The ledger cannot take new work (a full outbox that refuses): shed
+            # the call before charging anything, rather than lose its event.
+            return planning.ledger_full(self._retry_interval)
         event_id = new_id() if self.ledger is not None else None
         try:
             result = await self._charge(plan.ops, event_id, want_used=plan.shadow)
@@ -104,13 +109,12 @@ class Governor:
             else:
                 decision = self._decide(plan.slots, result, now)
         if self.ledger is not None and event_id is not None:
-            charged = plan.slots if decision.admitted else ()
             await self._append(
                 event_id,
                 EntryType.ADMITTED if decision.admitted else EntryType.REJECTED,
                 now,
                 ctx,
-                charged,
+                plan.charges if decision.admitted else (),
                 limit=decision.limit,
                 status=decision.status,
                 over=decision.over,
@@ -307,7 +311,7 @@ class Governor:
                 kind,
                 now,
                 ctx,
-                [s],
+                planning.ledger_charges((s,)),
                 usage=usage,
                 degraded=degraded,
                 reservation=reservation,
@@ -320,11 +324,10 @@ class Governor:
         kind: EntryType,
         now: float,
         ctx: Context,
-        slots: Sequence[Slot],
+        charges: tuple[LedgerCharge, ...],
         **extra: Any,
     ) -> None:
         assert self.ledger is not None
-        charges = tuple(s.ledger_charge() for s in slots if s.amount)
         await self.ledger.append(LedgerEntry(event_id, kind, now, ctx, charges, **extra))
 
 
@@ -391,7 +394,7 @@ class Reservation:
                 EntryType.RESERVED,
                 now,
                 self.ctx,
-                [s],
+                planning.ledger_charges((s,)),
                 over=decision.over,
                 degraded=decision.degraded,
             )

@@ -126,13 +126,24 @@ class Plan:
     slots: tuple[Slot, ...]
     ops: tuple[CounterOp, ...]
     shadow: bool
+    charges: tuple[LedgerCharge, ...]
 
 
 def check_plan(policy: Policy, ctx: Context, now: float) -> Plan:
     """The plan of a check at ``now``. Valid for the whole minute: every bucket
     boundary (UTC or zoned) falls on a whole minute."""
     slots = tuple(check_slots(policy, ctx, now))
-    return Plan(slots, tuple(s.op for s in slots), any(not s.enforce for s in slots))
+    return Plan(
+        slots,
+        tuple(s.op for s in slots),
+        any(not s.enforce for s in slots),
+        ledger_charges(slots),
+    )
+
+
+def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:
+    """What the ledger records of these slots: every non-zero amount."""
+    return tuple(s.ledger_charge() for s in slots if s.amount)
 
 
 def check_slots(policy: Policy, ctx: Context, now: float) -> list[Slot]:
@@ -178,6 +189,17 @@ def unavailable(s: Slot, retry_after: float) -> Decision:
         retry_after=max(1, math.ceil(retry_after)),
         resets_at=None,
         reason=reason(s.limit, "budget_unavailable"),
+        degraded=True,
+    )
+
+
+def ledger_full(retry_after: float) -> Decision:
+    """The ledger cannot record new work: 503, try again soon, nothing charged."""
+    return Decision(
+        admitted=False,
+        status=503,
+        retry_after=max(1, math.ceil(retry_after)),
+        reason="ledger_unavailable",
         degraded=True,
     )
 
