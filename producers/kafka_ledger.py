@@ -122,7 +122,8 @@ class KafkaLedger:
     - ``outbox_dir``: where events spill (default: a folder per topic under the
       system temp dir; give a persistent volume in production).
     - ``queue_size``: events held in memory before spilling to the outbox.
-    - ``linger_ms``, ``batch_size``, ``compression``: passed to the client.
+    - ``linger_ms``: how long the shipper lets a batch form; ``batch_size``
+      (events) and ``max_batch_bytes`` bound it; ``compression`` goes to the client.
     - ``durability``: ``"async"`` (default) returns at once; ``"acked"`` waits
       for the broker's acknowledgement, at most ``ack_timeout`` seconds.
     - ``request_timeout``: how long a send may take before Kafka counts as down.
@@ -177,6 +178,7 @@ class KafkaLedger:
         self.retry_interval = retry_interval
         self._send_timeout = 2 * request_timeout
         self.spill_after = spill_after
+        self.linger = linger_ms / 1000
         # monotonic time the batch now in the client's hands was sent (0: none)
         self._sending_since = 0.0
         self._pending_sends: list[Any] = []
@@ -292,11 +294,13 @@ class KafkaLedger:
     # -- the shipper --------------------------------------------------------
 
     def _kick(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
+        wake = self._wake
+        if wake is None:
+            wake = self._wake = asyncio.Event()
         if self._shipper is None or self._shipper.done():
             self._shipper = asyncio.get_running_loop().create_task(self._ship_forever())
-        self._wake.set()
+        if not wake.is_set():
+            wake.set()
 
     async def start(self) -> None:
         """Start shipping now (otherwise the first append starts it), leftovers first."""
@@ -376,6 +380,10 @@ class KafkaLedger:
                     return
                 self._wake.clear()
                 await self._wake.wait()
+                # Linger so a batch can form: otherwise a steady trickle of calls
+                # wakes the shipper once per event and sends batches of one.
+                if len(self._queue) < self.batch_size and not self._closing:
+                    await asyncio.sleep(self.linger)
                 continue
             try:
                 progressed = await self._ship_once()
