@@ -1,0 +1,352 @@
+"""MemoryBackend and the Redis Lua scripts implement one counter model.
+
+A hypothesis state machine drives two governors with the same policy and the
+same clock, one on :class:`MemoryBackend` and one on a real Redis, through the
+same random sequence of checks, meters, reservations (held open across other
+operations, then settled, left standing or released) and usage reads, and
+requires identical answers every step. The ledger variant also projects the
+two in-memory ledgers into their backends (wholly or a prefix) and compares
+every counter's committed and in-flight parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+import redis
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from mcp_budget_governor import (
+    MAX_AMOUNT,
+    BudgetExceeded,
+    Context,
+    Governor,
+    InvalidInputError,
+    Limit,
+    MemoryBackend,
+    OnExceed,
+    Policy,
+    RedisBackend,
+    Reservation,
+    Scope,
+    Unit,
+    Window,
+)
+from mcp_budget_governor.ledger import LedgerEntry
+from mcp_budget_governor.planning import slot
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+
+USERS = ("alice", "bob", "carol")
+TENANTS = ("acme", "globex")
+TOOLS = ("search", "fetch")
+
+# Small caps so that every limit is reached within a few dozen steps. DAY, HOUR
+# and MONTH only: the clock is fixed within an example, so no bucket rolls over.
+POLICY = Policy.of(
+    Limit("user_day", cap=5, window=Window.DAY, scope=Scope.USER),
+    Limit("user_tool_hour", cap=2, window=Window.HOUR, scope=(Scope.USER, Scope.TOOL)),
+    Limit("tenant_month", cap=7, window=Window.MONTH, scope=Scope.TENANT),
+    # Shadow mode, global scope: counts every admitted check, never refuses.
+    Limit("shadow", cap=3, window=Window.HOUR, on_exceed=OnExceed.ALERT),
+    # A spend breaker fed by meter(): sheds a tenant's checks (503) once spent.
+    Limit(
+        "tenant_spend",
+        cap=60,
+        window=Window.DAY,
+        scope=Scope.TENANT,
+        unit=Unit.USD_MICROS,
+        gated=False,
+        breaker=True,
+    ),
+    # A gated spend limit (402, no Retry-After) and a gated tokens limit (429).
+    Limit("user_spend", cap=40, window=Window.DAY, scope=Scope.USER, unit=Unit.USD_MICROS),
+    Limit("user_tokens", cap=300, window=Window.DAY, scope=Scope.USER, unit=Unit.TOKENS),
+    # Metered only: check() never consults it.
+    Limit(
+        "tool_tokens", cap=100, window=Window.MONTH, scope=Scope.TOOL, unit=Unit.TOKENS, gated=False
+    ),
+)
+LIMITS = tuple(lim.name for lim in POLICY)
+TOKEN_LIMITS = tuple(lim.name for lim in POLICY if lim.unit is Unit.TOKENS)
+
+#: Every context with all three fields set: together they reach every counter key.
+FULL_CONTEXTS = tuple(
+    Context(user=u, tenant=t, tool=x) for u in USERS for t in TENANTS for x in TOOLS
+)
+
+contexts = st.builds(
+    Context,
+    user=st.sampled_from((None, *USERS)),
+    tenant=st.sampled_from((None, *TENANTS)),
+    tool=st.sampled_from((None, *TOOLS)),
+)
+limits = st.sampled_from(LIMITS)
+amounts = st.one_of(st.integers(0, 25), st.integers(0, 200))
+
+SETTINGS = settings(
+    max_examples=50,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    database=None,
+)
+
+Outcome = tuple[str, Any]
+
+
+class BackendsAgree(RuleBasedStateMachine):
+    """Two governors, MemoryBackend and Redis, must answer every call alike."""
+
+    URL: ClassVar[str] = ""
+    LEDGER: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        sync = redis.Redis.from_url(self.URL)
+        try:
+            sync.flushdb()
+        finally:
+            sync.close()
+        # Real time (Redis expires keys on its own clock), frozen for the example.
+        self.now = time.time()
+        clock: Callable[[], float] = lambda: self.now  # noqa: E731
+        self.loop = asyncio.new_event_loop()
+        self.mem_ledger = MemoryLedger() if self.LEDGER else None
+        self.red_ledger = MemoryLedger() if self.LEDGER else None
+        self.mem_backend = MemoryBackend()
+        self.red_backend = RedisBackend.from_url(self.URL, timeout=2.0)
+        self.mem = Governor(POLICY, self.mem_backend, ledger=self.mem_ledger, clock=clock)
+        self.red = Governor(POLICY, self.red_backend, ledger=self.red_ledger, clock=clock)
+        self.open: list[tuple[Reservation, Reservation]] = []
+        self.turn = 0
+        self.keys = sorted(
+            {
+                s.key
+                for lim in POLICY
+                for ctx in (Context(), *FULL_CONTEXTS)
+                if (s := slot(lim, ctx, self.now, POLICY.tz, 0, enforce=False)) is not None
+            }
+        )
+
+    # -- helpers ------------------------------------------------------------
+
+    def run(self, coro: Awaitable[Any]) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def outcome(self, call: Callable[[Governor], Awaitable[Any]], gov: Governor) -> Outcome:
+        try:
+            return ("ok", self.run(call(gov)))
+        except BudgetExceeded as exc:
+            return ("BudgetExceeded", exc.decision)
+        except InvalidInputError as exc:
+            return ("InvalidInputError", str(exc))
+
+    def same(self, call: Callable[[Governor], Awaitable[Any]]) -> Any:
+        mem = self.outcome(call, self.mem)
+        red = self.outcome(call, self.red)
+        assert mem == red, f"memory {mem!r} != redis {red!r}"
+        return mem[1]
+
+    def states(self, backend: Any, ledger: MemoryLedger | None) -> list[tuple[Any, ...]]:
+        """Each key's (committed, in-flight, pending by ledger position)."""
+        position = {e.id: i for i, e in enumerate(ledger.entries)} if ledger else {}
+        out = []
+        for key in self.keys:
+            s = self.run(backend.state(key))
+            pending = {position.get(k, k): v for k, v in s.pending.items()}
+            out.append((key, s.committed, s.in_flight, pending))
+        return out
+
+    # -- the operations -----------------------------------------------------
+
+    @rule(ctx=contexts, times=st.integers(1, 4))
+    def check(self, ctx: Context, times: int) -> None:
+        for _ in range(times):
+            decision = self.same(lambda gov: gov.check(ctx))
+            event(f"check: {decision.status} {decision.limit or ''} over={len(decision.over)}")
+
+    @rule(limit=limits, amount=amounts, ctx=contexts)
+    def meter(self, limit: str, amount: int, ctx: Context) -> None:
+        self.same(lambda gov: gov.meter(limit, amount, ctx))
+
+    @rule(
+        limit=st.sampled_from(TOKEN_LIMITS),
+        tokens=st.tuples(st.integers(0, 60), st.integers(0, 60)),
+        ctx=contexts,
+    )
+    def meter_tokens(self, limit: str, tokens: tuple[int, int], ctx: Context) -> None:
+        self.same(
+            lambda gov: gov.meter_tokens(
+                limit, "any-model", input_tokens=tokens[0], output_tokens=tokens[1], ctx=ctx
+            )
+        )
+
+    @rule(limit=limits, ctx=contexts, offset=st.sampled_from((-1, 0, 1)))
+    def meter_to_the_cap(self, limit: str, ctx: Context, offset: int) -> None:
+        """Land a counter exactly on its cap (or one unit either side): the edge of fits()."""
+        if slot(POLICY[limit], ctx, self.now, POLICY.tz, 0, enforce=False) is None:
+            return
+        used = self.same(lambda gov: gov.usage(limit, ctx))
+        amount = POLICY[limit].cap - used + offset
+        if amount >= 0:
+            self.same(lambda gov: gov.meter(limit, amount, ctx))
+        # The next caller: a zero-charge limit (spend, tokens, breaker) is spent at its cap.
+        decision = self.same(lambda gov: gov.check(ctx))
+        event(f"check after filling {limit}{offset:+d}: {decision.status} {decision.limit or ''}")
+
+    @precondition(lambda self: len(self.open) < 4)
+    @rule(limit=limits, estimate=st.integers(0, 40), ctx=contexts)
+    def reserve(self, limit: str, estimate: int, ctx: Context) -> None:
+        pair = (self.mem.reserved(limit, estimate, ctx), self.red.reserved(limit, estimate, ctx))
+        mem = self.outcome(lambda _: pair[0].__aenter__(), self.mem)
+        red = self.outcome(lambda _: pair[1].__aenter__(), self.red)
+        assert mem[0] == red[0], f"memory {mem!r} != redis {red!r}"
+        assert pair[0].decision == pair[1].decision
+        event(f"reserve: {mem[0]}")
+        if mem[0] == "ok":
+            self.open.append(pair)
+
+    @precondition(lambda self: bool(self.open))
+    @rule(
+        index=st.integers(0, 3),
+        how=st.sampled_from(("actual", "unset", "release", "raises")),
+        actual=st.integers(0, 60),
+    )
+    def settle(self, index: int, how: str, actual: int) -> None:
+        pair = self.open.pop(index % len(self.open))
+        for r in pair:
+            if how == "actual":
+                r.actual = actual
+            elif how == "release":
+                r.release()
+            exc = RuntimeError("the work failed") if how == "raises" else None
+            self.run(r.__aexit__(type(exc) if exc else None, exc, None))
+
+    @rule(limit=limits, ctx=contexts)
+    def usage(self, limit: str, ctx: Context) -> None:
+        self.same(lambda gov: gov.usage(limit, ctx))
+
+    @rule()
+    def counter_states(self) -> None:
+        assert self.states(self.mem_backend, self.mem_ledger) == self.states(
+            self.red_backend, self.red_ledger
+        )
+
+    @invariant()
+    def usage_agrees_for_every_limit(self) -> None:
+        # Through the governor, for the empty context (scoped limits refuse it
+        # alike) and one full context, a different one each step.
+        self.turn += 1
+        ctx = FULL_CONTEXTS[self.turn % len(FULL_CONTEXTS)]
+        calls = [(limit, c) for limit in LIMITS for c in (Context(), ctx)]
+
+        async def every_usage(gov: Governor) -> list[Any]:
+            results = await asyncio.gather(
+                *(gov.usage(limit, c) for limit, c in calls), return_exceptions=True
+            )
+            return [r if isinstance(r, int) else (type(r).__name__, str(r)) for r in results]
+
+        self.same(every_usage)
+
+    @invariant()
+    def every_counter_agrees(self) -> None:
+        mem = self.run(self.mem_backend.usage(self.keys))
+        red = self.run(self.red_backend.usage(self.keys))
+        assert dict(zip(self.keys, mem, strict=True)) == dict(zip(self.keys, red, strict=True))
+
+    def teardown(self) -> None:
+        try:
+            self.run(self.mem.aclose())
+            self.run(self.red.aclose())
+        finally:
+            self.loop.close()
+
+
+def normalized(ledger: MemoryLedger) -> list[LedgerEntry]:
+    """Entries without their random ids (references become ledger positions)."""
+    position = {e.id: str(i) for i, e in enumerate(ledger.entries)}
+    return [
+        dataclasses.replace(
+            e, id="", reservation=None if e.reservation is None else position[e.reservation]
+        )
+        for e in ledger.entries
+    ]
+
+
+class LedgerBackendsAgree(BackendsAgree):
+    """The same, in ledger mode: in-flight writes, then projection into committed."""
+
+    LEDGER = True
+
+    @property
+    def ledgers(self) -> tuple[MemoryLedger, MemoryLedger]:
+        assert self.mem_ledger is not None and self.red_ledger is not None
+        return self.mem_ledger, self.red_ledger
+
+    @invariant()
+    def ledgers_agree(self) -> None:
+        mem, red = self.ledgers
+        assert normalized(mem) == normalized(red)
+
+    @rule(fraction=st.floats(0, 1))
+    def project_prefix(self, fraction: float) -> None:
+        mem, red = self.ledgers
+        stop = round(len(mem.entries) * fraction)
+        applied = [
+            self.run(backend.apply("memory:0", ledger.events(0, stop)))
+            for backend, ledger in ((self.mem_backend, mem), (self.red_backend, red))
+        ]
+        assert applied[0] == applied[1]
+
+    @rule()
+    def project_all(self) -> None:
+        mem, red = self.ledgers
+        applied = (self.run(mem.project(self.mem_backend)), self.run(red.project(self.red_backend)))
+        assert applied[0] == applied[1]
+        for ctx in FULL_CONTEXTS[:3]:
+            for limit in LIMITS:
+                self.same(lambda gov, limit=limit, ctx=ctx: gov.usage(limit, ctx))
+        mem_states = self.states(self.mem_backend, mem)
+        assert mem_states == self.states(self.red_backend, red)
+        # Conservation once projected: nothing is left in flight on either side.
+        assert all(in_flight == 0 and not pending for _, _, in_flight, pending in mem_states)
+
+
+def machine(base: type[BackendsAgree], url: str) -> type[BackendsAgree]:
+    return type(base.__name__, (base,), {"URL": url})
+
+
+def test_memory_and_redis_backends_agree(redis_url: str) -> None:
+    run_state_machine_as_test(machine(BackendsAgree, redis_url), settings=SETTINGS)
+
+
+def test_memory_and_redis_backends_agree_with_a_ledger(redis_url: str) -> None:
+    run_state_machine_as_test(machine(LedgerBackendsAgree, redis_url), settings=SETTINGS)
+
+
+def test_totals_beyond_2_pow_53_read_alike(redis_url: str) -> None:
+    async def totals() -> list[int]:
+        out = []
+        policy = Policy.of(
+            Limit("spend", cap=10, window=Window.DAY, unit=Unit.USD_MICROS, gated=False)
+        )
+        for backend in (MemoryBackend(), RedisBackend.from_url(redis_url, timeout=2.0)):
+            async with Governor(policy, backend) as gov:
+                await gov.meter("spend", MAX_AMOUNT)
+                await gov.meter("spend", 2)
+                out.append(await gov.usage("spend"))
+        return out
+
+    assert asyncio.run(totals()) == [MAX_AMOUNT + 2] * 2
