@@ -366,6 +366,11 @@ class Reservation:
         if s is None:
             self.decision = ADMITTED
             return self
+        if gov.ledger is not None and not getattr(gov.ledger, "accepting", True):
+            # As in check(): new work the ledger cannot record is refused before
+            # anything is charged.
+            self.decision = planning.ledger_full(gov._retry_interval)
+            raise BudgetExceeded(self.decision)
         event_id = new_id() if gov.ledger is not None else None
         try:
             result = await gov._charge((s.op,), event_id, want_used=not s.enforce)

@@ -14,16 +14,19 @@ queue, then the outbox. When spilling starts the whole queue moves to the
 outbox first, and new events follow it there until the outbox has drained.
 
 Durability: events in the memory queue, and the one batch in the client's
-hands, live in memory until the broker acknowledges them; everything spilled
-is on disk. With ``durability="acked"`` each ``append`` waits for the broker's
+hands, live in memory until the broker acknowledges them or spilling starts
+(Kafka down, slow for ``spill_after``, or the queue full); from then on they
+head the outbox on disk, and a batch the broker acknowledges after all is
+not sent again. With ``durability="acked"`` each ``append`` waits for the broker's
 acknowledgement (bounded by ``ack_timeout``). Delivery is at least once: a
 batch that reached the broker but whose acknowledgement was lost is sent
 again, and the projection counts each event id once.
 
 A full outbox (``outbox_max_bytes``) refuses new *admissions* when
-``on_full="refuse"`` (the governor answers 503 without charging), but a
-completed call's cost (meter, settle, release) is always written: it already
-happened.
+``on_full="refuse"``: :attr:`KafkaLedger.accepting` turns false and the
+governor answers 503 before charging anything. ``append`` itself always
+writes, so an event whose charge was made is never lost (the overshoot past
+``max_bytes`` is bounded by the calls already under way).
 
 >>> ledger = KafkaLedger.from_url("kafka://127.0.0.1:9092", topic="mcpbg.ledger")  # doctest: +SKIP
 >>> governor = Governor(policy, RedisBackend.from_url(url), ledger=ledger)  # doctest: +SKIP
@@ -51,15 +54,13 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import encode
-from mcp_budget_governor.ledger import EntryType, LedgerEntry
+from mcp_budget_governor.ledger import LedgerEntry
 
-from .outbox import Outbox, OutboxFullError
+from .outbox import Outbox
 from .record_log import Flusher
 
 log = logging.getLogger(__name__)
 
-#: Entries that start new work: the only ones a full outbox may refuse.
-_NEW_WORK = frozenset({EntryType.ADMITTED, EntryType.RESERVED})
 _SEND_ERRORS = (KafkaError, OSError, asyncio.TimeoutError)
 
 
@@ -201,6 +202,9 @@ class KafkaLedger:
         self._flusher = Flusher(self.outbox.log)
         self._queue: deque[_Pending] = deque()
         self._retry: list[_Pending] = []
+        # How many records at the head of the outbox are copies of ``_retry``
+        # (spilling began while that batch was in the client's hands).
+        self._retry_spilled = 0
         # Waiters of spilled events ("acked" durability), in outbox order.
         self._spilled_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         # Leftovers from a previous process ship before anything new.
@@ -240,7 +244,10 @@ class KafkaLedger:
             # Kafka is down, slow to acknowledge, or behind: new events go to disk
             # rather than pile up in memory while the client retries.
             item = _Pending(None, encode(entry, self.source), _partition_key(entry), waiter)
-            self._spill([item], force=entry.type not in _NEW_WORK)
+            # A full outbox refuses new work through ``accepting``, which the
+            # governor asks before it charges anything. Once here, the charge is
+            # made: the event must be written, or it would stay in flight forever.
+            self._spill([item])
         else:
             # Encoding waits for the shipper, which runs while callers await Redis.
             self._queue.append(_Pending(entry, b"", b"", waiter))
@@ -254,30 +261,32 @@ class KafkaLedger:
                     f"event {entry.id} is kept and will be shipped"
                 ) from None
 
-    def _spill(self, items: Sequence[_Pending], *, force: bool = True) -> None:
+    def _spill(self, items: Sequence[_Pending]) -> None:
         """Move the queue, then ``items``, to the outbox: all older events go first."""
+        head: list[_Pending] = []
         if not self._spilling:
             self._spilling = True
             log.warning(
                 "ledger: spilling to the outbox %s (Kafka unreachable or queue full)",
                 self.outbox.directory,
             )
-        moving = [*self._queue, *items]
+            # The batch in the client's hands is older still, and an outage may
+            # last: it heads the (empty until now) outbox, so that a crash cannot
+            # lose it. If its send succeeds after all, the shipper acknowledges
+            # those records without sending them again.
+            head = self._retry
+            self._retry_spilled = len(head)
+        moving = [*head, *self._queue, *items]
         self._queue.clear()
         if not moving:
             return
         records = [self._encoded(p).raw for p in moving]
-        if force:
-            first = self.outbox.log.append(records)
+        if self.outbox.on_full == "admit":
+            first = self.outbox.append(records)  # writes past the limit, logging loudly
         else:
-            try:
-                first = self.outbox.append(records)
-            except OutboxFullError:
-                # Nothing of this batch was written; the queue part must not be lost.
-                queued = [p.raw for p in moving[: len(moving) - len(items)]]  # encoded above
-                if queued:
-                    self.outbox.log.append(queued)
-                raise
+            # A full outbox refuses earlier, through `accepting`, before anything
+            # is charged; an event that gets here was charged and must be kept.
+            first = self.outbox.log.append(records)
         self._flusher.notify()
         self.stats.spilled += len(moving)
         for i, pending in enumerate(moving):
@@ -398,8 +407,7 @@ class KafkaLedger:
         if self._retry:
             batch = self._retry
             await self._send([(p.raw, p.key) for p in map(self._encoded, batch)])
-            self._retry = []
-            self._shipped(batch)
+            await self._sent(batch)
             return True
         if self._queue:
             batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
@@ -411,8 +419,7 @@ class KafkaLedger:
                 self._encoded(pending)
                 encoded.append((pending.raw, pending.key))
             await self._send(encoded)
-            self._retry = []
-            self._shipped(batch)
+            await self._sent(batch)
             return True
         # Spilling: the outbox, oldest first, until it is empty.
         await self._flusher.wait_synced()
@@ -432,6 +439,17 @@ class KafkaLedger:
                 waiter.set_result(None)
         return True
 
+    async def _sent(self, batch: Sequence[_Pending]) -> None:
+        self._retry = []
+        if self._retry_spilled:
+            # Spilling began while this batch was in flight: its copies head the
+            # outbox; acknowledge them there rather than ship them twice.
+            head = self.outbox.peek(self._retry_spilled)
+            self._retry_spilled = 0
+            if head:
+                await asyncio.to_thread(self.outbox.ack, head[-1][0])
+        self._shipped(batch)
+
     def _shipped(self, batch: Sequence[_Pending]) -> None:
         self.stats.shipped += len(batch)
         self._up()
@@ -450,9 +468,10 @@ class KafkaLedger:
         if self.stats.kafka_up or self.stats.send_failures == 1:
             log.warning("ledger: Kafka unreachable (%s); events go to the outbox", exc)
         self.stats.kafka_up = False
-        # Everything queued goes to disk behind the batch being retried.
-        with contextlib.suppress(OutboxFullError):
-            self._spill(())
+        # Everything in memory goes to disk, the batch being retried first.
+        self._spill(())
+        if self._retry_spilled:
+            self._retry, self._retry_spilled = [], 0  # it heads the outbox now
         if self._producer is not None:
             producer, self._producer = self._producer, None
             asyncio.get_running_loop().create_task(_stop_quietly(producer))
@@ -486,10 +505,10 @@ class KafkaLedger:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._shipper
         if not drained:
-            # The unsent stay on disk and ship first at the next start.
-            with contextlib.suppress(OutboxFullError):
-                self._spill([self._encoded(p) for p in self._retry])
-            self._retry = []
+            # The unsent stay on disk and ship first at the next start (the batch
+            # being retried first, unless it already heads the outbox).
+            self._spill(())
+            self._retry, self._retry_spilled = [], 0
             log.warning("ledger: closing with %d events kept in the outbox", len(self.outbox))
         await self._flusher.aclose()
         self.outbox.close()
