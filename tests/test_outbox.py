@@ -198,7 +198,7 @@ def test_sigkilled_writer_loses_nothing_it_reported(tmp_path: Path) -> None:
 
 def test_writer_killed_at_a_random_moment(tmp_path: Path) -> None:
     """Killed from outside, mid-append: every reported record survives, in order,
-    and at most the batch being written when it died follows them."""
+    and at most the two batches it could not report follow them."""
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(tmp_path), "0"],
         stdout=subprocess.PIPE,
@@ -222,7 +222,9 @@ def test_writer_killed_at_a_random_moment(tmp_path: Path) -> None:
         got = [raw for _, raw in outbox.peek(100_000)]
     assert len(got) >= n
     assert got == expected(len(got))
-    assert len(got) - n <= 3  # at most the unreported batch in progress
+    # Past the last whole report line, at most two batches of up to 3 records:
+    # one whose report line the kill tore, and one written but not yet reported.
+    assert len(got) - n <= 6
 
 
 def test_malformed_middle_line_is_reported_with_its_position(
