@@ -89,7 +89,9 @@ async def run(
 ) -> dict[str, Any]:
     outbox = tempfile.mkdtemp(prefix="mcpbg-bench-outbox-")
     plain = Governor(policy(), RedisBackend.from_url(redis_url, timeout=5.0))
-    ledger = KafkaLedger(bootstrap, topic="bench.ledger", outbox_dir=outbox, partitions=3)
+    ledger = KafkaLedger(
+        bootstrap, topic="bench.ledger", outbox_dir=outbox, partitions=3, linger_ms=args.linger_ms
+    )
     with_ledger = Governor(policy(), RedisBackend.from_url(redis_url, timeout=5.0), ledger=ledger)
     govs = {"ledger=None": plain, "KafkaLedger": with_ledger}
     up = await compare(govs, args.calls, args.rounds, args.chunk, "broker up")
@@ -133,6 +135,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk", type=int, default=50)
     parser.add_argument("--json", help="write raw results here")
+    parser.add_argument("--linger-ms", type=int, default=20, help="KafkaLedger linger_ms")
     parser.add_argument(
         "--broker-nice",
         type=int,

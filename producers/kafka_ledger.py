@@ -147,7 +147,7 @@ class KafkaLedger:
         replication_factor: int = 1,
         queue_size: int = 10_000,
         batch_size: int = 500,
-        linger_ms: int = 5,
+        linger_ms: int = 20,
         max_batch_bytes: int = 1 << 20,
         compression: str | None = None,
         durability: Literal["async", "acked"] = "async",
@@ -225,9 +225,10 @@ class KafkaLedger:
     @property
     def accepting(self) -> bool:
         """False while a full outbox refuses new admissions (the governor answers 503)."""
+        if not self._spilling:
+            return True  # nothing waits on disk: the common case costs one attribute read
         box = self.outbox
-        full = box.pending_bytes >= box.max_bytes
-        return not (self._spilling and box.on_full == "refuse" and full)
+        return box.on_full != "refuse" or box.pending_bytes < box.max_bytes
 
     async def append(self, entry: LedgerEntry) -> None:
         """Queue one event for Kafka (spilling to the outbox when needed); never waits on
