@@ -167,6 +167,9 @@ class Outbox:
             raw = self._cursor_path.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as exc:  # unreadable (permissions, I/O error, a directory)
+            raw = b""
+            log.error("%s: %s", self._cursor_path, exc)
         try:
             return Position.from_json(json.loads(raw))
         except ValueError as exc:

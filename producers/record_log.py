@@ -195,7 +195,7 @@ class RecordLog:
             raise ValueError(f"prefix: use letters, digits, '_' and '.' only (got {prefix!r})")
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync: one of {FSYNC_POLICIES} (got {fsync!r})")
-        if batch_interval < 0:
+        if not batch_interval >= 0:  # also refuses NaN, which would never fsync
             raise ValueError(f"batch_interval: seconds >= 0 (got {batch_interval!r})")
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes: a positive size (got {segment_bytes!r})")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
@@ -130,7 +131,7 @@ class TopicReader:
         topic_timeout: float = 5.0,
         **client_options: Any,
     ) -> None:
-        if idle_timeout <= 0:
+        if not 0 < idle_timeout < math.inf:
             raise ValueError(f"idle_timeout: seconds > 0 (got {idle_timeout!r})")
         self.bootstrap = bootstrap
         self.topic = topic
@@ -192,8 +193,18 @@ class TopicReader:
     async def stop(self) -> None:
         """Disconnect (nothing is committed: a reader has no group)."""
         consumer, self._consumer = self._consumer, None
-        if consumer is not None:
+        if consumer is None:
+            return
+        try:
             await consumer.stop()
+        except asyncio.CancelledError:
+            # aiokafka#647: closing re-raises the cancellation of its own fetch task
+            # (one in retry backoff while the broker is down) and skips closing the
+            # client; only a cancellation aimed at us may propagate.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            await consumer._client.close()
 
     async def _partitions(self, consumer: AIOKafkaConsumer) -> list[int]:
         deadline = time.monotonic() + self.topic_timeout
