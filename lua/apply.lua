@@ -1,8 +1,12 @@
 -- Projection of ledger events into committed counters, exactly once.
 --
 -- KEYS[1]    the watermark hash (partition -> last applied offset)
--- KEYS[2..]  the counters and seen-id sets the batch touches
--- ARGV[1]    the partition field; ARGV[2] the number of events; then per event:
+-- KEYS[2]    the epoch marker
+-- KEYS[3..]  the counters and seen-id sets the batch touches
+-- ARGV[1]    the partition field; ARGV[2] the number of events; ARGV[3] '1' when
+--            the epoch marker must exist (a Redis that restarted empty has lost
+--            every counter: the worker must rebuild, not add to empty ones);
+--            then per event:
 --            offset, event id, position in KEYS of the seen-id set of the
 --            event's day, that set's expire_at, number of charges, and per
 --            charge: key position in KEYS, amount, expire_at
@@ -14,12 +18,16 @@
 -- charge's in-flight entry (written by the hot path under the same event id)
 -- is removed and the ledger's amount committed; the watermark moves in the
 -- same script. A charge whose counter has already expired is dropped: its
--- window is over. Returns the number of events applied.
+-- window is over. Returns the number of events applied, or -1 (nothing
+-- applied) when the epoch marker is required and missing.
 
+if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
+  return -1
+end
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
 local wm = tonumber(wm_raw or '-1')
 local now = tonumber(redis.call('TIME')[1])
-local pos = 3
+local pos = 4
 local applied = 0
 for _ = 1, tonumber(ARGV[2]) do
   local offset_raw = ARGV[pos]

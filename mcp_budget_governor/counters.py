@@ -118,11 +118,15 @@ class Backend(Protocol):
         """``committed + in-flight`` of each key (0 for a missing key)."""
         ...
 
-    async def apply(self, partition: str, events: Sequence[AppliedEvent]) -> int:
+    async def apply(
+        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+    ) -> int:
         """Project events: move each one's amounts from in-flight to committed and
         advance the partition's applied-offset watermark, skipping offsets at or
         below it and event ids already applied (a producer retry delivered
-        twice). Returns how many events were applied."""
+        twice). Returns how many events were applied. With ``require_epoch``,
+        raises :class:`EpochMissingError` (applying nothing) when the store has
+        lost its state."""
         ...
 
     async def state(self, key: str) -> CounterState:

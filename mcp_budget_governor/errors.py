@@ -55,6 +55,11 @@ class BackendUnavailableError(GovernorError, ConnectionError):
     """The shared counter store could not be reached within the timeout."""
 
 
+class EpochMissingError(BackendUnavailableError):
+    """The counter store restarted empty: its counters must be rebuilt from the ledger
+    before anything is applied to, or admitted from, them."""
+
+
 class BudgetExceeded(GovernorError):
     """A call was refused by a limit; ``decision`` says which and until when."""
 

@@ -18,6 +18,7 @@ from mcp_budget_governor.counters import (
     CounterState,
     fits,
 )
+from mcp_budget_governor.errors import EpochMissingError
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class MemoryBackend:
         self._watermarks: dict[str, int] = {}
         # day -> (applied event ids, expire_at): the seen-id sets of apply.lua
         self._seen: dict[str, tuple[set[str], int]] = {}
+        self._epoch: str | None = None
 
     def _get(self, key: str, now: float) -> _Counter | None:
         counter = self._counters.get(key)
@@ -84,7 +86,11 @@ class MemoryBackend:
         now = self._clock()
         return [self._used(key, now) for key in keys]
 
-    async def apply(self, partition: str, events: Sequence[AppliedEvent]) -> int:
+    async def apply(
+        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+    ) -> int:
+        if require_epoch and self._epoch is None:
+            raise EpochMissingError("the counters were reset (no epoch marker): rebuild first")
         now = self._clock()
         mark = self._watermarks.get(partition, -1)
         applied = 0
@@ -129,6 +135,14 @@ class MemoryBackend:
         """Every live counter key (for reports and tests)."""
         now = self._clock()
         return [k for k in list(self._counters) if self._get(k, now) is not None]
+
+    async def has_epoch(self) -> bool:
+        """Whether the counters are declared complete (see :meth:`mark_ready`)."""
+        return self._epoch is not None
+
+    async def mark_ready(self, epoch: str) -> None:
+        """Declare the counters complete after a rebuild."""
+        self._epoch = epoch
 
     async def aclose(self) -> None:
         return None

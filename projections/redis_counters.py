@@ -17,7 +17,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
-from mcp_budget_governor.errors import BackendUnavailableError
+from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.lua import source
 
@@ -51,13 +51,25 @@ class RedisBackend:
 
     @classmethod
     def from_url(
-        cls, url: str, *, timeout: float = DEFAULT_TIMEOUT, max_connections: int = 64, **kwargs: Any
+        cls,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_connections: int = 64,
+        require_epoch: bool = False,
+        **kwargs: Any,
     ) -> RedisBackend:
         """Connect lazily to ``url``; ``timeout`` (seconds) bounds every call.
 
         The pool blocks when all ``max_connections`` are busy (a burst of
         concurrent checks queues for a connection, it is not an outage) and
         retries a dead connection once, so a restarted Redis is picked up at once.
+
+        ``require_epoch=True`` is for deployments with a ledger and a stream
+        worker: while the worker's epoch marker is missing (Redis restarted
+        empty, or was flushed, and is being rebuilt), every charge counts as
+        the backend being unreachable, so each limit's fail mode applies and
+        nothing is admitted from empty counters.
         """
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -68,7 +80,7 @@ class RedisBackend:
             retry=Retry(NoBackoff(), 1),
             **kwargs,
         )
-        return cls(aioredis.Redis(connection_pool=pool))
+        return cls(aioredis.Redis(connection_pool=pool), require_epoch=require_epoch)
 
     async def _run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
@@ -132,12 +144,14 @@ class RedisBackend:
         reply = await self._run(self._usage, keys, ())
         return [int(reply[i]) + int(reply[i + 1]) for i in range(0, len(reply), 2)]
 
-    async def apply(self, partition: str, events: Sequence[AppliedEvent]) -> int:
+    async def apply(
+        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+    ) -> int:
         if not events:
             return 0
-        keys = [WATERMARK_KEY]
+        keys = [WATERMARK_KEY, EPOCH_KEY]
         index: dict[str, int] = {}
-        args: list[str | int] = [partition, len(events)]
+        args: list[str | int] = [partition, len(events), "1" if require_epoch else "0"]
 
         def position(key: str) -> int:
             pos = index.get(key)
@@ -151,7 +165,24 @@ class RedisBackend:
             args += (event.offset, event.event_id, seen, event.seen_expire_at, len(event.charges))
             for charge in event.charges:
                 args += (position(charge.key), charge.amount, charge.expire_at)
-        return int(await self._run(self._apply, keys, args))
+        applied = int(await self._run(self._apply, keys, args))
+        if applied < 0:
+            raise EpochMissingError("redis lost its state (epoch marker missing): rebuild first")
+        return applied
+
+    async def has_epoch(self) -> bool:
+        """Whether Redis holds a complete projection (the marker the worker sets)."""
+        try:
+            return bool(await self.client.exists(EPOCH_KEY))
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+
+    async def mark_ready(self, epoch: str) -> None:
+        """Declare the counters complete: the hot path may admit from them again."""
+        try:
+            await self.client.set(EPOCH_KEY, epoch)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
 
     async def state(self, key: str) -> CounterState:
         try:

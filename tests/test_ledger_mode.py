@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import defaultdict
 
@@ -127,3 +128,46 @@ async def test_an_event_delivered_twice_at_new_offsets_counts_once(backend: Back
     assert await backend.apply("p:0", again) == 0
     assert await gov.usage("spend") == total == 3000
     assert await gov.usage("daily", Context(user="a")) == 2
+
+
+async def test_projection_refuses_a_store_that_lost_its_state(backend: Backend) -> None:
+    """A flushed or restarted store applies nothing until it is rebuilt and marked ready."""
+    import pytest
+
+    from mcp_budget_governor.errors import EpochMissingError
+
+    ledger = MemoryLedger()
+    gov = Governor(policy(), backend, ledger=ledger)
+    await gov.meter("spend", 700, Context(user="a"))
+    assert not await backend.has_epoch()  # type: ignore[attr-defined]
+    with pytest.raises(EpochMissingError):
+        await backend.apply("p:0", ledger.events(), require_epoch=True)
+    state = await backend.state(ledger.entries[0].charges[0].key)
+    assert (state.committed, state.in_flight) == (0, 700)  # nothing moved
+    await backend.mark_ready("epoch-1")  # type: ignore[attr-defined]
+    assert await backend.apply("p:0", ledger.events(), require_epoch=True) == 1
+    assert await gov.usage("spend") == 700
+
+
+async def test_hot_path_never_admits_from_a_flushed_redis(redis_url: str) -> None:
+    """With require_epoch, a Redis without the worker's marker counts as unreachable."""
+    import redis as redis_sync
+
+    from mcp_budget_governor import FailMode, RedisBackend
+
+    strict = Policy.of(
+        Limit("closed", cap=100, window=Window.DAY, scope=Scope.USER, fail_mode=FailMode.CLOSED)
+    )
+    backend = RedisBackend.from_url(redis_url, require_epoch=True, timeout=2.0)
+    gov = Governor(strict, backend, ledger=MemoryLedger(), retry_interval=0.01)
+    ctx = Context(user="a")
+    d = await gov.check(ctx)
+    assert (d.admitted, d.status, d.degraded) == (False, 503, True)
+    await backend.mark_ready("epoch-1")
+    await asyncio.sleep(0.02)
+    assert (await gov.check(ctx)).admitted
+    redis_sync.Redis.from_url(redis_url).flushall()  # Redis loses everything
+    await asyncio.sleep(0.02)
+    d = await gov.check(ctx)
+    assert (d.admitted, d.status, d.degraded) == (False, 503, True)
+    await gov.aclose()
