@@ -1,0 +1,502 @@
+"""The archiver: ledger events to Parquet segments that DuckDB reads as one table.
+
+:class:`Archiver` writes one batch of parsed events of one topic partition to
+Parquet, under a hive-style date folder, in a file named by the partition and
+the offset range it holds::
+
+    <directory>/date=2025-11-29/mcpbg.ledger-p3-00000000000000001200-00000000000000001699.parquet
+
+>>> archiver = Archiver("/var/lib/mcpbg/archive", topic="mcpbg.ledger")  # doctest: +SKIP
+>>> archiver.write_batch(3, [(1200, event), (1201, event2), ...])  # doctest: +SKIP
+[PosixPath('/var/lib/mcpbg/archive/date=2025-11-29/mcpbg.ledger-p3-...-....parquet')]
+
+Input. ``write_batch`` takes ``(offset, event)`` pairs of *parsed* events
+(:data:`~mcp_budget_governor.events.LedgerEvent`), offsets strictly
+ascending, as the worker holds them once the projector has parsed the batch
+and sent the poison records to the dead-letter topic. Raw bytes are not
+accepted on purpose: parsing (pydantic validation) costs more than archiving,
+so it must happen once per record, and deciding what is poison is the
+projector's job, not a second, possibly different, judgement here.
+
+Files.
+
+- The date is the UTC date of the event's ``time`` (not of the bucket, which
+  may follow a policy's time zone). A batch whose events span two UTC dates
+  writes one file per date; each file is named after the first and last
+  offset of the events *it* holds (20 digits, zero-padded, so names sort in
+  offset order).
+- Every file is written whole to a temporary file in its own folder
+  (``.<name>.<random>.tmp``: hidden, and not matched by ``*.parquet``),
+  fsync'd, then renamed over the final name, and the folder is fsync'd. A
+  reader sees the old file or the new one, never half of one. An exception
+  removes the temporary file; one left by a killed process is removed by
+  :meth:`Archiver.remove_stale_temp_files` (for the worker to call at start).
+- A redelivered batch (same partition, same offsets) produces the same file
+  names and the same rows, and replaces the files: never a duplicate file.
+
+Overlapping segments. A redelivery that is *batched differently* (first
+0-99, then after a rebalance 50-149) writes a second file holding offsets
+50-99 again, and a producer retry can put one event at two offsets. Files are
+never rewritten to remove those rows (that would race with other workers);
+the reader removes them instead. **Every query over the archive must read
+each (event id, charge_index) once** — by event id, not by (partition,
+offset), so that a producer duplicate is counted once, exactly as the
+projector's seen-id sets count it, and counters rebuilt from the archive
+equal the live ones::
+
+    SELECT * FROM read_parquet('<directory>/**/*.parquet', hive_partitioning = true)
+    QUALIFY row_number() OVER (PARTITION BY id, charge_index
+                               ORDER BY "partition", "offset") = 1
+
+(``charge_index`` is NULL on the single row of an event without charges; a
+window partition groups NULLs together, which is what is wanted.) A later
+compaction may merge a day's segments into one deduplicated file; the
+reader's rule stays the same.
+
+Rows: one per charge, flat. An event with N charges makes N rows that repeat
+the event's columns; an event with no charges (a rejection, an admission
+under a policy with no gated limit) makes one row whose charge columns are
+NULL, so admissions and rejections stay countable. Why flat rather than one
+row per event with a nested list of charges:
+
+- the questions asked of the archive are sums over charges: "sum of amount
+  per key" (rebuild and reconcile), "spend per user per day", FOCUS rows (one
+  per charge of a metered event). Flat, they are a plain ``GROUP BY`` over
+  ``amount`` with column pruning and row-group statistics on ``key``,
+  ``limit``, ``unit``; nested, every one of them needs ``UNNEST`` first,
+  which DuckDB evaluates row by row and which defeats filter push-down on
+  the charge fields;
+- the repeated event columns cost little on disk: they repeat in runs, which
+  Parquet's dictionary + RLE encoding stores almost for free;
+- counting events stays easy: ``count(*) FILTER (WHERE coalesce(charge_index,
+  0) = 0)``, or ``count(DISTINCT id)``;
+- a sum is per limit: the same dollars metered on two USD limits (a user's
+  and a global one) are two charges, so spend queries filter on ``"limit"``.
+
+Columns (:data:`SCHEMA`; Parquet key-value metadata ``mcpbg.archive.schema``
+holds :data:`SCHEMA_VERSION`). The names are the event's own field names, so
+``limit``, ``window`` and ``offset``, which are SQL keywords, must be quoted
+in SQL (``"limit"``); ``decision_limit`` is the decision's refusing limit
+(``data.decision.limit``), distinct from the charge's ``limit``. The date is
+not a column of the file: the hive folder adds it (``hive_partitioning =
+true``; DuckDB types it DATE).
+
+=================  ========================  =======================================
+column             type                      from
+=================  ========================  =======================================
+topic              string                    the topic the record was read from
+partition          int64                     its partition
+offset             int64                     its offset
+id                 string                    CloudEvent ``id`` (UUIDv7)
+type               string                    CloudEvent ``type``, ``mcpbg.metered.v1``
+time               timestamp[us, UTC]        CloudEvent ``time``
+source, subject    string                    CloudEvent ``source``, ``subject``
+user ... agent     string                    ``data.context`` (user, tenant, tool,
+                                             session, agent)
+charge_index       int64                     position in ``data.charges``; NULL
+                                             when the event has no charge
+limit, unit        string                    the charge's limit name and unit
+amount             int64                     signed amount (USD micros, tokens, calls)
+window, bucket     string                    the charge's window and bucket label
+key                string                    the counter key
+expire_at          int64                     the counter's expiry, epoch seconds
+decision_limit     string                    ``data.decision.limit``
+status             int64                     ``data.decision.status``
+over               list<string>              ``data.decision.over``
+degraded           bool                      ``data.decision.degraded``
+model              string                    ``data.usage.model``
+input_tokens ...   int64                     ``data.usage`` input / output /
+                                             cache_read / cache_write tokens
+price_version      string                    ``data.usage.price_version``
+reservation        string                    ``data.reservation``
+=================  ========================  =======================================
+
+Every integer is int64 (DuckDB BIGINT): money is integer USD micros and never
+goes through a float. The rows hold everything an event carries except the
+constant ``specversion`` and ``datacontenttype``, so the event can be
+rebuilt from its rows.
+
+Throughput: the work is CPU (building the columns, Parquet encoding, which
+releases the GIL) plus one fsync per file and per folder. The worker should
+call ``write_batch`` in a thread (``await asyncio.to_thread(...)``) so the
+fsyncs do not stall its event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import time
+from collections.abc import Sequence
+from datetime import UTC, date, datetime, timedelta
+from functools import lru_cache
+from pathlib import Path
+
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.compute as pc  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.events import LedgerEvent
+
+__all__ = [
+    "COMPRESSION",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "TEMP_SUFFIX",
+    "Archiver",
+    "segment_name",
+]
+
+#: Bumped when a column changes meaning or type; stored in each file's metadata.
+SCHEMA_VERSION = "1"
+#: Parquet codec: zstd writes ~10% slower than snappy here, and files are a third smaller.
+COMPRESSION = "zstd"
+#: Suffix of a file being written; ``*.parquet`` globs never match it.
+TEMP_SUFFIX = ".tmp"
+
+_OFFSET_DIGITS = 20
+_MAX_OFFSET = 2**63 - 1
+# Kafka's rule for topic names; it also keeps them safe as part of a file name.
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICRO = timedelta(microseconds=1)
+_DAY_MICROS = 86_400_000_000
+
+_STR = pa.string()
+_INT = pa.int64()
+
+SCHEMA = pa.schema(
+    [
+        pa.field("topic", _STR, nullable=False),
+        pa.field("partition", _INT, nullable=False),
+        pa.field("offset", _INT, nullable=False),
+        pa.field("id", _STR, nullable=False),
+        pa.field("type", _STR, nullable=False),
+        pa.field("time", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("source", _STR, nullable=False),
+        pa.field("subject", _STR),
+        pa.field("user", _STR),
+        pa.field("tenant", _STR),
+        pa.field("tool", _STR),
+        pa.field("session", _STR),
+        pa.field("agent", _STR),
+        pa.field("charge_index", _INT),
+        pa.field("limit", _STR),
+        pa.field("unit", _STR),
+        pa.field("amount", _INT),
+        pa.field("window", _STR),
+        pa.field("bucket", _STR),
+        pa.field("key", _STR),
+        pa.field("expire_at", _INT),
+        pa.field("decision_limit", _STR),
+        pa.field("status", _INT, nullable=False),
+        pa.field("over", pa.list_(_STR), nullable=False),
+        pa.field("degraded", pa.bool_(), nullable=False),
+        pa.field("model", _STR),
+        pa.field("input_tokens", _INT),
+        pa.field("output_tokens", _INT),
+        pa.field("cache_read_tokens", _INT),
+        pa.field("cache_write_tokens", _INT),
+        pa.field("price_version", _STR),
+        pa.field("reservation", _STR),
+    ],
+    metadata={"mcpbg.archive.schema": SCHEMA_VERSION},
+)
+
+# Columns taken once per event, then repeated for each of its charges.
+_EVENT_COLUMNS = (
+    "offset",
+    "id",
+    "type",
+    "time",
+    "source",
+    "subject",
+    "user",
+    "tenant",
+    "tool",
+    "session",
+    "agent",
+    "decision_limit",
+    "status",
+    "over",
+    "degraded",
+    "model",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "price_version",
+    "reservation",
+)
+# Columns taken once per charge (None on the row of an event without charges).
+_CHARGE_COLUMNS = (
+    "charge_index",
+    "limit",
+    "unit",
+    "amount",
+    "window",
+    "bucket",
+    "key",
+    "expire_at",
+)
+_TYPES = {field.name: field.type for field in SCHEMA}
+_NO_USAGE: tuple[None, ...] = (None,) * 6
+_NO_CHARGE: tuple[None, ...] = (None,) * len(_CHARGE_COLUMNS)
+
+
+def segment_name(topic: str, partition: int, first: int, last: int) -> str:
+    """``<topic>-p<partition>-<first>-<last>.parquet``, offsets as 20 zero-padded digits."""
+    return f"{topic}-p{partition}-{first:0{_OFFSET_DIGITS}d}-{last:0{_OFFSET_DIGITS}d}.parquet"
+
+
+@lru_cache(maxsize=512)
+def _date_folder(day: int) -> str:
+    return f"date={(date(1970, 1, 1) + timedelta(days=day)).isoformat()}"
+
+
+def _micros(t: datetime) -> int:
+    """Exact microseconds since the epoch (a time without offset is taken as UTC)."""
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return (t - _EPOCH) // _MICRO
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """Write every byte of ``data`` (``os.write`` may write less than asked)."""
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Archiver:
+    """Writes batches of one topic's events to Parquet segments under ``directory``.
+
+    ``directory`` is a local folder, created when missing. ``compression`` is
+    a Parquet codec pyarrow knows (``zstd``, ``snappy``, ``none``...).
+    Instances keep no per-batch state: one archiver may serve every
+    partition, from several threads at once.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        topic: str,
+        compression: str = COMPRESSION,
+    ) -> None:
+        if not isinstance(topic, str) or not _TOPIC.match(topic) or topic in (".", ".."):
+            raise InvalidInputError(
+                "topic", topic, "a Kafka topic name: 1-249 of A-Z a-z 0-9 . _ -"
+            )
+        self.directory = Path(directory)
+        self.topic = topic
+        self.compression = compression
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._folders: set[str] = set()
+
+    @property
+    def glob(self) -> str:
+        """What DuckDB reads: ``read_parquet(<glob>, hive_partitioning = true)``."""
+        return str(self.directory / "**" / "*.parquet")
+
+    def write_batch(self, partition: int, records: Sequence[tuple[int, LedgerEvent]]) -> list[Path]:
+        """Archive ``records`` (``(offset, event)``, offsets strictly ascending) of ``partition``.
+
+        Returns the files written, one per UTC date the events fall on, in
+        date order (none for an empty batch). Raises ``ValueError`` for a bad
+        partition or offsets that do not strictly ascend, and whatever the
+        file system raises (disk full...): nothing half-written is left, and
+        the caller retries the batch, which rewrites the same files.
+        """
+        if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
+            raise InvalidInputError("partition", partition, "a partition number >= 0")
+        if not records:
+            return []
+        table, days = self._table(partition, records)
+        written: list[Path] = []
+        for day, (first, last, mask) in sorted(days.items()):
+            part = table if mask is None else table.filter(mask)
+            folder = self._folder(day)
+            written.append(
+                self._write(folder, segment_name(self.topic, partition, first, last), part)
+            )
+        return written
+
+    def remove_stale_temp_files(self, older_than: float = 3600.0) -> int:
+        """Delete temporary files older than ``older_than`` seconds; returns how many.
+
+        Only a killed process leaves one behind. Files younger than the limit
+        are kept: another worker may be writing them right now.
+        """
+        limit = time.time() - older_than
+        removed = 0
+        for path in self.directory.glob(f"date=*/.*{TEMP_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.stat().st_mtime < limit:
+                    path.unlink()
+                    removed += 1
+        return removed
+
+    # -- internals -------------------------------------------------------------
+
+    def _table(
+        self, partition: int, records: Sequence[tuple[int, LedgerEvent]]
+    ) -> tuple[pa.Table, dict[int, tuple[int, int, pa.Array | None]]]:
+        """The rows of the batch, and per UTC day: (first offset, last offset, row mask)."""
+        # One tuple per event and one per charge, in the column order of
+        # _EVENT_COLUMNS and _CHARGE_COLUMNS, transposed at the end by zip():
+        # far cheaper in Python than one append per column.
+        event_rows: list[tuple[object, ...]] = []
+        charge_rows: list[tuple[object, ...]] = []
+        row_event: list[int] = []
+        days: list[int] = []
+        previous = -1
+        for n, (offset, event) in enumerate(records):
+            if isinstance(offset, bool) or not isinstance(offset, int):
+                raise InvalidInputError("offset", offset, "an integer offset")
+            if offset <= previous or offset > _MAX_OFFSET:
+                raise ValueError(
+                    f"{self.topic}:{partition}: offsets must ascend within 0..2**63-1 "
+                    f"({offset} after {previous})"
+                )
+            previous = offset
+            data = event.data
+            ctx = data.context
+            decision = data.decision
+            usage = data.usage
+            micros = _micros(event.time)
+            days.append(micros // _DAY_MICROS)
+            if usage is None:
+                tokens: tuple[object, ...] = _NO_USAGE
+            else:
+                tokens = (
+                    usage.model,
+                    usage.input_tokens,
+                    usage.output_tokens,
+                    usage.cache_read_tokens,
+                    usage.cache_write_tokens,
+                    usage.price_version,
+                )
+            event_rows.append(
+                (
+                    offset,
+                    event.id,
+                    event.type,
+                    micros,
+                    event.source,
+                    event.subject,
+                    ctx.user,
+                    ctx.tenant,
+                    ctx.tool,
+                    ctx.session,
+                    ctx.agent,
+                    decision.limit,
+                    decision.status,
+                    decision.over,
+                    decision.degraded,
+                    *tokens,
+                    data.reservation,
+                )
+            )
+            charges = data.charges
+            if charges:
+                for i, c in enumerate(charges):
+                    row_event.append(n)
+                    # Unit and Window are str enums: pyarrow stores their value.
+                    charge_rows.append(
+                        (i, c.limit, c.unit, c.amount, c.window, c.bucket, c.key, c.expire_at)
+                    )
+            else:
+                row_event.append(n)
+                charge_rows.append(_NO_CHARGE)
+
+        take = pa.array(row_event, type=_INT)
+        events = pa.Table.from_arrays(
+            [
+                pa.array(values, type=_TYPES[name])
+                for name, values in zip(_EVENT_COLUMNS, zip(*event_rows, strict=True), strict=True)
+            ],
+            names=list(_EVENT_COLUMNS),
+        ).take(take)
+        count = len(row_event)
+        columns: dict[str, object] = {
+            "topic": pa.repeat(pa.scalar(self.topic, _STR), count),
+            "partition": pa.repeat(pa.scalar(partition, _INT), count),
+        }
+        for name, values in zip(_CHARGE_COLUMNS, zip(*charge_rows, strict=True), strict=True):
+            columns[name] = pa.array(values, type=_TYPES[name])
+        for name in _EVENT_COLUMNS:
+            columns[name] = events.column(name)
+        table = pa.Table.from_arrays([columns[name] for name in SCHEMA.names], schema=SCHEMA)
+
+        # Per UTC day: first and last offset (offsets ascend), and a row mask
+        # when the batch spans more than one day.
+        spans: dict[int, list[int]] = {}
+        for (offset, _), day in zip(records, days, strict=True):
+            span = spans.get(day)
+            if span is None:
+                spans[day] = [offset, offset]
+            else:
+                span[1] = offset
+        if len(spans) == 1:
+            ((day, (first, last)),) = spans.items()
+            return table, {day: (first, last, None)}
+        row_days = pa.array(days, type=_INT).take(take)
+        return table, {
+            day: (first, last, pc.equal(row_days, day)) for day, (first, last) in spans.items()
+        }
+
+    def _folder(self, day: int) -> Path:
+        return self._folder_for(self.directory / _date_folder(day))
+
+    def _folder_for(self, folder: Path) -> Path:
+        """``folder``, created (and its creation made durable) the first time it is used."""
+        if folder.name not in self._folders:
+            if not folder.is_dir():
+                folder.mkdir(parents=True, exist_ok=True)
+                _fsync_dir(self.directory)
+            self._folders.add(folder.name)
+        return folder
+
+    def _write(self, folder: Path, name: str, table: pa.Table) -> Path:
+        """Encode ``table`` and put it at ``folder/name`` atomically (temp, fsync, rename)."""
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression=self.compression)
+        data = memoryview(sink.getvalue())
+        final = folder / name
+        temp = folder / f".{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(temp, flags, 0o644)
+        except FileNotFoundError:  # the folder was removed since (a retention job, say)
+            self._folders.discard(folder.name)
+            self._folder_for(folder)
+            fd = os.open(temp, flags, 0o644)
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+            raise
+        _fsync_dir(folder)
+        return final
