@@ -32,12 +32,55 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    # Imported here: the worker needs the stream extra (faust-streaming, aiokafka,
+    # redis), which ``mcpbg schema`` and the core do not.
+    try:
+        from .stream.worker import WorkerConfig, run
+    except ImportError as exc:
+        print(
+            f"mcpbg worker: {exc}; install the stream extra: "
+            "pip install 'mcp-budget-governor[stream]'",
+            file=sys.stderr,
+        )
+        return 2
+    overrides = {name: getattr(args, name) for name in _WORKER_OPTIONS}
+    return run(WorkerConfig.from_env(**overrides))
+
+
+#: ``mcpbg worker`` options: name, type, help. Each also reads MCPBG_<NAME>.
+_WORKER_OPTIONS: dict[str, tuple[type, str]] = {
+    "kafka_url": (str, "Kafka bootstrap, kafka://host:port[,host:port]"),
+    "redis_url": (str, "the counters' Redis, redis://host:port/db"),
+    "topic": (str, "the ledger topic (default mcpbg.ledger); dead letters go to <topic>.dlq"),
+    "group": (str, "consumer group shared by the workers (default mcpbg-projector)"),
+    "batch_size": (int, "most records applied in one Redis call (default 500)"),
+    "batch_wait": (float, "seconds a batch may wait to fill (default 0.2)"),
+    "session_timeout_ms": (int, "group session timeout (default 10000)"),
+    "heartbeat_interval_ms": (int, "group heartbeat interval (default 3000)"),
+    "progress_interval": (float, "seconds between progress log lines, 0 for none (default 10)"),
+    "redis_timeout": (float, "seconds one Redis call may take (default 5)"),
+    "topic_wait": (float, "seconds to wait at start for the topic to exist (default 60)"),
+    "log_level": (str, "debug, info, warning or error (default info)"),
+}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcpbg", description="mcp-budget-governor operator tools")
     sub = p.add_subparsers(dest="command", required=True)
     schema = sub.add_parser("schema", help="print the JSON Schema of every ledger event type")
     schema.add_argument("--type", help="only this type, e.g. mcpbg.metered.v1")
     schema.set_defaults(run=_schema)
+    worker = sub.add_parser(
+        "worker",
+        help="project the ledger topic into the Redis counters (a consumer group member)",
+        description="Each option may also be given as the environment variable "
+        "MCPBG_<OPTION> (e.g. MCPBG_KAFKA_URL); the option wins. SIGTERM stops "
+        "gracefully: the batch in hand is applied and committed, exit code 0.",
+    )
+    for name, (kind, text) in _WORKER_OPTIONS.items():
+        worker.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text)
+    worker.set_defaults(run=_worker)
     return p
 
 

@@ -1,0 +1,237 @@
+"""The projection of ledger records into counters, with or without a stream framework.
+
+:class:`Projector` takes one batch of raw records of one topic partition,
+parses each with :func:`mcp_budget_governor.events.parse`, hands the records
+that are not valid events to a dead-letter callback (with the reason and the
+original bytes) and applies the valid ones through ``backend.apply`` in a
+single call, so a batch costs one round trip however many events it holds.
+
+Why this is exactly-once in effect on an at-least-once stream:
+
+- ``backend.apply`` moves each event's amounts from in-flight to committed and
+  advances the partition's applied-offset watermark *in the same atomic step*:
+  a record at or below the watermark is a redelivery and changes nothing.
+- the per-day seen-id sets skip an event id already applied from another
+  offset (a producer retry that reached the broker twice).
+- a consumer resumes at :meth:`Projector.resume_offset` (watermark + 1), read
+  from the counters themselves, not from offsets committed to Kafka: what the
+  counters hold and where reading resumes cannot drift apart, whatever
+  happened to the consumer group.
+
+Dead letters go out *before* the valid events of the batch are applied: if
+the process dies in between, the batch is read again and the dead letters are
+sent twice (they carry partition and offset, so a reader can drop repeats),
+but a poison record is never skipped without a trace. A batch of only poison
+records does not move the watermark (``apply`` has no event to carry it), so
+those are reported again after a restart.
+
+>>> projector = Projector(backend, "mcpbg.ledger", dlq=send_to_dlq)  # doctest: +SKIP
+>>> start = await projector.resume_offset(0)  # doctest: +SKIP
+>>> result = await projector.apply_batch(0, [(start, raw), ...])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import base64
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import orjson
+
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
+from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
+
+__all__ = [
+    "DeadLetter",
+    "DeadLetterHandler",
+    "Projector",
+    "ProjectorResult",
+    "WatermarkBackend",
+    "dead_letter_topic",
+    "to_applied",
+]
+
+#: ``(offset, raw value)`` of one record; the value is None for a tombstone.
+Record = tuple[int, bytes | None]
+
+
+def dead_letter_topic(topic: str) -> str:
+    """Where the poison records of ``topic`` go: ``<topic>.dlq``."""
+    return f"{topic}.dlq"
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A record that is not a valid event, with where it was found and why."""
+
+    topic: str
+    partition: int
+    offset: int
+    reason: str
+    raw: bytes | None
+
+    def to_json(self) -> bytes:
+        """The dead-letter record's value: JSON, the original bytes in base64.
+
+        base64 because a poison record may be anything, not UTF-8 text; ``raw``
+        is null for a record that had no value.
+        """
+        return orjson.dumps(
+            {
+                "reason": self.reason,
+                "topic": self.topic,
+                "partition": self.partition,
+                "offset": self.offset,
+                "raw": None if self.raw is None else base64.b64encode(self.raw).decode(),
+            }
+        )
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        """The same facts as Kafka headers, for tools that route on headers only."""
+        return [
+            ("mcpbg-dlq-reason", self.reason.encode()),
+            ("mcpbg-dlq-topic", self.topic.encode()),
+            ("mcpbg-dlq-partition", str(self.partition).encode()),
+            ("mcpbg-dlq-offset", str(self.offset).encode()),
+        ]
+
+    @classmethod
+    def from_json(cls, value: bytes) -> DeadLetter:
+        """Read back what :meth:`to_json` wrote (for tools and tests)."""
+        doc = orjson.loads(value)
+        raw = doc["raw"]
+        return cls(
+            doc["topic"],
+            int(doc["partition"]),
+            int(doc["offset"]),
+            doc["reason"],
+            None if raw is None else base64.b64decode(raw),
+        )
+
+
+#: Called once per poison record; may be a plain function or a coroutine function.
+DeadLetterHandler = Callable[[DeadLetter], Awaitable[None] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectorResult:
+    """What one batch did.
+
+    - ``records``: records in the batch; ``valid`` of them parsed as events.
+    - ``applied``: events new to the counters (a redelivery or a duplicate
+      event id counts as valid but not applied).
+    - ``dead``: records sent to the dead-letter handler.
+    - ``last_offset``: the highest offset in the batch (-1 for an empty batch).
+    """
+
+    partition: int
+    records: int
+    valid: int
+    applied: int
+    dead: int
+    last_offset: int
+
+
+@runtime_checkable
+class WatermarkBackend(Backend, Protocol):
+    """A counter backend that also reports a partition's applied-offset watermark."""
+
+    async def watermark(self, partition: str) -> int:
+        """The last applied offset of ``partition``, -1 when none."""
+        ...
+
+
+def to_applied(event: LedgerEvent, offset: int) -> AppliedEvent:
+    """A parsed event as the projection applies it, at ``offset`` of its partition."""
+    return AppliedEvent(
+        offset,
+        event.id,
+        event.time.timestamp(),
+        tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in event.data.charges),
+    )
+
+
+class Projector:
+    """Applies batches of raw ledger records of ``topic`` to ``backend``.
+
+    Framework-free on purpose: the stream worker drives it, and so can a test,
+    a rebuild tool or another stream framework. ``dlq`` receives every poison
+    record as a :class:`DeadLetter`; it is awaited (when it returns an
+    awaitable) before the batch is applied. Counts since creation are kept in
+    ``applied``, ``dead`` and ``records``.
+    """
+
+    def __init__(self, backend: WatermarkBackend, topic: str, *, dlq: DeadLetterHandler) -> None:
+        self.backend = backend
+        self.topic = topic
+        self.dlq = dlq
+        self.records = 0
+        self.applied = 0
+        self.dead = 0
+
+    def partition_name(self, partition: int) -> str:
+        """The watermark field of a partition: ``<topic>:<partition>``.
+
+        The topic is part of it so that two ledgers projected into one Redis
+        keep separate watermarks.
+        """
+        return f"{self.topic}:{partition}"
+
+    async def watermark(self, partition: int) -> int:
+        """The last offset of ``partition`` applied to the counters, -1 when none."""
+        return await self.backend.watermark(self.partition_name(partition))
+
+    async def resume_offset(self, partition: int) -> int:
+        """Where reading ``partition`` resumes: the watermark + 1."""
+        return await self.watermark(partition) + 1
+
+    async def apply_batch(self, partition: int, records: Sequence[Record]) -> ProjectorResult:
+        """Parse, dead-letter and apply one batch of ``partition`` (offsets ascending).
+
+        Raises ``ValueError`` when offsets do not strictly ascend (the
+        watermark would silently skip the late ones), and whatever
+        ``backend.apply`` or the dead-letter handler raises (for example
+        :class:`~mcp_budget_governor.errors.BackendUnavailableError`): the
+        caller must then retry the batch, never skip it.
+        """
+        events: list[AppliedEvent] = []
+        dead: list[DeadLetter] = []
+        previous = -1
+        for offset, raw in records:
+            if offset <= previous:
+                raise ValueError(
+                    f"{self.partition_name(partition)}: offsets must ascend "
+                    f"({offset} after {previous})"
+                )
+            previous = offset
+            reason = _problem(raw)
+            if reason is None:
+                assert raw is not None
+                try:
+                    events.append(to_applied(parse(raw), offset))
+                    continue
+                except MalformedEventError as exc:
+                    reason = exc.reason
+                except ValueError as exc:  # parse promises MalformedEventError; be safe
+                    reason = f"{type(exc).__name__}: {exc}"
+            dead.append(DeadLetter(self.topic, partition, offset, reason, raw))
+        for letter in dead:
+            outcome = self.dlq(letter)
+            if inspect.isawaitable(outcome):
+                await outcome
+        applied = await self.backend.apply(self.partition_name(partition), events) if events else 0
+        self.records += len(records)
+        self.applied += applied
+        self.dead += len(dead)
+        return ProjectorResult(partition, len(records), len(events), applied, len(dead), previous)
+
+
+def _problem(raw: bytes | None) -> str | None:
+    """Why a record cannot even be handed to the parser, else None."""
+    if raw is None:
+        return "no value (a tombstone or a null record)"
+    if not raw:
+        return "empty value"
+    return None

@@ -1,0 +1,70 @@
+"""``mcpbg worker`` settings: options over ``MCPBG_*`` variables, bad values named.
+
+No services: these only build configurations and read the CLI's answers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mcp_budget_governor import InvalidInputError
+from mcp_budget_governor.cli import main
+
+worker = pytest.importorskip("mcp_budget_governor.stream.worker", reason="needs faust-streaming")
+WorkerConfig = worker.WorkerConfig
+
+BASE = {"MCPBG_KAFKA_URL": "kafka://k1:9092,k2:9092", "MCPBG_REDIS_URL": "redis://r:6379/0"}
+
+
+def test_environment_then_options() -> None:
+    env = {**BASE, "MCPBG_TOPIC": "ledger", "MCPBG_BATCH_SIZE": "64", "MCPBG_BATCH_WAIT": "0.5"}
+    config = WorkerConfig.from_env(env, batch_size=128, group=None)
+    assert config.bootstrap == "k1:9092,k2:9092"
+    assert (config.topic, config.batch_size, config.batch_wait) == ("ledger", 128, 0.5)
+    assert config.group == "mcpbg-projector"  # None means "not given": the default stays
+    assert config.dlq_topic == "ledger.dlq"
+    assert set(worker.ENV.values()) >= {
+        "MCPBG_KAFKA_URL",
+        "MCPBG_REDIS_URL",
+        "MCPBG_TOPIC",
+        "MCPBG_GROUP",
+        "MCPBG_BATCH_SIZE",
+    }
+
+
+@pytest.mark.parametrize(
+    ("env", "options", "field"),
+    [
+        ({}, {}, "kafka_url"),
+        ({"MCPBG_KAFKA_URL": "k:9092"}, {}, "redis_url"),
+        (BASE, {"kafka_url": "http://k:9092"}, "bootstrap"),
+        (BASE, {"redis_url": "r:6379"}, "redis_url"),
+        (BASE, {"batch_size": 0}, "batch_size"),
+        (BASE, {"batch_wait": 0.0}, "batch_wait"),
+        (BASE, {"topic": ""}, "topic"),
+        (BASE, {"heartbeat_interval_ms": 6000, "session_timeout_ms": 6000}, "heartbeat"),
+        (BASE, {"progress_interval": -1.0}, "progress_interval"),
+        (BASE, {"log_level": "chatty"}, "log_level"),
+        ({**BASE, "MCPBG_BATCH_SIZE": "many"}, {}, "MCPBG_BATCH_SIZE"),
+    ],
+)
+def test_bad_settings_name_the_field(
+    env: dict[str, str], options: dict[str, object], field: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=field):
+        WorkerConfig.from_env(env, **options)
+
+
+def test_cli_worker_reports_bad_input_with_exit_code_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in worker.ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    assert main(["worker", "--redis-url", "redis://r:6379/0"]) == 2
+    assert "MCPBG_KAFKA_URL" in capsys.readouterr().err
+    monkeypatch.setenv("MCPBG_KAFKA_URL", "k:9092")
+    monkeypatch.setenv("MCPBG_REDIS_URL", "redis://r:6379/0")
+    assert main(["worker", "--batch-size", "0"]) == 2
+    assert "batch_size" in capsys.readouterr().err
+    # The schema command is untouched by the worker's optional dependencies.
+    assert main(["schema", "--type", "mcpbg.metered.v1"]) == 0
