@@ -203,4 +203,6 @@ class RedisBackend:
         return await self._run(self._noop, (), ())
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        # The pool was passed in (from_url), so Redis.aclose alone would leave its
+        # connections open (ResourceWarning: unclosed Connection).
+        await self.client.aclose(close_connection_pool=True)
