@@ -62,6 +62,9 @@ _WORKER_OPTIONS: dict[str, tuple[type, str]] = {
     "redis_timeout": (float, "seconds one Redis call may take (default 5)"),
     "topic_wait": (float, "seconds to wait at start for the topic to exist (default 60)"),
     "log_level": (str, "debug, info, warning or error (default info)"),
+    "policy": (str, "package.module:attribute of the Policy whose levels raise alerts"),
+    "alert_webhook": (str, "http(s) URL each alert is POSTed to (CloudEvent JSON)"),
+    "alert_topic": (str, "Kafka topic for alerts (default mcpbg.alerts; '' for none)"),
 }
 
 

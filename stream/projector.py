@@ -41,7 +41,7 @@ from typing import Protocol, runtime_checkable
 import orjson
 
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
-from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
+from mcp_budget_governor.events import Charge, LedgerEvent, MalformedEventError, parse
 
 __all__ = [
     "DeadLetter",
@@ -124,6 +124,8 @@ class ProjectorResult:
       event id counts as valid but not applied).
     - ``dead``: records sent to the dead-letter handler.
     - ``last_offset``: the highest offset in the batch (-1 for an empty batch).
+    - ``charges``: every charge of the valid events (redeliveries included),
+      for the alert evaluator.
     """
 
     partition: int
@@ -132,6 +134,7 @@ class ProjectorResult:
     applied: int
     dead: int
     last_offset: int
+    charges: tuple[Charge, ...] = ()
 
 
 @runtime_checkable
@@ -197,6 +200,7 @@ class Projector:
         caller must then retry the batch, never skip it.
         """
         events: list[AppliedEvent] = []
+        charges: list[Charge] = []
         dead: list[DeadLetter] = []
         previous = -1
         for offset, raw in records:
@@ -210,7 +214,9 @@ class Projector:
             if reason is None:
                 assert raw is not None
                 try:
-                    events.append(to_applied(parse(raw), offset))
+                    event = parse(raw)
+                    events.append(to_applied(event, offset))
+                    charges.extend(event.data.charges)
                     continue
                 except MalformedEventError as exc:
                     reason = exc.reason
@@ -225,7 +231,9 @@ class Projector:
         self.records += len(records)
         self.applied += applied
         self.dead += len(dead)
-        return ProjectorResult(partition, len(records), len(events), applied, len(dead), previous)
+        return ProjectorResult(
+            partition, len(records), len(events), applied, len(dead), previous, tuple(charges)
+        )
 
 
 def _problem(raw: bytes | None) -> str | None:

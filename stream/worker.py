@@ -67,9 +67,11 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from faust.types import TP, EventT, StreamT
 
 from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 from mcp_budget_governor.projections.redis_counters import RedisBackend
 
+from .alerts import AlertEvaluator, AlertSink, LogSink, RedisDeduper, TopicSink, WebhookSink
 from .projector import DeadLetter, Projector, ProjectorResult, dead_letter_topic
 
 __all__ = ["ENV", "ProjectionWorker", "WorkerConfig", "build_app", "prepare_topics", "run"]
@@ -90,6 +92,9 @@ ENV: Mapping[str, str] = {
     "redis_timeout": "MCPBG_REDIS_TIMEOUT",
     "topic_wait": "MCPBG_TOPIC_WAIT",
     "log_level": "MCPBG_LOG_LEVEL",
+    "policy": "MCPBG_POLICY",
+    "alert_webhook": "MCPBG_ALERT_WEBHOOK",
+    "alert_topic": "MCPBG_ALERT_TOPIC",
 }
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -113,6 +118,11 @@ class WorkerConfig:
     - ``progress_interval``: seconds between progress lines (0: none).
     - ``redis_timeout``: seconds one Redis call may take (a batch is one call).
     - ``topic_wait``: seconds to wait at start for the ledger topic to exist.
+    - ``policy``: ``package.module:attribute`` naming the :class:`Policy` whose
+      ``alert_at`` levels, breakers and shadow limits raise alerts; empty: no alerts.
+    - ``alert_webhook``: an http(s) URL each alert is POSTed to (optional).
+    - ``alert_topic``: the Kafka topic alerts go to (default ``mcpbg.alerts``;
+      empty: none). Alerts are always logged (WARNING).
     """
 
     kafka_url: str
@@ -127,6 +137,9 @@ class WorkerConfig:
     redis_timeout: float = 5.0
     topic_wait: float = 60.0
     log_level: str = "info"
+    policy: str = ""
+    alert_webhook: str = ""
+    alert_topic: str = "mcpbg.alerts"
     bootstrap: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -206,6 +219,8 @@ class ProjectionWorker:
         self.app = app
         self._projector: Projector | None = None
         self._backend: RedisBackend | None = None
+        self._alerts: AlertEvaluator | None = None
+        self._policy = load_policy(config.policy) if config.policy else None
         #: The last offset processed (applied or dead-lettered) per partition; -1: none.
         self.last_offset: dict[int, int] = {}
         self._tick_records = 0
@@ -218,7 +233,34 @@ class ProjectionWorker:
                 self.config.redis_url, timeout=self.config.redis_timeout, max_connections=4
             )
             self._projector = Projector(self._backend, self.config.topic, dlq=self.send_dead_letter)
+            if self._policy is not None:
+                self._alerts = AlertEvaluator(
+                    self._policy,
+                    self._backend,
+                    dedupe=RedisDeduper(self._backend.client),
+                    sinks=self._alert_sinks(),
+                )
         return self._projector
+
+    def _alert_sinks(self) -> list[AlertSink]:
+        sinks: list[AlertSink] = [LogSink()]
+        if self.config.alert_webhook:
+            sinks.append(WebhookSink(self.config.alert_webhook))
+        if self.config.alert_topic:
+            sinks.append(TopicSink(self._produce_alert, self.config.alert_topic))
+        return sinks
+
+    async def _produce_alert(self, topic: str, key: bytes, value: bytes) -> None:
+        await self.app.producer.send_and_wait(topic, key, value, None, None, None)
+
+    async def evaluate_alerts(self, result: ProjectorResult) -> None:
+        """Alerts for the counters a batch touched; never fails the batch (it is applied)."""
+        if self._alerts is None or not result.charges:
+            return
+        try:
+            await self._alerts.evaluate(result.charges)
+        except Exception as exc:  # alerts are best effort: the next batch catches up
+            log.warning("alerts: evaluation failed (%s: %s)", type(exc).__name__, exc)
 
     async def aclose(self) -> None:
         """Log the totals and release the Redis connections (at the app's stop)."""
@@ -229,6 +271,9 @@ class ProjectionWorker:
             0 if p is None else p.applied,
             0 if p is None else p.dead,
         )
+        if self._alerts is not None:
+            await self._alerts.aclose()
+            self._alerts = None
         if self._backend is not None:
             await self._backend.aclose()
             self._backend = None
@@ -249,6 +294,7 @@ class ProjectionWorker:
         async for events in batches:
             for partition, records in _by_partition(events).items():
                 result = await self._apply_until_done(partition, records)
+                await self.evaluate_alerts(result)
                 self.last_offset[partition] = result.last_offset
                 self._tick_records += result.records
 
@@ -361,6 +407,22 @@ class ProjectionWorker:
             0 if p is None else p.dead,
             "; ".join(parts) or "no partitions assigned",
         )
+
+
+def load_policy(spec: str) -> Policy:
+    """The :class:`Policy` named by ``package.module:attribute``."""
+    import importlib
+
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise InvalidInputError("policy", spec, "expected package.module:attribute")
+    try:
+        policy = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidInputError("policy", spec, f"cannot load it ({exc})") from None
+    if not isinstance(policy, Policy):
+        raise InvalidInputError("policy", spec, f"not a Policy but {type(policy).__name__}")
+    return policy
 
 
 def _by_partition(events: Sequence[EventT[bytes]]) -> dict[int, list[tuple[int, bytes | None]]]:
