@@ -166,10 +166,20 @@ class Projector:
     ``applied``, ``dead`` and ``records``.
     """
 
-    def __init__(self, backend: WatermarkBackend, topic: str, *, dlq: DeadLetterHandler) -> None:
+    def __init__(
+        self,
+        backend: WatermarkBackend,
+        topic: str,
+        *,
+        dlq: DeadLetterHandler,
+        require_epoch: bool = False,
+    ) -> None:
         self.backend = backend
         self.topic = topic
         self.dlq = dlq
+        # With it, a store that lost its state raises EpochMissingError instead
+        # of letting new events land on empty counters (the caller rebuilds).
+        self.require_epoch = require_epoch
         self.records = 0
         self.applied = 0
         self.dead = 0
@@ -227,7 +237,13 @@ class Projector:
             outcome = self.dlq(letter)
             if inspect.isawaitable(outcome):
                 await outcome
-        applied = await self.backend.apply(self.partition_name(partition), events) if events else 0
+        applied = (
+            await self.backend.apply(
+                self.partition_name(partition), events, require_epoch=self.require_epoch
+            )
+            if events
+            else 0
+        )
         self.records += len(records)
         self.applied += applied
         self.dead += len(dead)

@@ -66,13 +66,14 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from faust.types import TP, EventT, StreamT
 
-from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.errors import EpochMissingError, InvalidInputError
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 from mcp_budget_governor.projections.redis_counters import RedisBackend
 
 from .alerts import AlertEvaluator, AlertSink, LogSink, RedisDeduper, TopicSink, WebhookSink
 from .projector import DeadLetter, Projector, ProjectorResult, dead_letter_topic
+from .rebuild import rebuild
 
 __all__ = ["ENV", "ProjectionWorker", "WorkerConfig", "build_app", "prepare_topics", "run"]
 
@@ -232,7 +233,9 @@ class ProjectionWorker:
             self._backend = RedisBackend.from_url(
                 self.config.redis_url, timeout=self.config.redis_timeout, max_connections=4
             )
-            self._projector = Projector(self._backend, self.config.topic, dlq=self.send_dead_letter)
+            self._projector = Projector(
+                self._backend, self.config.topic, dlq=self.send_dead_letter, require_epoch=True
+            )
             if self._policy is not None:
                 self._alerts = AlertEvaluator(
                     self._policy,
@@ -305,6 +308,11 @@ class ProjectionWorker:
         while True:
             try:
                 return await self.projector.apply_batch(partition, records)
+            except EpochMissingError:
+                # Redis lost its state mid-run: rebuild every partition from the
+                # ledger first; this batch then lands on complete counters.
+                await self.rebuild_until_done()
+                continue
             except Exception as exc:  # every failure: retry, never skip the batch
                 attempt += 1
                 delay = min(0.1 * 2**attempt, MAX_BACKOFF)
@@ -319,6 +327,30 @@ class ProjectionWorker:
                     exc,
                     delay,
                     exc_info=attempt == 1 and not isinstance(exc, (ConnectionError, KafkaError)),
+                )
+                await asyncio.sleep(delay)
+
+    async def rebuild_until_done(self) -> None:
+        """Replay the ledger into an emptied Redis, retrying until it is complete."""
+        projector = self.projector  # connects
+        assert self._backend is not None
+        attempt = 0
+        while True:
+            try:
+                if await self._backend.has_epoch():
+                    return  # another worker finished the rebuild meanwhile
+                await rebuild(
+                    self._backend,
+                    self.config.bootstrap,
+                    projector.topic,
+                    batch=max(self.config.batch_size, 500),
+                )
+                return
+            except Exception as exc:  # Kafka or Redis away mid-rebuild: start over
+                attempt += 1
+                delay = min(0.1 * 2**attempt, MAX_BACKOFF)
+                log.warning(
+                    "rebuild: failed (%s: %s); retrying in %.1f s", type(exc).__name__, exc, delay
                 )
                 await asyncio.sleep(delay)
 
@@ -362,6 +394,8 @@ class ProjectionWorker:
         attempt = 0
         while True:
             try:
+                if not await self._has_epoch():
+                    await self.rebuild_until_done()
                 for tp in mine:
                     offsets[tp] = await self.projector.resume_offset(tp.partition)
                 break
@@ -382,6 +416,11 @@ class ProjectionWorker:
             ", ".join(f"p{tp.partition}@{off}" for tp, off in offsets.items()),
             "" if committed else " (commit refused: a new rebalance follows)",
         )
+
+    async def _has_epoch(self) -> bool:
+        self.projector  # noqa: B018 - connects
+        assert self._backend is not None
+        return await self._backend.has_epoch()
 
     # -- progress ---------------------------------------------------------
 

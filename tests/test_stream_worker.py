@@ -223,6 +223,9 @@ def start_worker(
 @pytest.fixture
 async def backend(redis_url: str) -> AsyncIterator[RedisBackend]:
     b = RedisBackend.from_url(redis_url, timeout=5.0)
+    # An intact (empty) projection: these tests are about the live path; a Redis
+    # without the marker would first be rebuilt (tests/test_stream_rebuild.py).
+    await b.mark_ready("test")
     yield b
     await b.aclose()
 

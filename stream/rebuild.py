@@ -1,0 +1,120 @@
+"""Rebuild the counters from the ledger after the store lost its state.
+
+A Redis that restarted empty (or was flushed) has lost every committed
+counter, every watermark and the epoch marker. Applying new events on top of
+that would produce counters that look plausible and are wrong, so instead:
+
+1. every retained event of every partition is read from the earliest offset
+   and applied through the same ``apply`` (charges whose bucket has expired
+   are dropped by the script; the watermarks and seen-id sets it rebuilds
+   make the live projection resume exactly after, and make a second worker
+   rebuilding at the same time harmless);
+2. "caught up" is judged from the highwater marks the fetches report (never
+   from ``end_offsets``, which the test broker reports wrongly);
+3. only then is the epoch marker set, and the hot path (with
+   ``require_epoch``) admits from the counters again. Until then every limit
+   follows its fail mode, so nothing is admitted from empty counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mcp_budget_governor.counters import AppliedEvent, Backend
+from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.ledger import new_id
+
+from .projector import to_applied
+from .topic_reader import TopicReader
+
+log = logging.getLogger(__name__)
+
+
+class EpochBackend(Backend, Protocol):
+    """A backend that can say whether its counters are complete, and declare them so."""
+
+    async def has_epoch(self) -> bool: ...
+
+    async def mark_ready(self, epoch: str) -> None: ...
+
+
+class RebuildIncompleteError(GovernorError):
+    """The end of the topic was not confirmed; the epoch was not set (try again)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildResult:
+    """What a rebuild read, applied and skipped, and how long it took."""
+
+    read: int
+    applied: int
+    malformed: int
+    seconds: float
+    epoch: str
+
+
+async def rebuild(
+    backend: EpochBackend,
+    bootstrap: str,
+    topic: str,
+    *,
+    batch: int = 2000,
+    idle_timeout: float = 5.0,
+    **client_options: Any,
+) -> RebuildResult:
+    """Apply every retained event of ``topic`` to ``backend``, then set the epoch marker.
+
+    Raises :class:`RebuildIncompleteError` (leaving the marker unset) when the
+    read stopped without reaching every partition's highwater mark.
+    """
+    started = time.monotonic()
+    pending: dict[int, list[AppliedEvent]] = defaultdict(list)
+    read = applied = 0
+
+    async def flush(partition: int) -> None:
+        nonlocal applied
+        events = pending[partition]
+        if events:
+            applied += await backend.apply(f"{topic}:{partition}", events)
+            events.clear()
+
+    def skip(partition: int, offset: int, raw: bytes | None, reason: str) -> None:
+        # Dead-lettered when first projected; the live projection re-reads it.
+        log.debug("rebuild: %s p%d offset %d skipped: %s", topic, partition, offset, reason)
+
+    log.warning("rebuild: the counters lost their state; replaying %s from its start", topic)
+    async with TopicReader(
+        bootstrap, topic, idle_timeout=idle_timeout, on_malformed=skip, **client_options
+    ) as reader:
+        async for record in reader:
+            read += 1
+            events = pending[record.partition]
+            events.append(to_applied(record.event, record.offset))
+            if len(events) >= batch:
+                await flush(record.partition)
+        for partition in list(pending):
+            await flush(partition)
+        if not reader.caught_up:
+            raise RebuildIncompleteError(
+                f"rebuild of {topic}: the end of every partition was not confirmed; "
+                "the epoch marker stays unset"
+            )
+        malformed = reader.malformed
+    epoch = new_id()
+    await backend.mark_ready(epoch)
+    result = RebuildResult(read, applied, malformed, time.monotonic() - started, epoch)
+    log.warning(
+        "rebuild: %s replayed: %d events read, %d applied, %d malformed skipped, in %.1f s; "
+        "counters ready (epoch %s)",
+        topic,
+        result.read,
+        result.applied,
+        result.malformed,
+        result.seconds,
+        epoch,
+    )
+    return result

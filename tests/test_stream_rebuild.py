@@ -1,0 +1,119 @@
+"""Redis flushed mid-run: the worker rebuilds from the ledger, the hot path admits nothing
+from the empty counters meanwhile, and the counters converge to the ledger's totals."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+from services import KafkaService
+from test_stream_worker import (  # fixtures and helpers of the worker suite
+    Names,
+    Worker,
+    assert_exact,
+    backend,
+    governor,
+    kafka,
+    names,
+    policy,
+    start_worker,
+    wait_caught_up,
+    wait_for,
+    workers,
+    workload,
+)
+
+from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor.keys import EPOCH_KEY
+from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+
+__all__ = ["backend", "kafka", "names", "workers"]  # fixtures, used by name
+
+
+@pytest.mark.slow
+async def test_flushall_mid_run_rebuilds_and_never_admits_from_empty_counters(
+    kafka: KafkaService,
+    redis_url: str,
+    backend: RedisBackend,
+    names: Names,
+    workers: list[Worker],
+    tmp_path: Path,
+) -> None:
+    sync = redis_sync.Redis.from_url(redis_url)
+    async with governor(kafka, backend, names.topic, tmp_path) as seed:
+        await workload(seed, 300, __import__("random").Random(1))
+    worker = start_worker(workers, kafka, redis_url, names, tmp_path)
+    await wait_for(lambda: sync.exists(EPOCH_KEY), "first rebuild sets the epoch", workers, 60)
+    await wait_caught_up(kafka, backend, names.topic, workers)
+
+    # The hot path of a ledger deployment refuses to admit from a Redis without the marker.
+    guarded = RedisBackend.from_url(redis_url, require_epoch=True, timeout=2.0)
+    ledger = KafkaLedger(
+        kafka.bootstrap, topic=names.topic, partitions=3, outbox_dir=tmp_path / "hot-outbox"
+    )
+    gov = Governor(policy(), guarded, ledger=ledger, retry_interval=0.05)
+    decisions: list[tuple[float, bool, bool, bool]] = []  # time, admitted, degraded, epoch
+
+    async def traffic(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            ctx = Context(user=f"u{i % 7}", tenant=f"t{i % 3}", tool="search")
+            d = await gov.check(ctx)
+            decisions.append(
+                (time.monotonic(), d.admitted, d.degraded, bool(sync.exists(EPOCH_KEY)))
+            )
+            if d.admitted:
+                await gov.meter("spend", 1_000 + i % 50, ctx)
+            i += 1
+            await asyncio.sleep(0.002)
+
+    await traffic(1.0)
+    sync.flushall()  # Redis loses everything mid-run
+    flushed_at = time.monotonic()
+    await traffic(3.0)
+    await wait_for(lambda: sync.exists(EPOCH_KEY), "rebuild after FLUSHALL", workers, 60)
+    await traffic(1.0)
+    assert await ledger.flush(30)
+    await ledger.aclose()
+    await guarded.aclose()
+
+    after = [d for d in decisions if d[0] > flushed_at]
+    rebuilding = [d for d in after if not d[3]]
+    assert rebuilding, "the test never observed the rebuild window"
+    # While the marker was missing, Redis decided nothing: every check followed its
+    # limits' fail modes (these limits are fail-open: process-local counters).
+    assert all(degraded for _, _, degraded, _ in rebuilding)
+    resumed = [d for d in after if d[3]]
+    assert resumed and not resumed[-1][2], "enforcement on Redis never resumed"
+
+    records = await wait_caught_up(kafka, backend, names.topic, workers)
+    checked = await assert_exact(backend, records)
+    assert checked > 300
+    assert "rebuild: " in worker.text()
+    assert worker.terminate() == 0
+
+
+@pytest.mark.slow
+async def test_a_worker_started_on_an_empty_redis_rebuilds_before_it_resumes(
+    kafka: KafkaService, redis_url: str, names: Names, workers: list[Worker], tmp_path: Path
+) -> None:
+    """No marker at start (first deployment, or Redis restarted empty while no worker ran):
+    the whole retained ledger is replayed, then the marker is set and the live path goes on."""
+    import random
+
+    fresh = RedisBackend.from_url(redis_url, timeout=5.0)
+    async with governor(kafka, fresh, names.topic, tmp_path) as gov:
+        await workload(gov, 400, random.Random(2))
+    redis_sync.Redis.from_url(redis_url).flushall()  # the in-flight charges are gone too
+    assert not await fresh.has_epoch()
+    worker = start_worker(workers, kafka, redis_url, names, tmp_path)
+    records = await wait_caught_up(kafka, fresh, names.topic, workers)
+    assert await fresh.has_epoch()
+    assert await assert_exact(fresh, records) == len({r.event.id for r in records})
+    assert "rebuild: " in worker.text() and "counters ready" in worker.text()
+    assert worker.terminate() == 0
+    await fresh.aclose()
