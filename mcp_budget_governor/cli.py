@@ -65,6 +65,8 @@ _WORKER_OPTIONS: dict[str, tuple[type, str]] = {
     "policy": (str, "package.module:attribute of the Policy whose levels raise alerts"),
     "alert_webhook": (str, "http(s) URL each alert is POSTed to (CloudEvent JSON)"),
     "alert_topic": (str, "Kafka topic for alerts (default mcpbg.alerts; '' for none)"),
+    "archive_dir": (str, "folder for the Parquet archive, written before each batch applies"),
+    "metrics_port": (int, "serve Prometheus metrics on this port (default 0: off)"),
 }
 
 

@@ -113,6 +113,8 @@ class DeadLetter:
 
 #: Called once per poison record; may be a plain function or a coroutine function.
 DeadLetterHandler = Callable[[DeadLetter], Awaitable[None] | None]
+#: Receives a partition's valid events, ``(offset, event)``, before they are applied.
+ArchiveHandler = Callable[[int, Sequence[tuple[int, LedgerEvent]]], Awaitable[object] | object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +175,7 @@ class Projector:
         *,
         dlq: DeadLetterHandler,
         require_epoch: bool = False,
+        archive: ArchiveHandler | None = None,
     ) -> None:
         self.backend = backend
         self.topic = topic
@@ -180,6 +183,9 @@ class Projector:
         # With it, a store that lost its state raises EpochMissingError instead
         # of letting new events land on empty counters (the caller rebuilds).
         self.require_epoch = require_epoch
+        # Called with each batch's valid events before they are applied: the
+        # worker resumes from the watermark, so an applied batch is never read again.
+        self.archive = archive
         self.records = 0
         self.applied = 0
         self.dead = 0
@@ -210,6 +216,7 @@ class Projector:
         caller must then retry the batch, never skip it.
         """
         events: list[AppliedEvent] = []
+        parsed: list[tuple[int, LedgerEvent]] = []
         charges: list[Charge] = []
         dead: list[DeadLetter] = []
         previous = -1
@@ -225,6 +232,7 @@ class Projector:
                 assert raw is not None
                 try:
                     event = parse(raw)
+                    parsed.append((offset, event))
                     events.append(to_applied(event, offset))
                     charges.extend(event.data.charges)
                     continue
@@ -237,6 +245,10 @@ class Projector:
             outcome = self.dlq(letter)
             if inspect.isawaitable(outcome):
                 await outcome
+        if self.archive is not None and parsed:
+            archived = self.archive(partition, parsed)
+            if inspect.isawaitable(archived):
+                await archived
         applied = (
             await self.backend.apply(
                 self.partition_name(partition), events, require_epoch=self.require_epoch

@@ -67,11 +67,14 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 from faust.types import TP, EventT, StreamT
 
 from mcp_budget_governor.errors import EpochMissingError, InvalidInputError
+from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 from mcp_budget_governor.projections.redis_counters import RedisBackend
 
+from . import metrics
 from .alerts import AlertEvaluator, AlertSink, LogSink, RedisDeduper, TopicSink, WebhookSink
+from .archiver import Archiver
 from .projector import DeadLetter, Projector, ProjectorResult, dead_letter_topic
 from .rebuild import rebuild
 
@@ -96,6 +99,8 @@ ENV: Mapping[str, str] = {
     "policy": "MCPBG_POLICY",
     "alert_webhook": "MCPBG_ALERT_WEBHOOK",
     "alert_topic": "MCPBG_ALERT_TOPIC",
+    "archive_dir": "MCPBG_ARCHIVE_DIR",
+    "metrics_port": "MCPBG_METRICS_PORT",
 }
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -124,6 +129,9 @@ class WorkerConfig:
     - ``alert_webhook``: an http(s) URL each alert is POSTed to (optional).
     - ``alert_topic``: the Kafka topic alerts go to (default ``mcpbg.alerts``;
       empty: none). Alerts are always logged (WARNING).
+    - ``archive_dir``: where each batch is written as Parquet (see
+      :mod:`.archiver`) *before* it is applied; empty: no archive.
+    - ``metrics_port``: serve Prometheus metrics on this port (0: off).
     """
 
     kafka_url: str
@@ -141,6 +149,8 @@ class WorkerConfig:
     policy: str = ""
     alert_webhook: str = ""
     alert_topic: str = "mcpbg.alerts"
+    archive_dir: str = ""
+    metrics_port: int = 0
     bootstrap: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -221,6 +231,7 @@ class ProjectionWorker:
         self._projector: Projector | None = None
         self._backend: RedisBackend | None = None
         self._alerts: AlertEvaluator | None = None
+        self._archiver: Archiver | None = None
         self._policy = load_policy(config.policy) if config.policy else None
         #: The last offset processed (applied or dead-lettered) per partition; -1: none.
         self.last_offset: dict[int, int] = {}
@@ -234,7 +245,11 @@ class ProjectionWorker:
                 self.config.redis_url, timeout=self.config.redis_timeout, max_connections=4
             )
             self._projector = Projector(
-                self._backend, self.config.topic, dlq=self.send_dead_letter, require_epoch=True
+                self._backend,
+                self.config.topic,
+                dlq=self.send_dead_letter,
+                require_epoch=True,
+                archive=self._archive_batch if self.config.archive_dir else None,
             )
             if self._policy is not None:
                 self._alerts = AlertEvaluator(
@@ -300,6 +315,10 @@ class ProjectionWorker:
                 await self.evaluate_alerts(result)
                 self.last_offset[partition] = result.last_offset
                 self._tick_records += result.records
+                metrics.RECORDS.inc(result.records)
+                metrics.APPLIED.inc(result.applied)
+                metrics.DEAD.inc(result.dead)
+                metrics.LAST_OFFSET.labels(str(partition)).set(result.last_offset)
 
     async def _apply_until_done(
         self, partition: int, records: Sequence[tuple[int, bytes | None]]
@@ -339,6 +358,7 @@ class ProjectionWorker:
             try:
                 if await self._backend.has_epoch():
                     return  # another worker finished the rebuild meanwhile
+                metrics.REBUILDS.inc()
                 await rebuild(
                     self._backend,
                     self.config.bootstrap,
@@ -353,6 +373,15 @@ class ProjectionWorker:
                     "rebuild: failed (%s: %s); retrying in %.1f s", type(exc).__name__, exc, delay
                 )
                 await asyncio.sleep(delay)
+
+    async def _archive_batch(
+        self, partition: int, records: Sequence[tuple[int, LedgerEvent]]
+    ) -> None:
+        if self._archiver is None:
+            self._archiver = Archiver(self.config.archive_dir, topic=self.config.topic)
+            self._archiver.remove_stale_temp_files()
+        # Parquet encoding and fsync off the event loop; the batch waits for it.
+        await asyncio.to_thread(self._archiver.write_batch, partition, records)
 
     async def send_dead_letter(self, letter: DeadLetter) -> None:
         """Produce one poison record to ``<topic>.dlq`` and wait for the broker's ack."""
@@ -435,6 +464,8 @@ class ProjectionWorker:
             high: int | None = consumer.highwater(tp)
             position = await consumer.position(tp)
             lag = "?" if high is None or position is None else str(max(high - position, 0))
+            if lag != "?":
+                metrics.LAG.labels(str(tp.partition)).set(int(lag))
             last = self.last_offset.get(tp.partition)
             parts.append(f"p{tp.partition} lag={lag} last={'-' if last is None else last}")
         p = self._projector
@@ -602,6 +633,9 @@ def run(config: WorkerConfig) -> int:
             _redact(config.redis_url),
             config.batch_size,
         )
+        if config.metrics_port:
+            metrics.serve(config.metrics_port)
+            log.info("projector: Prometheus metrics on :%d/metrics", config.metrics_port)
         app = build_app(config, datadir=datadir)
         worker = faust.Worker(app, loop=loop, loglevel=config.log_level, quiet=True)
         try:

@@ -1,0 +1,85 @@
+"""The worker archives every batch to Parquet before applying it, and serves its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import duckdb
+import pytest
+from services import KafkaService, free_port
+from test_stream_worker import (
+    Names,
+    Worker,
+    assert_exact,
+    backend,
+    governor,
+    kafka,
+    names,
+    start_worker,
+    wait_caught_up,
+    workers,
+    workload,
+)
+
+from mcp_budget_governor import RedisBackend
+
+__all__ = ["backend", "kafka", "names", "workers"]  # fixtures, used by name
+
+
+@pytest.mark.slow
+async def test_archive_matches_the_ledger_and_metrics_count_it(
+    kafka: KafkaService,
+    redis_url: str,
+    backend: RedisBackend,
+    names: Names,
+    workers: list[Worker],
+    tmp_path: Path,
+) -> None:
+    archive = tmp_path / "archive"
+    port = free_port()
+    async with governor(kafka, backend, names.topic, tmp_path) as gov:
+        await workload(gov, 500, random.Random(3))
+    worker = start_worker(
+        workers, kafka, redis_url, names, tmp_path,
+        "--archive-dir", str(archive), "--metrics-port", str(port),
+    )  # fmt: skip
+    records = await wait_caught_up(kafka, backend, names.topic, workers)
+    events = await assert_exact(backend, records)
+
+    # The archive holds every charge once (deduplicated on event id and charge index,
+    # as a reader must), and its totals per counter equal the ledger's.
+    want: dict[str, int] = defaultdict(int)
+    seen: set[str] = set()
+    for r in records:
+        if r.event.id not in seen:
+            seen.add(r.event.id)
+            for c in r.event.data.charges:
+                want[c.key] += c.amount
+    rows = duckdb.sql(
+        f"""
+        SELECT key, sum(amount)::BIGINT FROM (
+            SELECT * FROM read_parquet('{archive}/**/*.parquet', hive_partitioning = true)
+            QUALIFY row_number() OVER (PARTITION BY id, charge_index ORDER BY "offset") = 1
+        ) WHERE key IS NOT NULL GROUP BY key
+        """
+    ).fetchall()
+    assert dict(rows) == dict(want)
+    ((archived_events,),) = duckdb.sql(
+        f"SELECT count(DISTINCT id) FROM read_parquet('{archive}/**/*.parquet')"
+    ).fetchall()
+    assert archived_events == events
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            return str(reply.read().decode())
+
+    body = await asyncio.to_thread(scrape)
+    name = "mcpbg_worker_applied_events_total"
+    applied = [line for line in body.splitlines() if line.startswith(name)]
+    assert applied and float(applied[0].split()[-1]) >= 1
+    assert "mcpbg_worker_last_offset" in body
+    assert worker.terminate() == 0
