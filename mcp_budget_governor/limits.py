@@ -13,7 +13,8 @@ from .money import MAX_AMOUNT, Unit
 from .scopes import Dimensions, Scope, normalize_scope
 from .windows import Window
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# A leading "_" is reserved: the projection's own keys live at mcpbg:v1:_<name>.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 class FailMode(StrEnum):
@@ -77,7 +78,11 @@ class Limit:
     def __post_init__(self) -> None:
         name = self.name
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-            raise PolicyError("Limit.name", name, "expected 1-64 characters from A-Z a-z 0-9 _ . -")
+            raise PolicyError(
+                "Limit.name",
+                name,
+                "expected 1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit",
+            )
         where = f"Limit({name!r})"
         cap = self.cap
         if isinstance(cap, bool) or not isinstance(cap, int):

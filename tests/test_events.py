@@ -13,11 +13,12 @@ from mcp_budget_governor import MAX_AMOUNT, Context, Unit, Window
 from mcp_budget_governor.cli import main
 from mcp_budget_governor.events import MalformedEventError, encode, json_schemas, parse, to_entry
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
+from mcp_budget_governor.limits import NAME_PATTERN
 
 texts = st.one_of(st.none(), st.text(max_size=40))
 charges = st.builds(
     LedgerCharge,
-    limit=st.from_regex(r"[A-Za-z0-9_.\-]{1,64}", fullmatch=True),
+    limit=st.from_regex(NAME_PATTERN, fullmatch=True),
     unit=st.sampled_from(Unit),
     amount=st.integers(-MAX_AMOUNT, MAX_AMOUNT),
     window=st.sampled_from(Window),

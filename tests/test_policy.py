@@ -59,6 +59,7 @@ def make(**overrides: Any) -> Limit:
         ({"name": "a:b"}, "Limit.name", "a:b", "characters"),
         ({"name": ""}, "Limit.name", "", "characters"),
         ({"name": "x" * 65}, "Limit.name", "x" * 65, "characters"),
+        ({"name": "_seen"}, "Limit.name", "_seen", "starting with a letter"),
     ],
 )
 def test_bad_limit_names_field_and_value(
