@@ -204,6 +204,7 @@ def start_worker(
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
     # Settings through the environment (as in a container), options for the rest.
     env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_REDIS_URL=redis_url)
+    env["TMPDIR"] = str(tmp_path)  # a SIGKILLed worker cannot remove its mkdtemp data dir
     argv = [
         sys.executable, "-m", "mcp_budget_governor.cli", "worker",
         "--topic", names.topic,
