@@ -91,35 +91,9 @@ class Governor:
         ctx = ctx or EMPTY
         now = self._clock()
         plan = self._plan(ctx, now)
-        if self.ledger is None:
-            if not plan.slots:
-                return ADMITTED
-        elif not getattr(self.ledger, "accepting", True):
-            # The ledger cannot take new work (a full outbox that refuses): shed
-            # the call before charging anything, rather than lose its event.
-            return planning.ledger_full(self._retry_interval)
-        event_id = new_id() if self.ledger is not None else None
-        try:
-            result = await self._charge(plan.ops, event_id, want_used=plan.shadow)
-        except BackendUnavailableError:
-            decision = await self._degraded_check(plan.slots, now)
-        else:
-            if result.admitted and not plan.shadow:
-                decision = ADMITTED
-            else:
-                decision = self._decide(plan.slots, result, now)
-        if self.ledger is not None and event_id is not None:
-            await self._append(
-                event_id,
-                EntryType.ADMITTED if decision.admitted else EntryType.REJECTED,
-                now,
-                ctx,
-                plan.charges if decision.admitted else (),
-                limit=decision.limit,
-                status=decision.status,
-                over=decision.over,
-                degraded=decision.degraded,
-            )
+        if self.ledger is None and not plan.slots:
+            return ADMITTED
+        decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
         return decision
 
     async def meter(self, limit: str, amount: int, ctx: Context | None = None) -> int:
@@ -203,6 +177,42 @@ class Governor:
         await self.aclose()
 
     # -- internals ----------------------------------------------------------
+
+    async def _admit(
+        self, plan: planning.Plan, ctx: Context, now: float, kind: EntryType
+    ) -> tuple[Decision, str | None]:
+        """The admission step of check() and reserved(), one round trip.
+
+        New work the ledger cannot record is refused before anything is
+        charged; otherwise the plan is charged all or nothing (each limit's fail
+        mode when the backend is down), and the outcome goes to the ledger as
+        ``kind`` or as a rejection. Returns the decision and the event id.
+        """
+        if self.ledger is not None and not getattr(self.ledger, "accepting", True):
+            return planning.ledger_full(self._retry_interval), None
+        event_id = new_id() if self.ledger is not None else None
+        try:
+            result = await self._charge(plan.ops, event_id, want_used=plan.shadow)
+        except BackendUnavailableError:
+            decision = await self._degraded_check(plan.slots, now)
+        else:
+            if result.admitted and not plan.shadow:
+                decision = ADMITTED
+            else:
+                decision = self._decide(plan.slots, result, now)
+        if event_id is not None:
+            await self._append(
+                event_id,
+                kind if decision.admitted else EntryType.REJECTED,
+                now,
+                ctx,
+                plan.charges if decision.admitted else (),
+                limit=decision.limit,
+                status=decision.status,
+                over=decision.over,
+                degraded=decision.degraded,
+            )
+        return decision, event_id
 
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
@@ -366,43 +376,14 @@ class Reservation:
         if s is None:
             self.decision = ADMITTED
             return self
-        if gov.ledger is not None and not getattr(gov.ledger, "accepting", True):
-            # As in check(): new work the ledger cannot record is refused before
-            # anything is charged.
-            self.decision = planning.ledger_full(gov._retry_interval)
-            raise BudgetExceeded(self.decision)
-        event_id = new_id() if gov.ledger is not None else None
-        try:
-            result = await gov._charge((s.op,), event_id, want_used=not s.enforce)
-            decision = gov._decide([s], result, now)
-        except BackendUnavailableError:
-            decision = await gov._degraded_check([s], now)
+        decision, event_id = await gov._admit(
+            planning.Plan.of((s,)), self.ctx, now, EntryType.RESERVED
+        )
         self.decision = decision
         if not decision.admitted:
-            if event_id is not None:
-                await gov._append(
-                    event_id,
-                    EntryType.REJECTED,
-                    now,
-                    self.ctx,
-                    (),
-                    limit=decision.limit,
-                    status=decision.status,
-                    degraded=decision.degraded,
-                )
             raise BudgetExceeded(decision)
         self._slot = s
         self.id = event_id
-        if event_id is not None:
-            await gov._append(
-                event_id,
-                EntryType.RESERVED,
-                now,
-                self.ctx,
-                planning.ledger_charges((s,)),
-                over=decision.over,
-                degraded=decision.degraded,
-            )
         return self
 
     async def __aexit__(

@@ -128,17 +128,22 @@ class Plan:
     shadow: bool
     charges: tuple[LedgerCharge, ...]
 
+    @classmethod
+    def of(cls, slots: Sequence[Slot]) -> Plan:
+        """The plan that charges ``slots`` all or nothing."""
+        slots = tuple(slots)
+        return cls(
+            slots,
+            tuple(s.op for s in slots),
+            any(not s.enforce for s in slots),
+            ledger_charges(slots),
+        )
+
 
 def check_plan(policy: Policy, ctx: Context, now: float) -> Plan:
     """The plan of a check at ``now``. Valid for the whole minute: every bucket
     boundary (UTC or zoned) falls on a whole minute."""
-    slots = tuple(check_slots(policy, ctx, now))
-    return Plan(
-        slots,
-        tuple(s.op for s in slots),
-        any(not s.enforce for s in slots),
-        ledger_charges(slots),
-    )
+    return Plan.of(check_slots(policy, ctx, now))
 
 
 def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:
