@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import orjson
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
@@ -109,10 +110,14 @@ def parse_bootstrap(url: str) -> str:
     return ",".join(hosts)
 
 
+def scope_key(tenant: object, user: object) -> bytes:
+    """The partition key: the tenant, else the user, so one scope stays in order."""
+    scope = tenant if tenant is not None else user
+    return b"-" if scope is None else str(scope).encode()
+
+
 def _partition_key(entry: LedgerEntry) -> bytes:
-    ctx = entry.context
-    scope = ctx.tenant if ctx.tenant is not None else ctx.user
-    return b"-" if scope is None else scope.encode()
+    return scope_key(entry.context.tenant, entry.context.user)
 
 
 class KafkaLedger:
@@ -520,14 +525,11 @@ class KafkaLedger:
 
 def _key_of(raw: bytes) -> bytes:
     # Spilled records are plain CloudEvents; their key is recomputed from the context.
-    import orjson
-
     try:
         ctx = orjson.loads(raw)["data"]["context"]
-        scope = ctx.get("tenant") if ctx.get("tenant") is not None else ctx.get("user")
-    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return scope_key(ctx.get("tenant"), ctx.get("user"))
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return b"-"  # a damaged record still ships, for the dead-letter path to report
-    return b"-" if scope is None else str(scope).encode()
 
 
 async def _stop_quietly(producer: AIOKafkaProducer) -> None:
