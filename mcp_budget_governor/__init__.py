@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .context import Context
+from .context import ANONYMOUS_USER, Context
 from .counters import Backend
 from .decision import Decision
 from .errors import (
@@ -30,7 +30,7 @@ from .governor import Governor, Reservation
 from .ledger import Ledger, LedgerEntry
 from .limits import FailMode, Limit, OnExceed
 from .money import MAX_AMOUNT, Unit, format_usd, usd
-from .policy import Policy
+from .policy import Anonymous, Policy
 from .prices import ModelPrice, PriceTable
 from .scopes import Scope
 from .windows import Window
@@ -40,7 +40,9 @@ if TYPE_CHECKING:
     from mcp_budget_governor.projections.redis_counters import RedisBackend
 
 __all__ = [
+    "ANONYMOUS_USER",
     "MAX_AMOUNT",
+    "Anonymous",
     "Backend",
     "BackendUnavailableError",
     "BudgetExceeded",

@@ -46,3 +46,11 @@ class Context:
 
 
 EMPTY = Context()
+"""The caller nobody named: every scope unknown."""
+
+ANONYMOUS_USER = ""
+"""The user id of the anonymous bucket (``Policy(anonymous=Anonymous.SHARED)``).
+
+The empty string names nobody, so no caller with a real id lands in this
+bucket; key escaping is injective, so no other id's key equals its ``user=``.
+"""

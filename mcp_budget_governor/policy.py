@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import tzinfo
+from enum import StrEnum
 from typing import Any
 
-from .errors import PolicyError
-from .limits import Limit
+from .context import ANONYMOUS_USER, Context
+from .decision import Decision
+from .errors import BudgetExceeded, PolicyError
+from .limits import Limit, _enum
+from .scopes import Scope
 from .windows import zone
+
+
+class Anonymous(StrEnum):
+    """What an integration does with a caller its ``identify`` cannot name.
+
+    It matters only when some limit counts per user (its scope includes
+    ``Scope.USER``): such a limit cannot count a caller without a user id, so
+    letting that caller through unchanged would leave it unlimited.
+
+    - ``REFUSE`` (the default): refuse the call (status 403, reason
+      ``caller_unidentified``). A missing or broken ``identify`` shows up on
+      the first call instead of quietly turning per-user limits off.
+    - ``SHARED``: count every such caller in one anonymous bucket, the user
+      id ``""`` (``ANONYMOUS_USER``), which no caller with a real id can share.
+    """
+
+    REFUSE = "refuse"
+    SHARED = "shared"
 
 
 @dataclass(frozen=True)
@@ -17,7 +40,8 @@ class Policy:
     """An ordered, validated set of limits with unique names.
 
     ``timezone`` (an IANA name) sets where DAY and MONTH windows begin; UTC
-    when omitted.
+    when omitted. ``anonymous`` says what integrations do with a caller they
+    cannot identify (:class:`Anonymous`; refused by default).
 
     >>> from mcp_budget_governor import Limit, Scope, Window
     >>> policy = Policy.of(Limit("per_user", cap=100, window=Window.DAY, scope=Scope.USER))
@@ -27,6 +51,7 @@ class Policy:
 
     limits: tuple[Limit, ...]
     timezone: str | None = None
+    anonymous: Anonymous = Anonymous.REFUSE
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -42,11 +67,51 @@ class Policy:
         object.__setattr__(self, "limits", tuple(limits))
         object.__setattr__(self, "_by_name", {lim.name: lim for lim in limits})
         object.__setattr__(self, "_tz", zone(self.timezone))
+        object.__setattr__(self, "anonymous", _enum(Anonymous, self.anonymous, "Policy.anonymous"))
+        per_user = tuple(lim for lim in limits if Scope.USER in lim.dimensions)
+        object.__setattr__(self, "_per_user", per_user)
 
     @classmethod
-    def of(cls, *limits: Limit, timezone: str | None = None) -> Policy:
+    def of(
+        cls,
+        *limits: Limit,
+        timezone: str | None = None,
+        anonymous: Anonymous | str = Anonymous.REFUSE,
+    ) -> Policy:
         """Build a policy from limits given as arguments."""
-        return cls(tuple(limits), timezone=timezone)
+        mode: Anonymous = _enum(Anonymous, anonymous, "Policy.anonymous")
+        return cls(tuple(limits), timezone=timezone, anonymous=mode)
+
+    def identified(self, ctx: Context) -> Context:
+        """The context to govern a caller with, applying ``anonymous`` to an unnamed one.
+
+        Integrations call this with what their ``identify`` produced. A caller
+        with a user id (not ``""``), or any caller when no limit counts per
+        user, comes back unchanged. Otherwise ``SHARED`` returns it with the
+        anonymous user id and ``REFUSE`` raises :class:`BudgetExceeded`
+        (status 403, reason ``caller_unidentified``, naming a per-user limit).
+
+        >>> from mcp_budget_governor import Limit, Scope, Window
+        >>> burst = Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER)
+        >>> Policy.of(burst, anonymous="shared").identified(Context(tool="search")).user
+        ''
+        >>> Policy.of(burst).identified(Context(tool="search"))
+        Traceback (most recent call last):
+        ...
+        mcp_budget_governor.errors.BudgetExceeded: caller_unidentified
+        """
+        per_user: tuple[Limit, ...] = self.__dict__["_per_user"]
+        if ctx.user or not per_user:
+            return ctx
+        if self.anonymous is Anonymous.SHARED:
+            return (
+                ctx if ctx.user == ANONYMOUS_USER else dataclasses.replace(ctx, user=ANONYMOUS_USER)
+            )
+        raise BudgetExceeded(
+            Decision(
+                admitted=False, limit=per_user[0].name, status=403, reason="caller_unidentified"
+            )
+        )
 
     @property
     def tz(self) -> tzinfo:
