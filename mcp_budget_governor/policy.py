@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import tzinfo
@@ -81,6 +82,14 @@ class Policy:
         """Build a policy from limits given as arguments."""
         mode: Anonymous = _enum(Anonymous, anonymous, "Policy.anonymous")
         return cls(tuple(limits), timezone=timezone, anonymous=mode)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Policy:
+        """Load a policy file (TOML, see ``examples/policy.toml``), validated here;
+        errors name the file, line, key and value (:class:`PolicyFileError`)."""
+        from .policy_file import load_file
+
+        return load_file(path)
 
     def identified(self, ctx: Context) -> Context:
         """The context to govern a caller with, applying ``anonymous`` to an unnamed one.

@@ -64,10 +64,13 @@ class Bucket:
 
 def zone(name: str | None) -> tzinfo:
     """Resolve a policy time zone name; None or "UTC" mean UTC."""
-    if name is None or name.upper() in ("UTC", "Z", "ETC/UTC"):
+    if name is None:
         return UTC
     if not isinstance(name, str) or not name:
+        # Checked first: a policy file can hold a number or a list here.
         raise PolicyError("Policy.timezone", name, "expected an IANA time zone name")
+    if name.upper() in ("UTC", "Z", "ETC/UTC"):
+        return UTC
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):

@@ -1,0 +1,496 @@
+"""Policies written as TOML files, and the one way to name a policy: file or module.
+
+A policy file maps onto :class:`Policy` and :class:`Limit` key for key and is
+validated by their constructors, so a rule (caps, windows, scopes, names,
+time zones, alert levels) has one implementation whether a policy is written in
+Python or in a file. What this layer adds is what only a file needs:
+
+- every key must be known (a misspelt ``widow = "day"`` would otherwise leave a
+  limit silently inert), and the required ones (``name``, a cap, ``window``)
+  must be present;
+- money caps are written in dollars, ``cap_usd = "25.00"`` (a decimal string
+  with at most six decimals, or a whole number), never as a float, which
+  cannot hold money exactly; ``cap_usd`` implies ``unit = "usd_micros"``;
+- each error names the file, the line, the key path and the value, e.g.
+  ``policy.toml:12: limits[2].window: unknown Window ... (got 'fortnight')``.
+
+``tomllib`` reports no positions for values, so :func:`locate` is a small
+scanner of the same text that maps each key path to the line it is written on
+(array-of-tables headers, dotted keys, inline tables and arrays, comments and
+multi-line strings included). It only runs on text ``tomllib`` has accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidInputError, PolicyError
+from .limits import Limit
+from .money import Unit, usd
+from .policy import Policy
+
+#: A key path inside a document: table keys and array indices.
+KeyPath = tuple[str | int, ...]
+
+#: Keys of a ``[[limits]]`` table: the fields of :class:`Limit`, plus ``cap_usd``.
+LIMIT_KEYS: tuple[str, ...] = (*(f.name for f in dataclasses.fields(Limit)), "cap_usd")
+_REQUIRED = ("name", "window")
+_DOLLARS = re.compile(r"[0-9]+(\.[0-9]{1,6})?")
+
+
+class PolicyFileError(PolicyError):
+    """A policy file is invalid; the message starts with ``<file>:<line>:``.
+
+    ``field`` is the key path in the file (``limits[2].window``), ``value`` what
+    it holds, ``file`` and ``line`` (1-based, None when unknown) where it is.
+    """
+
+    def __init__(self, file: str, line: int | None, field: str, value: Any, problem: str) -> None:
+        super().__init__(field, value, problem)
+        self.file = file
+        self.line = line
+        where = file if line is None else f"{file}:{line}"
+        self.args = (f"{where}: {self.args[0]}",)
+
+
+# -- loading ------------------------------------------------------------------
+
+
+def load_file(path: str | os.PathLike[str]) -> Policy:
+    """Read and validate the policy file at ``path`` (TOML)."""
+    p = Path(path)
+    if p.suffix.lower() != ".toml":
+        raise InvalidInputError("policy", str(path), "expected a .toml policy file")
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise InvalidInputError("policy", str(path), "no such file") from None
+    except OSError as exc:
+        raise InvalidInputError("policy", str(path), f"cannot read it ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise PolicyFileError(str(path), line, "file", str(path), "not UTF-8 text") from None
+    return loads(text, source=str(path))
+
+
+def loads(text: str, *, source: str = "<policy>") -> Policy:
+    """Validate the TOML policy ``text``; ``source`` names it in errors."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _syntax_error(exc, text, source) from None
+    try:
+        lines = locate(text)
+    except (IndexError, ValueError):  # pragma: no cover - tomllib accepted the text
+        lines = {}
+    return _Builder(source, lines).policy(doc)
+
+
+def load_policy(spec: str | os.PathLike[str]) -> Policy:
+    """The policy named by ``spec``: a ``.toml`` file, or ``package.module:attribute``.
+
+    The same spec works for every command and the stream worker
+    (``--policy`` / ``MCPBG_POLICY``).
+    """
+    text = os.fspath(spec).strip()
+    if not text:
+        raise InvalidInputError("policy", spec, "expected a .toml file or package.module:attribute")
+    if text.lower().endswith(".toml") or os.sep in text or Path(text).is_file():
+        return load_file(text)
+    module_name, sep, attribute = text.partition(":")
+    if not sep or not module_name or not attribute:
+        raise InvalidInputError("policy", spec, "expected a .toml file or package.module:attribute")
+    try:
+        policy = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidInputError("policy", spec, f"cannot load it ({exc})") from None
+    if not isinstance(policy, Policy):
+        raise InvalidInputError("policy", spec, f"not a Policy but {type(policy).__name__}")
+    return policy
+
+
+def _syntax_error(exc: tomllib.TOMLDecodeError, text: str, source: str) -> PolicyFileError:
+    # tomllib (3.11-3.13) puts the position only in the message: "... (at line 3, column 9)".
+    message = str(exc)
+    found = re.search(r"\(at line (\d+), column (\d+)\)$", message)
+    if found is None:
+        found_eof = message.endswith("(at end of document)")
+        line = text.count("\n") + 1 if found_eof else None
+        problem = re.sub(r"\s*\(at end of document\)$", " at the end of the file", message)
+        return PolicyFileError(source, line, "TOML", "", problem)
+    line, column = int(found[1]), int(found[2])
+    problem = message[: found.start()].rstrip() + f" at column {column}"
+    text_lines = text.splitlines()
+    shown = text_lines[line - 1].strip() if line <= len(text_lines) else ""
+    return PolicyFileError(source, line, "TOML", shown, problem)
+
+
+# -- mapping the document onto the constructors --------------------------------
+
+
+def _dotted(path: KeyPath) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "policy"
+
+
+class _Builder:
+    """Maps a parsed document onto ``Policy``/``Limit``, translating their errors."""
+
+    def __init__(self, source: str, lines: Mapping[KeyPath, int]) -> None:
+        self.source = source
+        self.lines = lines
+
+    def line(self, path: KeyPath) -> int | None:
+        """The line of ``path``, else of its nearest located parent."""
+        while path:
+            if path in self.lines:
+                return self.lines[path]
+            path = path[:-1]
+        return None
+
+    def error(self, path: KeyPath, value: Any, problem: str) -> PolicyFileError:
+        return PolicyFileError(self.source, self.line(path), _dotted(path), value, problem)
+
+    def unknown(self, path: KeyPath, known: tuple[str, ...]) -> PolicyFileError:
+        key = path[-1]
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(known)}"
+        return self.error(path, key, f"unknown key ({hint})")
+
+    def policy(self, doc: dict[str, Any]) -> Policy:
+        top_keys = self.policy_keys()
+        for key in doc:
+            if key not in top_keys:
+                raise self.unknown((key,), top_keys)
+        if "limits" not in doc:
+            raise self.error(("limits",), None, "missing: a policy file needs [[limits]] tables")
+        entries = doc["limits"]
+        if not isinstance(entries, list):
+            raise self.error(("limits",), entries, "expected an array of tables ([[limits]])")
+        limits = [self.limit(i, entry) for i, entry in enumerate(entries)]
+        options = {k: v for k, v in doc.items() if k != "limits"}
+        try:
+            return Policy.of(*limits, **options)
+        except PolicyError as exc:
+            raise self.translate(exc, None) from None
+
+    @staticmethod
+    def policy_keys() -> tuple[str, ...]:
+        # Every option Policy.of takes is a top-level key, so a new option is
+        # accepted (and validated by Policy) without touching this module.
+        return tuple(f.name for f in dataclasses.fields(Policy))
+
+    def limit(self, i: int, entry: Any) -> Limit:
+        here: KeyPath = ("limits", i)
+        if not isinstance(entry, dict):
+            raise self.error(here, entry, "expected a table of limit settings")
+        for key in entry:
+            if key not in LIMIT_KEYS:
+                raise self.unknown((*here, key), LIMIT_KEYS)
+        for key in _REQUIRED:
+            if key not in entry:
+                raise self.error(here, None, f"missing required key {key!r}")
+        fields = dict(entry)
+        if "cap_usd" in fields:
+            if "cap" in fields:
+                raise self.error(
+                    (*here, "cap_usd"), fields["cap_usd"], "give cap or cap_usd, not both"
+                )
+            fields["cap"] = self.dollars((*here, "cap_usd"), fields.pop("cap_usd"))
+            unit = fields.setdefault("unit", Unit.USD_MICROS.value)
+            if not isinstance(unit, str) or unit.lower() != Unit.USD_MICROS.value:
+                raise self.error(
+                    (*here, "unit"),
+                    unit,
+                    "cap_usd is a money cap: unit must be usd_micros (or left out)",
+                )
+        elif "cap" not in fields:
+            raise self.error(here, None, "missing required key 'cap' (or 'cap_usd' for money)")
+        if fields.get("scope") in ("global", []):
+            fields["scope"] = None  # written out explicitly: no dimension
+        try:
+            return Limit(**fields)
+        except PolicyError as exc:
+            raise self.translate(exc, i, entry) from None
+
+    def dollars(self, path: KeyPath, value: Any) -> int:
+        """``cap_usd``: a whole number, or a decimal string with at most six decimals."""
+        if isinstance(value, float):
+            raise self.error(
+                path,
+                value,
+                'write dollars as a string, e.g. "25.00": a float cannot hold money exactly',
+            )
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise self.error(path, value, 'expected dollars, e.g. "25.00"')
+        if isinstance(value, str):
+            if value.strip().startswith("-"):
+                raise self.error(path, value, "must not be negative")
+            if not _DOLLARS.fullmatch(value):
+                raise self.error(
+                    path,
+                    value,
+                    'expected dollars as digits with at most six decimals, e.g. "25.00"',
+                )
+            amount: int | Decimal = Decimal(value)
+        else:
+            amount = value
+        if amount < 0:
+            raise self.error(path, value, "must not be negative")
+        try:
+            return usd(amount)
+        except InvalidInputError as exc:
+            raise self.error(path, value, exc.problem) from None
+
+    def translate(
+        self, exc: PolicyError, index: int | None, entry: Mapping[str, Any] | None = None
+    ) -> PolicyFileError:
+        """The file key a constructor error is about: ``Limit('x').cap`` -> ``limits[2].cap``."""
+        field, value = exc.field, exc.value
+        found = re.fullmatch(r"Policy\.limits\[(\d+)\]\.(\w+)", field)
+        if found:
+            return self.error(("limits", int(found[1]), found[2]), value, exc.problem)
+        if index is not None and entry is not None:
+            key = re.sub(r"^Limit(\(.*\))?\.", "", field)
+            problem = exc.problem
+            if key == "cap" and "cap_usd" in entry:
+                # The constructor saw micros; show what the file says, in dollars.
+                key, value = "cap_usd", entry["cap_usd"]
+            elif key == "cap" and isinstance(value, float | str):
+                problem = 'expected a whole number (for money write cap_usd = "25.00")'
+            return self.error(("limits", index, key), value, problem)
+        if field.startswith("Policy."):
+            return self.error((field.removeprefix("Policy."),), value, exc.problem)
+        return self.error((), value, f"{field}: {exc.problem}")
+
+
+# -- where each key is written -------------------------------------------------
+
+
+_BARE = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {
+    "b": "\b",
+    "t": "\t",
+    "n": "\n",
+    "f": "\f",
+    "r": "\r",
+    "e": "\x1b",
+    '"': '"',
+    "\\": "\\",
+}
+
+
+def locate(text: str) -> dict[KeyPath, int]:
+    """Map every key path of a TOML document to its 1-based line.
+
+    Tables and array elements map to where they start: ``("limits", 2)`` is
+    the line of the third ``[[limits]]`` header (or of its ``{`` in an inline
+    array), ``("limits", 2, "window")`` the line of its ``window`` key,
+    ``("limits", 2, "scope", 1)`` the line of the second element of its
+    ``scope`` array.
+
+    >>> locate('a = 1\\n[[t]]\\nb = [\\n  2,\\n  3]\\n')[("t", 0, "b", 1)]
+    5
+    """
+    return _Scanner(text).run()
+
+
+class _Scanner:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+        self.out: dict[KeyPath, int] = {}
+        # Array-of-tables paths -> how many elements they have so far.
+        self.arrays: dict[KeyPath, int] = {}
+
+    @property
+    def line(self) -> int:
+        return self.text.count("\n", 0, self.pos) + 1
+
+    def peek(self, n: int = 1) -> str:
+        return self.text[self.pos : self.pos + n]
+
+    def skip(self, *, newlines: bool) -> None:
+        """Skip blanks; with ``newlines``, also line breaks and comments."""
+        text = self.text
+        while self.pos < len(text):
+            ch = text[self.pos]
+            if ch in " \t":
+                self.pos += 1
+            elif ch == "#":
+                end = text.find("\n", self.pos)
+                self.pos = len(text) if end < 0 else end
+            elif newlines and ch in "\r\n":
+                self.pos += 1
+            else:
+                break
+
+    def run(self) -> dict[KeyPath, int]:
+        table: KeyPath = ()
+        while True:
+            self.skip(newlines=True)
+            if self.pos >= len(self.text):
+                return self.out
+            if self.peek(2) == "[[":
+                table = self.header(array=True)
+            elif self.peek() == "[":
+                table = self.header(array=False)
+            else:
+                self.pair(table)
+
+    def header(self, *, array: bool) -> KeyPath:
+        line = self.line
+        self.pos += 2 if array else 1
+        self.skip(newlines=False)
+        keys = self.key()
+        self.skip(newlines=False)
+        self.pos += 2 if array else 1
+        path: KeyPath = ()
+        for j, key in enumerate(keys):
+            path = (*path, key)
+            last = j == len(keys) - 1
+            if last and array:
+                count = self.arrays.get(path, 0)
+                self.arrays[path] = count + 1
+                self.out.setdefault(path, line)
+                path = (*path, count)
+            elif path in self.arrays:
+                # [a.b] after [[a]] names a table inside a's latest element.
+                path = (*path, self.arrays[path] - 1)
+        self.out[path] = line
+        return path
+
+    def pair(self, table: KeyPath) -> None:
+        line = self.line
+        keys = self.key()
+        path = table
+        for key in keys:
+            path = (*path, key)
+            self.out.setdefault(path, line)
+        self.out[path] = line
+        self.skip(newlines=False)
+        self.pos += 1  # '='
+        self.skip(newlines=False)
+        self.value(path)
+
+    def key(self) -> list[str]:
+        keys = [self.simple_key()]
+        while True:
+            self.skip(newlines=False)
+            if self.peek() != ".":
+                return keys
+            self.pos += 1
+            self.skip(newlines=False)
+            keys.append(self.simple_key())
+
+    def simple_key(self) -> str:
+        ch = self.peek()
+        if ch == '"':
+            return self.basic_string()
+        if ch == "'":
+            return self.literal_string()
+        found = _BARE.match(self.text, self.pos)
+        if found is None:
+            raise ValueError(f"no key at {self.pos}")
+        self.pos = found.end()
+        return found.group()
+
+    def value(self, path: KeyPath) -> None:
+        ch = self.peek()
+        if self.peek(3) in ('"""', "'''"):
+            self.multiline_string(self.peek(3))
+        elif ch == '"':
+            self.basic_string()
+        elif ch == "'":
+            self.literal_string()
+        elif ch == "[":
+            self.array(path)
+        elif ch == "{":
+            self.inline_table(path)
+        else:
+            found = re.compile(r"[^,\]}\r\n#]*").match(self.text, self.pos)
+            assert found is not None  # the pattern matches the empty string
+            self.pos = found.end()
+
+    def array(self, path: KeyPath) -> None:
+        self.pos += 1
+        index = 0
+        while True:
+            self.skip(newlines=True)
+            if self.peek() == "]":
+                self.pos += 1
+                return
+            self.out[(*path, index)] = self.line
+            self.value((*path, index))
+            index += 1
+            self.skip(newlines=True)
+            if self.peek() == ",":
+                self.pos += 1
+
+    def inline_table(self, path: KeyPath) -> None:
+        self.pos += 1
+        while True:
+            self.skip(newlines=True)
+            if self.peek() == "}":
+                self.pos += 1
+                return
+            self.pair(path)
+            self.skip(newlines=True)
+            if self.peek() == ",":
+                self.pos += 1
+
+    def basic_string(self) -> str:
+        text = self.text
+        self.pos += 1
+        out: list[str] = []
+        while text[self.pos] != '"':
+            ch = text[self.pos]
+            if ch == "\\":
+                code = text[self.pos + 1]
+                if code in "uU":
+                    width = 4 if code == "u" else 8
+                    out.append(chr(int(text[self.pos + 2 : self.pos + 2 + width], 16)))
+                    self.pos += 2 + width
+                    continue
+                out.append(_ESCAPES.get(code, code))
+                self.pos += 2
+                continue
+            out.append(ch)
+            self.pos += 1
+        self.pos += 1
+        return "".join(out)
+
+    def literal_string(self) -> str:
+        end = self.text.index("'", self.pos + 1)
+        value = self.text[self.pos + 1 : end]
+        self.pos = end + 1
+        return value
+
+    def multiline_string(self, quote: str) -> None:
+        text = self.text
+        self.pos += 3
+        while True:
+            if quote == '"""' and text[self.pos] == "\\":
+                self.pos += 2
+                continue
+            if text.startswith(quote, self.pos):
+                self.pos += 3
+                # Up to two quotes may close the content right before the delimiter.
+                for _ in range(2):
+                    if self.peek() == quote[0]:
+                        self.pos += 1
+                return
+            self.pos += 1
