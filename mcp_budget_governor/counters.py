@@ -133,6 +133,14 @@ class Backend(Protocol):
         """A counter's parts, for reconciliation and tests."""
         ...
 
+    async def counter_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` live counter keys, sorted (reports: ``mcpbg budgets``).
+
+        The projection's own keys (``mcpbg:v1:_*``) are left out. Bounded, so a
+        report over millions of counters costs ``limit`` keys, not all of them.
+        """
+        ...
+
     async def aclose(self) -> None:
         """Release connections."""
         ...

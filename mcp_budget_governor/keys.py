@@ -14,9 +14,13 @@ encoding would exceed ``MAX_VALUE_CHARS`` is replaced by ``#`` and its SHA-256:
 from __future__ import annotations
 
 import hashlib
+import re
+from dataclasses import dataclass
 from functools import lru_cache
+from urllib.parse import unquote_to_bytes
 
-from .scopes import Dimensions
+from .limits import NAME_PATTERN
+from .scopes import Dimensions, Scope
 
 PREFIX = "mcpbg:v1"
 GLOBAL_SCOPE = "global"
@@ -54,9 +58,94 @@ def counter_key(limit: str, scope: str, bucket: str) -> str:
     return f"{PREFIX}:{limit}:{scope}:{bucket}"
 
 
+#: Keys under this prefix are the projection's own, never counters.
+INTERNAL_PREFIX = f"{PREFIX}:_"
 #: Hash of partition -> last applied offset, advanced by the projection.
 WATERMARK_KEY = f"{PREFIX}:_applied"
 #: Prefix of the per-day sets of applied event ids (``<prefix>:20261129``).
 SEEN_PREFIX = f"{PREFIX}:_seen"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedKey:
+    """A counter key taken apart: the inverse of :func:`counter_key`.
+
+    ``values`` are the scope values as the caller gave them, except where a
+    value was too long and the key holds ``#`` and its SHA-256 instead:
+    ``hashed[i]`` is then true and ``values[i]`` is that ``#<hex>`` token,
+    since the original cannot be recovered from it.
+    """
+
+    limit: str
+    dims: Dimensions
+    values: tuple[str, ...]
+    hashed: tuple[bool, ...]
+    bucket: str
+
+    @property
+    def key(self) -> str:
+        """The key this was parsed from."""
+        segments = (v if h else escape(v) for v, h in zip(self.values, self.hashed, strict=True))
+        if not self.dims:
+            return counter_key(self.limit, GLOBAL_SCOPE, self.bucket)
+        scope = ",".join(f"{d.value}={s}" for d, s in zip(self.dims, segments, strict=True))
+        return counter_key(self.limit, scope, self.bucket)
+
+
+_HASHED = re.compile(r"#[0-9a-f]{64}")
+_ENCODED = re.compile(r"(?:[A-Za-z0-9_.\-]|%[0-9A-F]{2})*")
+_DIM_ORDER = {s: i for i, s in enumerate(Scope)}
+
+
+def unescape(segment: str) -> str:
+    """Decode one escaped scope value; ValueError unless ``segment`` is what
+    :func:`escape` makes of some value (the hashed form included, returned as is).
+
+    >>> unescape("a%3Ab%7Bc%7D")
+    'a:b{c}'
+    """
+    if _HASHED.fullmatch(segment):
+        return segment
+    if not _ENCODED.fullmatch(segment):
+        raise ValueError(f"not an escaped scope value: {segment!r}")
+    value = unquote_to_bytes(segment).decode("utf-8")  # strict: invalid UTF-8 raises
+    if escape(value) != segment:
+        raise ValueError(f"not an escaped scope value: {segment!r}")  # e.g. too long unhashed
+    return value
+
+
+def parse_key(key: str) -> ParsedKey | None:
+    """Take a counter key apart; None for anything else (the projection's own
+    ``mcpbg:v1:_*`` keys, other prefixes, a key no context could produce).
+
+    >>> parse_key("mcpbg:v1:per_tool:user=a%3Ab,tool=search:20261129")
+    ParsedKey(limit='per_tool', dims=(<Scope.USER: 'user'>, <Scope.TOOL: 'tool'>), \
+values=('a:b', 'search'), hashed=(False, False), bucket='20261129')
+    """
+    parts = key.split(":")
+    if len(parts) != 5 or f"{parts[0]}:{parts[1]}" != PREFIX:
+        return None
+    _, _, limit, scope, bucket = parts
+    # A limit name cannot start with "_": that marks the projection's own keys.
+    if not NAME_PATTERN.fullmatch(limit) or not bucket:
+        return None
+    if scope == GLOBAL_SCOPE:
+        return ParsedKey(limit, (), (), (), bucket)
+    dims: list[Scope] = []
+    values: list[str] = []
+    hashed: list[bool] = []
+    for item in scope.split(","):
+        dim, sep, segment = item.partition("=")
+        try:
+            scope_dim = Scope(dim)
+            value = unescape(segment)
+        except ValueError:
+            return None
+        if not sep or (dims and _DIM_ORDER[scope_dim] <= _DIM_ORDER[dims[-1]]):
+            return None  # keys list dimensions once each, in canonical order
+        dims.append(scope_dim)
+        values.append(value)
+        hashed.append(segment.startswith("#"))
+    return ParsedKey(limit, tuple(dims), tuple(values), tuple(hashed), bucket)

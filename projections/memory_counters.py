@@ -19,6 +19,7 @@ from mcp_budget_governor.counters import (
     fits,
 )
 from mcp_budget_governor.errors import EpochMissingError
+from mcp_budget_governor.keys import INTERNAL_PREFIX
 
 
 @dataclass(slots=True)
@@ -135,6 +136,10 @@ class MemoryBackend:
         """Every live counter key (for reports and tests)."""
         now = self._clock()
         return [k for k in list(self._counters) if self._get(k, now) is not None]
+
+    async def counter_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` live counter keys, sorted."""
+        return sorted(k for k in self.keys() if not k.startswith(INTERNAL_PREFIX))[:limit]
 
     async def has_epoch(self) -> bool:
         """Whether the counters are declared complete (see :meth:`mark_ready`)."""

@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
-from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.keys import EPOCH_KEY, PREFIX, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.lua import source
 
 _UNAVAILABLE = (
@@ -192,6 +192,22 @@ class RedisBackend:
         fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
         return CounterState(fields.get("c", 0), fields.get("f", 0), pending)
+
+    async def counter_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` counter keys, sorted, by an incremental SCAN (never KEYS,
+        which would block Redis) that stops once it has found ``limit``."""
+        found: set[str] = set()
+        if limit <= 0:
+            return []
+        try:
+            # [^_]: the projection's own keys (mcpbg:v1:_*) never come back.
+            async for raw in self.client.scan_iter(match=f"{PREFIX}:[^_]*", count=1000):
+                found.add(raw.decode() if isinstance(raw, bytes) else raw)
+                if len(found) >= limit:
+                    break
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+        return sorted(found)
 
     async def watermark(self, partition: str) -> int:
         """The last applied offset of a partition, -1 when none."""
