@@ -1,0 +1,363 @@
+"""The ledger as one typed DuckDB view: the Parquet archive and the embedded file ledger.
+
+:func:`open_ledger` returns a DuckDB connection on which these temporary
+views exist (the session time zone is set to UTC, so ``date_trunc`` and
+``::DATE`` group by UTC days):
+
+``ledger`` — **one row per charge**, deduplicated
+    An event without charges (a rejection, an admission under no gated limit)
+    has one row whose charge columns are NULL. A row is kept once per
+    ``(id, charge_index)``, the first by ``source, "partition", "offset"``
+    (the archive's rule, ``stream/archiver.py``): a redelivered batch, an
+    overlapping segment or a producer retry at a second offset is read once,
+    exactly as the projector's watermarks and seen-id sets count it.
+
+    Columns (quote the SQL keywords: ``"user"``, ``"limit"``, ``"window"``,
+    ``"partition"``, ``"offset"``):
+
+    =======================  ============  ==============================================
+    column                   type          meaning
+    =======================  ============  ==============================================
+    time                     TIMESTAMPTZ   the event's time
+    date                     DATE          its UTC date (the archive's hive folder)
+    type                     VARCHAR       ``mcpbg.metered.v1``, ``mcpbg.admitted.v1`` ...
+    id                       VARCHAR       the event id (UUIDv7)
+    user, tenant, tool,      VARCHAR       the context
+    session, agent
+    model                    VARCHAR       usage of a metered model call, else NULL
+    input_tokens ...         BIGINT        input / output / cache_read / cache_write tokens
+    price_version            VARCHAR       the price table that priced it
+    charge_index             BIGINT        position in the event's charges (NULL: none)
+    limit, unit              VARCHAR       the charge's limit and unit (``calls``,
+                                           ``usd_micros``, ``tokens``: ``money.Unit``)
+    amount                   BIGINT        signed micros / calls / tokens
+    window, bucket, key      VARCHAR       the charge's window, bucket label, counter key
+    expire_at                BIGINT        the counter's expiry (epoch seconds)
+    status                   INTEGER       the decision's status (200, 429, 402, 503...)
+    decision_limit           VARCHAR       the refusing limit, if any
+    degraded                 BOOLEAN       decided by a fail mode (counters unreachable)
+    reservation              VARCHAR       the reservation a settlement/release closes
+    partition, offset        BIGINT        where the event sits: Kafka partition and
+                                           offset, or file-ledger segment and record index
+    source                   VARCHAR       ``archive`` or ``file``
+    topic                    VARCHAR       the Kafka topic (``file`` for the file ledger)
+    partition_name           VARCHAR       the projector's watermark field of that
+                                           partition: ``<topic>:<partition>`` or
+                                           ``file:<segment file name>``
+    event_source, subject    VARCHAR       CloudEvents ``source`` and ``subject``
+    over                     VARCHAR[]     shadow limits the call went over
+    =======================  ============  ==============================================
+
+``ledger_raw`` — the same rows *before* deduplication (to count redeliveries).
+
+``costs`` — **one row per event**: the one rule for money (read this, FOCUS export)
+    Every spend question (``mcpbg costs``, the FOCUS export) must read USD
+    from this view, or apply the same rule: **an event's USD is its first
+    ``usd_micros`` charge** (lowest ``charge_index``), so dollars charged to
+    two USD limits by one event (say a user's budget and a global one) are
+    counted once. Columns: every event column of ``ledger`` (not the charge
+    ones), plus ``usd_micros BIGINT`` (0 when the event has no USD charge),
+    ``usd_limit VARCHAR`` (the limit it was read from), ``charges BIGINT``.
+    Spend is the sum of ``usd_micros`` over *every* event type: a reservation
+    holds its estimate (``reserved``), and its settlement (``settled``, a
+    signed delta) or release (``released``, minus the estimate) corrects it,
+    so the sum is the real cost. ``metered`` events alone are costs measured
+    after the call; token counts are per event, so they too are summed here,
+    never over ``ledger`` (where they repeat on each charge row). Money is
+    summed as integers: ``sum(usd_micros)`` is a HUGEINT, exact; render it
+    with :func:`mcp_budget_governor.money.format_usd`, never through a float.
+    To read one limit's spend instead (``mcpbg costs --limit``), sum ``amount``
+    over ``ledger`` rows with that ``"limit"``.
+
+Errors are :class:`LedgerError` (a :class:`GovernorError`) with one line
+naming the path: no source given, a missing folder, an empty ledger, a
+Parquet file that is corrupt or is not an archive segment.
+
+>>> con = open_ledger("/var/lib/mcpbg/archive")  # doctest: +SKIP
+>>> con.sql('SELECT "user", sum(usd_micros) FROM costs GROUP BY ALL').fetchall()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
+from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
+from mcp_budget_governor.producers.record_log import RecordLog
+from mcp_budget_governor.stream.archiver import SCHEMA, Archiver
+
+__all__ = [
+    "COLUMNS",
+    "FILE_TOPIC",
+    "LedgerError",
+    "archive_glob",
+    "open_ledger",
+    "query_error",
+    "sql_string",
+]
+
+log = logging.getLogger(__name__)
+
+#: The ``topic`` of file-ledger rows; their watermark fields are ``file:<segment name>``.
+FILE_TOPIC = "file"
+_FILE_TABLE = "_mcpbg_file_ledger"
+
+#: The columns of the ``ledger`` view, in order (the contract with its readers).
+COLUMNS: tuple[str, ...] = (
+    "time",
+    "date",
+    "type",
+    "id",
+    "user",
+    "tenant",
+    "tool",
+    "session",
+    "agent",
+    "model",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "price_version",
+    "charge_index",
+    "limit",
+    "unit",
+    "amount",
+    "window",
+    "bucket",
+    "key",
+    "expire_at",
+    "status",
+    "decision_limit",
+    "degraded",
+    "reservation",
+    "partition",
+    "offset",
+    "source",
+    "topic",
+    "partition_name",
+    "event_source",
+    "subject",
+    "over",
+)
+# Event-level columns: the same on every charge row of an event.
+_EVENT_COLUMNS = tuple(
+    c
+    for c in COLUMNS
+    if c
+    not in {
+        "charge_index",
+        "limit",
+        "unit",
+        "amount",
+        "window",
+        "bucket",
+        "key",
+        "expire_at",
+    }
+)
+
+
+class LedgerError(GovernorError):
+    """The ledger cannot be read: no source, a missing folder, no data, a corrupt file."""
+
+
+def sql_string(value: str | os.PathLike[str]) -> str:
+    """``value`` as a SQL string literal (single quotes doubled)."""
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def archive_glob(archive_dir: str | os.PathLike[str]) -> str:
+    """What DuckDB reads of an archive folder: ``<dir>/**/*.parquet``."""
+    return str(Path(archive_dir) / "**" / "*.parquet")
+
+
+def _folder(path: str | os.PathLike[str], what: str) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "no such folder"
+        raise LedgerError(f"{what} {folder}: {problem}")
+    return folder
+
+
+def _parquet_files(folder: Path) -> Iterator[Path]:
+    # The archiver's temporary files are hidden and end in .tmp: never matched.
+    return (p for p in sorted(folder.glob("**/*.parquet")) if not p.name.startswith("."))
+
+
+_REQUIRED = frozenset(SCHEMA.names)
+
+
+def _check_archive(folder: Path) -> int:
+    """Count the archive's Parquet files, opening each footer: a corrupt one is named now.
+
+    A file whose footer is sound but whose pages are damaged is only found
+    when a query reads it; :func:`query_error` names it then.
+    """
+    count = 0
+    for path in _parquet_files(folder):
+        try:
+            names = set(pq.read_schema(path).names)
+        except (OSError, pa.ArrowException) as exc:
+            raise LedgerError(f"corrupt Parquet file {path}: {_first_line(exc)}") from None
+        missing = _REQUIRED - names
+        if missing:
+            raise LedgerError(
+                f"{path}: not a ledger archive segment (missing columns: "
+                f"{', '.join(sorted(missing))})"
+            )
+        count += 1
+    return count
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def query_error(exc: duckdb.Error) -> LedgerError:
+    """A DuckDB error met while reading the ledger, as one line (it names the file)."""
+    return LedgerError(f"reading the ledger failed: {_first_line(exc)}")
+
+
+def _file_rows(
+    folder: Path, *, prefix: str = DEFAULT_PREFIX, partition_prefix: str = FILE_TOPIC
+) -> pa.Table | None:
+    """The file ledger's records as archive rows (plus ``partition_name``), or None if empty.
+
+    Read as :class:`~mcp_budget_governor.producers.file_ledger.FileProjector`
+    reads it: a segment is a partition (its first sequence number), a
+    record's index in it is its offset; a malformed record is skipped with a
+    warning (the projector skips it too, so counters never held it).
+    """
+    records = RecordLog(folder, prefix=prefix, writable=False)
+    by_segment: dict[int, list[tuple[int, LedgerEvent]]] = {}
+    for record in records.read():
+        pos = record.position
+        if record.error is not None:
+            continue
+        try:
+            event = parse(record.data)
+        except (MalformedEventError, ValueError) as exc:
+            log.warning(
+                "%s: malformed record %d skipped: %s", records.path(pos.segment), pos.index, exc
+            )
+            continue
+        by_segment.setdefault(pos.segment, []).append((pos.index, event))
+    if not by_segment:
+        return None
+    # The archiver's row builder is the one definition of a ledger row; it is
+    # used without its constructor, which would create an archive folder.
+    rows = Archiver.__new__(Archiver)
+    rows.topic = partition_prefix
+    tables = []
+    for segment, events in sorted(by_segment.items()):
+        table, _ = rows._table(segment, events)
+        name = f"{partition_prefix}:{records.path(segment).name}"
+        tables.append(table.append_column("partition_name", pa.repeat(pa.scalar(name), len(table))))
+    return pa.concat_tables(tables)
+
+
+def _select(relation: str, source: str, *, hive_date: bool, partition_name: str) -> str:
+    date = '"date"' if hive_date else 'CAST("time" AS DATE)'
+    return f"""
+        SELECT "time", {date} AS "date", "type", id, "user", tenant, tool, "session", agent,
+               model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
+               price_version, charge_index, "limit", unit, amount, "window", bucket, "key",
+               expire_at, CAST(status AS INTEGER) AS status, decision_limit, degraded,
+               reservation, "partition", "offset", '{source}' AS source, topic,
+               {partition_name} AS partition_name, "source" AS event_source, subject, "over"
+        FROM {relation}"""
+
+
+def open_ledger(
+    archive_dir: str | os.PathLike[str] | None = None,
+    ledger_dir: str | os.PathLike[str] | None = None,
+    *,
+    con: duckdb.DuckDBPyConnection | None = None,
+    file_prefix: str = DEFAULT_PREFIX,
+) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection with the ``ledger``, ``ledger_raw`` and ``costs`` views.
+
+    ``archive_dir`` is a Parquet archive (``stream/archiver.py``), read live:
+    segments written after this call are seen by later queries.
+    ``ledger_dir`` is a file-ledger folder (``producers/file_ledger.py``),
+    read once, now (its records are parsed and held by the connection).
+    Either or both. ``con``: add the views to this connection instead of a
+    new in-memory one (its time zone is set to UTC).
+
+    Raises :class:`LedgerError` naming the path when no source is given, a
+    folder is missing, neither holds a ledger event ("empty ledger") or a
+    Parquet file is corrupt or not an archive segment.
+    """
+    if archive_dir is None and ledger_dir is None:
+        raise LedgerError(
+            "no ledger given: an archive folder (--archive-dir, MCPBG_ARCHIVE_DIR) "
+            "or a file-ledger folder (--ledger-dir, MCPBG_LEDGER_DIR)"
+        )
+    parts: list[str] = []
+    db = duckdb.connect() if con is None else con
+    db.execute("SET TimeZone = 'UTC'")
+    where: list[str] = []
+    if archive_dir is not None:
+        folder = _folder(archive_dir, "archive folder")
+        where.append(str(folder))
+        if _check_archive(folder):
+            relation = (
+                f"read_parquet({sql_string(archive_glob(folder))}, hive_partitioning = true, "
+                "union_by_name = true)"
+            )
+            parts.append(
+                _select(
+                    relation,
+                    "archive",
+                    hive_date=True,
+                    partition_name="topic || ':' || \"partition\"",
+                )
+            )
+    if ledger_dir is not None:
+        folder = _folder(ledger_dir, "file-ledger folder")
+        where.append(str(folder))
+        table = _file_rows(folder, prefix=file_prefix)
+        if table is not None:
+            db.register(_FILE_TABLE, table)
+            parts.append(
+                _select(_FILE_TABLE, "file", hive_date=False, partition_name="partition_name")
+            )
+    if not parts:
+        raise LedgerError(f"empty ledger: no ledger events in {' or '.join(where)}")
+    union = "\nUNION ALL BY NAME\n".join(parts) if len(parts) > 1 else parts[0]
+    db.execute(f"CREATE OR REPLACE TEMP VIEW ledger_raw AS {union}")
+    db.execute(
+        """
+        CREATE OR REPLACE TEMP VIEW ledger AS
+        SELECT * FROM ledger_raw
+        QUALIFY row_number() OVER (
+            PARTITION BY id, charge_index ORDER BY source, "partition", "offset") = 1
+        """
+    )
+    event_columns = ", ".join(f"any_value({_q(c)}) AS {_q(c)}" for c in _EVENT_COLUMNS if c != "id")
+    db.execute(
+        f"""
+        CREATE OR REPLACE TEMP VIEW costs AS
+        SELECT id, {event_columns},
+               coalesce(arg_min(amount, charge_index) FILTER (WHERE unit = 'usd_micros'), 0)
+                   AS usd_micros,
+               arg_min("limit", charge_index) FILTER (WHERE unit = 'usd_micros') AS usd_limit,
+               count(charge_index) AS charges
+        FROM ledger GROUP BY id
+        """
+    )
+    return db
