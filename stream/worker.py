@@ -1,50 +1,60 @@
-"""The stream worker: a faust-streaming app that projects the ledger topic into Redis.
+"""The stream worker: an aiokafka consumer-group member that projects the ledger into Redis.
 
 ``mcpbg worker --kafka-url kafka://host:9092 --redis-url redis://host:6379/0``
 (or the same settings as ``MCPBG_*`` environment variables, see
 :class:`WorkerConfig`) runs one member of the consumer group ``--group``;
 start several and they split the topic's partitions.
 
-How it stays exact (see also :mod:`.projector`):
+It is a plain ``AIOKafkaConsumer`` loop (DESIGN.md names faust-streaming; the
+faust app this replaces spent about 70 us of CPU per event in its per-record
+stream machinery, more than the projection itself, and fixed its fetch wait at
+1.5 s; see ``benchmarks/README.md``, section bench_worker.py). How it stays
+exact (see also :mod:`.projector`):
 
-- **State lives in Redis only.** No faust tables (their recovery leans on end
-  offsets, which the test broker reports wrongly, and they would be a second
-  copy of the counters). The faust app is a plain agent over the topic.
-- **Resume from the watermark.** Whenever the group hands this worker its
-  partitions, the worker commits the Redis watermark + 1 of each as the
-  group's offset and seeks there, just before faust seeks every partition to
-  its committed offset. Reading therefore resumes right after the last event
-  the counters hold, whatever the group had committed: behind it (a worker
-  killed between its Redis apply and its Kafka commit) nothing is read
-  twice; ahead of it (a batch acknowledged but not applied) the gap is read
-  again instead of lost; a Redis found empty at an assignment (watermark
-  gone) replays the topic from its start. Kafka's committed offsets are
-  kept for lag tools only.
-- **Batches.** ``stream.take_events(batch_size, within=batch_wait)`` hands
-  the agent up to ``batch_size`` records; each partition's share is applied
-  in one ``backend.apply`` call (one Lua script, one round trip). faust
-  acknowledges the records after the agent's loop body returns, and commits
-  acknowledged offsets to the group every ``broker_commit_interval``.
+- **State lives in Redis only.** The counters, the applied-offset watermark
+  of every partition and the seen-id sets are in Redis; Kafka's committed
+  offsets are kept for lag tools only.
+- **Resume from the watermark.** When the group assigns partitions, the
+  rebalance listener pauses them; before the next fetch is used the loop
+  reads each one's Redis watermark, seeks to watermark + 1, commits that
+  offset to the group and resumes the partition. Reading therefore resumes
+  right after the last event the counters hold, whatever the group had
+  committed: behind it (a worker killed between its Redis apply and its
+  Kafka commit) nothing is read twice; ahead of it (a batch committed but
+  not applied) the gap is read again instead of lost; a Redis found empty at
+  an assignment (epoch marker gone) is rebuilt from the ledger first.
+  Records fetched before that alignment are dropped, never applied.
+- **Batches.** ``getmany(max_records=batch_size)`` returns what the fetcher
+  holds (waiting up to ``batch_wait`` when nothing is there); each
+  partition's share is applied in one ``backend.apply`` call (one Lua
+  script, one round trip). The consumed offsets are committed to the group
+  after the apply, at most once a second, on a revocation and at the stop.
 - **Never skip a batch.** A failed apply (Redis unreachable) or dead-letter
-  send (Kafka unreachable) is retried with backoff until it succeeds: a batch
-  body that raised would still be acknowledged by faust and its events would
-  be skipped until the next rebalance.
+  send (Kafka unreachable) is retried with backoff until it succeeds, or
+  until the worker is told to stop: then the batch is simply not committed
+  and is read again by whoever resumes from the watermark.
+- **Revocation.** The listener waits for the batch in hand to be applied
+  (the loop holds a lock while it applies), commits, and lets the rebalance
+  go on; a new owner starts from the watermark anyway, so a batch that
+  outlives the wait (Redis down) is harmless too: the ``apply`` script skips
+  whatever the other side applied first.
 - **Dead letters** go to ``<topic>.dlq`` (created with the ledger topic's
   partition count when missing): value = JSON with the reason, source topic,
   partition, offset and the original bytes in base64; the same facts as
   headers; key = ``<topic>:<partition>:<offset>``.
-- **Shutdown.** SIGTERM (or SIGINT) lets faust stop gracefully: the fetcher
-  stops, the batch in hand is finished and acknowledged, offsets are
-  committed, and the process exits 0.
+- **Shutdown.** SIGTERM (or SIGINT) stops the loop after the batch in hand,
+  commits the consumed offsets, leaves the group, and exits 0.
 - **Progress.** Every ``progress_interval`` seconds one INFO line: events/s
-  since the last line, totals, and per partition the lag (highwater reported
-  by the last fetch minus the fetch position) and the last offset processed.
+  since the last line, totals, and per partition the lag (the highwater mark
+  the last fetch reported minus the next offset to process) and the last
+  offset processed.
 
 Settings for the test broker (tansu), which this worker must not lean on:
-no transactions or idempotent producer are used (processing guarantee
-at-least-once, exactness comes from the watermark), nothing reads
-``end_offsets`` (the lag uses fetched highwater marks), and the faust web
-server is off so several workers can share a machine.
+no transactions or idempotent producer are used (delivery is at-least-once,
+exactness comes from the watermark), nothing reads ``end_offsets`` (the lag
+uses fetched highwater marks), and ``fetch_max_wait_ms`` is short (50 ms by
+default): tansu answers a fetch that waits for data late rather than when the
+data arrives, so a long wait becomes projection lag.
 """
 
 from __future__ import annotations
@@ -53,18 +63,16 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
+import signal
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import Any
 
-import faust
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError
-from faust.types import TP, EventT, StreamT
+from aiokafka.errors import IllegalStateError, KafkaError, TopicAlreadyExistsError
+from aiokafka.structs import ConsumerRecord
 
 from mcp_budget_governor.errors import EpochMissingError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent
@@ -75,12 +83,13 @@ from mcp_budget_governor.projections.redis_counters import RedisBackend
 from . import metrics
 from .alerts import AlertEvaluator, AlertSink, LogSink, RedisDeduper, TopicSink, WebhookSink
 from .archiver import Archiver
-from .projector import DeadLetter, Projector, ProjectorResult, dead_letter_topic
+from .projector import DeadLetter, Projector, ProjectorResult, Record, dead_letter_topic
 from .rebuild import rebuild
 
-__all__ = ["ENV", "ProjectionWorker", "WorkerConfig", "build_app", "prepare_topics", "run"]
+__all__ = ["ENV", "ProjectionWorker", "WorkerConfig", "load_policy", "prepare_topics", "run"]
 
 log = logging.getLogger(__name__)
+
 
 #: Environment variable of each setting (an option of ``mcpbg worker`` wins over it).
 ENV: Mapping[str, str] = {
@@ -90,6 +99,7 @@ ENV: Mapping[str, str] = {
     "group": "MCPBG_GROUP",
     "batch_size": "MCPBG_BATCH_SIZE",
     "batch_wait": "MCPBG_BATCH_WAIT",
+    "fetch_max_wait_ms": "MCPBG_FETCH_MAX_WAIT_MS",
     "session_timeout_ms": "MCPBG_SESSION_TIMEOUT_MS",
     "heartbeat_interval_ms": "MCPBG_HEARTBEAT_INTERVAL_MS",
     "progress_interval": "MCPBG_PROGRESS_INTERVAL",
@@ -116,9 +126,13 @@ class WorkerConfig:
     - ``kafka_url``: ``kafka://host:port[,host:port]`` (or without the scheme).
     - ``redis_url``: the counters' Redis, ``redis://host:port/db``.
     - ``topic``: the ledger topic; dead letters go to ``<topic>.dlq``.
-    - ``group``: the consumer group (and faust app id) the workers share.
-    - ``batch_size``: most records handed to the projector at once;
-      ``batch_wait``: seconds a smaller batch may wait to fill.
+    - ``group``: the consumer group the workers share.
+    - ``batch_size``: most records taken from the consumer at once (each
+      partition's share is one ``apply`` call); ``batch_wait``: seconds the
+      consumer waits for records when none are fetched yet.
+    - ``fetch_max_wait_ms``: how long the broker may hold a fetch that has
+      no data yet (Kafka's ``fetch.max.wait.ms``); short keeps the lag low
+      on brokers that answer a held fetch late.
     - ``session_timeout_ms`` / ``heartbeat_interval_ms``: group membership;
       a killed worker's partitions move after the session timeout.
     - ``progress_interval``: seconds between progress lines (0: none).
@@ -140,6 +154,7 @@ class WorkerConfig:
     group: str = "mcpbg-projector"
     batch_size: int = 500
     batch_wait: float = 0.2
+    fetch_max_wait_ms: int = 50
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     progress_interval: float = 10.0
@@ -160,7 +175,12 @@ class WorkerConfig:
         for name in ("topic", "group"):
             if not getattr(self, name):
                 raise InvalidInputError(name, getattr(self, name), "must not be empty")
-        for name in ("batch_size", "session_timeout_ms", "heartbeat_interval_ms"):
+        for name in (
+            "batch_size",
+            "fetch_max_wait_ms",
+            "session_timeout_ms",
+            "heartbeat_interval_ms",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(name, value, "expected a positive integer")
@@ -215,73 +235,115 @@ def _convert(name: str, var: str, raw: str, kind: Any) -> Any:
     return raw
 
 
+#: Seconds between two commits of consumed offsets (they serve lag tools only).
+COMMIT_INTERVAL = 1.0
+
+
+class _Stopping(Exception):
+    """The worker was told to stop while a batch was being retried."""
+
+
 # -- the worker ---------------------------------------------------------------
 
 
 class ProjectionWorker:
-    """The faust app's state and callbacks: projector, alignment, progress.
+    """One consumer-group member projecting the ledger topic into Redis.
 
-    Created by :func:`build_app`; the Redis connection is made on first use,
-    inside the app's event loop.
+    :meth:`serve` runs it until :meth:`stop` (``run`` wires SIGTERM and
+    SIGINT to it); connections are made inside ``serve``, in its event loop.
+
+    >>> worker = ProjectionWorker(WorkerConfig("kafka://k:9092", "redis://r:6379/0"))
+    >>> # await worker.serve()  in one task; worker.stop() from another
     """
 
-    def __init__(self, config: WorkerConfig, app: faust.App) -> None:
+    def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.app = app
-        self._projector: Projector | None = None
+        self._policy = load_policy(config.policy) if config.policy else None
         self._backend: RedisBackend | None = None
+        self._projector: Projector | None = None
         self._alerts: AlertEvaluator | None = None
         self._archiver: Archiver | None = None
-        self._policy = load_policy(config.policy) if config.policy else None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._stopping = asyncio.Event()
+        # Held while a batch is applied; a revocation waits for it.
+        self._lock = asyncio.Lock()
+        # Partitions assigned but not yet moved to their watermark (paused until then).
+        self._unaligned: set[TopicPartition] = set()
+        self._assignments = 0
+        self._to_commit: dict[TopicPartition, int] = {}
+        self._committed_at = time.monotonic()
         #: The last offset processed (applied or dead-lettered) per partition; -1: none.
         self.last_offset: dict[int, int] = {}
         self._tick_records = 0
         self._tick_at = time.monotonic()
 
-    @property
-    def projector(self) -> Projector:
-        if self._projector is None:
-            self._backend = RedisBackend.from_url(
-                self.config.redis_url, timeout=self.config.redis_timeout, max_connections=4
-            )
-            self._projector = Projector(
-                self._backend,
-                self.config.topic,
-                dlq=self.send_dead_letter,
-                require_epoch=True,
-                archive=self._archive_batch if self.config.archive_dir else None,
-            )
-            if self._policy is not None:
-                self._alerts = AlertEvaluator(
-                    self._policy,
-                    self._backend,
-                    dedupe=RedisDeduper(self._backend.client),
-                    sinks=self._alert_sinks(),
-                )
-        return self._projector
+    # -- lifecycle ----------------------------------------------------------
 
-    def _alert_sinks(self) -> list[AlertSink]:
-        sinks: list[AlertSink] = [LogSink()]
-        if self.config.alert_webhook:
-            sinks.append(WebhookSink(self.config.alert_webhook))
-        if self.config.alert_topic:
-            sinks.append(TopicSink(self._produce_alert, self.config.alert_topic))
-        return sinks
+    def stop(self) -> None:
+        """Ask :meth:`serve` to finish the batch in hand, commit, leave the group and return."""
+        self._stopping.set()
 
-    async def _produce_alert(self, topic: str, key: bytes, value: bytes) -> None:
-        await self.app.producer.send_and_wait(topic, key, value, None, None, None)
-
-    async def evaluate_alerts(self, result: ProjectorResult) -> None:
-        """Alerts for the counters a batch touched; never fails the batch (it is applied)."""
-        if self._alerts is None or not result.charges:
-            return
+    async def serve(self) -> None:
+        """Consume and project until :meth:`stop`; connections are released on return."""
+        reporter: asyncio.Task[None] | None = None
         try:
-            await self._alerts.evaluate(result.charges)
-        except Exception as exc:  # alerts are best effort: the next batch catches up
-            log.warning("alerts: evaluation failed (%s: %s)", type(exc).__name__, exc)
+            await self._start()
+            if self.config.progress_interval:
+                reporter = asyncio.create_task(self._report_every(self.config.progress_interval))
+            await self._consume()
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
+            await self._close()
 
-    async def aclose(self) -> None:
-        """Log the totals and release the Redis connections (at the app's stop)."""
+    async def _start(self) -> None:
+        config = self.config
+        self._backend = RedisBackend.from_url(
+            config.redis_url, timeout=config.redis_timeout, max_connections=4
+        )
+        self._projector = Projector(
+            self._backend,
+            config.topic,
+            dlq=self.send_dead_letter,
+            require_epoch=True,
+            archive=self._archive_batch if config.archive_dir else None,
+        )
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=config.bootstrap, acks="all", enable_idempotence=False
+        )
+        await self._producer.start()
+        if self._policy is not None:
+            self._alerts = AlertEvaluator(
+                self._policy,
+                self._backend,
+                dedupe=RedisDeduper(self._backend.client),
+                sinks=self._alert_sinks(),
+            )
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=config.bootstrap,
+            group_id=config.group,
+            enable_auto_commit=False,
+            # Every assignment seeks to the Redis watermark + 1; the reset policy only
+            # matters when that offset is no longer on the topic (retention).
+            auto_offset_reset="earliest",
+            session_timeout_ms=config.session_timeout_ms,
+            heartbeat_interval_ms=config.heartbeat_interval_ms,
+            fetch_max_wait_ms=config.fetch_max_wait_ms,
+            max_poll_records=config.batch_size,
+        )
+        self._consumer.subscribe([config.topic], listener=_Listener(self))
+        await self._consumer.start()
+
+    async def _close(self) -> None:
+        """Commit what was consumed, leave the group, log the totals, release everything."""
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._commit(consumer)
+            await consumer.stop()
         p = self._projector
         log.info(
             "projector: stopped after %d records, %d applied, %d dead letters",
@@ -292,37 +354,67 @@ class ProjectionWorker:
         if self._alerts is not None:
             await self._alerts.aclose()
             self._alerts = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
         if self._backend is not None:
             await self._backend.aclose()
             self._backend = None
-            self._projector = None
 
-    # -- the agent --------------------------------------------------------
+    @property
+    def projector(self) -> Projector:
+        """The projector (exists once :meth:`serve` has started)."""
+        assert self._projector is not None, "serve() has not started"
+        return self._projector
 
-    async def consume(self, stream: StreamT[bytes]) -> None:
-        """The agent body: batches of events, split by partition, each applied once.
+    @property
+    def backend(self) -> RedisBackend:
+        assert self._backend is not None, "serve() has not started"
+        return self._backend
 
-        faust acknowledges a batch's records when this loop asks for the
-        next batch, so everything in it must be applied by then.
-        """
-        # take_events is on faust's Stream, not on the StreamT interface agents get.
-        batches = cast(faust.Stream[bytes], stream).take_events(
-            self.config.batch_size, self.config.batch_wait
-        )
-        async for events in batches:
-            for partition, records in _by_partition(events).items():
-                result = await self._apply_until_done(partition, records)
-                await self.evaluate_alerts(result)
-                self.last_offset[partition] = result.last_offset
-                self._tick_records += result.records
-                metrics.RECORDS.inc(result.records)
-                metrics.APPLIED.inc(result.applied)
-                metrics.DEAD.inc(result.dead)
-                metrics.LAST_OFFSET.labels(str(partition)).set(result.last_offset)
+    # -- the loop -----------------------------------------------------------
 
-    async def _apply_until_done(
-        self, partition: int, records: Sequence[tuple[int, bytes | None]]
-    ) -> ProjectorResult:
+    async def _consume(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        wait_ms = round(self.config.batch_wait * 1000)
+        limit = self.config.batch_size
+        try:
+            while not self._stopping.is_set():
+                if self._unaligned:
+                    await self._align(consumer)
+                    continue
+                batch = await consumer.getmany(timeout_ms=wait_ms, max_records=limit)
+                if batch:
+                    async with self._lock:
+                        await self._process(consumer, batch)
+                if self._to_commit and time.monotonic() - self._committed_at >= COMMIT_INTERVAL:
+                    await self._commit(consumer)
+        except _Stopping:
+            log.info("projector: stopping with a batch not applied (it is read again later)")
+
+    async def _process(
+        self, consumer: AIOKafkaConsumer, batch: Mapping[TopicPartition, list[ConsumerRecord]]
+    ) -> None:
+        assigned = consumer.assignment()
+        for tp, messages in batch.items():
+            # Fetched before this partition was moved to its watermark (or after it
+            # was taken away): not ours to apply; it is fetched again from the right place.
+            if tp not in assigned or tp in self._unaligned or not messages:
+                continue
+            records: list[Record] = [(m.offset, m.value) for m in messages]
+            result = await self._apply_until_done(tp.partition, records)
+            await self.evaluate_alerts(result)
+            partition = tp.partition
+            self.last_offset[partition] = result.last_offset
+            self._to_commit[tp] = result.last_offset + 1
+            self._tick_records += result.records
+            metrics.RECORDS.inc(result.records)
+            metrics.APPLIED.inc(result.applied)
+            metrics.DEAD.inc(result.dead)
+            metrics.LAST_OFFSET.labels(str(partition)).set(result.last_offset)
+
+    async def _apply_until_done(self, partition: int, records: Sequence[Record]) -> ProjectorResult:
         attempt = 0
         while True:
             try:
@@ -347,22 +439,109 @@ class ProjectionWorker:
                     delay,
                     exc_info=attempt == 1 and not isinstance(exc, (ConnectionError, KafkaError)),
                 )
-                await asyncio.sleep(delay)
+                await self._sleep_unless_stopping(delay)
 
-    async def rebuild_until_done(self) -> None:
-        """Replay the ledger into an emptied Redis, retrying until it is complete."""
-        projector = self.projector  # connects
-        assert self._backend is not None
+    async def _sleep_unless_stopping(self, delay: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        if self._stopping.is_set():
+            raise _Stopping
+
+    async def _commit(self, consumer: AIOKafkaConsumer) -> bool:
+        """Commit the consumed offsets of partitions still assigned; False when refused."""
+        assigned = consumer.assignment()
+        offsets = {tp: off for tp, off in self._to_commit.items() if tp in assigned}
+        self._to_commit.clear()
+        self._committed_at = time.monotonic()
+        if not offsets:
+            return True
+        try:
+            await consumer.commit(offsets)
+        except KafkaError as exc:  # a rebalance under way: the next owner commits
+            log.info("projector: offset commit refused (%s: %s)", type(exc).__name__, exc)
+            return False
+        return True
+
+    # -- rebalances -----------------------------------------------------------
+
+    def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Listener: hold the new partitions until the loop has moved them to their watermark."""
+        mine = {tp for tp in partitions if tp.topic == self.config.topic}
+        self._assignments += 1
+        self._unaligned = mine
+        self._to_commit.clear()
+        if mine and self._consumer is not None:
+            self._consumer.pause(*mine)
+
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Listener: let the batch in hand finish (bounded wait), then commit what it consumed."""
+        consumer = self._consumer
+        if consumer is None or not partitions:
+            return
+        wait = max(self.config.session_timeout_ms / 1000, 1.0)
+        try:
+            await asyncio.wait_for(self._lock.acquire(), wait)
+        except TimeoutError:
+            log.warning("projector: the batch in hand outlasted the rebalance wait (%.0f s)", wait)
+            await self._commit(consumer)
+            return
+        try:
+            await self._commit(consumer)
+        finally:
+            self._lock.release()
+
+    async def _align(self, consumer: AIOKafkaConsumer) -> None:
+        """Seek, commit and resume each newly assigned partition at its watermark + 1."""
+        generation = self._assignments
+        mine = sorted(self._unaligned)
+        offsets: dict[TopicPartition, int] = {}
         attempt = 0
         while True:
             try:
-                if await self._backend.has_epoch():
+                if not await self.backend.has_epoch():
+                    await self.rebuild_until_done()
+                for tp in mine:
+                    offsets[tp] = await self.projector.resume_offset(tp.partition)
+                break
+            except _Stopping:
+                raise
+            except Exception as exc:  # Redis down at a rebalance: wait for it
+                attempt += 1
+                log.warning("projector: cannot read watermarks (%s); retrying", exc)
+                await self._sleep_unless_stopping(min(0.1 * 2**attempt, MAX_BACKOFF))
+        if generation != self._assignments:
+            return  # reassigned meanwhile: align the new assignment instead
+        try:
+            for tp, offset in offsets.items():
+                consumer.seek(tp, offset)
+        except IllegalStateError:
+            return  # revoked meanwhile; the listener has set what comes next
+        self._to_commit = dict(offsets)
+        committed = await self._commit(consumer)
+        consumer.resume(*mine)
+        self._unaligned = set()
+        for tp, offset in offsets.items():  # the watermark, until this worker applies more
+            self.last_offset[tp.partition] = offset - 1
+        log.info(
+            "projector: assigned %s; resuming at %s%s",
+            ",".join(str(tp.partition) for tp in mine),
+            ", ".join(f"p{tp.partition}@{off}" for tp, off in offsets.items()),
+            "" if committed else " (commit refused: a new rebalance follows)",
+        )
+
+    async def rebuild_until_done(self) -> None:
+        """Replay the ledger into an emptied Redis, retrying until it is complete."""
+        backend = self.backend
+        attempt = 0
+        while True:
+            try:
+                if await backend.has_epoch():
                     return  # another worker finished the rebuild meanwhile
                 metrics.REBUILDS.inc()
                 await rebuild(
-                    self._backend,
+                    backend,
                     self.config.bootstrap,
-                    projector.topic,
+                    self.config.topic,
                     batch=max(self.config.batch_size, 500),
                 )
                 return
@@ -372,7 +551,30 @@ class ProjectionWorker:
                 log.warning(
                     "rebuild: failed (%s: %s); retrying in %.1f s", type(exc).__name__, exc, delay
                 )
-                await asyncio.sleep(delay)
+                await self._sleep_unless_stopping(delay)
+
+    # -- side outputs ---------------------------------------------------------
+
+    def _alert_sinks(self) -> list[AlertSink]:
+        sinks: list[AlertSink] = [LogSink()]
+        if self.config.alert_webhook:
+            sinks.append(WebhookSink(self.config.alert_webhook))
+        if self.config.alert_topic:
+            sinks.append(TopicSink(self._produce_alert, self.config.alert_topic))
+        return sinks
+
+    async def _produce_alert(self, topic: str, key: bytes, value: bytes) -> None:
+        assert self._producer is not None
+        await self._producer.send_and_wait(topic, value, key=key)
+
+    async def evaluate_alerts(self, result: ProjectorResult) -> None:
+        """Alerts for the counters a batch touched; never fails the batch (it is applied)."""
+        if self._alerts is None or not result.charges:
+            return
+        try:
+            await self._alerts.evaluate(result.charges)
+        except Exception as exc:  # alerts are best effort: the next batch catches up
+            log.warning("alerts: evaluation failed (%s: %s)", type(exc).__name__, exc)
 
     async def _archive_batch(
         self, partition: int, records: Sequence[tuple[int, LedgerEvent]]
@@ -393,80 +595,40 @@ class ProjectionWorker:
             letter.reason,
             self.config.dlq_topic,
         )
-        await self.app.producer.send_and_wait(
+        assert self._producer is not None
+        await self._producer.send_and_wait(
             self.config.dlq_topic,
-            f"{letter.topic}:{letter.partition}:{letter.offset}".encode(),
             letter.to_json(),
-            None,
-            None,
-            letter.headers(),
+            key=f"{letter.topic}:{letter.partition}:{letter.offset}".encode(),
+            headers=letter.headers(),
         )
-
-    # -- resume from the watermark ----------------------------------------
-
-    async def align_offsets(self, *_: Any, **__: Any) -> None:
-        """Commit, and seek to, watermark + 1 of every assigned ledger partition.
-
-        Runs on faust's ``on_rebalance_complete`` signal, which faust sends
-        right before it seeks each partition to its committed offset; so
-        reading resumes where the counters stop (see the module docstring).
-        ``_commit`` is faust's own path to the consumer thread's commit (the
-        public ``commit`` only commits acknowledged offsets); it is private,
-        and ``test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark``
-        fails should a faust release change it.
-        """
-        consumer = self.app.consumer
-        mine = sorted(tp for tp in consumer.assignment() if tp.topic == self.config.topic)
-        if not mine:
-            return
-        offsets: dict[TP, int] = {}
-        attempt = 0
-        while True:
-            try:
-                if not await self._has_epoch():
-                    await self.rebuild_until_done()
-                for tp in mine:
-                    offsets[tp] = await self.projector.resume_offset(tp.partition)
-                break
-            except Exception as exc:  # Redis down at a rebalance: wait for it
-                attempt += 1
-                log.warning("projector: cannot read watermarks (%s); retrying", exc)
-                await asyncio.sleep(min(0.1 * 2**attempt, MAX_BACKOFF))
-        committed = await consumer._commit(offsets)  # type: ignore[attr-defined]
-        # faust's seek to committed offsets skips an offset of 0 (aiokafka's
-        # seek_to_committed only seeks to offsets > 0) and the position would stay
-        # where the group's old offset put it: seek every partition ourselves.
-        await consumer.seek_wait(offsets)
-        for tp, offset in offsets.items():  # the watermark, until this worker applies more
-            self.last_offset[tp.partition] = offset - 1
-        log.info(
-            "projector: assigned %s; resuming at %s%s",
-            ",".join(str(tp.partition) for tp in mine),
-            ", ".join(f"p{tp.partition}@{off}" for tp, off in offsets.items()),
-            "" if committed else " (commit refused: a new rebalance follows)",
-        )
-
-    async def _has_epoch(self) -> bool:
-        self.projector  # noqa: B018 - connects
-        assert self._backend is not None
-        return await self._backend.has_epoch()
 
     # -- progress ---------------------------------------------------------
 
-    async def report(self) -> None:
+    async def _report_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.report()
+            except Exception as exc:  # a log line must never stop the worker
+                log.warning("projector: progress report failed: %s", exc)
+
+    def report(self) -> None:
         """One INFO line: events/s, totals, per partition lag and last offset."""
         now = time.monotonic()
         rate = self._tick_records / max(now - self._tick_at, 1e-9)
         self._tick_records, self._tick_at = 0, now
-        consumer = self.app.consumer
+        consumer = self._consumer
         parts = []
-        for tp in sorted(tp for tp in consumer.assignment() if tp.topic == self.config.topic):
+        mine = [] if consumer is None else consumer.assignment()
+        for tp in sorted(tp for tp in mine if tp.topic == self.config.topic):
+            assert consumer is not None
             high: int | None = consumer.highwater(tp)
-            position = await consumer.position(tp)
-            lag = "?" if high is None or position is None else str(max(high - position, 0))
-            if lag != "?":
-                metrics.LAG.labels(str(tp.partition)).set(int(lag))
             last = self.last_offset.get(tp.partition)
+            lag = "?"
+            if high is not None and last is not None and tp not in self._unaligned:
+                lag = str(max(high - (last + 1), 0))
+                metrics.LAG.labels(str(tp.partition)).set(int(lag))
             parts.append(f"p{tp.partition} lag={lag} last={'-' if last is None else last}")
         p = self._projector
         log.info(
@@ -477,6 +639,19 @@ class ProjectionWorker:
             0 if p is None else p.dead,
             "; ".join(parts) or "no partitions assigned",
         )
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Hands aiokafka's rebalance callbacks to the worker."""
+
+    def __init__(self, worker: ProjectionWorker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self.worker.revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.worker.assigned(set(assigned))
 
 
 def load_policy(spec: str) -> Policy:
@@ -493,56 +668,6 @@ def load_policy(spec: str) -> Policy:
     if not isinstance(policy, Policy):
         raise InvalidInputError("policy", spec, f"not a Policy but {type(policy).__name__}")
     return policy
-
-
-def _by_partition(events: Sequence[EventT[bytes]]) -> dict[int, list[tuple[int, bytes | None]]]:
-    """Each partition's records in offset order, a re-delivered offset kept once.
-
-    The projector requires ascending offsets (the watermark would skip a late
-    one); a batch never holds anything else, but a repeat after a seek must
-    not stall the partition.
-    """
-    grouped: dict[int, dict[int, bytes | None]] = defaultdict(dict)
-    for event in events:
-        message = event.message
-        value = message.value
-        grouped[message.partition].setdefault(
-            message.offset, None if value is None else bytes(value)
-        )
-    return {p: sorted(records.items()) for p, records in grouped.items()}
-
-
-def build_app(config: WorkerConfig, *, datadir: str | None = None) -> faust.App:
-    """The faust app of one worker: one agent over the ledger topic, no tables, no web."""
-    app = faust.App(
-        config.group,
-        broker=[f"kafka://{host}" for host in config.bootstrap.split(",")],
-        value_serializer="raw",
-        key_serializer="raw",
-        # Every assignment seeks to the Redis watermark + 1; the reset policy only
-        # matters when that offset is no longer on the topic (retention).
-        consumer_auto_offset_reset="earliest",
-        broker_session_timeout=config.session_timeout_ms / 1000,
-        broker_heartbeat_interval=config.heartbeat_interval_ms / 1000,
-        # No leader topic, no web server, nothing on disk worth keeping.
-        topic_disable_leader=True,
-        web_enabled=False,
-        datadir=datadir or tempfile.gettempdir(),
-        producer_acks=-1,
-    )
-    worker = ProjectionWorker(config, app)
-    topic = app.topic(config.topic, value_type=bytes, key_type=bytes)
-    app.agent(topic, name=f"{config.group}.projector", concurrency=1)(worker.consume)
-    app.on_rebalance_complete.connect(worker.align_offsets, weak=False)
-    if config.progress_interval:
-        app.timer(config.progress_interval, name=f"{config.group}.progress")(worker.report)
-
-    @app.service
-    class _Closer(faust.Service):
-        async def on_stop(self) -> None:
-            await worker.aclose()
-
-    return app
 
 
 # -- start-up -----------------------------------------------------------------
@@ -615,37 +740,32 @@ def run(config: WorkerConfig) -> int:
         level=config.log_level.upper(),
         format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s",
     )
-    # One loop for the start-up checks and for faust, which takes the current one.
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    datadir = tempfile.mkdtemp(prefix="mcpbg-worker-")
+    return asyncio.run(_main(config))
+
+
+async def _main(config: WorkerConfig) -> int:
     try:
-        try:
-            partitions = loop.run_until_complete(prepare_topics(config))
-        except (KafkaError, OSError) as exc:
-            log.error("projector: Kafka at %s unreachable: %s", config.bootstrap, exc)
-            return 1
-        log.info(
-            "projector: group %s, topic %s (%d partitions), Redis %s, batches of %d",
-            config.group,
-            config.topic,
-            partitions,
-            _redact(config.redis_url),
-            config.batch_size,
-        )
-        if config.metrics_port:
-            metrics.serve(config.metrics_port)
-            log.info("projector: Prometheus metrics on :%d/metrics", config.metrics_port)
-        app = build_app(config, datadir=datadir)
-        worker = faust.Worker(app, loop=loop, loglevel=config.log_level, quiet=True)
-        try:
-            worker.execute_from_commandline()
-        except SystemExit as exit_:
-            code = exit_.code
-            return code if isinstance(code, int) else (0 if code is None else 1)
-        return 0  # pragma: no cover - execute_from_commandline always exits
-    finally:
-        shutil.rmtree(datadir, ignore_errors=True)
+        partitions = await prepare_topics(config)
+    except (KafkaError, OSError) as exc:
+        log.error("projector: Kafka at %s unreachable: %s", config.bootstrap, exc)
+        return 1
+    log.info(
+        "projector: group %s, topic %s (%d partitions), Redis %s, batches of %d",
+        config.group,
+        config.topic,
+        partitions,
+        _redact(config.redis_url),
+        config.batch_size,
+    )
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+        log.info("projector: Prometheus metrics on :%d/metrics", config.metrics_port)
+    worker = ProjectionWorker(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    await worker.serve()
+    return 0
 
 
 def _redact(url: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 from mcp_budget_governor import InvalidInputError
 from mcp_budget_governor.cli import main
 
-worker = pytest.importorskip("mcp_budget_governor.stream.worker", reason="needs faust-streaming")
+worker = pytest.importorskip("mcp_budget_governor.stream.worker", reason="needs the stream extra")
 WorkerConfig = worker.WorkerConfig
 
 BASE = {"MCPBG_KAFKA_URL": "kafka://k1:9092,k2:9092", "MCPBG_REDIS_URL": "redis://r:6379/0"}

@@ -73,7 +73,7 @@ from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.alerts import ALERTED_PREFIX
 from mcp_budget_governor.stream.topic_reader import TopicRecords, read_topic
 
-pytest.importorskip("mcp_budget_governor.stream.worker", reason="the worker needs faust-streaming")
+pytest.importorskip("mcp_budget_governor.stream.worker", reason="the worker needs the stream extra")
 
 pytestmark = [
     pytest.mark.slow,
@@ -271,8 +271,7 @@ class Setup:
 
     def start_worker(self, name: str) -> Worker:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
-        # A SIGKILLed worker cannot remove its faust data dir (made with mkdtemp):
-        # keep those under the test's own temp dir.
+        # Whatever temp files a SIGKILLed worker leaves stay under the test's own dir.
         tmp = self.tmp / f"worker-{name}-tmp"
         tmp.mkdir()
         env["TMPDIR"] = str(tmp)

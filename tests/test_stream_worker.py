@@ -5,7 +5,7 @@ counters hold in-flight amounts that only the worker's projection commits.
 Each test uses a fresh topic and group; workers run as subprocesses, as in
 production (``python -m mcp_budget_governor.cli worker``), and are stopped
 with SIGTERM (graceful, exit 0) or SIGKILL; the dead-letter test runs the same
-faust app in process.
+worker in process.
 
 "Caught up" is judged the way the design asks: the topic is read back (the
 fetched highwater marks say where it ends), and the worker is done when every
@@ -58,7 +58,7 @@ from mcp_budget_governor.stream.projector import DeadLetter
 from mcp_budget_governor.stream.topic_reader import TopicRecords, read_topic
 
 worker_module = pytest.importorskip(
-    "mcp_budget_governor.stream.worker", reason="the stream worker needs faust-streaming"
+    "mcp_budget_governor.stream.worker", reason="the stream worker needs the stream extra"
 )
 needs_broker = pytest.mark.skipif(
     tansu_binary() is None and not os.environ.get("MCPBG_TEST_KAFKA_BOOTSTRAP"),
@@ -204,7 +204,7 @@ def start_worker(
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
     # Settings through the environment (as in a container), options for the rest.
     env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_REDIS_URL=redis_url)
-    env["TMPDIR"] = str(tmp_path)  # a SIGKILLed worker cannot remove its mkdtemp data dir
+    env["TMPDIR"] = str(tmp_path)  # whatever a SIGKILLed worker leaves stays in the test's dir
     argv = [
         sys.executable, "-m", "mcp_budget_governor.cli", "worker",
         "--topic", names.topic,
@@ -424,8 +424,8 @@ async def test_poison_records_go_to_the_dead_letter_topic(
             await producer.stop()
         await workload(gov, 200, random.Random(4))  # valid events after the poison too
 
-    # In process this time (the other tests run the CLI): the same faust app,
-    # started as a service inside the test's event loop.
+    # In process this time (the other tests run the CLI): the same worker,
+    # served as a task of the test's event loop.
     caplog.set_level(logging.INFO, logger=worker_module.__name__)
     config = worker_module.WorkerConfig(
         kafka.bootstrap,
@@ -438,8 +438,8 @@ async def test_poison_records_go_to_the_dead_letter_topic(
         progress_interval=0.5,
     )
     assert await worker_module.prepare_topics(config) == PARTITIONS
-    app = worker_module.build_app(config, datadir=str(tmp_path / "faust"))
-    await app.start()
+    worker = worker_module.ProjectionWorker(config)
+    serving = asyncio.create_task(worker.serve())
     try:
         records = await wait_caught_up(kafka, backend, names.topic, [])
         await assert_exact(backend, records)
@@ -450,7 +450,8 @@ async def test_poison_records_go_to_the_dead_letter_topic(
             10,
         )
     finally:
-        await app.stop()
+        worker.stop()
+        await asyncio.wait_for(serving, 30)
     assert "stopped after" in caplog.text and "4 dead letters" in caplog.text
 
     # Every poison record is in <topic>.dlq with its reason, position and bytes.

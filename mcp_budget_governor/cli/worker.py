@@ -22,7 +22,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the worker needs the stream extra (aiokafka, redis,
-    # pyarrow), which ``mcpbg schema`` and the core do not.
+    # pyarrow, prometheus-client), which ``mcpbg schema`` and the core do not.
     try:
         from ..stream.worker import WorkerConfig
         from ..stream.worker import run as run_worker
@@ -44,7 +44,11 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "topic": (str, "the ledger topic (default mcpbg.ledger); dead letters go to <topic>.dlq"),
     "group": (str, "consumer group shared by the workers (default mcpbg-projector)"),
     "batch_size": (int, "most records applied in one Redis call (default 500)"),
-    "batch_wait": (float, "seconds a batch may wait to fill (default 0.2)"),
+    "batch_wait": (float, "seconds to wait for records when none are fetched (default 0.2)"),
+    "fetch_max_wait_ms": (
+        int,
+        "how long the broker may hold a fetch that has no data yet (default 50)",
+    ),
     "session_timeout_ms": (int, "group session timeout (default 10000)"),
     "heartbeat_interval_ms": (int, "group heartbeat interval (default 3000)"),
     "progress_interval": (float, "seconds between progress log lines, 0 for none (default 10)"),
