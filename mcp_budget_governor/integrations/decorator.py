@@ -9,7 +9,9 @@ line completes; a breaker sheds the next one).
 With a :class:`~mcp_budget_governor.producers.emit.Recorder` there is no
 check: the call always runs and its cost is appended to the ledger (emit only).
 
-When the function raises:
+When the function raises (the rules of
+:func:`~mcp_budget_governor.integrations.flow.governed_call`, shared by every
+integration):
 
 - the check's admission stands (a failed call still used its call quota,
   so a client retrying a failing tool cannot do it for free);
@@ -60,6 +62,7 @@ from typing import Any, ParamSpec, TypeAlias, TypeVar
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.governor import Governor
+from mcp_budget_governor.integrations.flow import governed_call
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
 
@@ -125,7 +128,15 @@ def governed(
         raise TypeError(
             "governed(): context= must be a Context or a callable (args, kwargs) -> Context"
         )
-    check = governor.check if isinstance(governor, Governor) else None
+    # The shared flow's terms: an int is a price known without a result
+    # (charged even when the call fails), a callable prices the result.
+    fixed = {limit: cost} if limit is not None and isinstance(cost, int) else None
+    priced = None
+    if limit is not None and cost is not None and not isinstance(cost, int):
+        price_of = cost
+
+        def priced(result: Any) -> dict[str, int]:
+            return {limit: price_of(result)}
 
     def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         if not _is_async(fn):
@@ -149,17 +160,9 @@ def governed(
                         "not a Context"
                     )
             ctx = ctx.with_tool(tool if tool is not None else ctx.tool or default_tool)
-            if check is not None:
-                (await check(ctx)).raise_for_status()
-            try:
-                result = await fn(*args, **kwargs)
-            except Exception:
-                if limit is not None and isinstance(cost, int):
-                    await governor.meter(limit, cost, ctx)
-                raise
-            if limit is not None and cost is not None:
-                await governor.meter(limit, cost if isinstance(cost, int) else cost(result), ctx)
-            return result
+            return await governed_call(
+                governor, ctx, lambda: fn(*args, **kwargs), fixed=fixed, priced=priced
+            )
 
         return wrapper
 

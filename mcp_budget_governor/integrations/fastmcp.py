@@ -1,0 +1,216 @@
+"""FastMCP 4 middleware: check before a tool runs, meter after it.
+
+>>> from fastmcp import FastMCP
+>>> from mcp_budget_governor import Context, Governor, Limit, MemoryBackend, Policy, Scope, Window
+>>> governor = Governor(Policy.of(
+...     Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER)), MemoryBackend())
+>>> mcp = FastMCP("my-server")
+>>> mcp.add_middleware(BudgetMiddleware(governor, identify=lambda c: Context(user="u_42")))
+
+Per ``tools/call``:
+
+1. ``identify(context)`` (sync or async; ``context`` is FastMCP's
+   ``MiddlewareContext``) returns a :class:`~mcp_budget_governor.Context`
+   naming the user, tenant, session, agent, or None when it cannot tell. The
+   tool's name always becomes ``Context.tool`` (``Scope.TOOL``). Without
+   ``identify``, the user is the authenticated access token's subject (else
+   its client id) when the server has auth, and nobody otherwise.
+2. A caller without a user id meets the policy's ``anonymous`` rule
+   (:class:`~mcp_budget_governor.Anonymous`): refused by default when a limit
+   counts per user, or counted in one anonymous bucket. Never unlimited.
+3. The governor checks; a refusal raises :class:`BudgetToolError` (a FastMCP
+   ``ToolError``), which the agent reads as the tool's error text: the reason
+   ``budget_exceeded:<scope>/<window>``, the limit, the status and when to
+   retry (``retry_after`` seconds / ``resets_at``), or that retrying is futile.
+4. The tool runs; then its cost is metered (see
+   :func:`~mcp_budget_governor.integrations.flow.governed_call` for what a
+   failing call is charged, the same rules as ``@governed``).
+
+A tool's cost comes from two places:
+
+- its own ``meta``, a fixed price per call, charged also when the tool raises::
+
+      @mcp.tool(meta={"mcpbg": {"cost_usd": "0.01", "limit": ["user_spend", "spend"]}})
+
+  ``limit`` is a limit name or a list of them; ``cost_usd`` is dollars (a
+  string keeps it exact) for USD limits, or ``cost`` an integer in the limits'
+  unit (calls, tokens, USD micros). The price travels with the tool's listing,
+  so an agent can see it before calling.
+- the ``cost`` callback, ``cost(context, result) -> {limit: amount} | None``
+  (sync or async), called after a tool completes with its ``ToolResult``; its
+  charges replace the ``meta`` price for that call, and None keeps it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import mcp_types as mt
+from fastmcp.exceptions import ToolError
+from fastmcp.server.dependencies import get_access_token
+from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+from fastmcp.tools.base import ToolResult
+
+from mcp_budget_governor.context import EMPTY, Context
+from mcp_budget_governor.decision import Decision
+from mcp_budget_governor.errors import BudgetExceeded, InvalidInputError
+from mcp_budget_governor.governor import Governor
+from mcp_budget_governor.integrations.flow import (
+    Charges,
+    governed_call,
+    identify_with,
+    refusal_text,
+    user_of_token,
+)
+from mcp_budget_governor.money import Unit, check_amount, usd
+from mcp_budget_governor.policy import Policy
+
+__all__ = ["META_KEY", "BudgetMiddleware", "BudgetToolError", "tool_price"]
+
+log = logging.getLogger("mcp_budget_governor")
+
+META_KEY = "mcpbg"
+"""The key of a tool's ``meta`` that holds its price."""
+
+Identify: TypeAlias = Callable[[MiddlewareContext[Any]], Context | Awaitable[Context | None] | None]
+Cost: TypeAlias = Callable[
+    [MiddlewareContext[Any], ToolResult], Charges | Awaitable[Charges | None] | None
+]
+
+
+class BudgetToolError(ToolError):
+    """A tool call the budget refused; the message is :func:`refusal_text`.
+
+    ``decision`` holds the refusal (status, limit, retry_after, resets_at).
+    """
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        super().__init__(refusal_text(decision))
+
+
+class BudgetMiddleware(Middleware):
+    """Governs every ``tools/call`` of a FastMCP server; see the module docstring.
+
+    - ``governor``: the :class:`~mcp_budget_governor.Governor` to enforce.
+    - ``identify``: who is calling (``context -> Context | None``, sync or async).
+    - ``cost``: what a completed call cost (``(context, result) -> {limit: amount}``).
+    """
+
+    def __init__(
+        self,
+        governor: Governor,
+        identify: Identify | None = None,
+        cost: Cost | None = None,
+    ) -> None:
+        if not isinstance(governor, Governor):
+            raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
+        if identify is not None and not callable(identify):
+            raise TypeError("BudgetMiddleware: identify= must be callable (context -> Context)")
+        if cost is not None and not callable(cost):
+            raise TypeError("BudgetMiddleware: cost= must be callable ((context, result) -> dict)")
+        self.governor = governor
+        self.identify = identify
+        self.cost = cost
+
+    async def on_call_tool(
+        self,
+        context: MiddlewareContext[mt.CallToolRequestParams],
+        call_next: CallNext[mt.CallToolRequestParams, ToolResult],
+    ) -> ToolResult:
+        """Check, run the tool, meter; a refusal raises :class:`BudgetToolError`."""
+        name = context.message.name
+        policy = self.governor.policy
+        try:
+            ctx = policy.identified((await self._caller(context)).with_tool(name))
+        except BudgetExceeded as exc:
+            raise BudgetToolError(exc.decision) from None
+        try:
+            fixed = await self._meta_price(context, name)
+        except InvalidInputError as exc:
+            # A server bug, not the caller's: the tool does not run unpriced,
+            # and the agent gets a tool error rather than a protocol failure.
+            log.error("%s", exc)
+            raise ToolError(f"budget configuration error: {exc}") from exc
+        priced = None
+        if self.cost is not None:
+            cost = self.cost
+
+            def priced(result: ToolResult) -> Any:
+                return cost(context, result)
+
+        try:
+            return await governed_call(
+                self.governor, ctx, lambda: call_next(context), fixed=fixed, priced=priced
+            )
+        except BudgetExceeded as exc:
+            raise BudgetToolError(exc.decision) from None
+
+    async def _caller(self, context: MiddlewareContext[Any]) -> Context:
+        if self.identify is not None:
+            return await identify_with(self.identify, context) or EMPTY
+        user = user_of_token(get_access_token())
+        return EMPTY if user is None else Context(user=user)
+
+    async def _meta_price(self, context: MiddlewareContext[Any], name: str) -> Charges | None:
+        server = context.fastmcp_context.fastmcp if context.fastmcp_context else None
+        if server is None:
+            return None
+        tool = await server.get_tool(name)
+        if tool is None or not tool.meta:
+            return None
+        return tool_price(self.governor.policy, name, tool.meta)
+
+
+def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Charges | None:
+    """The fixed price a tool's ``meta`` declares (``{"mcpbg": {...}}``), validated.
+
+    None when the tool declares none. A malformed declaration raises
+    :class:`InvalidInputError` naming the tool, the field and the value, so
+    the call fails before the tool runs rather than running unpriced.
+
+    >>> from mcp_budget_governor import Limit, Unit, Window, usd
+    >>> p = Policy.of(Limit("spend", cap=usd(5), window=Window.DAY, unit=Unit.USD_MICROS))
+    >>> tool_price(p, "search", {"mcpbg": {"cost_usd": "0.01", "limit": "spend"}})
+    {'spend': 10000}
+    """
+    if not meta or META_KEY not in meta:
+        return None
+    spec = meta[META_KEY]
+    where = f"tool {tool!r} meta.{META_KEY}"
+    if not isinstance(spec, Mapping):
+        raise InvalidInputError(where, spec, 'expected {"limit": ..., "cost_usd": ...}')
+    unknown = set(spec) - {"limit", "cost", "cost_usd"}
+    if unknown:
+        raise InvalidInputError(f"{where}.{sorted(unknown)[0]}", spec, "unknown field")
+    names = spec.get("limit")
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, Sequence) or not names or not all(isinstance(n, str) for n in names):
+        raise InvalidInputError(
+            f"{where}.limit", spec.get("limit"), "expected a limit name or a list"
+        )
+    if ("cost" in spec) == ("cost_usd" in spec):
+        raise InvalidInputError(where, spec, "give exactly one of cost_usd (dollars) or cost")
+    out: dict[str, int] = {}
+    for limit_name in names:
+        if limit_name not in policy:
+            problem = f"no such limit (known: {', '.join(lim.name for lim in policy)})"
+            raise InvalidInputError(f"{where}.limit", limit_name, problem)
+        lim = policy[limit_name]
+        if "cost_usd" in spec:
+            if lim.unit is not Unit.USD_MICROS:
+                raise InvalidInputError(
+                    f"{where}.cost_usd", spec["cost_usd"], f"limit {limit_name!r} counts {lim.unit}"
+                )
+            try:
+                out[limit_name] = usd(spec["cost_usd"])
+            except InvalidInputError as exc:
+                raise InvalidInputError(
+                    f"{where}.cost_usd", spec["cost_usd"], exc.problem
+                ) from None
+        else:
+            out[limit_name] = check_amount(spec["cost"], f"{where}.cost")
+    return out

@@ -1,0 +1,186 @@
+"""One governed call, shared by every integration: check, run, meter.
+
+``@governed``, the FastMCP middleware, the ASGI middleware and the low-level
+MCP hook all run a call through :func:`governed_call`, so what a refused, a
+failed or a completed call is charged is decided in one place:
+
+- the check comes first; a refusal raises :class:`BudgetExceeded` and the work
+  never runs (a refused call is charged nothing);
+- when the work raises an ``Exception``, the admission stands (a failing call
+  still used its quota, so retrying a failing tool is not free) and the
+  ``fixed`` charges are metered: they are prices known without a result, and
+  work that started may have spent them. ``priced`` is not called: there is
+  no result to price. Cancellation and other ``BaseException`` are never
+  metered (nothing may be awaited on the way out of a cancelled scope);
+- when the work completes, ``priced(result)`` is metered if it returns charges,
+  else ``fixed``: a completed call is always charged, even past a cap.
+
+Charges map a limit name to an amount in that limit's unit (integer USD micros
+for money). All of them are validated before any is metered, so a bad amount
+meters nothing rather than part of a call.
+
+This module also renders a refusal for people and agents (:func:`refusal_text`,
+:func:`refusal_body`), and reads a caller's identity from an OAuth access token
+(:func:`user_of_token`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC
+from typing import Any, TypeAlias, TypeVar
+
+from mcp_budget_governor.context import Context
+from mcp_budget_governor.decision import Decision
+from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.governor import Governor
+from mcp_budget_governor.money import check_amount
+from mcp_budget_governor.producers.emit import Recorder
+
+__all__ = [
+    "Charges",
+    "governed_call",
+    "identify_with",
+    "refusal_body",
+    "refusal_text",
+    "user_of_token",
+]
+
+R = TypeVar("R")
+
+Charges: TypeAlias = Mapping[str, int]
+"""What a call costs: limit name -> amount in that limit's unit."""
+
+PricedCost: TypeAlias = Callable[[Any], "Charges | Awaitable[Charges | None] | None"]
+
+
+async def governed_call(
+    governor: Governor | Recorder,
+    ctx: Context,
+    work: Callable[[], Awaitable[R]],
+    *,
+    fixed: Charges | None = None,
+    priced: PricedCost | None = None,
+) -> R:
+    """Check (a Governor only), run ``work``, meter what it cost; see the module docstring.
+
+    A :class:`Recorder` has no counters: the work always runs and its cost is
+    appended to the ledger.
+    """
+    if isinstance(governor, Governor):
+        (await governor.check(ctx)).raise_for_status()
+    try:
+        result = await work()
+    except Exception:
+        if fixed:
+            await meter_all(governor, fixed, ctx)
+        raise
+    charges = fixed
+    if priced is not None:
+        got = priced(result)
+        if inspect.isawaitable(got):
+            got = await got
+        if got is not None:
+            charges = got
+    if charges:
+        await meter_all(governor, charges, ctx)
+    return result
+
+
+async def meter_all(governor: Governor | Recorder, charges: Charges, ctx: Context) -> None:
+    """Meter every charge, after validating them all (nothing partial)."""
+    if not isinstance(charges, Mapping):
+        raise InvalidInputError("cost", charges, "expected a mapping of limit name -> amount")
+    for limit, amount in charges.items():
+        governor.policy[limit]  # an unknown limit raises PolicyError here
+        check_amount(amount, f"amount for {limit!r}")
+    for limit, amount in charges.items():
+        if amount:
+            await governor.meter(limit, amount, ctx)
+
+
+async def identify_with(
+    identify: Callable[[Any], Context | Awaitable[Context | None] | None],
+    arg: Any,
+) -> Context | None:
+    """Call a sync or async ``identify``; it must return a Context or None."""
+    got = identify(arg)
+    if inspect.isawaitable(got):
+        got = await got
+    if got is not None and not isinstance(got, Context):
+        raise TypeError(f"identify() returned {type(got).__name__}, not a Context or None")
+    return got
+
+
+def user_of_token(token: Any) -> str | None:
+    """The user an OAuth access token stands for: its subject, else its client id.
+
+    Works with the MCP SDK's and FastMCP's ``AccessToken``; None for no token.
+    """
+    if token is None:
+        return None
+    subject = getattr(token, "subject", None) or (getattr(token, "claims", None) or {}).get("sub")
+    if isinstance(subject, str) and subject:
+        return subject
+    client_id = getattr(token, "client_id", None)
+    return client_id if isinstance(client_id, str) and client_id else None
+
+
+def refusal_body(decision: Decision) -> dict[str, Any]:
+    """A refusal as JSON-ready fields: error, reason, limit, status, retry hint, message."""
+    return {
+        "error": decision.reason.split(":", 1)[0],
+        "reason": decision.reason,
+        "limit": decision.limit,
+        "status": decision.status,
+        "retry_after": decision.retry_after,
+        "resets_at": _iso(decision),
+        "message": refusal_text(decision),
+    }
+
+
+def refusal_text(decision: Decision) -> str:
+    """A refusal an agent can act on: the reason, the limit, and when (if ever) to retry.
+
+    The first words are the machine-readable reason (``budget_exceeded:user/minute``),
+    then ``key=value`` facts, then one sentence saying whether retrying can help,
+    so a model stops instead of calling again in a loop.
+    """
+    facts = [decision.reason]
+    if decision.limit is not None:
+        facts.append(f"limit={decision.limit}")
+    facts.append(f"status={decision.status}")
+    if decision.retry_after is not None:
+        facts.append(f"retry_after={decision.retry_after}s")
+    resets = _iso(decision)
+    if resets is not None:
+        facts.append(f"resets_at={resets}")
+    return f"{' '.join(facts)}. {_advice(decision, resets)}"
+
+
+def _advice(d: Decision, resets: str | None) -> str:
+    what = f"limit {d.limit!r}" if d.limit is not None else "the budget governor"
+    if d.status == 403:
+        return (
+            f"Refused: {what} counts per user and this caller could not be identified. "
+            "Retrying will not help; the server must identify its callers."
+        )
+    if d.retry_after is not None:
+        when = f" (at {resets})" if resets is not None else ""
+        return (
+            f"Refused by {what}. Do not call again for {d.retry_after} seconds{when}; "
+            "calls before then are refused too."
+        )
+    if resets is not None:
+        return (
+            f"Refused by {what}: this budget is spent until {resets}. "
+            "Do not retry before then; report this to the user instead."
+        )
+    return f"Refused by {what}. Do not retry; report this to the user instead."
+
+
+def _iso(d: Decision) -> str | None:
+    if d.resets_at is None:
+        return None
+    return d.resets_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
