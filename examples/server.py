@@ -1,0 +1,144 @@
+"""An MCP server governed by BudgetMiddleware: Redis counters, the Kafka ledger.
+
+FastMCP over streamable HTTP (``/mcp``) with a health endpoint (``/health``),
+configured like ``mcpbg`` by environment variables:
+
+- ``MCPBG_REDIS_URL``  the counters' Redis (``redis://host:6379/0``), required;
+- ``MCPBG_KAFKA_URL``  the ledger's Kafka (``kafka://host:9092``), required;
+- ``MCPBG_TOPIC``      the ledger topic (default ``mcpbg.ledger``);
+- ``MCPBG_POLICY``     the policy file (default ``policy.toml`` next to this file);
+- ``MCPBG_OUTBOX_DIR`` the ledger's durable outbox (default ``./mcpbg-outbox``).
+
+Run ``mcpbg worker`` with the same variables to project the ledger into Redis:
+the counters are created with ``require_epoch=True``, so until the worker has
+marked them ready, every check follows its limit's fail mode.
+
+Callers name themselves with ``X-User-Id`` and ``X-Tenant-Id`` headers (a
+stand-in for the subject of an OAuth token, see ``flow.user_of_token``); a
+caller without one is handled as the policy's ``anonymous`` setting says.
+
+    MCPBG_REDIS_URL=redis://localhost:6379/0 MCPBG_KAFKA_URL=kafka://localhost:9092 \\
+        python examples/server.py --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastmcp import FastMCP
+from fastmcp.server.dependencies import get_http_headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
+from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware
+from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+
+#: The environment variables this server reads (the same names as ``mcpbg``).
+ENV = ("MCPBG_REDIS_URL", "MCPBG_KAFKA_URL", "MCPBG_TOPIC", "MCPBG_POLICY", "MCPBG_OUTBOX_DIR")
+
+MODEL = "claude-sonnet-4-5"
+SEARCH_PRICE = usd(0.004)  # what one search costs us, whatever it returns
+
+
+def identify(context: Any) -> Context:
+    """The caller from the HTTP request's headers (an OAuth subject in production)."""
+    headers = get_http_headers(include={"x-user-id", "x-tenant-id"})
+    return Context(user=headers.get("x-user-id"), tenant=headers.get("x-tenant-id"))
+
+
+def spend_limits(policy: Policy) -> list[str]:
+    """The USD limits a tool's cost is metered to."""
+    return [limit.name for limit in policy if limit.unit.value == "usd_micros"]
+
+
+def build(environ: Mapping[str, str]) -> FastMCP:
+    """The governed server, configured from ``environ``."""
+    missing = [name for name in ENV[:2] if not environ.get(name)]
+    if missing:
+        raise SystemExit(f"examples/server.py: set {' and '.join(missing)}")
+    policy_path = environ.get("MCPBG_POLICY") or str(Path(__file__).with_name("policy.toml"))
+    policy = Policy.from_file(policy_path)
+    prices = PriceTable.builtin()
+    ledger = KafkaLedger.from_url(
+        environ["MCPBG_KAFKA_URL"],
+        topic=environ.get("MCPBG_TOPIC") or "mcpbg.ledger",
+        outbox_dir=environ.get("MCPBG_OUTBOX_DIR") or "mcpbg-outbox",
+    )
+    backend = RedisBackend.from_url(environ["MCPBG_REDIS_URL"], require_epoch=True)
+    governor = Governor(policy, backend, ledger=ledger, prices=prices)
+    money = spend_limits(policy)
+
+    def cost(context: Any, result: Any) -> dict[str, int] | None:
+        # The token-priced tool reports its usage; flat-priced ones cost SEARCH_PRICE.
+        usage = (getattr(result, "structured_content", None) or {}).get("usage")
+        if usage:
+            micros = prices.cost_micros(
+                usage["model"],
+                input_tokens=usage["input_tokens"],
+                output_tokens=usage["output_tokens"],
+            )
+        else:
+            micros = SEARCH_PRICE
+        return dict.fromkeys(money, micros)
+
+    @asynccontextmanager
+    async def lifespan(_: FastMCP) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await governor.aclose()  # ships what the ledger holds, closes Redis
+
+    server = FastMCP("mcpbg-example", lifespan=lifespan)
+    server.add_middleware(BudgetMiddleware(governor, identify=identify, cost=cost))
+
+    @server.tool
+    def search(query: str) -> str:
+        """Search the web (an example: returns a canned answer)."""
+        return f"3 results for {query!r}"
+
+    @server.tool
+    def summarise(text: str) -> dict[str, Any]:
+        """Summarise a text with a model (an example: the model call is simulated)."""
+        input_tokens = 400 + len(text) // 4
+        output_tokens = 120
+        return {
+            "summary": text[:80],
+            "usage": {"model": MODEL, "input_tokens": input_tokens, "output_tokens": output_tokens},
+        }
+
+    @server.custom_route("/health", methods=["GET"])
+    async def health(_: Request) -> JSONResponse:
+        """200 when Redis answers, 503 otherwise (the ledger spills to its outbox)."""
+        try:
+            await backend.client.ping()
+        except Exception as exc:  # report any failure as unhealthy, never crash the probe
+            return JSONResponse({"status": "unhealthy", "redis": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok", "policy": policy_path, "limits": len(policy)})
+
+    return server
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``--host`` and ``--port`` of the HTTP listener."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve until interrupted."""
+    args = parse_args(argv)
+    server = build(os.environ)
+    server.run(transport="http", host=args.host, port=args.port, show_banner=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

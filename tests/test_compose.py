@@ -1,0 +1,153 @@
+"""docker-compose.yml holds together without a Docker engine: its structure is checked here.
+
+Services, images, ports, health checks and depends_on conditions are read
+from the YAML; every command must name a real entry point (an ``mcpbg``
+subcommand the parser knows, or the example server file, which must import),
+and every ``MCPBG_*`` variable must be one the program it configures reads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from mcp_budget_governor import Policy, cli
+from mcp_budget_governor.cli import worker as worker_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = compose["services"]
+    return found
+
+
+def load_example_server() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("example_server", ROOT / "examples/server.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_four_services_with_official_images(compose: dict[str, Any]) -> None:
+    svc = services(compose)
+    assert set(svc) == {"kafka", "redis", "worker", "server"}
+    assert re.fullmatch(r"apache/kafka:\d+\.\d+\.\d+", svc["kafka"]["image"])
+    assert re.fullmatch(r"redis:\d+(\.\d+)*(-alpine)?", svc["redis"]["image"])
+    # The worker builds the project image (Dockerfile) that the server reuses.
+    assert svc["worker"]["build"] == "."
+    assert svc["server"]["image"] == svc["worker"]["image"]
+    assert (ROOT / "Dockerfile").is_file()
+
+
+def test_kafka_runs_in_kraft_mode_with_a_listener_for_the_network_and_the_host(
+    compose: dict[str, Any],
+) -> None:
+    env = services(compose)["kafka"]["environment"]
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    assert "ZOOKEEPER" not in " ".join(env)
+    listeners = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    internal = listeners[env["KAFKA_INTER_BROKER_LISTENER_NAME"]]
+    # What the worker and server are told is the in-network listener.
+    bootstrap = compose["x-mcpbg-env"]["MCPBG_KAFKA_URL"]
+    assert bootstrap == f"kafka://{internal}"
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"].startswith(f"{env['KAFKA_NODE_ID']}@kafka:")
+
+
+def test_ports_are_published(compose: dict[str, Any]) -> None:
+    svc = services(compose)
+
+    def published(name: str) -> set[int]:
+        return {int(str(p).split(":")[0]) for p in svc[name].get("ports", [])}
+
+    assert 9092 in published("kafka")
+    assert 6379 in published("redis")
+    assert 8000 in published("server")
+    assert 9108 in published("worker")
+
+
+def test_every_service_has_a_health_check(compose: dict[str, Any]) -> None:
+    for name, svc in services(compose).items():
+        check = svc.get("healthcheck")
+        assert check, f"{name} has no healthcheck"
+        assert check["test"][0] in ("CMD", "CMD-SHELL"), name
+        assert len(check["test"]) > 1 and check["retries"] >= 3, name
+    # The checks probe what the commands serve.
+    assert "9108" in " ".join(services(compose)["worker"]["healthcheck"]["test"])
+    server_check = " ".join(services(compose)["server"]["healthcheck"]["test"])
+    assert "localhost:8000/health" in server_check
+
+
+def test_dependencies_wait_for_healthy_services(compose: dict[str, Any]) -> None:
+    svc = services(compose)
+    for name, needs in {
+        "worker": {"kafka", "redis"},
+        "server": {"kafka", "redis", "worker"},
+    }.items():
+        depends = svc[name]["depends_on"]
+        assert set(depends) == needs, name
+        for dep, rule in depends.items():
+            assert rule["condition"] == "service_healthy", (name, dep)
+            assert "healthcheck" in svc[dep]
+
+
+def test_the_worker_command_is_a_real_mcpbg_subcommand(compose: dict[str, Any]) -> None:
+    command = services(compose)["worker"]["command"]
+    assert command[:2] == ["mcpbg", "worker"]
+    assert "worker" in cli.COMMANDS
+    args = cli.parser().parse_args(command[1:])
+    assert args.command == "worker"
+    # Its settings come from the environment, each one the worker reads.
+    env = services(compose)["worker"]["environment"]
+    known = {f"MCPBG_{name.upper()}" for name in worker_cli.OPTIONS}
+    names = {k for k in env if k.startswith("MCPBG_")}
+    assert names and names <= known, names - known
+
+
+def test_the_server_command_runs_the_example_server_which_imports(
+    compose: dict[str, Any],
+) -> None:
+    command = services(compose)["server"]["command"]
+    assert command[0] == "python"
+    script = command[1]
+    assert (ROOT / script).is_file()
+    server = load_example_server()
+    # Its options parse, and every MCPBG_* variable given is one it reads.
+    options = server.parse_args(command[2:])
+    assert options.port == 8000
+    env = services(compose)["server"]["environment"]
+    names = {k for k in env if k.startswith("MCPBG_")}
+    assert names and names <= set(server.ENV), names - set(server.ENV)
+
+
+def test_the_policy_file_is_in_the_image(compose: dict[str, Any]) -> None:
+    policy = services(compose)["server"]["environment"]["MCPBG_POLICY"]
+    assert policy.startswith("/app/")
+    # The Dockerfile copies examples/ into /app.
+    local = ROOT / policy.removeprefix("/app/")
+    assert len(Policy.from_file(local)) > 0
+    assert "COPY examples ./examples" in (ROOT / "Dockerfile").read_text()
+
+
+def test_volumes_keep_the_archive_and_the_outbox(compose: dict[str, Any]) -> None:
+    svc = services(compose)
+    archive = svc["worker"]["environment"]["MCPBG_ARCHIVE_DIR"]
+    assert f"archive:{archive}" in svc["worker"]["volumes"]
+    outbox = svc["server"]["environment"]["MCPBG_OUTBOX_DIR"]
+    assert f"outbox:{outbox}" in svc["server"]["volumes"]
+    assert {"archive", "outbox"} <= set(compose["volumes"])

@@ -1,0 +1,180 @@
+"""examples/server.py as deployed: a subprocess on real Redis and Kafka, called over HTTP.
+
+A FastMCP client on the streamable HTTP transport calls the governed server:
+admitted calls succeed, the call past the burst cap gets the budget error with
+its retry hint, the cost is metered (in Redis and on the ledger topic), and
+once spend reaches the global breaker's cap the next call is shed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastmcp import Client
+from fastmcp.client.transports import StreamableHttpTransport
+from fastmcp.exceptions import ToolError
+from services import KafkaService, free_port, start_kafka
+
+from mcp_budget_governor import Context, Governor, Policy, RedisBackend, usd
+from mcp_budget_governor.stream.topic_reader import read_topic
+
+ROOT = Path(__file__).resolve().parent.parent
+SEARCH_PRICE = usd(0.004)  # examples/server.py's flat price
+
+POLICY = """\
+anonymous = "refuse"
+
+[[limits]]
+name = "burst"
+cap = 3
+window = "minute"
+scope = "user"
+
+[[limits]]
+name = "user_spend"
+cap_usd = "1.00"
+window = "day"
+scope = "user"
+
+[[limits]]
+name = "global_spend"
+cap_usd = "0.02"
+window = "day"
+breaker = true
+gated = false
+fail_mode = "closed"
+"""
+
+
+@pytest.fixture(scope="module")
+def kafka() -> Iterator[KafkaService]:
+    svc = start_kafka()
+    yield svc
+    svc.stop()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, within: float = 60) -> bytes:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                body: bytes = reply.read()
+                return body
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.2)
+    pytest.fail(f"no answer from {url} within {within}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def server(tmp_path: Path, redis_url: str, kafka: KafkaService) -> Iterator[tuple[str, str, Path]]:
+    """The example server on a free port; yields (base URL, ledger topic, policy file)."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY)
+    topic = f"ledger-{uuid.uuid4().hex[:10]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
+    env.update(
+        MCPBG_REDIS_URL=redis_url,
+        MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}",
+        MCPBG_TOPIC=topic,
+        MCPBG_POLICY=str(policy),
+        MCPBG_OUTBOX_DIR=str(tmp_path / "outbox"),
+    )
+    port = free_port()
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples/server.py"), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert b'"status":"ok"' in wait_healthy(f"{base}/health", proc, log)
+        yield base, topic, policy
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def client(base: str, user: str | None) -> Client[StreamableHttpTransport]:
+    headers = {} if user is None else {"X-User-Id": user, "X-Tenant-Id": "acme"}
+    return Client(StreamableHttpTransport(f"{base}/mcp", headers=headers))
+
+
+async def test_governed_calls_over_streamable_http(
+    server: tuple[str, str, Path], redis_url: str, kafka: KafkaService
+) -> None:
+    base, topic, policy = server
+    # What the stream worker does once it has rebuilt the counters: without the
+    # epoch marker the server's checks follow their fail modes.
+    backend = RedisBackend.from_url(redis_url)
+    await backend.mark_ready("test")
+
+    async with client(base, "alice") as alice:
+        tools = {t.name for t in await alice.list_tools()}
+        assert {"search", "summarise"} <= tools
+        for i in range(3):
+            reply = await alice.call_tool("search", {"query": f"q{i}"})
+            assert "results" in str(reply.data)
+        with pytest.raises(ToolError) as refused:
+            await alice.call_tool("search", {"query": "one too many"})
+    message = str(refused.value)
+    assert message.startswith("budget_exceeded:user/minute")
+    assert "status=429" in message and "retry_after=" in message
+
+    async with client(base, "bob") as bob:
+        for i in range(2):
+            await bob.call_tool("search", {"query": f"b{i}"})
+        # 5 searches spent the breaker's $0.02: the next caller is shed.
+        with pytest.raises(ToolError) as shed:
+            await bob.call_tool("search", {"query": "shed"})
+    assert str(shed.value).startswith("budget_exceeded:global/day")
+    assert "status=503" in str(shed.value)
+
+    async with client(base, None) as nobody:
+        with pytest.raises(ToolError) as anonymous:
+            await nobody.call_tool("search", {"query": "who am I"})
+    assert "status=403" in str(anonymous.value)
+
+    # Spend is metered on the shared counters...
+    gov = Governor(Policy.from_file(policy), backend)
+    assert await gov.usage("user_spend", Context(user="alice")) == 3 * SEARCH_PRICE
+    assert await gov.usage("global_spend") == 5 * SEARCH_PRICE
+    await gov.aclose()
+
+    # ...and on the ledger: the server ships its events to the topic.
+    deadline = time.monotonic() + 30
+    while True:  # the ledger ships in the background (it lingers to form batches)
+        records = await read_topic(kafka.bootstrap, topic)
+        types = [r.event.type for r in records]
+        if types.count("mcpbg.admitted.v1") >= 5 or time.monotonic() > deadline:
+            break
+    assert types.count("mcpbg.admitted.v1") == 5
+    assert types.count("mcpbg.rejected.v1") >= 2
+    metered = [r.event for r in records if r.event.type == "mcpbg.metered.v1"]
+    assert sum(c.amount for e in metered for c in e.data.charges if c.limit == "global_spend") == (
+        5 * SEARCH_PRICE
+    )
+
+
+def test_health_reports_the_policy(server: tuple[str, str, Path]) -> None:
+    base, _, _ = server
+    with urllib.request.urlopen(f"{base}/health", timeout=5) as reply:
+        assert reply.status == 200
+        assert b'"limits":3' in reply.read()
