@@ -1,0 +1,136 @@
+"""``mcpbg budgets``: what each limit has counted in its current period, and what is left.
+
+Exit code 1 when any row is exceeded (spent at or past its limit, so the next
+call it gates is refused), like the other commands that find a problem; 0
+otherwise; 2 for bad input (a malformed policy file names its line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..counters import Backend
+    from ..policy import Policy
+    from ..projections.budgets import BudgetReport
+
+_SCOPES = ("user", "tenant", "tool", "session", "agent")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "budgets",
+        help="one row per limit and counter: spent, limit, remaining, exceeded",
+        description="Without --user/--tenant/--tool/--session/--agent, every counter in "
+        "Redis (a bounded SCAN of mcpbg:v1:*) in its current period. Exit code 1 when "
+        "any row is exceeded.",
+    )
+    p.add_argument(
+        "--policy",
+        default=os.environ.get("MCPBG_POLICY"),
+        help="the policy: a .toml file or package.module:attribute (env MCPBG_POLICY)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("MCPBG_REDIS_URL"),
+        help="the counters' Redis, redis://host:port/db (env MCPBG_REDIS_URL)",
+    )
+    for scope in _SCOPES:
+        p.add_argument(f"--{scope}", help=f"only the counters of this {scope}")
+    p.add_argument(
+        "--max-keys",
+        type=int,
+        default=None,
+        help="list at most this many counter keys (default 10000); the output says when it stopped",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (amounts as integers)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..policy_file import load_policy
+    from ..projections.budgets import DEFAULT_MAX_KEYS
+    from .render import fail
+
+    if not args.policy:
+        return fail(
+            "budgets", "--policy: required (a .toml file or module:attribute; or set MCPBG_POLICY)"
+        )
+    policy = load_policy(args.policy)  # first: a bad policy file is the error to see
+    if not args.redis_url:
+        return fail(
+            "budgets", "--redis-url: required (redis://host:port/db; or set MCPBG_REDIS_URL)"
+        )
+    max_keys = DEFAULT_MAX_KEYS if args.max_keys is None else args.max_keys
+    if max_keys < 1:
+        return fail("budgets", f"--max-keys: expected a positive number (got {max_keys})")
+    filters = {s: getattr(args, s) for s in _SCOPES if getattr(args, s) is not None}
+    try:
+        from ..projections.redis_counters import RedisBackend
+    except ImportError as exc:  # pragma: no cover - the redis extra is missing
+        return fail(
+            "budgets", f"{exc}; install the redis extra: pip install 'mcp-budget-governor[redis]'"
+        )
+    backend = RedisBackend.from_url(args.redis_url, timeout=5.0, max_connections=2)
+    report = asyncio.run(_report(policy, backend, filters, max_keys))
+    if args.json:
+        json.dump(report.as_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_report(report, title=_title(filters))
+    return 1 if report.exceeded else 0
+
+
+async def _report(
+    policy: Policy, backend: Backend, filters: dict[str, str], max_keys: int
+) -> BudgetReport:
+    from ..projections.budgets import budget_report
+
+    try:
+        return await budget_report(
+            policy,
+            backend,
+            max_keys=max_keys,
+            user=filters.get("user"),
+            tenant=filters.get("tenant"),
+            tool=filters.get("tool"),
+            session=filters.get("session"),
+            agent=filters.get("agent"),
+        )
+    finally:
+        await backend.aclose()
+
+
+def print_report(report: BudgetReport, *, title: str | None = "budgets") -> None:
+    """Print a budgets report as a table, with what the listing left out (the demo uses it)."""
+    from rich.markup import escape
+
+    from ..projections.budgets import HEADERS, NUMERIC, table_rows
+    from .render import console, print_table
+
+    # Ids are caller data: "[bold]" in one must print as written, not as markup.
+    rows = [[escape(cell) for cell in row] for row in table_rows(report)]
+    print_table(title and escape(title), HEADERS, rows, numeric=NUMERIC)
+    out = console()
+    if not report.rows:
+        out.print("no counters in the current period")
+    if report.truncated:
+        out.print(
+            f"listing stopped at {report.listed:,} keys (--max-keys): more counters exist "
+            "than are shown; narrow with --user/--tenant or raise --max-keys"
+        )
+    if report.unknown_limits:
+        out.print(
+            f"{report.unknown_limits:,} keys belong to limits this policy does not have (not shown)"
+        )
+
+
+def _title(filters: dict[str, str]) -> str:
+    if not filters:
+        return "budgets: every active counter"
+    return "budgets: " + ", ".join(f"{k} {v}" for k, v in filters.items())

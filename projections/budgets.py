@@ -1,0 +1,267 @@
+"""The budgets report: one row per limit and counter in the current period.
+
+What ``mcpbg budgets`` prints, and the demo for its in-process
+:class:`MemoryBackend`: for a policy and a backend, every limit's current
+bucket for the contexts asked about (``user="u_42"``), or for every counter the
+backend holds (a bounded listing). Each row's ``spent`` is what
+:meth:`Governor.usage` answers for the same limit and context, read in one
+``usage`` round trip for the whole report.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, tzinfo
+from typing import Any
+
+from mcp_budget_governor.context import Context
+from mcp_budget_governor.counters import Backend, fits
+from mcp_budget_governor.keys import escape, parse_key
+from mcp_budget_governor.limits import Limit
+from mcp_budget_governor.money import Unit, format_usd
+from mcp_budget_governor.planning import slot
+from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.scopes import Scope
+from mcp_budget_governor.windows import Bucket, Window, bucket_for
+
+#: How many keys a report lists at most unless told otherwise.
+DEFAULT_MAX_KEYS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetRow:
+    """One limit's counter in its current period, and what it has counted."""
+
+    limit: Limit
+    key: str
+    values: tuple[str, ...]
+    hashed: tuple[bool, ...]
+    bucket: Bucket
+    spent: int
+
+    @property
+    def name(self) -> str:
+        return self.limit.name
+
+    @property
+    def scope(self) -> str:
+        """``user``, ``tenant+tool`` or ``global``."""
+        return self.limit.scope_label
+
+    @property
+    def who(self) -> str:
+        """The scope values, readable: ``u_42``, ``tenant=acme tool=search``, ``*`` when global."""
+        dims = self.limit.dimensions
+        if not dims:
+            return "*"
+        shown = [_show(v, h) for v, h in zip(self.values, self.hashed, strict=True)]
+        if len(dims) == 1:
+            return shown[0]
+        return " ".join(f"{d.value}={v}" for d, v in zip(dims, shown, strict=True))
+
+    @property
+    def cap(self) -> int:
+        return self.limit.cap
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.limit.cap - self.spent)
+
+    @property
+    def exceeded(self) -> bool:
+        """The limit is spent: the next check it gates is refused (``counters.fits``)."""
+        return not fits(self.spent, 0, self.limit.cap)
+
+    def as_json(self, tz: tzinfo = UTC) -> dict[str, Any]:
+        """The row for machines: amounts as integers in the limit's unit."""
+        values = {
+            d.value: (None if h else v)
+            for d, v, h in zip(self.limit.dimensions, self.values, self.hashed, strict=True)
+        }
+        return {
+            "name": self.name,
+            "scope": self.scope,
+            "scope_values": values,
+            "hashed": [
+                d.value for d, h in zip(self.limit.dimensions, self.hashed, strict=True) if h
+            ],
+            "key": self.key,
+            "window": self.limit.window.value,
+            "period": period(self.limit.window, self.bucket, tz),
+            "bucket": self.bucket.label,
+            "period_start": _iso(self.bucket.start),
+            "period_end": _iso(self.bucket.end),
+            "unit": self.limit.unit.value,
+            "spent": self.spent,
+            "limit": self.limit.cap,
+            "remaining": self.remaining,
+            "exceeded": self.exceeded,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReport:
+    """The rows, and what the listing left out.
+
+    ``truncated``: the backend held more counter keys than ``max_keys``;
+    ``unknown_limits``: keys of limits the policy does not have (a retired or
+    renamed limit, another policy's counters), not shown.
+    """
+
+    rows: tuple[BudgetRow, ...]
+    at: float
+    tz: tzinfo
+    listed: int
+    truncated: bool
+    unknown_limits: int
+
+    @property
+    def exceeded(self) -> bool:
+        return any(row.exceeded for row in self.rows)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "at": _iso(self.at),
+            "rows": [row.as_json(self.tz) for row in self.rows],
+            "listed_keys": self.listed,
+            "truncated": self.truncated,
+            "unknown_limit_keys": self.unknown_limits,
+        }
+
+
+async def budget_report(
+    policy: Policy,
+    backend: Backend,
+    *,
+    user: str | None = None,
+    tenant: str | None = None,
+    tool: str | None = None,
+    session: str | None = None,
+    agent: str | None = None,
+    max_keys: int = DEFAULT_MAX_KEYS,
+    now: float | None = None,
+) -> BudgetReport:
+    """Every limit's current counter for a context, or for every active key.
+
+    With scope values given (``user="u_42"``), a limit whose scope they cover
+    gets its row even when nothing was counted yet (global limits included),
+    and a limit that counts per more dimensions (``user+tool``) gets a row per
+    counter the backend lists for that user. With none given, every listed
+    counter of the policy's limits in its current period gets a row, and each
+    global limit one. Listing stops at ``max_keys`` keys (``truncated``).
+    """
+    now = time.time() if now is None else now
+    tz = policy.tz
+    ctx = Context(user=user, tenant=tenant, tool=tool, session=session, agent=agent)
+    given = {d for d in Scope if getattr(ctx, d.value) is not None}
+    found: dict[str, tuple[Limit, tuple[str, ...], tuple[bool, ...], Bucket]] = {}
+    for limit in policy:
+        if set(limit.dimensions) <= given:
+            s = slot(limit, ctx, now, tz, 0, enforce=False)
+            assert s is not None  # the context supplies every dimension
+            values = tuple(getattr(ctx, d.value) for d in limit.dimensions)
+            found[s.key] = (limit, values, (False,) * len(values), s.bucket)
+    listed, truncated, unknown = 0, False, 0
+    if any(not set(limit.dimensions) <= given for limit in policy):
+        keys = await backend.counter_keys(max_keys + 1)
+        truncated = len(keys) > max_keys
+        keys = keys[:max_keys]
+        listed = len(keys)
+        wanted = {d: escape(getattr(ctx, d.value)) for d in given}
+        for key in keys:
+            parsed = parse_key(key)
+            if parsed is None or key in found:
+                continue
+            if parsed.limit not in policy:
+                unknown += 1
+                continue
+            limit = policy[parsed.limit]
+            if parsed.dims != limit.dimensions:
+                continue  # written under another scope of the same name: not this limit's
+            bucket = bucket_for(limit.window, now, tz)
+            if parsed.bucket != bucket.label:
+                continue  # a past period, kept only until it expires
+            if wanted:
+                segments = dict(zip(parsed.dims, _segments(parsed.key), strict=True))
+                shared = [d for d in parsed.dims if d in wanted]
+                if not shared or any(segments[d] != wanted[d] for d in shared):
+                    continue
+            found[key] = (limit, parsed.values, parsed.hashed, bucket)
+    order = {limit.name: i for i, limit in enumerate(policy)}
+    keys_in_order = sorted(found, key=lambda k: (order[found[k][0].name], found[k][1]))
+    spent = await backend.usage(keys_in_order) if keys_in_order else []
+    rows = tuple(
+        BudgetRow(found[k][0], k, found[k][1], found[k][2], found[k][3], total)
+        for k, total in zip(keys_in_order, spent, strict=True)
+    )
+    return BudgetReport(rows, now, tz, listed, truncated, unknown)
+
+
+def format_amount(unit: Unit, amount: int) -> str:
+    """Money in dollars (``$7.420000``), calls and tokens with thousands separators."""
+    if unit is Unit.USD_MICROS:
+        return f"${format_usd(amount)}"
+    return f"{amount:,}"
+
+
+def period(window: Window, bucket: Bucket, tz: tzinfo = UTC) -> str:
+    """A bucket for people: ``2026-11-29 19:14 UTC``, ``2026-11-29``, ``2026-11 (Europe/Paris)``."""
+    if bucket.start is None:
+        return "this session"
+    if window in (Window.MINUTE, Window.HOUR):
+        return datetime.fromtimestamp(bucket.start, UTC).strftime("%Y-%m-%d %H:%M UTC")
+    local = datetime.fromtimestamp(bucket.start, tz)
+    text = local.strftime("%Y-%m-%d" if window is Window.DAY else "%Y-%m")
+    return text if tz is UTC else f"{text} ({tz})"
+
+
+HEADERS = (
+    "name",
+    "scope",
+    "key",
+    "window",
+    "period",
+    "spent",
+    "limit",
+    "remaining",
+    "exceeded",
+)
+NUMERIC = ("spent", "limit", "remaining")
+
+
+def table_rows(report: BudgetReport) -> list[tuple[str, ...]]:
+    """The report as text cells under :data:`HEADERS`."""
+    return [
+        (
+            row.name,
+            row.scope,
+            row.who,
+            row.limit.window.value,
+            period(row.limit.window, row.bucket, report.tz),
+            format_amount(row.limit.unit, row.spent),
+            format_amount(row.limit.unit, row.cap),
+            format_amount(row.limit.unit, row.remaining),
+            "yes" if row.exceeded else "no",
+        )
+        for row in report.rows
+    ]
+
+
+def _segments(key: str) -> list[str]:
+    scope = key.split(":")[3]
+    return [item.partition("=")[2] for item in scope.split(",")]
+
+
+def _show(value: str, hashed: bool) -> str:
+    if hashed:
+        return f"{value[:13]}… (hashed)"
+    if value == "":
+        return '""'
+    return value if value.isprintable() else repr(value)[1:-1]
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
