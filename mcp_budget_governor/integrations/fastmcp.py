@@ -150,7 +150,7 @@ class BudgetMiddleware(Middleware):
 
     async def _caller(self, context: MiddlewareContext[Any]) -> Context:
         if self.identify is not None:
-            return await identify_with(self.identify, context) or EMPTY
+            return await identify_with(self.identify, context)
         user = user_of_token(get_access_token())
         return EMPTY if user is None else Context(user=user)
 

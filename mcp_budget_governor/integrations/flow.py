@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC
 from typing import Any, TypeAlias, TypeVar
 
-from mcp_budget_governor.context import Context
+from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.governor import Governor
@@ -100,15 +100,14 @@ async def meter_all(governor: Governor | Recorder, charges: Charges, ctx: Contex
             await governor.meter(limit, amount, ctx)
 
 
-async def identify_with(
-    identify: Callable[[Any], Context | Awaitable[Context | None] | None],
-    arg: Any,
-) -> Context | None:
-    """Call a sync or async ``identify``; it must return a Context or None."""
-    got = identify(arg)
+async def identify_with(identify: Callable[..., Any], *args: Any) -> Context:
+    """Call a sync or async ``identify``; None (nobody named) becomes the empty context."""
+    got = identify(*args)
     if inspect.isawaitable(got):
         got = await got
-    if got is not None and not isinstance(got, Context):
+    if got is None:
+        return EMPTY
+    if not isinstance(got, Context):
         raise TypeError(f"identify() returned {type(got).__name__}, not a Context or None")
     return got
 

@@ -1,0 +1,95 @@
+"""A hook for the low-level MCP SDK server (``mcp.server.lowlevel.Server``, mcp 2.x).
+
+The low-level server takes its request handlers as constructor arguments, so
+the hook wraps the ``on_call_tool`` handler itself; its signature is the SDK's
+stable public API (``Server.middleware`` is marked provisional in mcp 2.3):
+
+>>> from mcp.server.lowlevel import Server
+>>> from mcp_budget_governor import Context, Governor, Limit, MemoryBackend, Policy, Scope, Window
+>>> governor = Governor(Policy.of(
+...     Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER)), MemoryBackend())
+>>> async def call_tool(ctx, params): ...
+>>> server = Server("my-server", on_call_tool=governed_call_tool(
+...     governor, call_tool, identify=lambda ctx, params: Context(user="u_42")))
+
+The same rules as the FastMCP middleware: ``identify(ctx, params)`` (sync or
+async) names the caller (default: the authenticated access token's subject,
+else its client id), the tool's name becomes ``Context.tool``, the policy's
+``anonymous`` rule applies to a caller without a user id, a refusal comes back
+as an error result (``is_error=True``) whose text is
+:func:`~mcp_budget_governor.integrations.flow.refusal_text`, and
+``cost(params, result) -> {limit: amount} | None`` is metered after the
+handler returns (the rules of
+:func:`~mcp_budget_governor.integrations.flow.governed_call`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias
+
+import mcp_types as mt
+from mcp.server.auth.middleware.auth_context import get_access_token
+
+from mcp_budget_governor.context import EMPTY, Context
+from mcp_budget_governor.errors import BudgetExceeded
+from mcp_budget_governor.governor import Governor
+from mcp_budget_governor.integrations.flow import (
+    Charges,
+    governed_call,
+    identify_with,
+    refusal_body,
+    refusal_text,
+    user_of_token,
+)
+
+__all__ = ["governed_call_tool"]
+
+Result: TypeAlias = "mt.CallToolResult | mt.InputRequiredResult"
+Handler: TypeAlias = Callable[[Any, mt.CallToolRequestParams], Awaitable[Result]]
+Identify: TypeAlias = Callable[
+    [Any, mt.CallToolRequestParams], Context | Awaitable[Context | None] | None
+]
+Cost: TypeAlias = Callable[
+    [mt.CallToolRequestParams, Result], Charges | Awaitable[Charges | None] | None
+]
+
+
+def governed_call_tool(
+    governor: Governor,
+    handler: Handler,
+    *,
+    identify: Identify | None = None,
+    cost: Cost | None = None,
+) -> Handler:
+    """Wrap a low-level ``on_call_tool`` handler: check, run it, meter ``cost``."""
+    if not isinstance(governor, Governor):
+        raise TypeError(f"governed_call_tool needs a Governor, not {type(governor).__name__}")
+
+    async def on_call_tool(ctx: Any, params: mt.CallToolRequestParams) -> Result:
+        priced = None
+        if cost is not None:
+            charge = cost
+
+            def priced(result: Result) -> Any:
+                return charge(params, result)
+
+        try:
+            who = await _caller(identify, ctx, params)
+            who = governor.policy.identified(who.with_tool(params.name))
+            return await governed_call(governor, who, lambda: handler(ctx, params), priced=priced)
+        except BudgetExceeded as exc:
+            return mt.CallToolResult(
+                content=[mt.TextContent(type="text", text=refusal_text(exc.decision))],
+                structured_content={"mcpbg": refusal_body(exc.decision)},
+                is_error=True,
+            )
+
+    return on_call_tool
+
+
+async def _caller(identify: Identify | None, ctx: Any, params: mt.CallToolRequestParams) -> Context:
+    if identify is not None:
+        return await identify_with(identify, ctx, params)
+    user = user_of_token(get_access_token())
+    return EMPTY if user is None else Context(user=user)
