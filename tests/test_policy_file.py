@@ -6,10 +6,13 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcp_budget_governor import (
     FailMode,
@@ -476,3 +479,70 @@ def test_mcpbg_budgets_malformed_policy_exit_code_in_a_real_process(tmp_path: Pa
     assert proc.stderr == (
         f"mcpbg budgets: {path}:5: limits[0].cap: must not be negative (got -5)\n"
     )
+
+
+# -- the locator on generated layouts ----------------------------------------------
+
+DECOYS = (
+    "# [[limits]] name = 'decoy'",
+    '   # window = "day"',
+    "",
+    'decoy_{n} = """\n[[limits]]\nname = "x" # not a key\n"""',
+    "decoy_{n} = '''\n[other]\n'''",
+    'decoy_{n} = "a # b [c] {{d}} = e"',
+)
+
+
+@st.composite
+def documents(draw: st.DrawFn) -> tuple[str, dict[tuple[Any, ...], int]]:
+    """A TOML text in one of several layouts, and the line each key was written on."""
+    lines: list[str] = []
+    expected: dict[tuple[Any, ...], int] = {}
+    decoys = 0
+
+    def decoy() -> None:
+        nonlocal decoys
+        for _ in range(draw(st.integers(0, 2))):
+            text = draw(st.sampled_from(DECOYS)).format(n=decoys)
+            decoys += 1
+            lines.extend(text.split("\n"))
+
+    def here() -> int:
+        return len(lines) + 1
+
+    n = draw(st.integers(1, 4))
+    inline = draw(st.booleans())
+    decoy()
+    if inline:
+        lines.append("limits = [  # inline tables")
+        for i in range(n):
+            expected[("limits", i)] = expected[("limits", i, "window")] = here()
+            lines.append(f'  {{ name = "l{i}", cap = {i}, window = "day" }},')
+            if draw(st.booleans()):
+                lines.append("  # between elements")
+        lines.append("]")
+        return "\n".join(lines) + "\n", expected
+    for i in range(n):
+        decoy()
+        expected[("limits", i)] = here()
+        lines.append(draw(st.sampled_from(["[[limits]]", "[[ limits ]]", "[[limits]]  # c"])))
+        for key, value in (("name", f'"l{i}"'), ("cap", "1_000"), ("window", "'day'")):
+            if draw(st.booleans()):
+                lines.append("")
+            expected[("limits", i, key)] = here()
+            lines.append(f"{key} = {value}")
+        if draw(st.booleans()):
+            expected[("limits", i, "scope")] = here()
+            expected[("limits", i, "scope", 1)] = here() + 2
+            lines.extend(["scope = [", '  "user",  # one', '  "tool",', "]"])
+        decoy()
+    return "\n".join(lines) + "\n", expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(documents())
+def test_locator_on_generated_layouts(doc: tuple[str, dict[tuple[Any, ...], int]]) -> None:
+    text, expected = doc
+    tomllib.loads(text)  # the generator writes valid TOML
+    lines = locate(text)
+    assert {k: lines.get(k) for k in expected} == expected
