@@ -1,0 +1,566 @@
+"""FOCUS CostAndUsage export: the ledger's costs aggregated in DuckDB, written atomically.
+
+:func:`export_focus` reads the ``costs`` view of :func:`~.ledger_view.open_ledger`
+(one row per event, its USD counted once: the rule ``mcpbg costs`` uses too),
+keeps the events of the period with a USD amount, splits each model call's
+micros over its token meters (``mcp_budget_governor.focus``'s rule, computed
+here in integer SQL: HUGEINT products, no float), aggregates per charge period
+(hour or day), tenant, user, tool, model, meter and unit price, renders every
+value as FOCUS text (exact decimals with a decimal point, ``...Z`` times,
+printable-ASCII strings), checks the rows against the rules focus-validator
+does not enforce, and writes CSV or Parquet through a temporary file in the
+target folder renamed at the end: a failure leaves no partial file.
+
+>>> con = open_ledger("/var/lib/mcpbg/archive")  # doctest: +SKIP
+>>> options = ExportOptions(*parse_period("2026-11"))  # doctest: +SKIP
+>>> export_focus(con, "focus-2026-11.csv", options)  # doctest: +SKIP
+ExportResult(rows=..., billed_micros=..., ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+
+import duckdb
+
+from mcp_budget_governor.errors import GovernorError, InvalidInputError, UnknownModelError
+from mcp_budget_governor.focus import (
+    FOCUS_1_2,
+    METERS,
+    ROW_RULES,
+    TOKEN_METERS,
+    FocusVersion,
+    Granularity,
+    Kind,
+    Meter,
+    ascii_text,
+    check_columns,
+    check_formats,
+    rate_text,
+)
+from mcp_budget_governor.prices import PriceTable
+from mcp_budget_governor.projections.ledger_view import query_error
+
+__all__ = ["ExportError", "ExportOptions", "ExportResult", "export_focus", "focus_table"]
+
+#: Output formats by file suffix.
+FORMATS = {".csv": "csv", ".parquet": "parquet"}
+_MICROS_SCALE = 6
+# Rates are scaled to integers by 10**scale; tokens (<= 2**53) x rate must stay
+# well inside HUGEINT (2**127), and the ListCost decimal inside DECIMAL(38).
+_MAX_RATE_UNITS = 10**20
+
+
+class ExportError(GovernorError):
+    """The export cannot be made (bad output path, a row breaking a FOCUS rule...)."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What to export: ``[start, end)`` in UTC, the row granularity and the account names."""
+
+    start: datetime
+    end: datetime
+    granularity: Granularity = Granularity.HOUR
+    billing_account_id: str = "mcpbg"
+    billing_account_name: str = "mcp-budget-governor"
+    provider: str = "mcp-budget-governor"
+    version: FocusVersion = FOCUS_1_2
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_focus` wrote."""
+
+    path: Path
+    format: str
+    rows: int
+    events: int
+    billed_micros: int
+    seconds: float
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+Progress = Callable[[str], None]
+
+
+def _noop(_: str) -> None:
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _big(value: int) -> str:
+    """An integer literal DuckDB reads exactly, whatever its size."""
+    return f"CAST('{value}' AS HUGEINT)" if abs(value) >= 2**62 else str(value)
+
+
+def _dec_sql(expr: str, scale: int) -> str:
+    """SQL text of ``expr / 10**scale`` exactly: ``focus.decimal_text`` in SQL."""
+    if scale == 0:
+        return f"(CAST({expr} AS VARCHAR) || '.0')"
+    unit = _big(10**scale)
+    return (
+        f"(CASE WHEN ({expr}) < 0 THEN '-' ELSE '' END"
+        f" || CAST(abs({expr}) // {unit} AS VARCHAR) || '.'"
+        f" || coalesce(nullif(rtrim(lpad(CAST(abs({expr}) % {unit} AS VARCHAR), {scale}, '0'),"
+        f" '0'), ''), '0'))"
+    )
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _rates_table(con: duckdb.DuckDBPyConnection, models: list[str], prices: PriceTable) -> int:
+    """Create ``_fx_rates`` (model, tier start, rates as integers x 10**scale); return scale."""
+    from mcp_budget_governor.focus import tier_rates
+
+    tiers: list[tuple[str, int, tuple[Decimal, ...]]] = []
+    for model in models:
+        try:
+            price = prices.price_of(model)
+        except UnknownModelError as exc:
+            raise ExportError(
+                f"{exc} (the ledger holds costs of it; give the table that priced it with --prices)"
+            ) from None
+        tiers += [(model, start, rates) for start, rates in tier_rates(price)]
+    scale = 0
+    for _, _, rates in tiers:
+        for rate in rates:
+            exponent = rate.normalize().as_tuple().exponent
+            assert isinstance(exponent, int)
+            scale = max(scale, -exponent)
+    rows = []
+    for model, start, rates in tiers:
+        units = [int(rate.scaleb(scale)) for rate in rates]
+        if max(units) >= _MAX_RATE_UNITS:
+            raise ExportError(
+                f"model {model!r}: a price too large or too precise to export exactly"
+            )
+        rows.append((model, start, *units, *(rate_text(r) for r in rates)))
+    con.execute(
+        "CREATE OR REPLACE TEMP TABLE _fx_rates (model VARCHAR, start BIGINT, "
+        "r0 HUGEINT, r1 HUGEINT, r2 HUGEINT, r3 HUGEINT, "
+        "p0 VARCHAR, p1 VARCHAR, p2 VARCHAR, p3 VARCHAR)"
+    )
+    if rows:
+        con.executemany("INSERT INTO _fx_rates VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    return scale
+
+
+def _split_sql(scale: int) -> str:
+    """Per token event: the four meters' shares of its micros (``focus.split_cost`` in SQL)."""
+    unit = _big(10**scale)
+    ceil = [f"(n{i} * r{i} + {unit} - 1) // {unit}" for i in range(4)]
+    weights = [
+        f"CASE WHEN c0 + c1 + c2 + c3 > 0 THEN c{i} WHEN n0 + n1 + n2 + n3 > 0 THEN n{i} "
+        f"ELSE {1 if i == 0 else 0} END"
+        for i in range(4)
+    ]
+    ranks = []
+    for i in range(4):
+        beats = [f"(m{j} {'>=' if j < i else '>'} m{i})::INT" for j in range(4) if j != i]
+        ranks.append("1 + " + " + ".join(beats))
+    return f"""
+        SELECT * EXCLUDE (m0, m1, m2, m3, q0, q1, q2, q3),
+               q0 + CASE WHEN {ranks[0]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s0,
+               q1 + CASE WHEN {ranks[1]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s1,
+               q2 + CASE WHEN {ranks[2]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s2,
+               q3 + CASE WHEN {ranks[3]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s3
+        FROM (
+            SELECT *, a * w0 // ww AS q0, a * w0 % ww AS m0, a * w1 // ww AS q1, a * w1 % ww AS m1,
+                      a * w2 // ww AS q2, a * w2 % ww AS m2, a * w3 // ww AS q3, a * w3 % ww AS m3
+            FROM (
+                SELECT *, w0 + w1 + w2 + w3 AS ww
+                FROM (
+                    SELECT *, {weights[0]} AS w0, {weights[1]} AS w1,
+                              {weights[2]} AS w2, {weights[3]} AS w3
+                    FROM (
+                        SELECT *, {ceil[0]} AS c0, {ceil[1]} AS c1,
+                                  {ceil[2]} AS c2, {ceil[3]} AS c3
+                        FROM (
+                            SELECT e.*, r.r0, r.r1, r.r2, r.r3, r.p0, r.p1, r.p2, r.p3,
+                                   CAST(abs(e.usd_micros) AS HUGEINT) AS a,
+                                   CAST(sign(e.usd_micros) AS HUGEINT) AS sg,
+                                   CAST(greatest(e.input_tokens - e.cache_read_tokens
+                                                 - e.cache_write_tokens, 0) AS HUGEINT) AS n0,
+                                   CAST(e.output_tokens AS HUGEINT) AS n1,
+                                   CAST(e.cache_read_tokens AS HUGEINT) AS n2,
+                                   CAST(e.cache_write_tokens AS HUGEINT) AS n3
+                            FROM _fx_ev e ASOF JOIN _fx_rates r
+                              ON e.model = r.model AND e.input_tokens > r.start
+                        )
+                    )
+                )
+            )
+        )"""
+
+
+def focus_table(
+    con: duckdb.DuckDBPyConnection,
+    options: ExportOptions,
+    prices: PriceTable | None = None,
+    progress: Progress = _noop,
+) -> tuple[int, int, int]:
+    """Build the temp table ``_fx_out`` (the export's rows as FOCUS text).
+
+    Returns (rows, costed events, billed micros).
+
+    Raises :class:`ExportError` for an unpriced model, :class:`InvalidInputError`
+    when the ledger has no event at all in the period.
+    """
+    prices = PriceTable.builtin() if prices is None else prices
+    step = "hour" if options.granularity is Granularity.HOUR else "day"
+    lo, hi = options.start, options.end
+    progress("reading the ledger")
+    try:
+        con.execute(
+            f"""
+            CREATE OR REPLACE TEMP TABLE _fx_all AS
+            SELECT date_trunc('{step}', "time") AS period, tenant, "user", tool, model, "type",
+                   usd_micros, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens
+            FROM costs WHERE "time" >= ? AND "time" < ?
+            """,
+            [lo, hi],
+        )
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    (events_in_period,) = con.execute("SELECT count(*) FROM _fx_all").fetchone() or (0,)
+    if not events_in_period:
+        span = con.execute('SELECT min("time"), max("time") FROM costs').fetchone()
+        held = f"{span[0]:%Y-%m-%d} to {span[1]:%Y-%m-%d}" if span and span[0] else "nothing"
+        raise InvalidInputError(
+            "period",
+            f"{lo:%Y-%m-%dT%H:%MZ}..{hi:%Y-%m-%dT%H:%MZ}",
+            f"the ledger has no event in it (it holds {held})",
+        )
+    con.execute(
+        "CREATE OR REPLACE TEMP TABLE _fx_ev AS SELECT * FROM _fx_all WHERE usd_micros <> 0"
+    )
+    con.execute("DROP TABLE _fx_all")
+    (events,) = con.execute("SELECT count(*) FROM _fx_ev").fetchone() or (0,)
+    models = [
+        m
+        for (m,) in con.execute(
+            "SELECT DISTINCT model FROM _fx_ev WHERE model IS NOT NULL"
+        ).fetchall()
+    ]
+    scale = _rates_table(con, sorted(models), prices)
+    progress(f"splitting and aggregating {events:,} costed events")
+
+    meters = []
+    for i, meter in enumerate(TOKEN_METERS):
+        meters.append(
+            f"SELECT period, tenant, \"user\", tool, model, '{meter.value}' AS meter, "
+            f"r{i} AS rate, p{i} AS price, n{i} AS qty, sg * s{i} AS micros, "
+            f"CAST(0 AS BIGINT) AS calls FROM _fx_split WHERE n{i} > 0 OR s{i} <> 0"
+        )
+    con.execute(f"CREATE OR REPLACE TEMP VIEW _fx_split AS {_split_sql(scale)}")
+    tool = Meter.TOOL_CALLS.value
+    con.execute(
+        f"""
+        CREATE OR REPLACE TEMP TABLE _fx_agg AS
+        SELECT period, tenant, "user", tool, model, meter, rate, price,
+               CAST(sum(qty) AS HUGEINT) AS qty, CAST(sum(micros) AS HUGEINT) AS micros,
+               CAST(sum(calls) AS HUGEINT) AS calls, count(*) AS events
+        FROM ({" UNION ALL ".join(meters)}) t
+        GROUP BY ALL
+        UNION ALL
+        SELECT period, tenant, "user", tool, NULL AS model, '{tool}' AS meter,
+               CAST(NULL AS HUGEINT) AS rate, '1.0' AS price,
+               CAST(sum(usd_micros) AS HUGEINT) AS qty, CAST(sum(usd_micros) AS HUGEINT) AS micros,
+               CAST(count(*) FILTER (WHERE "type" IN ('mcpbg.metered.v1', 'mcpbg.settled.v1'))
+                    AS HUGEINT) AS calls,
+               count(*) AS events
+        FROM _fx_ev WHERE model IS NULL
+        GROUP BY ALL
+        """
+    )
+    (billed,) = con.execute("SELECT coalesce(sum(micros), 0) FROM _fx_agg").fetchone() or (0,)
+    progress("rendering FOCUS rows")
+    _text_table(con)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _fx_out AS {_render_sql(options, scale)}")
+    for name in ("_fx_agg", "_fx_ev", "_fx_rates"):
+        con.execute(f"DROP TABLE IF EXISTS {name}")
+    con.execute("DROP VIEW IF EXISTS _fx_split")
+    (rows,) = con.execute("SELECT count(*) FROM _fx_out").fetchone() or (0,)
+    return rows, events, int(billed)
+
+
+def _text_table(con: duckdb.DuckDBPyConnection) -> None:
+    """``_fx_text(raw, txt)``: the dimension values that are not printable ASCII, escaped."""
+    values = con.execute(
+        """
+        SELECT DISTINCT v FROM (
+            SELECT tenant AS v FROM _fx_agg UNION ALL SELECT "user" FROM _fx_agg
+            UNION ALL SELECT tool FROM _fx_agg UNION ALL SELECT model FROM _fx_agg)
+        WHERE v IS NOT NULL AND NOT regexp_full_match(v, '[ -$&-~]*')
+        """
+    ).fetchall()
+    con.execute("CREATE OR REPLACE TEMP TABLE _fx_text (raw VARCHAR PRIMARY KEY, txt VARCHAR)")
+    if values:
+        con.executemany(
+            "INSERT INTO _fx_text VALUES (?, ?)", [(v, ascii_text(v)) for (v,) in values]
+        )
+
+
+def _render_sql(options: ExportOptions, scale: int) -> str:
+    """The FOCUS row, every column as text, from ``_fx_agg`` (and ``_fx_text``)."""
+    step = "1 HOUR" if options.granularity is Granularity.HOUR else "1 DAY"
+    ts = "'%Y-%m-%dT%H:%M:%SZ'"
+    tool = Meter.TOOL_CALLS.value
+    token = f"meter <> '{tool}'"
+
+    def case(column: str) -> str:
+        return (
+            "CASE meter "
+            + " ".join(
+                f"WHEN '{m.value}' THEN {_quote(getattr(spec, column))}"
+                for m, spec in METERS.items()
+            )
+            + " END"
+        )
+
+    billed = _dec_sql("micros", _MICROS_SCALE)
+    tags = (
+        "nullif('{' || concat_ws(',', "
+        + ", ".join(
+            f"CASE WHEN {c} IS NOT NULL THEN '\"{k}\":' || CAST(to_json({c}) AS VARCHAR) END"
+            for k, c in (("tenant", "x_tenant"), ("user", "x_user"), ("tool", "x_tool"))
+        )
+        + ") || '}', '{}')"
+    )
+    sku = (
+        f"CASE WHEN {token} THEN x_model || ':' || meter "
+        f"WHEN x_tool IS NULL THEN '{tool}' ELSE x_tool || ':{tool}' END"
+    )
+    columns = {
+        "BilledCost": billed,
+        "BillingAccountId": _quote(options.billing_account_id),
+        "BillingAccountName": _quote(options.billing_account_name),
+        "BillingCurrency": "'USD'",
+        "BillingPeriodEnd": f"strftime(date_trunc('month', period) + INTERVAL 1 MONTH, {ts})",
+        "BillingPeriodStart": f"strftime(date_trunc('month', period), {ts})",
+        "ChargeCategory": "'Usage'",
+        "ChargeClass": "CAST(NULL AS VARCHAR)",
+        "ChargeDescription": (
+            f"CASE WHEN {token} THEN x_model ELSE coalesce(x_tool, '(no tool)') END "
+            f"|| ' ' || {case('description')}"
+        ),
+        "ChargeFrequency": "'Usage-Based'",
+        "ChargePeriodEnd": f"strftime(period + INTERVAL {step}, {ts})",
+        "ChargePeriodStart": f"strftime(period, {ts})",
+        "CommitmentDiscountStatus": "CAST(NULL AS VARCHAR)",
+        "ConsumedQuantity": _dec_sql(f"CASE WHEN {token} THEN qty ELSE calls END", 0),
+        "ConsumedUnit": case("consumed_unit"),
+        "ContractedCost": billed,
+        "EffectiveCost": billed,
+        "InvoiceId": "CAST(NULL AS VARCHAR)",
+        "InvoiceIssuerName": _quote(options.provider),
+        "ListCost": (
+            f"CASE WHEN {token} THEN {_dec_sql('qty * rate', scale + _MICROS_SCALE)} "
+            f"ELSE {billed} END"
+        ),
+        "ListUnitPrice": "price",
+        "PricingCategory": "'Standard'",
+        "PricingQuantity": _dec_sql("qty", _MICROS_SCALE),
+        "PricingUnit": case("pricing_unit"),
+        "ProviderName": _quote(options.provider),
+        "PublisherName": _quote(options.provider),
+        "ServiceCategory": case("service_category"),
+        "ServiceName": case("service_name"),
+        "ServiceSubcategory": case("service_subcategory"),
+        "SkuId": sku,
+        "SkuMeter": case("sku_meter"),
+        "SkuPriceDetails": "CAST(NULL AS VARCHAR)",
+        "SkuPriceId": f"({sku}) || ':' || price",
+        "SubAccountId": "x_tenant",
+        "SubAccountName": "x_tenant",
+        "Tags": tags,
+        "x_UserId": "x_user",
+        "x_ToolName": "x_tool",
+        "x_ModelId": "x_model",
+        "x_Meter": "meter",
+        "x_EventCount": "CAST(events AS VARCHAR)",
+    }
+    missing = [n for n in options.version.names if n not in columns]
+    if missing:
+        raise ExportError(f"FOCUS {options.version.version}: no mapping for {missing}")
+    select = ",\n".join(f"{columns[n]} AS {_ident(n)}" for n in options.version.names)
+    escaped = {
+        name: f"coalesce((SELECT txt FROM _fx_text WHERE raw = a.{_ident(col)}), a.{_ident(col)})"
+        for name, col in (
+            ("x_tenant", "tenant"),
+            ("x_user", "user"),
+            ("x_tool", "tool"),
+            ("x_model", "model"),
+        )
+    }
+    dims = ", ".join(f"{expr} AS {name}" for name, expr in escaped.items())
+    return f"""
+        SELECT {select}
+        FROM (SELECT a.*, {dims} FROM _fx_agg a)
+        ORDER BY "ChargePeriodStart", "SubAccountId" NULLS FIRST, "x_UserId" NULLS FIRST,
+                 "x_ToolName" NULLS FIRST, "SkuPriceId"
+    """
+
+
+def check_table(con: duckdb.DuckDBPyConnection, version: FocusVersion = FOCUS_1_2) -> list[str]:
+    """Run ``focus.check_row``'s rules over ``_fx_out``: each on the distinct values it reads.
+
+    Returns the problems (at most a few per rule, with the offending values).
+    """
+    names = [d[0] for d in con.execute("SELECT * FROM _fx_out LIMIT 0").description]
+    problems = check_columns(names, version)
+    for name in names:
+        kind = version.column(name).kind if name in version.names else Kind.STRING
+        # Our decimal and integer columns are rendered by construction; their format is
+        # checked on their distinct shapes (digits replaced), which are few.
+        if kind in (Kind.DECIMAL, Kind.INTEGER):
+            query = (
+                f"SELECT DISTINCT regexp_replace({_ident(name)}, '[0-9]+', '0', 'g') FROM _fx_out"
+            )
+        else:
+            query = f"SELECT DISTINCT {_ident(name)} FROM _fx_out"
+        for (value,) in con.execute(query).fetchall():
+            problems += check_formats({name: value}, version)
+    for columns, rule in ROW_RULES:
+        if not all(c in names for c in columns):
+            continue
+        cols = ", ".join(_ident(c) for c in columns)
+        found = 0
+        for values in con.execute(f"SELECT DISTINCT {cols} FROM _fx_out").fetchall():
+            if issues := rule(dict(zip(columns, values, strict=True))):
+                problems += issues
+                found += 1
+                if found >= 3:
+                    break
+    return problems
+
+
+def _write(
+    con: duckdb.DuckDBPyConnection,
+    target: Path,
+    fmt: str,
+    options: ExportOptions,
+    scale_of: dict[str, int],
+) -> None:
+    path = _quote(str(target))
+    if fmt == "csv":
+        con.execute(f"COPY _fx_out TO {path} (FORMAT csv, HEADER true, DELIMITER ',')")
+        return
+    casts = []
+    for column in options.version.columns:
+        name = _ident(column.name)
+        if column.kind is Kind.DECIMAL:
+            casts.append(f"CAST({name} AS DECIMAL(38, {scale_of.get(column.name, 6)})) AS {name}")
+        elif column.kind is Kind.INTEGER:
+            casts.append(f"CAST({name} AS BIGINT) AS {name}")
+        elif column.kind is Kind.DATETIME:
+            casts.append(f"CAST(strptime({name}, '%Y-%m-%dT%H:%M:%SZ') AS TIMESTAMPTZ) AS {name}")
+        else:
+            casts.append(name)
+    con.execute(
+        f"COPY (SELECT {', '.join(casts)} FROM _fx_out) TO {path} "
+        "(FORMAT parquet, COMPRESSION zstd)"
+    )
+
+
+def _decimal_scales(con: duckdb.DuckDBPyConnection, version: FocusVersion) -> dict[str, int]:
+    """The largest number of fractional digits of each decimal column (Parquet's scale)."""
+    decimals = [c.name for c in version.columns if c.kind is Kind.DECIMAL]
+    exprs = ", ".join(f"max(length({_ident(n)}) - strpos({_ident(n)}, '.'))" for n in decimals)
+    row = con.execute(f"SELECT {exprs} FROM _fx_out").fetchone() or ()
+    return {n: max(1, int(v or 1)) for n, v in zip(decimals, row, strict=True)}
+
+
+def export_focus(
+    con: duckdb.DuckDBPyConnection,
+    out: str | os.PathLike[str],
+    options: ExportOptions,
+    *,
+    prices: PriceTable | None = None,
+    progress: Progress = _noop,
+    check: bool = True,
+) -> ExportResult:
+    """Write the FOCUS export of ``options``' period to ``out`` (``.csv`` or ``.parquet``).
+
+    ``con`` holds the ledger views (:func:`~.ledger_view.open_ledger`).
+    ``prices`` gives the per-meter rates (default: the built-in table). The
+    file appears whole or not at all: written to a hidden temporary file in
+    the same folder, renamed at the end, removed on any error.
+    """
+    started = time.perf_counter()
+    target = Path(out)
+    fmt = FORMATS.get(target.suffix.lower())
+    if fmt is None:
+        raise InvalidInputError("--out", str(out), "the file name must end in .csv or .parquet")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise ExportError(f"--out {target}: no such folder {folder}")
+    if target.is_dir():
+        raise ExportError(f"--out {target}: is a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {target}: folder {folder} is not writable")
+    stages: dict[str, float] = {}
+    mark = time.perf_counter()
+    temp = folder / f".{target.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        rows, events, billed = focus_table(con, options, prices, progress)
+        stages["aggregate"] = time.perf_counter() - mark
+        if check:
+            mark = time.perf_counter()
+            progress(f"checking {rows:,} rows against the FOCUS rules")
+            problems = check_table(con, options.version)
+            stages["check"] = time.perf_counter() - mark
+            if problems:
+                raise ExportError(
+                    f"a row breaks a FOCUS rule, nothing written: {problems[0]} "
+                    f"({len(problems)} problems)"
+                )
+        mark = time.perf_counter()
+        progress(f"writing {rows:,} rows to {target}")
+        scales = _decimal_scales(con, options.version) if fmt == "parquet" else {}
+        try:
+            _write(con, temp, fmt, options, scales)
+        except duckdb.Error as exc:
+            raise ExportError(f"--out {target}: writing failed: {_first_line(exc)}") from None
+        with open(temp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(temp, target)
+        stages["write"] = time.perf_counter() - mark
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    except OSError as exc:
+        raise ExportError(f"--out {target}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+        for name in ("_fx_out", "_fx_text", "_fx_agg", "_fx_ev", "_fx_all", "_fx_rates"):
+            with contextlib.suppress(duckdb.Error):
+                con.execute(f"DROP TABLE IF EXISTS {name}")
+    return ExportResult(
+        path=target,
+        format=fmt,
+        rows=rows,
+        events=events,
+        billed_micros=int(billed),
+        seconds=time.perf_counter() - started,
+        stages=stages,
+    )
