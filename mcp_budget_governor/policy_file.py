@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 import os
 import re
 import tomllib
@@ -190,8 +191,9 @@ class _Builder:
     @staticmethod
     def policy_keys() -> tuple[str, ...]:
         # Every option Policy.of takes is a top-level key, so a new option is
-        # accepted (and validated by Policy) without touching this module.
-        return tuple(f.name for f in dataclasses.fields(Policy))
+        # accepted (and validated by Policy.of) without touching this module.
+        options = inspect.signature(Policy.of).parameters.values()
+        return ("limits", *(p.name for p in options if p.kind is p.KEYWORD_ONLY))
 
     def limit(self, i: int, entry: Any) -> Limit:
         here: KeyPath = ("limits", i)
@@ -224,7 +226,7 @@ class _Builder:
         try:
             return Limit(**fields)
         except PolicyError as exc:
-            raise self.translate(exc, i, entry) from None
+            raise self.translate(exc, i) from None
 
     def dollars(self, path: KeyPath, value: Any) -> int:
         """``cap_usd``: a whole number, or a decimal string with at most six decimals."""
@@ -255,21 +257,20 @@ class _Builder:
         except InvalidInputError as exc:
             raise self.error(path, value, exc.problem) from None
 
-    def translate(
-        self, exc: PolicyError, index: int | None, entry: Mapping[str, Any] | None = None
-    ) -> PolicyFileError:
-        """The file key a constructor error is about: ``Limit('x').cap`` -> ``limits[2].cap``."""
+    def translate(self, exc: PolicyError, index: int | None) -> PolicyFileError:
+        """The file key a constructor error is about: ``Limit('x').cap`` -> ``limits[2].cap``.
+
+        ``index`` is the ``[[limits]]`` entry being built, None for the policy.
+        """
         field, value = exc.field, exc.value
         found = re.fullmatch(r"Policy\.limits\[(\d+)\]\.(\w+)", field)
         if found:
             return self.error(("limits", int(found[1]), found[2]), value, exc.problem)
-        if index is not None and entry is not None:
+        if index is not None:
             key = re.sub(r"^Limit(\(.*\))?\.", "", field)
             problem = exc.problem
-            if key == "cap" and "cap_usd" in entry:
-                # The constructor saw micros; show what the file says, in dollars.
-                key, value = "cap_usd", entry["cap_usd"]
-            elif key == "cap" and isinstance(value, float | str):
+            # A cap_usd was range-checked in dollars (dollars()) before Limit saw micros.
+            if key == "cap" and isinstance(value, float | str):
                 problem = 'expected a whole number (for money write cap_usd = "25.00")'
             return self.error(("limits", index, key), value, problem)
         if field.startswith("Policy."):

@@ -369,6 +369,9 @@ MALFORMED: list[tuple[str, int | None, str, Any, str]] = [
     (bad('timezone = "UTC"', 'anonymous = "maybe"'), 1, "anonymous", "maybe", "Anonymous"),
     ('timezone = "UTC"\n', None, "limits", None, "missing"),  # nowhere to point at
     ("limits = 5\n", 1, "limits", 5, "array of tables"),
+    (dollars("true"), 11, "limits[1].cap_usd", True, "expected dollars"),
+    (dollars("[25]"), 11, "limits[1].cap_usd", [25], "expected dollars"),
+    (GOOD + "x = ", 13, "TOML", "", "end of the file"),
     ("limits = [1]\n", 1, "limits[0]", 1, "table"),
     (
         'limits = [\n  {name = "a", cap = 1, window = "day"},\n'
