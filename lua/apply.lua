@@ -6,10 +6,12 @@
 -- ARGV[1]    the partition field; ARGV[2] the number of events; ARGV[3] '1' when
 --            the epoch marker must exist (a Redis that restarted empty has lost
 --            every counter: the worker must rebuild, not add to empty ones);
---            then per event:
+-- ARGV[4]    the events, as one string of space-separated tokens, per event:
 --            offset, event id, position in KEYS of the seen-id set of the
 --            event's day, that set's expire_at, number of charges, and per
---            charge: key position in KEYS, amount, expire_at
+--            charge: key position in KEYS, amount, expire_at. One argument
+--            rather than ~11 per event: packing thousands of arguments was
+--            the client's largest cost per event (benchmarks/README.md).
 --
 -- Two guards make delivery at-least-once yet counting exactly-once:
 -- an offset at or below the watermark was applied before (redelivery), and an
@@ -27,16 +29,15 @@ end
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
 local wm = tonumber(wm_raw or '-1')
 local now = tonumber(redis.call('TIME')[1])
-local pos = 4
+local token = string.gmatch(ARGV[4], '%S+')
 local applied = 0
 for _ = 1, tonumber(ARGV[2]) do
-  local offset_raw = ARGV[pos]
+  local offset_raw = token()
   local offset = tonumber(offset_raw)
-  local event_id = ARGV[pos + 1]
-  local seen = KEYS[tonumber(ARGV[pos + 2])]
-  local seen_expire_at = ARGV[pos + 3]
-  local charges = tonumber(ARGV[pos + 4])
-  pos = pos + 5
+  local event_id = token()
+  local seen = KEYS[tonumber(token())]
+  local seen_expire_at = token()
+  local charges = tonumber(token())
   local fresh = offset > wm
   if fresh then
     wm = offset
@@ -47,18 +48,18 @@ for _ = 1, tonumber(ARGV[2]) do
     end
   end
   for _ = 1, charges do
+    local key_pos, amount, expire_at = token(), token(), token()
     if fresh then
-      local key = KEYS[tonumber(ARGV[pos])]
+      local key = KEYS[tonumber(key_pos)]
       local pending = redis.call('HGET', key, 'e:' .. event_id)
       if pending then
         if pending ~= '0' then redis.call('HINCRBY', key, 'f', negate(pending)) end
         redis.call('HDEL', key, 'e:' .. event_id)
       end
-      if tonumber(ARGV[pos + 2]) > now then
-        add(key, ARGV[pos + 1], '', ARGV[pos + 2])
+      if tonumber(expire_at) > now then
+        add(key, amount, '', expire_at)
       end
     end
-    pos = pos + 3
   end
   if fresh then
     applied = applied + 1

@@ -16,7 +16,13 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
+from mcp_budget_governor.counters import (
+    SECONDS_PER_DAY,
+    AppliedEvent,
+    ChargeResult,
+    CounterOp,
+    CounterState,
+)
 from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
 from mcp_budget_governor.keys import EPOCH_KEY, PREFIX, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.lua import source
@@ -30,6 +36,15 @@ _UNAVAILABLE = (
 
 DEFAULT_TIMEOUT = 0.25
 _ADMITTED = ChargeResult(-1, ())
+
+
+def _position(keys: list[str], index: dict[str, int], key: str) -> int:
+    """The 1-based position of ``key`` in the script's KEYS, appended when new."""
+    pos = index.get(key)
+    if pos is None:
+        keys.append(key)
+        pos = index[key] = len(keys)
+    return pos
 
 
 class RedisBackend:
@@ -151,20 +166,28 @@ class RedisBackend:
             return 0
         keys = [WATERMARK_KEY, EPOCH_KEY]
         index: dict[str, int] = {}
-        args: list[str | int] = [partition, len(events), "1" if require_epoch else "0"]
-
-        def position(key: str) -> int:
-            pos = index.get(key)
-            if pos is None:
-                keys.append(key)
-                pos = index[key] = len(keys)
-            return pos
+        # The events travel as one space-separated string (see lua/apply.lua): a
+        # batch of 500 events is 4 arguments for redis-py to pack, not ~5,500.
+        tokens: list[str] = []
+        days: dict[float, str] = {}  # UTC day -> "<seen-set position> <its expire_at>"
 
         for event in events:
-            seen = position(f"{SEEN_PREFIX}:{event.seen_day}")
-            args += (event.offset, event.event_id, seen, event.seen_expire_at, len(event.charges))
+            event_id = event.event_id
+            if not event_id or len(event_id.split()) != 1:
+                raise ValueError(f"event id {event_id!r}: empty or holds whitespace")
+            # Events of one UTC day share the seen-set entry (negative times: no sharing).
+            day = event.time // SECONDS_PER_DAY if event.time >= 0 else event.time
+            seen = days.get(day)
+            if seen is None:
+                seen = days[day] = (
+                    f"{_position(keys, index, f'{SEEN_PREFIX}:{event.seen_day}')} "
+                    f"{event.seen_expire_at}"
+                )
+            tokens.append(f"{event.offset} {event_id} {seen} {len(event.charges)}")
             for charge in event.charges:
-                args += (position(charge.key), charge.amount, charge.expire_at)
+                pos = index.get(charge.key) or _position(keys, index, charge.key)
+                tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
+        args = [partition, len(events), "1" if require_epoch else "0", " ".join(tokens)]
         applied = int(await self._run(self._apply, keys, args))
         if applied < 0:
             raise EpochMissingError("redis lost its state (epoch marker missing): rebuild first")
