@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from ..errors import GovernorError
 
 #: The command modules, ``mcp_budget_governor.cli.<name>``, each with ``register``.
-COMMANDS: tuple[str, ...] = ("schema", "worker", "budgets")
+COMMANDS: tuple[str, ...] = ("schema", "worker", "budgets", "demo")
 
 
 def parser() -> argparse.ArgumentParser:

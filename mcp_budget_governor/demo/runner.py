@@ -1,0 +1,576 @@
+"""The demo run: a governed FastMCP server, agents bursting at it, the report.
+
+:func:`run` builds the pieces for the chosen mode (embedded by default:
+in-process counters, a :class:`FileLedger` folder and its in-process
+:class:`FileProjector`; ``redis_url`` puts the counters in Redis,
+``kafka_url`` the ledger on Kafka), drives the agents through a FastMCP
+``Client`` over the in-memory transport on a simulated clock, narrates what
+happens, and ends with the budgets table, a DuckDB cost summary over the
+ledger and a FOCUS file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import shutil
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from fastmcp import Client, FastMCP
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+from mcp_budget_governor import Backend, Context, Governor, InvalidInputError, PriceTable
+from mcp_budget_governor import format_usd as _format_usd
+from mcp_budget_governor.ledger import Ledger
+
+from . import scenario
+from .scenario import (
+    AGENTS,
+    FLAT_PRICES,
+    MODEL,
+    POLICY,
+    SPEND_LIMITS,
+    Agent,
+    Refusal,
+    SimClock,
+)
+
+#: Written into the output folder, so a later run knows it may replace it.
+MARKER = ".mcpbg-demo"
+DEFAULT_OUT = Path("mcpbg-demo")
+FOCUS_FILE = "focus-costs.csv"
+
+
+def usd_text(micros: int) -> str:
+    """``$1.234567`` for people."""
+    return f"${_format_usd(micros)}"
+
+
+@dataclass
+class DemoOptions:
+    """How to run the demo; see ``mcpbg demo --help``."""
+
+    out: Path = DEFAULT_OUT
+    redis_url: str | None = None
+    kafka_url: str | None = None
+    topic: str | None = None
+    seed: int = 7
+    seconds: int = scenario.SIMULATED_SECONDS
+
+
+@dataclass
+class AgentState:
+    """What one agent is doing: waiting out a retry hint, or stopped for the day."""
+
+    owed: float = 0.0
+    wait_until: float = 0.0
+    stopped: str | None = None
+
+
+@dataclass
+class DemoResult:
+    """What happened, for the report and for tests."""
+
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    calls: int = 0
+    tripped_at: float | None = None
+    events: int = 0
+    focus_file: Path | None = None
+
+
+# -- the governed server ------------------------------------------------------
+
+
+def identify(context: Any) -> Context:
+    """Who is calling: the demo's agents name their user and tenant in the request ``_meta``."""
+    meta: dict[str, Any] = {}
+    fctx = getattr(context, "fastmcp_context", None)
+    request = getattr(fctx, "request_context", None) if fctx is not None else None
+    if request is not None and isinstance(request.meta, dict):
+        meta = request.meta
+    user, tenant = meta.get("user"), meta.get("tenant")
+    session = meta.get("session")
+    return Context(
+        user=user if isinstance(user, str) else None,
+        tenant=tenant if isinstance(tenant, str) else None,
+        session=session if isinstance(session, str) else None,
+    )
+
+
+def build_server(governor: Governor) -> FastMCP:
+    """The demo's MCP server: three tools behind :class:`BudgetMiddleware`.
+
+    ``search`` and ``fetch`` declare a fixed price per call in their ``meta``;
+    ``summarise`` calls a model (simulated) whose token usage the ``cost``
+    callback prices with the governor's price table.
+    """
+    from mcp_budget_governor.integrations.fastmcp import META_KEY, BudgetMiddleware
+
+    server = FastMCP("mcpbg-demo")
+    server.add_middleware(BudgetMiddleware(governor, identify=identify, cost=tool_cost(governor)))
+
+    def price(tool: str) -> dict[str, Any]:
+        return {META_KEY: {"cost": FLAT_PRICES[tool], "limit": list(SPEND_LIMITS)}}
+
+    @server.tool(meta=price("search"))
+    def search(query: str) -> str:
+        """Search the web (simulated)."""
+        return f"10 results for {query!r}"
+
+    @server.tool(meta=price("fetch"))
+    def fetch(url: str) -> str:
+        """Fetch a page (simulated)."""
+        return f"<html>{url}</html>"
+
+    @server.tool
+    def summarise(text_tokens: int, seed: int) -> dict[str, Any]:
+        """Summarise a document with a model (simulated): returns the summary and token usage."""
+        input_tokens, output_tokens = scenario.summary_tokens(text_tokens, seed)
+        return {
+            "summary": f"{output_tokens} tokens of summary",
+            "usage": {
+                "model": MODEL,
+                "input_tokens": input_tokens,
+                "output_tokens": output_tokens,
+            },
+        }
+
+    return server
+
+
+def tool_cost(governor: Governor) -> Any:
+    """The ``cost`` callback: a model call's tokens priced, on every spend limit.
+
+    None for a result without token usage: the tool's ``meta`` price stands.
+    """
+    prices = governor.prices
+
+    def cost(context: Any, result: Any) -> dict[str, int] | None:
+        usage = _usage_of(result)
+        if usage is None or prices is None:
+            return None
+        micros = prices.cost_micros(
+            usage["model"],
+            input_tokens=int(usage["input_tokens"]),
+            output_tokens=int(usage["output_tokens"]),
+        )
+        return dict.fromkeys(SPEND_LIMITS, micros)
+
+    return cost
+
+
+def _usage_of(result: Any) -> dict[str, Any] | None:
+    structured = getattr(result, "structured_content", None)
+    if isinstance(structured, dict):
+        usage = structured.get("usage")
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+# -- the run ------------------------------------------------------------------
+
+
+def prepare_out(out: Path) -> None:
+    """Make ``out`` a fresh folder; a previous demo's output (with the marker) is replaced.
+
+    A folder that holds anything else is refused (exit code 2), never deleted.
+    """
+    if out.exists():
+        if not out.is_dir():
+            raise InvalidInputError("--out", str(out), "exists and is not a folder")
+        if any(out.iterdir()):
+            if not (out / MARKER).exists():
+                raise InvalidInputError(
+                    "--out", str(out), "is not empty and not a previous demo's output folder"
+                )
+            shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("output of `mcpbg demo`: replaced by the next run\n")
+
+
+async def run(options: DemoOptions, console: Console) -> DemoResult:
+    """Run the demo end to end and print its report; returns what happened."""
+    out = options.out
+    prepare_out(out)
+    clock = SimClock()
+    prices = PriceTable.builtin()
+    topic = options.topic or f"mcpbg.demo.{uuid.uuid4().hex[:8]}"
+    backend = _backend(options, clock)
+    ledger = _ledger(options, out, topic)
+    _intro(console, options, out, topic, prices)
+    result = DemoResult()
+    async with Governor(POLICY, backend, ledger=ledger, prices=prices, clock=clock) as governor:
+        projector = _projector(options, out, backend)
+        await _simulate(governor, clock, options, console, result, projector)
+        result.events = await _project(options, out, backend, ledger, topic, projector, console)
+        await _report_budgets(console, governor, result, clock.now)
+    _report_costs(console, options, out)
+    result.focus_file = _write_focus(console, options, out, clock.now)
+    _closing(console, result, out)
+    return result
+
+
+def _backend(options: DemoOptions, clock: SimClock) -> Backend:
+    if options.redis_url:
+        from mcp_budget_governor.projections.redis_counters import RedisBackend
+
+        return RedisBackend.from_url(options.redis_url, timeout=5.0)
+    from mcp_budget_governor.projections.memory_counters import MemoryBackend
+
+    return MemoryBackend(clock=clock)
+
+
+def _ledger(options: DemoOptions, out: Path, topic: str) -> Ledger:
+    if options.kafka_url:
+        from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+
+        return KafkaLedger.from_url(options.kafka_url, topic=topic, outbox_dir=out / "outbox")
+    from mcp_budget_governor.producers.file_ledger import FileLedger
+
+    # The demo writes thousands of events in seconds: fsync once at the end.
+    return FileLedger(out / "ledger", source="/mcpbg/demo", fsync="never")
+
+
+def _projector(options: DemoOptions, out: Path, backend: Backend) -> Any:
+    if options.kafka_url:
+        return None  # projected from the topic after the run (see _project)
+    from mcp_budget_governor.producers.file_ledger import FileProjector
+
+    return FileProjector(out / "ledger", backend)
+
+
+def _intro(
+    console: Console, options: DemoOptions, out: Path, topic: str, prices: PriceTable
+) -> None:
+    counters = f"Redis at {options.redis_url}" if options.redis_url else "in-process counters"
+    ledger = (
+        f"Kafka topic {topic} at {options.kafka_url}"
+        if options.kafka_url
+        else f"a file ledger in {out / 'ledger'}"
+    )
+    console.rule("[bold]mcpbg demo")
+    console.print(
+        f"An MCP server (FastMCP, in process) governed by BudgetMiddleware: {len(AGENTS)} agents "
+        f"of {len({a.tenant for a in AGENTS})} tenants burst tool calls at it for "
+        f"{options.seconds // 60} simulated minutes.\n"
+        f"Counters: {counters}. Ledger: {ledger}. Output folder: {out.resolve()}\n"
+        f"Tools: search ({usd_text(FLAT_PRICES['search'])}/call), "
+        f"fetch ({usd_text(FLAT_PRICES['fetch'])}/call), summarise ({MODEL} tokens priced "
+        f"from {prices.version}).\n"
+        f"Policy: {scenario.describe(POLICY)}.\n"
+        "Polite agents wait out a retry hint and stop when their budget is spent; "
+        "runaway-loop ignores every refusal.\n"
+    )
+
+
+@contextlib.asynccontextmanager
+async def _clients(server: FastMCP) -> AsyncIterator[dict[str, Client[Any]]]:
+    async with contextlib.AsyncExitStack() as stack:
+        clients: dict[str, Client[Any]] = {}
+        for agent in AGENTS:
+            clients[agent.user] = await stack.enter_async_context(Client(server))
+        yield clients
+
+
+async def _simulate(
+    governor: Governor,
+    clock: SimClock,
+    options: DemoOptions,
+    console: Console,
+    result: DemoResult,
+    projector: Any,
+) -> None:
+    rng = random.Random(options.seed)
+    states = {agent.user: AgentState() for agent in AGENTS}
+    told: set[tuple[str, str]] = set()
+    server = build_server(governor)
+    progress = Progress(
+        TextColumn("[bold]simulated {task.fields[clock]}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[stats]}"),
+        console=console,
+        transient=False,
+    )
+
+    def say(text: str) -> None:
+        progress.console.print(f"  [dim]{scenario.clock_label(clock.elapsed)}[/dim]  {text}")
+
+    async with _clients(server) as clients:
+        with progress:
+            task = progress.add_task("burst", total=options.seconds, clock="00:00", stats="")
+            for second in range(options.seconds):
+                clock.advance_to(second)
+                for agent in AGENTS:
+                    state = states[agent.user]
+                    state.owed += agent.rate
+                    while state.owed >= 1:
+                        state.owed -= 1
+                        if state.stopped or clock.now < state.wait_until:
+                            continue  # a polite agent waiting or stopped makes no call
+                        refusal = await _call(clients[agent.user], agent, rng, result)
+                        if refusal is not None:
+                            _react(agent, state, refusal, clock, told, say, result)
+                if projector is not None and second % 30 == 29:
+                    await projector.catch_up()
+                admitted = sum(n for (_, what), n in result.outcomes.items() if what == "admitted")
+                spent = await governor.usage("global_spend")
+                progress.update(
+                    task,
+                    advance=1,
+                    clock=scenario.clock_label(second + 1),
+                    stats=f"{result.calls} calls, {admitted} admitted, "
+                    f"{result.calls - admitted} refused, {usd_text(spent)} spent",
+                )
+
+
+async def _call(
+    client: Client[Any], agent: Agent, rng: random.Random, result: DemoResult
+) -> Refusal | None:
+    tool = rng.choice(agent.tools)
+    args = scenario.arguments(agent, tool, rng)
+    meta = {"user": agent.user, "tenant": agent.tenant, "session": f"{agent.user}-1"}
+    reply = await client.call_tool(tool, args, meta=meta, raise_on_error=False)
+    result.calls += 1
+    if not reply.is_error:
+        result.outcomes[(agent.user, "admitted")] += 1
+        return None
+    text = " ".join(getattr(block, "text", "") for block in reply.content)
+    refusal = scenario.read_refusal(text)
+    if refusal is None:
+        raise RuntimeError(f"{tool} failed for {agent.user}: {text}")
+    result.outcomes[(agent.user, refusal.reason)] += 1
+    return refusal
+
+
+def _react(
+    agent: Agent,
+    state: AgentState,
+    refusal: Refusal,
+    clock: SimClock,
+    told: set[tuple[str, str]],
+    say: Any,
+    result: DemoResult,
+) -> None:
+    breaker = refusal.reason.startswith("budget_exceeded:global")
+    if breaker and result.tripped_at is None:
+        result.tripped_at = clock.elapsed
+        say(
+            "[bold red]global breaker tripped[/]: today's spend reached "
+            f"{usd_text(POLICY['global_spend'].cap)}; every caller is now shed (503)"
+        )
+    first = (agent.user, refusal.reason) not in told
+    told.add((agent.user, refusal.reason))
+    hint = f", retry in {refusal.retry_after} s" if refusal.retry_after is not None else ""
+    if agent.polite:
+        if refusal.retry_after is not None and not breaker and refusal.status != 402:
+            state.wait_until = clock.now + refusal.retry_after
+            action = f"waits {refusal.retry_after} s"
+        else:
+            state.stopped = refusal.reason
+            action = "stops for today"
+        if first:
+            say(f"{agent.user}: refused {_status(refusal)} {refusal.reason}{hint} -> {action}")
+    elif first:
+        say(
+            f"{agent.user}: refused {_status(refusal)} {refusal.reason}{hint} "
+            "-> ignores it and keeps calling (refusals charge nothing)"
+        )
+
+
+def _status(refusal: Refusal) -> str:
+    return "" if refusal.status is None else str(refusal.status)
+
+
+async def _project(
+    options: DemoOptions,
+    out: Path,
+    backend: Backend,
+    ledger: Ledger,
+    topic: str,
+    projector: Any,
+    console: Console,
+) -> int:
+    """Bring the projection up to date; returns how many ledger events it holds."""
+    if projector is not None:
+        await projector.catch_up()
+        count = sum(1 for _ in projector.log.read(None))
+        console.print(
+            f"\nProjection: {projector.applied} of {count} ledger events applied to the "
+            "counters in process (FileProjector); nothing left in flight."
+        )
+        return count
+    from mcp_budget_governor.producers.kafka_ledger import KafkaLedger, parse_bootstrap
+    from mcp_budget_governor.stream.archiver import Archiver
+    from mcp_budget_governor.stream.projector import to_applied
+    from mcp_budget_governor.stream.topic_reader import read_topic
+
+    assert isinstance(ledger, KafkaLedger)
+    if not await ledger.flush(30.0):
+        console.print("[yellow]Kafka did not acknowledge every event within 30 s[/]")
+    records = await read_topic(parse_bootstrap(options.kafka_url or ""), topic)
+    archiver = Archiver(out / "archive", topic=topic)
+    by_partition: dict[int, list[Any]] = {}
+    for record in records:
+        by_partition.setdefault(record.partition, []).append(record)
+    applied = 0
+    for partition, items in sorted(by_partition.items()):
+        items.sort(key=lambda r: r.offset)
+        archiver.write_batch(partition, [(r.offset, r.event) for r in items])
+        applied += await backend.apply(
+            f"{topic}:{partition}", [to_applied(r.event, r.offset) for r in items]
+        )
+    console.print(
+        f"\nProjection: {applied} of {len(records)} events read back from Kafka topic {topic} "
+        f"applied to the counters; archived as Parquet in {out / 'archive'}."
+    )
+    return len(records)
+
+
+async def _report_budgets(
+    console: Console, governor: Governor, result: DemoResult, now: float
+) -> None:
+    from mcp_budget_governor.cli.render import table
+
+    rows = []
+    for agent in AGENTS:
+        refused = Counter(
+            {what: n for (user, what), n in result.outcomes.items() if user == agent.user}
+        )
+        admitted = refused.pop("admitted", 0)
+        spent = await governor.usage("per_user_spend", Context(user=agent.user))
+        rows.append(
+            [
+                agent.user,
+                agent.tenant,
+                admitted,
+                sum(refused.values()),
+                ", ".join(f"{r.split(':', 1)[1]} x{n}" for r, n in sorted(refused.items())) or "-",
+                usd_text(spent),
+            ]
+        )
+    console.print()
+    console.print(
+        table(
+            "Calls by agent",
+            ["user", "tenant", "admitted", "refused", "refused by", "spent today"],
+            rows,
+            numeric=["admitted", "refused", "spent today"],
+        )
+    )
+    await _budgets_table(console, governor, now)
+
+
+async def _budgets_table(console: Console, governor: Governor, now: float) -> None:
+    from mcp_budget_governor.cli.render import table
+    from mcp_budget_governor.projections.budgets import HEADERS, NUMERIC, budget_report, table_rows
+
+    # Every counter of the current periods, as `mcpbg budgets` lists them.
+    report = await budget_report(governor.policy, governor.backend, now=now)
+    console.print(
+        table("Budgets now (mcpbg budgets)", HEADERS, table_rows(report), numeric=NUMERIC)
+    )
+
+
+def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
+    from mcp_budget_governor.cli.render import table
+
+    con = _open_ledger(options, out)
+    try:
+        _one_cost_per_call(con)
+        cur = con.execute(
+            "SELECT tenant, \"user\", tool, count(*) FILTER (WHERE type = 'mcpbg.metered.v1'), "
+            "sum(usd_micros) AS micros FROM costs WHERE usd_micros <> 0 "
+            "GROUP BY ALL ORDER BY micros DESC"
+        )
+        rows = [[t, u, tool, n, usd_text(int(m))] for t, u, tool, n, m in cur.fetchall()]
+    finally:
+        con.close()
+    console.print(
+        table(
+            "Cost by tenant, user and tool (DuckDB over the ledger)",
+            ["tenant", "user", "tool", "metered calls", "cost"],
+            rows,
+            numeric=["metered calls", "cost"],
+        )
+    )
+
+
+def _write_focus(console: Console, options: DemoOptions, out: Path, now: float) -> Path | None:
+    from mcp_budget_governor.focus import Granularity
+    from mcp_budget_governor.projections.focus_export import ExportOptions, export_focus
+
+    path = out / FOCUS_FILE
+    con = _open_ledger(options, out)
+    try:
+        _one_cost_per_call(con)
+        day = datetime.fromtimestamp(now, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        result = export_focus(
+            con, path, ExportOptions(day, day + timedelta(days=1), Granularity.HOUR)
+        )
+    finally:
+        con.close()
+    console.print(
+        f"\nFOCUS 1.2 cost and usage file: {path} ({result.rows} rows, "
+        f"{usd_text(result.billed_micros)} billed)"
+    )
+    return path
+
+
+def _open_ledger(options: DemoOptions, out: Path) -> Any:
+    from mcp_budget_governor.projections.ledger_view import open_ledger
+
+    if options.kafka_url:
+        return open_ledger(archive_dir=out / "archive")
+    return open_ledger(ledger_dir=out / "ledger")
+
+
+def _one_cost_per_call(con: Any) -> None:
+    """Keep one USD charge per call: the global limit's.
+
+    The middleware meters a call's cost to each spend limit as its own ledger
+    event, and the ``costs`` view counts each event's USD, so it would count
+    a call once per spend limit. Every cost reaches ``global_spend``: the
+    other limits' USD charges are left out of this connection's ``ledger``.
+    """
+    con.execute(
+        """
+        CREATE OR REPLACE TEMP VIEW ledger AS
+        SELECT * FROM ledger_raw
+        WHERE unit IS DISTINCT FROM 'usd_micros' OR "limit" = 'global_spend'
+        QUALIFY row_number() OVER (
+            PARTITION BY id, charge_index ORDER BY source, "partition", "offset") = 1
+        """
+    )
+
+
+def _closing(console: Console, result: DemoResult, out: Path) -> None:
+    if result.tripped_at is not None:
+        when = scenario.clock_label(result.tripped_at)
+        console.print(f"Global breaker: TRIPPED at simulated {when}; every caller shed since.")
+    else:
+        console.print("Global breaker: not tripped.")
+    summary = {
+        "calls": result.calls,
+        "ledger_events": result.events,
+        "breaker_tripped_at_s": result.tripped_at,
+        "focus_file": str(result.focus_file) if result.focus_file else None,
+        "outcomes": {f"{u} {w}": n for (u, w), n in sorted(result.outcomes.items())},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    console.print(f"Everything the demo wrote is in {out.resolve()}/")
+
+
+def main_sync(options: DemoOptions, console: Console) -> DemoResult:
+    """Run :func:`run` in a fresh event loop."""
+    return asyncio.run(run(options, console))
