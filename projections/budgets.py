@@ -4,8 +4,8 @@ What ``mcpbg budgets`` prints, and the demo for its in-process
 :class:`MemoryBackend`: for a policy and a backend, every limit's current
 bucket for the contexts asked about (``user="u_42"``), or for every counter the
 backend holds (a bounded listing). Each row's ``spent`` is what
-:meth:`Governor.usage` answers for the same limit and context, read in one
-``usage`` round trip for the whole report.
+:meth:`Governor.usage` answers for the same limit and context, read by
+``Backend.usage`` a thousand keys per call.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from mcp_budget_governor.windows import Bucket, Window, bucket_for
 
 #: How many keys a report lists at most unless told otherwise.
 DEFAULT_MAX_KEYS = 10_000
+#: Keys read per ``usage`` call: a Redis script blocks the server while it runs,
+#: so a report over many counters reads them in short scripts, not one long one.
+USAGE_CHUNK = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +193,9 @@ async def budget_report(
             found[key] = (limit, parsed.values, parsed.hashed, bucket)
     order = {limit.name: i for i, limit in enumerate(policy)}
     keys_in_order = sorted(found, key=lambda k: (order[found[k][0].name], found[k][1]))
-    spent = await backend.usage(keys_in_order) if keys_in_order else []
+    spent: list[int] = []
+    for start in range(0, len(keys_in_order), USAGE_CHUNK):
+        spent += await backend.usage(keys_in_order[start : start + USAGE_CHUNK])
     rows = tuple(
         BudgetRow(found[k][0], k, found[k][1], found[k][2], found[k][3], total)
         for k, total in zip(keys_in_order, spent, strict=True)

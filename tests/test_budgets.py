@@ -46,6 +46,7 @@ from mcp_budget_governor.keys import (
 )
 from mcp_budget_governor.planning import slot
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+from mcp_budget_governor.projections import budgets
 from mcp_budget_governor.projections.budgets import (
     BudgetReport,
     budget_report,
@@ -232,6 +233,20 @@ async def test_listing_is_bounded_and_skips_other_keys(backend: Backend) -> None
     assert cut.truncated and cut.listed == 3
     assert len(await backend.counter_keys(3)) == 3
     assert await backend.counter_keys(0) == []
+
+
+async def test_counters_are_read_in_chunks(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = time.time()
+    gov = clocked(backend, now)
+    await activity(gov)
+    whole = await budget_report(POLICY, backend, now=now)
+    monkeypatch.setattr(budgets, "USAGE_CHUNK", 4)
+    chunked = await budget_report(POLICY, backend, now=now)
+    assert len(chunked.rows) > 4 * 3
+    assert [(r.key, r.spent) for r in chunked.rows] == [(r.key, r.spent) for r in whole.rows]
+    await assert_agrees(gov, chunked)
 
 
 async def test_memory_listing_drops_expired_counters() -> None:
