@@ -2,7 +2,8 @@
 
 Exit code 1 when any row is exceeded (spent at or past its limit, so the next
 call it gates is refused), like the other commands that find a problem; 0
-otherwise; 2 for bad input (a malformed policy file names its line).
+otherwise; 2 for bad input (a malformed policy file names its line) or an
+unreachable Redis.
 """
 
 from __future__ import annotations
