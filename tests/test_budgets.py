@@ -447,6 +447,9 @@ def test_command_input_errors(redis_url: str, capsys: pytest.CaptureFixture[str]
     assert "--redis-url: required" in capsys.readouterr().err
     assert mcpbg(["budgets", "--policy", example, "--redis-url", redis_url, "--max-keys", "0"]) == 2
     assert "--max-keys" in capsys.readouterr().err
+    assert mcpbg(["budgets", "--policy", example, "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mcpbg budgets: redis unreachable") and err.count("\n") == 1
     # The example policy on an empty Redis: a row per global limit, nothing exceeded.
     assert mcpbg(["budgets", "--policy", example, "--redis-url", redis_url]) == 0
     out = capsys.readouterr().out
