@@ -108,8 +108,9 @@ class BudgetReport:
     """The rows, and what the listing left out.
 
     ``truncated``: the backend held more counter keys than ``max_keys``;
-    ``unknown_limits``: keys of limits the policy does not have (a retired or
-    renamed limit, another policy's counters), not shown.
+    ``unknown_limits``: listed keys of limits the policy does not have (a
+    retired or renamed limit, one whose scope changed, another policy's
+    counters), not shown.
     """
 
     rows: tuple[BudgetRow, ...]
@@ -181,7 +182,8 @@ async def budget_report(
                 continue
             limit = policy[parsed.limit]
             if parsed.dims != limit.dimensions:
-                continue  # written under another scope of the same name: not this limit's
+                unknown += 1  # the same name with another scope: an older policy's counter
+                continue
             bucket = bucket_for(limit.window, now, tz)
             if parsed.bucket != bucket.label:
                 continue  # a past period, kept only until it expires

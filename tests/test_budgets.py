@@ -215,14 +215,14 @@ async def test_listing_is_bounded_and_skips_other_keys(backend: Backend) -> None
     )
     gov = clocked(backend, now)
     await activity(gov)
-    other = Governor(Policy.of(Limit("retired", cap=9, window=Window.DAY)), backend,
-                     clock=lambda: now)  # fmt: skip
-    await other.check()
+    older = Policy.of(Limit("retired", cap=9, window=Window.DAY),
+                      Limit("burst", cap=9, window=Window.DAY, scope=Scope.TENANT))  # fmt: skip
+    await Governor(older, backend, clock=lambda: now).check(Context(tenant="acme"))
     if isinstance(backend, RedisBackend):
         await backend.mark_ready("e1")  # an internal key: never listed
         assert await backend.client.exists(EPOCH_KEY)
     full = await budget_report(POLICY, backend, now=now)
-    assert full.unknown_limits == 1
+    assert full.unknown_limits == 2  # "retired", and "burst" counted per tenant
     assert ("burst", "carol") not in [(r.name, r.who) for r in full.rows]  # a past minute
     if same_day:
         assert ("per_user_calls", "carol") in [(r.name, r.who) for r in full.rows]
