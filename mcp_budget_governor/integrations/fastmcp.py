@@ -44,6 +44,7 @@ A tool's cost comes from two places:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -67,12 +68,15 @@ from mcp_budget_governor.integrations.flow import (
 from mcp_budget_governor.money import Unit, check_amount, usd
 from mcp_budget_governor.policy import Policy
 
-__all__ = ["META_KEY", "BudgetMiddleware", "BudgetToolError", "tool_price"]
+__all__ = ["META_KEY", "PRICE_TTL", "BudgetMiddleware", "BudgetToolError", "tool_price"]
 
 log = logging.getLogger("mcp_budget_governor")
 
 META_KEY = "mcpbg"
 """The key of a tool's ``meta`` that holds its price."""
+
+PRICE_TTL = 1.0
+"""Seconds a tool's ``meta`` price is remembered between lookups."""
 
 Identify: TypeAlias = Callable[[MiddlewareContext[Any]], Context | Awaitable[Context | None] | None]
 Cost: TypeAlias = Callable[
@@ -114,6 +118,7 @@ class BudgetMiddleware(Middleware):
         self.governor = governor
         self.identify = identify
         self.cost = cost
+        self._prices: dict[str, tuple[float, Charges | None]] = {}
 
     async def on_call_tool(
         self,
@@ -155,13 +160,22 @@ class BudgetMiddleware(Middleware):
         return EMPTY if user is None else Context(user=user)
 
     async def _meta_price(self, context: MiddlewareContext[Any], name: str) -> Charges | None:
+        # Looking a tool up costs about as much as the Redis round trip of the
+        # check, so a price is remembered for PRICE_TTL seconds: a tool
+        # re-registered with a new price is charged it within that delay.
+        now = time.monotonic()
+        cached = self._prices.get(name)
+        if cached is not None and cached[0] > now:
+            return cached[1]
         server = context.fastmcp_context.fastmcp if context.fastmcp_context else None
         if server is None:
             return None
         tool = await server.get_tool(name)
-        if tool is None or not tool.meta:
-            return None
-        return tool_price(self.governor.policy, name, tool.meta)
+        price = None if tool is None else tool_price(self.governor.policy, name, tool.meta)
+        if len(self._prices) >= 1024:  # names come from callers: keep the cache bounded
+            self._prices.clear()
+        self._prices[name] = (now + PRICE_TTL, price)
+        return price
 
 
 def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Charges | None:
