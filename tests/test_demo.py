@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from services import start_kafka
 
 from mcp_budget_governor import format_usd, usd
 from mcp_budget_governor.demo.runner import FOCUS_FILE, MARKER
@@ -48,7 +49,9 @@ def run_demo(out: Path, *extra: str, timeout: float = 120) -> subprocess.Complet
     )
 
 
-def check_outputs(proc: subprocess.CompletedProcess[str], out: Path) -> dict[str, object]:
+def check_outputs(
+    proc: subprocess.CompletedProcess[str], out: Path, ledger: str = "ledger/*.jsonl"
+) -> dict[str, object]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     # The narrative: a burst cap refuses, a spend cap refuses, the breaker trips.
@@ -56,6 +59,8 @@ def check_outputs(proc: subprocess.CompletedProcess[str], out: Path) -> dict[str
     assert "refused 402 budget_exceeded:user/day" in text
     assert "global breaker tripped" in text
     assert "refused 503 budget_exceeded:global/day" in text
+    # The projection caught up: every charge committed (conservation).
+    assert "nothing left in flight" in text
     # The tables.
     for title in ("Calls by agent", "Budgets now", "Cost by tenant, user and tool"):
         assert title in text, title
@@ -64,7 +69,7 @@ def check_outputs(proc: subprocess.CompletedProcess[str], out: Path) -> dict[str
     assert cap in budget_line and "yes" in budget_line  # exceeded
     # What it wrote.
     assert (out / MARKER).is_file()
-    assert list((out / "ledger").glob("*.jsonl")), "no ledger segments"
+    assert list(out.glob(ledger)), f"no ledger files {ledger}"
     focus = out / FOCUS_FILE
     assert f"{focus}" in text.replace("\n", "")
     with focus.open(newline="") as f:
@@ -119,3 +124,16 @@ def test_demo_against_redis(tmp_path: Path, redis_url: str) -> None:
         assert committed >= POLICY["global_spend"].cap
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_demo_with_the_kafka_ledger(tmp_path: Path, redis_url: str) -> None:
+    out = tmp_path / "demo"
+    kafka = start_kafka()
+    try:
+        proc = run_demo(out, "--kafka", f"kafka://{kafka.bootstrap}", "--redis", redis_url)
+    finally:
+        kafka.stop()
+    # The topic read back into the counters and archived; DuckDB reads the archive.
+    check_outputs(proc, out, ledger="archive/date=*/*.parquet")
+    assert "read back from Kafka topic mcpbg.demo." in proc.stdout

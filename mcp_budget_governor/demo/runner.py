@@ -405,11 +405,29 @@ async def _project(
     if projector is not None:
         await projector.catch_up()
         count = sum(1 for _ in projector.log.read(None))
-        console.print(
-            f"\nProjection: {projector.applied} of {count} ledger events applied to the "
-            "counters in process (FileProjector); nothing left in flight."
-        )
-        return count
+        how = "(in process, FileProjector)"
+        applied = projector.applied
+    else:
+        count, applied = await _project_topic(options, out, backend, ledger, topic)
+        how = f"(read back from Kafka topic {topic}, archived as Parquet in {out / 'archive'})"
+    left = await _in_flight(backend)
+    state = "nothing left in flight" if left == 0 else f"{left} still in flight"
+    console.print(
+        f"\nProjection: {applied} of {count} ledger events applied to the counters {how}; {state}."
+    )
+    return count
+
+
+async def _in_flight(backend: Backend) -> int:
+    """What the counters still hold in flight: 0 once the projection has caught up."""
+    keys = await backend.counter_keys(100_000)
+    return sum([(await backend.state(key)).in_flight for key in keys])
+
+
+async def _project_topic(
+    options: DemoOptions, out: Path, backend: Backend, ledger: Ledger, topic: str
+) -> tuple[int, int]:
+    """Read the whole topic back, archive it and apply it: (events read, applied)."""
     from mcp_budget_governor.producers.kafka_ledger import KafkaLedger, parse_bootstrap
     from mcp_budget_governor.stream.archiver import Archiver
     from mcp_budget_governor.stream.projector import to_applied
@@ -417,7 +435,7 @@ async def _project(
 
     assert isinstance(ledger, KafkaLedger)
     if not await ledger.flush(30.0):
-        console.print("[yellow]Kafka did not acknowledge every event within 30 s[/]")
+        raise RuntimeError("Kafka did not acknowledge every ledger event within 30 s")
     records = await read_topic(parse_bootstrap(options.kafka_url or ""), topic)
     archiver = Archiver(out / "archive", topic=topic)
     by_partition: dict[int, list[Any]] = {}
@@ -426,15 +444,12 @@ async def _project(
     applied = 0
     for partition, items in sorted(by_partition.items()):
         items.sort(key=lambda r: r.offset)
+        # Archived before it is applied, as the stream worker does.
         archiver.write_batch(partition, [(r.offset, r.event) for r in items])
         applied += await backend.apply(
             f"{topic}:{partition}", [to_applied(r.event, r.offset) for r in items]
         )
-    console.print(
-        f"\nProjection: {applied} of {len(records)} events read back from Kafka topic {topic} "
-        f"applied to the counters; archived as Parquet in {out / 'archive'}."
-    )
-    return len(records)
+    return len(records), applied
 
 
 async def _report_budgets(
