@@ -133,11 +133,13 @@ class Backend(Protocol):
         """A counter's parts, for reconciliation and tests."""
         ...
 
-    async def counter_keys(self, limit: int) -> list[str]:
+    async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
         """Up to ``limit`` live counter keys, sorted (reports: ``mcpbg budgets``).
 
-        The projection's own keys (``mcpbg:v1:_*``) are left out. Bounded, so a
-        report over millions of counters costs ``limit`` keys, not all of them.
+        ``match`` is a :func:`keys.key_pattern` (one limit's keys in one bucket);
+        without it, every counter key. The projection's own keys
+        (``mcpbg:v1:_*``) are never listed. Bounded, so a report over millions
+        of counters returns ``limit`` keys, not all of them.
         """
         ...
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import unquote_to_bytes
@@ -149,3 +150,36 @@ values=('a:b', 'search'), hashed=(False, False), bucket='20261129')
         values.append(value)
         hashed.append(segment.startswith("#"))
     return ParsedKey(limit, tuple(dims), tuple(values), tuple(hashed), bucket)
+
+
+#: The one wildcard of a key pattern (see :func:`key_pattern`).
+WILDCARD = "*"
+_GLOB_SPECIAL = frozenset("*?[]\\^")
+
+
+def key_pattern(limit: str, dims: Dimensions, values: Mapping[Scope, str], bucket: str) -> str:
+    """A pattern for the keys of ``limit`` in ``bucket`` whose scope has ``values``.
+
+    A dimension missing from ``values`` matches any value (``*``). The fixed
+    parts are escaped keys, so they hold none of Redis's glob characters: the
+    pattern means the same to Redis ``SCAN MATCH`` and to :func:`pattern_regex`.
+
+    >>> key_pattern("per_tool", (Scope.USER, Scope.TOOL), {Scope.USER: "a:b"}, "20261129")
+    'mcpbg:v1:per_tool:user=a%3Ab,tool=*:20261129'
+    """
+    if not dims:
+        scope = GLOBAL_SCOPE
+    else:
+        scope = ",".join(
+            f"{d.value}={escape(values[d]) if d in values else WILDCARD}" for d in dims
+        )
+    pattern = counter_key(limit, scope, bucket)
+    literal = pattern.replace(WILDCARD, "")
+    if any(c in _GLOB_SPECIAL for c in literal):
+        raise ValueError(f"a key pattern cannot hold glob characters: {pattern!r}")
+    return pattern
+
+
+def pattern_regex(pattern: str) -> re.Pattern[str]:
+    """The regular expression of a :func:`key_pattern` (``*``: any run of characters)."""
+    return re.compile(".*".join(re.escape(part) for part in pattern.split(WILDCARD)), re.DOTALL)

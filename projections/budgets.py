@@ -11,13 +11,14 @@ backend holds (a bounded listing). Each row's ``spent`` is what
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, tzinfo
 from typing import Any
 
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import Backend, fits
-from mcp_budget_governor.keys import escape, parse_key
+from mcp_budget_governor.keys import key_pattern, parse_key
 from mcp_budget_governor.limits import Limit
 from mcp_budget_governor.money import Unit, format_usd
 from mcp_budget_governor.planning import slot
@@ -107,10 +108,9 @@ class BudgetRow:
 class BudgetReport:
     """The rows, and what the listing left out.
 
-    ``truncated``: the backend held more counter keys than ``max_keys``;
-    ``unknown_limits``: listed keys of limits the policy does not have (a
-    retired or renamed limit, one whose scope changed, another policy's
-    counters), not shown.
+    ``listed``: how many counter keys the backend listed (the limits whose
+    rows cannot be read directly); ``truncated``: it had more than ``max_keys``
+    in the current periods, so some rows are missing.
     """
 
     rows: tuple[BudgetRow, ...]
@@ -118,7 +118,6 @@ class BudgetReport:
     tz: tzinfo
     listed: int
     truncated: bool
-    unknown_limits: int
 
     @property
     def exceeded(self) -> bool:
@@ -130,7 +129,6 @@ class BudgetReport:
             "rows": [row.as_json(self.tz) for row in self.rows],
             "listed_keys": self.listed,
             "truncated": self.truncated,
-            "unknown_limit_keys": self.unknown_limits,
         }
 
 
@@ -145,15 +143,19 @@ async def budget_report(
     agent: str | None = None,
     max_keys: int = DEFAULT_MAX_KEYS,
     now: float | None = None,
+    progress: Callable[[str, int], None] | None = None,
 ) -> BudgetReport:
     """Every limit's current counter for a context, or for every active key.
 
     With scope values given (``user="u_42"``), a limit whose scope they cover
     gets its row even when nothing was counted yet (global limits included),
     and a limit that counts per more dimensions (``user+tool``) gets a row per
-    counter the backend lists for that user. With none given, every listed
-    counter of the policy's limits in its current period gets a row, and each
-    global limit one. Listing stops at ``max_keys`` keys (``truncated``).
+    counter the backend lists for that user. With none given, every counter of
+    the policy's limits in its current period gets a row, and each global
+    limit one. The backend lists one limit's current period at a time
+    (``keys.key_pattern``: past periods and other limits' keys never come
+    back), ``max_keys`` keys in all (``truncated`` when there were more);
+    ``progress(limit name, keys listed so far)`` is called before each listing.
     """
     now = time.time() if now is None else now
     tz = policy.tz
@@ -166,33 +168,27 @@ async def budget_report(
             assert s is not None  # the context supplies every dimension
             values = tuple(getattr(ctx, d.value) for d in limit.dimensions)
             found[s.key] = (limit, values, (False,) * len(values), s.bucket)
-    listed, truncated, unknown = 0, False, 0
-    if any(not set(limit.dimensions) <= given for limit in policy):
-        keys = await backend.counter_keys(max_keys + 1)
-        truncated = len(keys) > max_keys
-        keys = keys[:max_keys]
-        listed = len(keys)
-        wanted = {d: escape(getattr(ctx, d.value)) for d in given}
+    listed, truncated = 0, False
+    known = {d: getattr(ctx, d.value) for d in given}
+    for limit in policy:
+        dims = set(limit.dimensions)
+        if dims <= given or (given and not dims & given):
+            continue  # read directly above, or about none of the given values
+        if progress is not None:
+            progress(limit.name, listed)
+        bucket = bucket_for(limit.window, now, tz)
+        pattern = key_pattern(limit.name, limit.dimensions, known, bucket.label)
+        keys = await backend.counter_keys(max_keys - listed + 1, match=pattern)
+        if len(keys) > max_keys - listed:
+            keys, truncated = keys[: max_keys - listed], True
+        listed += len(keys)
         for key in keys:
             parsed = parse_key(key)
-            if parsed is None or key in found:
-                continue
-            if parsed.limit not in policy:
-                unknown += 1
-                continue
-            limit = policy[parsed.limit]
-            if parsed.dims != limit.dimensions:
-                unknown += 1  # the same name with another scope: an older policy's counter
-                continue
-            bucket = bucket_for(limit.window, now, tz)
-            if parsed.bucket != bucket.label:
-                continue  # a past period, kept only until it expires
-            if wanted:
-                segments = dict(zip(parsed.dims, _segments(parsed.key), strict=True))
-                shared = [d for d in parsed.dims if d in wanted]
-                if not shared or any(segments[d] != wanted[d] for d in shared):
-                    continue
-            found[key] = (limit, parsed.values, parsed.hashed, bucket)
+            # A wildcard can span a separator (user=* matching "a,tool=b"): keep exact keys.
+            if parsed is not None and parsed.dims == limit.dimensions and key not in found:
+                found[key] = (limit, parsed.values, parsed.hashed, bucket)
+        if truncated:
+            break
     order = {limit.name: i for i, limit in enumerate(policy)}
     keys_in_order = sorted(found, key=lambda k: (order[found[k][0].name], found[k][1]))
     spent: list[int] = []
@@ -202,7 +198,7 @@ async def budget_report(
         BudgetRow(found[k][0], k, found[k][1], found[k][2], found[k][3], total)
         for k, total in zip(keys_in_order, spent, strict=True)
     )
-    return BudgetReport(rows, now, tz, listed, truncated, unknown)
+    return BudgetReport(rows, now, tz, listed, truncated)
 
 
 def format_amount(unit: Unit, amount: int) -> str:
@@ -253,11 +249,6 @@ def table_rows(report: BudgetReport) -> list[tuple[str, ...]]:
         )
         for row in report.rows
     ]
-
-
-def _segments(key: str) -> list[str]:
-    scope = key.split(":")[3]
-    return [item.partition("=")[2] for item in scope.split(",")]
 
 
 def _show(value: str, hashed: bool) -> str:

@@ -19,7 +19,7 @@ from mcp_budget_governor.counters import (
     fits,
 )
 from mcp_budget_governor.errors import EpochMissingError
-from mcp_budget_governor.keys import INTERNAL_PREFIX
+from mcp_budget_governor.keys import INTERNAL_PREFIX, pattern_regex
 
 
 @dataclass(slots=True)
@@ -137,9 +137,13 @@ class MemoryBackend:
         now = self._clock()
         return [k for k in list(self._counters) if self._get(k, now) is not None]
 
-    async def counter_keys(self, limit: int) -> list[str]:
-        """Up to ``limit`` live counter keys, sorted."""
-        return sorted(k for k in self.keys() if not k.startswith(INTERNAL_PREFIX))[:limit]
+    async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
+        """Up to ``limit`` live counter keys, sorted; ``match``: a ``keys.key_pattern``."""
+        keys = (k for k in self.keys() if not k.startswith(INTERNAL_PREFIX))
+        if match is not None:
+            regex = pattern_regex(match)
+            keys = (k for k in keys if regex.fullmatch(k))
+        return sorted(keys)[: max(limit, 0)]
 
     async def has_epoch(self) -> bool:
         """Whether the counters are declared complete (see :meth:`mark_ready`)."""

@@ -216,15 +216,20 @@ class RedisBackend:
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
         return CounterState(fields.get("c", 0), fields.get("f", 0), pending)
 
-    async def counter_keys(self, limit: int) -> list[str]:
+    async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
         """Up to ``limit`` counter keys, sorted, by an incremental SCAN (never KEYS,
-        which would block Redis) that stops once it has found ``limit``."""
+        which would block Redis) that stops once it has found ``limit``.
+
+        Redis does the matching; a ``keys.key_pattern`` starts with a limit
+        name, which never starts with "_", so internal keys cannot match it.
+        """
         found: set[str] = set()
         if limit <= 0:
             return []
+        # [^_]: the projection's own keys (mcpbg:v1:_*) never come back.
+        pattern = f"{PREFIX}:[^_]*" if match is None else match
         try:
-            # [^_]: the projection's own keys (mcpbg:v1:_*) never come back.
-            async for raw in self.client.scan_iter(match=f"{PREFIX}:[^_]*", count=1000):
+            async for raw in self.client.scan_iter(match=pattern, count=1000):
                 found.add(raw.decode() if isinstance(raw, bytes) else raw)
                 if len(found) >= limit:
                     break

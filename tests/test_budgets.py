@@ -41,7 +41,9 @@ from mcp_budget_governor.keys import (
     ParsedKey,
     counter_key,
     escape,
+    key_pattern,
     parse_key,
+    pattern_regex,
     scope_segment,
 )
 from mcp_budget_governor.planning import slot
@@ -102,11 +104,11 @@ async def activity(gov: Governor) -> None:
     assert (await gov.check(Context(user="dave"))).status == 503  # shed, charging nothing
 
 
-async def assert_agrees(gov: Governor, report: BudgetReport) -> None:
+async def assert_agrees(gov: Governor, report: BudgetReport, *more: Context) -> None:
     """Every row's spent is what Governor.usage answers for its limit and context."""
     assert report.rows
     by_key = {}
-    for ctx in [*CONTEXTS, Context()]:
+    for ctx in [*CONTEXTS, *more, Context()]:
         for limit in POLICY:
             s = slot(limit, ctx, report.at, POLICY.tz, 0, enforce=False)
             if s is not None:
@@ -127,7 +129,7 @@ async def test_every_active_counter_agrees_with_usage(backend: Backend) -> None:
     await activity(gov)
     report = await budget_report(POLICY, backend, now=now)
     await assert_agrees(gov, report)
-    assert not report.truncated and report.unknown_limits == 0
+    assert not report.truncated
     # Every counter that holds something has its row, and each global limit one.
     expected = set()
     for ctx in CONTEXTS:
@@ -208,31 +210,70 @@ async def test_ledger_mode_in_flight_and_committed_agree(backend: Backend) -> No
 
 async def test_listing_is_bounded_and_skips_other_keys(backend: Backend) -> None:
     now = time.time()
-    # A past minute's bucket (before the breaker trips), and another policy's limit.
+    # A past minute's bucket (before the breaker trips), and older policies' counters:
+    # a retired limit, and limits of this policy's names counted per other scopes.
     assert (await clocked(backend, now - 120).check(Context(user="carol"))).admitted
     same_day = bucket_for(Window.DAY, now - 120, POLICY.tz) == bucket_for(
         Window.DAY, now, POLICY.tz
     )
     gov = clocked(backend, now)
     await activity(gov)
-    older = Policy.of(Limit("retired", cap=9, window=Window.DAY),
-                      Limit("burst", cap=9, window=Window.DAY, scope=Scope.TENANT))  # fmt: skip
-    await Governor(older, backend, clock=lambda: now).check(Context(tenant="acme"))
+    for older in (
+        Policy.of(Limit("retired", cap=9, window=Window.DAY),
+                  Limit("burst", cap=9, window=Window.MINUTE, scope=Scope.TENANT)),
+        Policy.of(Limit("burst", cap=9, window=Window.MINUTE, scope=(Scope.USER, Scope.TOOL))),
+    ):  # fmt: skip
+        await Governor(older, backend, clock=lambda: now).check(
+            Context(user="alice", tenant="acme", tool="x")
+        )
     if isinstance(backend, RedisBackend):
         await backend.mark_ready("e1")  # an internal key: never listed
         assert await backend.client.exists(EPOCH_KEY)
     full = await budget_report(POLICY, backend, now=now)
-    assert full.unknown_limits == 2  # "retired", and "burst" counted per tenant
-    assert ("burst", "carol") not in [(r.name, r.who) for r in full.rows]  # a past minute
+    await assert_agrees(gov, full, Context(user="carol"))
+    assert not full.truncated
+    shown = [(r.name, r.who) for r in full.rows]
+    assert ("burst", "carol") not in shown  # a past minute
+    assert ("burst", "acme") not in shown and ("burst", "user=alice tool=x") not in shown
+    assert not any(r.name == "retired" for r in full.rows)
     if same_day:
-        assert ("per_user_calls", "carol") in [(r.name, r.who) for r in full.rows]
-    keys = await backend.counter_keys(10_000)
-    assert keys == sorted(keys) and not any(k.startswith("mcpbg:v1:_") for k in keys)
-    assert full.listed == len(keys)
-    cut = await budget_report(POLICY, backend, max_keys=3, now=now)
+        assert ("per_user_calls", "carol") in shown
+    # Listed: this policy's keys in their current periods, plus the one key whose
+    # "user=*" also matches "user=alice,tool=x" (parsed, then left out).
+    assert full.listed == len([r for r in full.rows if r.limit.dimensions]) + 1
+
+    minute = bucket_for(Window.MINUTE, now).label
+    burst = key_pattern("burst", (Scope.USER,), {}, minute)
+    listed = await backend.counter_keys(100, match=burst)
+    assert listed == sorted(listed)
+    parsed = [parse_key(k) for k in listed]
+    assert {p.values for p in parsed if p is not None} == {
+        ("",), (escape(LONG_ID),), ("alice",), ("alice", "x"), ("bob:1,tool=x",), ("ü [bold]",)
+    }  # fmt: skip
+    alice = key_pattern("burst", (Scope.USER,), {Scope.USER: "alice"}, minute)
+    assert await backend.counter_keys(100, match=alice) == [f"mcpbg:v1:burst:user=alice:{minute}"]
+    everything = await backend.counter_keys(10_000)
+    assert everything == sorted(everything)
+    assert not any(k.startswith("mcpbg:v1:_") for k in everything)
+    assert len(everything) > full.listed  # past periods and other policies' keys
+
+    seen: list[tuple[str, int]] = []
+    cut = await budget_report(
+        POLICY, backend, max_keys=3, now=now, progress=lambda *p: seen.append(p)
+    )
     assert cut.truncated and cut.listed == 3
+    assert seen == [("per_user_calls", 0)]  # the first limit's listing filled the budget
     assert len(await backend.counter_keys(3)) == 3
     assert await backend.counter_keys(0) == []
+    assert await backend.counter_keys(0, match=burst) == []
+
+
+def test_key_patterns_hold_no_glob_characters_but_the_wildcard() -> None:
+    pattern = key_pattern("t", (Scope.TENANT, Scope.USER), {Scope.USER: "*?[x]\\"}, "20261129")
+    assert pattern == "mcpbg:v1:t:tenant=*,user=%2A%3F%5Bx%5D%5C:20261129"
+    assert pattern_regex(pattern).fullmatch("mcpbg:v1:t:tenant=acme,user=%2A%3F%5Bx%5D%5C:20261129")
+    with pytest.raises(ValueError, match="glob"):
+        key_pattern("t", (), {}, "2026[11]")
 
 
 async def test_counters_are_read_in_chunks(
