@@ -109,6 +109,25 @@ def test_demo_refuses_a_folder_it_did_not_write(tmp_path: Path) -> None:
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize(
+    ("option", "url"),
+    [
+        ("--redis", "redis://127.0.0.1:1/0"),
+        ("--kafka", "kafka://127.0.0.1:1"),
+        ("--kafka", "x://y"),
+    ],
+)
+def test_a_service_that_does_not_answer_is_named_before_anything_is_written(
+    tmp_path: Path, option: str, url: str
+) -> None:
+    out = tmp_path / "demo"
+    proc = run_demo(out, option, url)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"mcpbg demo: {option}: ") and url in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_demo_against_redis(tmp_path: Path, redis_url: str) -> None:
     out = tmp_path / "demo"

@@ -201,11 +201,13 @@ def prepare_out(out: Path) -> None:
 async def run(options: DemoOptions, console: Console) -> DemoResult:
     """Run the demo end to end and print its report; returns what happened."""
     out = options.out
-    prepare_out(out)
     clock = SimClock()
+    backend = _backend(options, clock)
+    # The services first: a wrong URL fails in one line before anything is written.
+    await _reachable(options, backend)
+    prepare_out(out)
     prices = PriceTable.builtin()
     topic = options.topic or f"mcpbg.demo.{uuid.uuid4().hex[:8]}"
-    backend = _backend(options, clock)
     ledger = _ledger(options, out, topic)
     _intro(console, options, out, topic, prices)
     result = DemoResult()
@@ -228,6 +230,31 @@ def _backend(options: DemoOptions, clock: SimClock) -> Backend:
     from mcp_budget_governor.projections.memory_counters import MemoryBackend
 
     return MemoryBackend(clock=clock)
+
+
+async def _reachable(options: DemoOptions, backend: Backend) -> None:
+    """Raise :class:`InvalidInputError` naming the option of a service that does not answer."""
+    if options.redis_url:
+        client: Any = getattr(backend, "client", None)
+        try:
+            await client.ping()
+        except Exception as exc:  # any failure to answer means the URL is unusable here
+            await backend.aclose()
+            raise InvalidInputError("--redis", options.redis_url, f"no answer ({exc})") from None
+    if options.kafka_url:
+        from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
+
+        try:
+            bootstrap = parse_bootstrap(options.kafka_url)
+        except InvalidInputError as exc:
+            raise InvalidInputError("--kafka", options.kafka_url, exc.problem) from None
+        host, _, port = bootstrap.split(",")[0].rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
+        except (OSError, ValueError, TimeoutError) as exc:
+            raise InvalidInputError("--kafka", options.kafka_url, f"no answer ({exc})") from None
+        writer.close()
+        await writer.wait_closed()
 
 
 def _ledger(options: DemoOptions, out: Path, topic: str) -> Ledger:

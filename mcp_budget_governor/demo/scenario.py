@@ -115,7 +115,7 @@ class SimClock:
         return self.now - self.start
 
 
-_REASON = re.compile(r"budget_exceeded:([A-Za-z0-9_+.-]+/[a-z]+)")
+_REASON = re.compile(r"\b(budget_[a-z_]+):([A-Za-z0-9_+.-]+/[a-z]+)")
 _RETRY = re.compile(r"\bretry_after=(\d+)s\b")
 _STATUS = re.compile(r"\bstatus=(\d{3})\b")
 
@@ -134,6 +134,8 @@ def read_refusal(message: str) -> Refusal | None:
 
     >>> read_refusal("budget_exceeded:user/minute limit=burst status=429 retry_after=17s. ...")
     Refusal(reason='budget_exceeded:user/minute', status=429, retry_after=17)
+    >>> read_refusal("budget_unavailable:global/day limit=spend status=503 retry_after=1s.").reason
+    'budget_unavailable:global/day'
     >>> read_refusal("tool crashed") is None
     True
     """
@@ -143,7 +145,7 @@ def read_refusal(message: str) -> Refusal | None:
     status = _STATUS.search(message)
     retry = _RETRY.search(message)
     return Refusal(
-        f"budget_exceeded:{found.group(1)}",
+        f"{found.group(1)}:{found.group(2)}",
         int(status.group(1)) if status else None,
         int(retry.group(1)) if retry else None,
     )
