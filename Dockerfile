@@ -17,7 +17,7 @@ COPY producers ./producers
 COPY stream ./stream
 COPY projections ./projections
 COPY lua ./lua
-RUN pip install ".[stream,fastmcp]"
+RUN pip install ".[stream,kafka,redis,fastmcp]"
 
 # The example server and its policy file.
 COPY examples ./examples

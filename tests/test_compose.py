@@ -19,6 +19,7 @@ import yaml
 
 from mcp_budget_governor import Policy, cli
 from mcp_budget_governor.cli import worker as worker_cli
+from mcp_budget_governor.stream.worker import WorkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -113,10 +114,14 @@ def test_the_worker_command_is_a_real_mcpbg_subcommand(compose: dict[str, Any]) 
     args = cli.parser().parse_args(command[1:])
     assert args.command == "worker"
     # Its settings come from the environment, each one the worker reads.
-    env = services(compose)["worker"]["environment"]
+    env = {k: str(v) for k, v in services(compose)["worker"]["environment"].items()}
     known = {f"MCPBG_{name.upper()}" for name in worker_cli.OPTIONS}
     names = {k for k in env if k.startswith("MCPBG_")}
     assert names and names <= known, names - known
+    config = WorkerConfig.from_env(env)
+    for name in names:
+        option = name.removeprefix("MCPBG_").lower()
+        assert str(getattr(config, option)) == env[name], name
 
 
 def test_the_server_command_runs_the_example_server_which_imports(
@@ -130,9 +135,31 @@ def test_the_server_command_runs_the_example_server_which_imports(
     # Its options parse, and every MCPBG_* variable given is one it reads.
     options = server.parse_args(command[2:])
     assert options.port == 8000
-    env = services(compose)["server"]["environment"]
+    env = {k: str(v) for k, v in services(compose)["server"]["environment"].items()}
     names = {k for k in env if k.startswith("MCPBG_")}
     assert names and names <= set(server.ENV), names - set(server.ENV)
+    # Building the server (nothing connects yet) reads each of them.
+    env["MCPBG_POLICY"] = str(ROOT / env["MCPBG_POLICY"].removeprefix("/app/"))
+    read = Spy(env)
+    app = server.build(read)
+    assert names <= read.asked, names - read.asked
+    assert "/health" in {getattr(route, "path", None) for route in app._additional_http_routes}
+
+
+class Spy(dict[str, str]):
+    """An environment that remembers which variables were asked for."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        super().__init__(values)
+        self.asked: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.asked.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        self.asked.add(key)
+        return super().__getitem__(key)
 
 
 def test_the_policy_file_is_in_the_image(compose: dict[str, Any]) -> None:
