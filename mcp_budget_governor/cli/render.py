@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def console() -> Console:
@@ -38,7 +39,9 @@ def table(
     for name in headers:
         out.add_column(name, justify="right" if name in right else "left", overflow="fold")
     for row in rows:
-        out.add_row(*("" if cell is None else str(cell) for cell in row))
+        # Text, not str: a cell holding a caller's id like "[red]x" must print as written,
+        # never as rich markup.
+        out.add_row(*(Text("" if cell is None else str(cell)) for cell in row))
     return out
 
 
