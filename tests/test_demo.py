@@ -85,6 +85,7 @@ def check_outputs(
     assert f"${format_usd(usd(total))}" in budget_line
     summary: dict[str, object] = json.loads((out / "summary.json").read_text())
     assert summary["breaker_tripped_at_s"] is not None
+    assert summary["global_spend_micros"] == usd(total) >= POLICY["global_spend"].cap
     outcomes = summary["outcomes"]
     assert isinstance(outcomes, dict)
     assert outcomes["runaway-loop budget_exceeded:user/minute"] > 0

@@ -83,6 +83,7 @@ class DemoResult:
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
     calls: int = 0
     tripped_at: float | None = None
+    spent: int = 0
     events: int = 0
     focus_file: Path | None = None
 
@@ -351,7 +352,7 @@ async def _simulate(
                 if projector is not None and second % 30 == 29:
                     await projector.catch_up()
                 admitted = sum(n for (_, what), n in result.outcomes.items() if what == "admitted")
-                spent = await governor.usage("global_spend")
+                spent = result.spent = await governor.usage("global_spend")
                 progress.update(
                     task,
                     advance=1,
@@ -536,6 +537,10 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
             "GROUP BY ALL ORDER BY micros DESC"
         )
         rows = [[t, u, tool, n, usd_text(int(m))] for t, u, tool, n, m in cur.fetchall()]
+        kinds = con.execute(
+            "SELECT replace(replace(type, 'mcpbg.', ''), '.v1', ''), count(DISTINCT id) "
+            "FROM ledger_raw GROUP BY ALL ORDER BY 2 DESC"
+        ).fetchall()
     finally:
         con.close()
     console.print(
@@ -545,6 +550,11 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
             rows,
             numeric=["metered calls", "cost"],
         )
+    )
+    total = sum(n for _, n in kinds)
+    console.print(
+        f"Ledger: {total} events, " + ", ".join(f"{n} {kind}" for kind, n in kinds) + " "
+        f"(a cost is metered once per spend limit: {', '.join(SPEND_LIMITS)})"
     )
 
 
@@ -599,13 +609,19 @@ def _one_cost_per_call(con: Any) -> None:
 def _closing(console: Console, result: DemoResult, out: Path) -> None:
     if result.tripped_at is not None:
         when = scenario.clock_label(result.tripped_at)
-        console.print(f"Global breaker: TRIPPED at simulated {when}; every caller shed since.")
+        cap = POLICY["global_spend"].cap
+        console.print(
+            f"Global breaker: TRIPPED at simulated {when} with {usd_text(result.spent)} spent of "
+            f"{usd_text(cap)} (calls that completed are charged in full, even past the cap); "
+            "every caller shed since."
+        )
     else:
         console.print("Global breaker: not tripped.")
     summary = {
         "calls": result.calls,
         "ledger_events": result.events,
         "breaker_tripped_at_s": result.tripped_at,
+        "global_spend_micros": result.spent,
         "focus_file": str(result.focus_file) if result.focus_file else None,
         "outcomes": {f"{u} {w}": n for (u, w), n in sorted(result.outcomes.items())},
     }
