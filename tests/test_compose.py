@@ -8,6 +8,7 @@ and every ``MCPBG_*`` variable must be one the program it configures reads.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import re
 from pathlib import Path
@@ -62,6 +63,9 @@ def test_kafka_runs_in_kraft_mode_with_a_listener_for_the_network_and_the_host(
     env = services(compose)["kafka"]["environment"]
     assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
     assert "ZOOKEEPER" not in " ".join(env)
+    # The image formats its storage with CLUSTER_ID when configured from the environment.
+    cluster = env["CLUSTER_ID"]
+    assert len(base64.urlsafe_b64decode(cluster + "==")) == 16  # a UUID, as Kafka requires
     listeners = dict(item.split("://") for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
     internal = listeners[env["KAFKA_INTER_BROKER_LISTENER_NAME"]]
     # What the worker and server are told is the in-network listener.
