@@ -1,10 +1,14 @@
 """The projection of ledger records into counters, with or without a stream framework.
 
 :class:`Projector` takes one batch of raw records of one topic partition,
-parses each with :func:`mcp_budget_governor.events.parse`, hands the records
-that are not valid events to a dead-letter callback (with the reason and the
-original bytes) and applies the valid ones through ``backend.apply`` in a
-single call, so a batch costs one round trip however many events it holds.
+decodes each (:func:`.fastdecode.decode` first, which accepts only the exact
+shape producers write and is checked against the full parse by a property
+test; anything else through :func:`mcp_budget_governor.events.parse`, whose
+verdict and reason stand), hands the records that are not valid events to a
+dead-letter callback (with the reason and the original bytes) and applies the
+valid ones through ``backend.apply`` in a single call, so a batch costs one
+round trip however many events it holds. With an archive handler every record
+is parsed fully: the archiver needs the whole event.
 
 Why this is exactly-once in effect on an at-least-once stream:
 
@@ -43,11 +47,14 @@ import orjson
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
 from mcp_budget_governor.events import Charge, LedgerEvent, MalformedEventError, parse
 
+from .fastdecode import DecodedCharge, decode
+
 __all__ = [
     "DeadLetter",
     "DeadLetterHandler",
     "Projector",
     "ProjectorResult",
+    "Record",
     "WatermarkBackend",
     "dead_letter_topic",
     "to_applied",
@@ -127,7 +134,9 @@ class ProjectorResult:
     - ``dead``: records sent to the dead-letter handler.
     - ``last_offset``: the highest offset in the batch (-1 for an empty batch).
     - ``charges``: every charge of the valid events (redeliveries included),
-      for the alert evaluator.
+      for the alert evaluator: limit, bucket, key, amount and expire_at of
+      each (a parsed :class:`Charge`, or a :class:`DecodedCharge` when the
+      fast decoder read the record).
     """
 
     partition: int
@@ -136,7 +145,7 @@ class ProjectorResult:
     applied: int
     dead: int
     last_offset: int
-    charges: tuple[Charge, ...] = ()
+    charges: tuple[Charge | DecodedCharge, ...] = ()
 
 
 @runtime_checkable
@@ -217,8 +226,9 @@ class Projector:
         """
         events: list[AppliedEvent] = []
         parsed: list[tuple[int, LedgerEvent]] = []
-        charges: list[Charge] = []
+        charges: list[Charge | DecodedCharge] = []
         dead: list[DeadLetter] = []
+        fast = self.archive is None
         previous = -1
         for offset, raw in records:
             if offset <= previous:
@@ -230,6 +240,15 @@ class Projector:
             reason = _problem(raw)
             if reason is None:
                 assert raw is not None
+                if fast:
+                    try:
+                        decoded = decode(raw, offset)
+                    except Exception:  # a decoder bug must cost speed, never a stalled batch
+                        decoded = None
+                    if decoded is not None:
+                        events.append(decoded.event)
+                        charges.extend(decoded.charges)
+                        continue
                 try:
                     event = parse(raw)
                     parsed.append((offset, event))

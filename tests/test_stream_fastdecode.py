@@ -1,0 +1,353 @@
+"""The projector's fast decoder never disagrees with the full pydantic parse.
+
+The property, over valid events (as producers encode them), events with one
+field mutated (wrong types, bounds, unknown or missing fields, other time
+forms), duplicated keys and corrupted bytes:
+
+- ``decode(raw)`` accepts  =>  ``parse(raw)`` accepts, and both give the same
+  ``AppliedEvent`` (and the same charges for the alert evaluator);
+- through the :class:`Projector`, every record gets the full parse's verdict:
+  applied exactly as ``to_applied(parse(raw))``, or dead-lettered with
+  ``parse``'s reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mcp_budget_governor.context import Context
+from mcp_budget_governor.counters import AppliedEvent
+from mcp_budget_governor.events import MalformedEventError, encode, parse
+from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
+from mcp_budget_governor.limits import NAME_PATTERN
+from mcp_budget_governor.money import MAX_AMOUNT, Unit
+from mcp_budget_governor.stream.fastdecode import decode
+from mcp_budget_governor.stream.projector import DeadLetter, Projector, to_applied
+from mcp_budget_governor.windows import Window
+
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# -- valid events, as the producers encode them ---------------------------------
+
+names = st.from_regex(NAME_PATTERN, fullmatch=True)
+texts = st.text(max_size=12)
+amounts = st.one_of(
+    st.integers(-MAX_AMOUNT, MAX_AMOUNT),
+    st.sampled_from([0, 1, -1, MAX_AMOUNT, -MAX_AMOUNT]),
+)
+charges = st.builds(
+    LedgerCharge,
+    names,
+    st.sampled_from(list(Unit)),
+    amounts,
+    st.sampled_from(list(Window)),
+    st.text(min_size=1, max_size=64),
+    texts.map(lambda s: f"mcpbg:v1:{s}"),
+    st.integers(1, 2**40),
+)
+usages = st.none() | st.builds(
+    TokenUsage,
+    st.text(min_size=1, max_size=8),
+    st.integers(0, MAX_AMOUNT),
+    st.integers(0, MAX_AMOUNT),
+    st.integers(0, MAX_AMOUNT),
+    st.integers(0, MAX_AMOUNT),
+    st.none() | texts,
+)
+contexts = st.builds(
+    Context,
+    user=st.none() | texts,
+    tenant=st.none() | texts,
+    tool=st.none() | texts,
+    session=st.none() | texts,
+    agent=st.none() | texts,
+)
+
+
+@st.composite
+def entries(draw: st.DrawFn) -> LedgerEntry:
+    kind = draw(st.sampled_from(list(EntryType)))
+    return LedgerEntry(
+        id=new_id(),
+        type=kind,
+        # Up to 2096: the whole range producers can stamp, fractions of a second included.
+        time=draw(st.floats(0, 4e9, allow_nan=False)),
+        context=draw(contexts),
+        charges=() if kind is EntryType.REJECTED else tuple(draw(st.lists(charges, max_size=3))),
+        limit=draw(st.none() | names),
+        status=draw(st.integers(100, 599)),
+        over=tuple(draw(st.lists(names, max_size=2))),
+        usage=draw(usages),
+        degraded=draw(st.booleans()),
+        reservation=draw(st.none() | texts),
+    )
+
+
+valid_records = entries().map(lambda e: encode(e, "/mcpbg/test"))
+
+# -- mutations ------------------------------------------------------------------
+
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.sampled_from(
+        [0, 1, -1, 99, 100, 599, 600, MAX_AMOUNT, MAX_AMOUNT + 1, -MAX_AMOUNT - 1, 2**63]
+    ),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([1.0, 0.0, 200.0, 2.5]),
+    st.text(max_size=70),
+    st.sampled_from(["", "1.0", "calls", "day", "mcpbg:v1:", "mcpbg.admitted.v1", "true"]),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
+    max_leaves=4,
+)
+times = st.one_of(
+    st.datetimes(
+        min_value=datetime(1, 1, 1), max_value=datetime(9999, 12, 31), timezones=st.just(UTC)
+    ).map(lambda d: d.isoformat()),
+    st.sampled_from(
+        [
+            "2026-11-29T21:40:45Z",
+            "2026-11-29T21:40:45.123Z",
+            "2026-11-29T21:40:45.123456+00:00",
+            "2026-11-29T21:40:45.123456z",
+            "2026-11-29 21:40:45.123456Z",
+            "2026-11-29T21:40:45.1234567Z",
+            "2026-11-29T21:40:60.000000Z",
+            "2026-02-30T21:40:45.000000Z",
+            "2026-13-01T00:00:00.000000Z",
+            "0000-01-01T00:00:00.000000Z",
+            "0001-01-01T00:00:00.000000Z",
+            "2026-11-29T21:40:45.12345\u0661Z",
+            "2026-11-29T21:40:45.123456",
+            "1764442477",
+        ]
+    ),
+)
+
+
+def paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every path to a value inside a JSON document (dict keys, list indexes)."""
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += paths(v, (*prefix, i))
+    return out
+
+
+def nudged(value: Any) -> list[Any]:
+    """Values close to ``value``: the mistakes a producer bug would make."""
+    if isinstance(value, bool):
+        return [not value, int(value), str(value).lower(), None]
+    if isinstance(value, int):
+        bounds = [0, -1, 99, 100, 599, 600, MAX_AMOUNT, MAX_AMOUNT + 1, -MAX_AMOUNT - 1]
+        return [value + 1, value - 1, -value, float(value), str(value), True, None, *bounds]
+    if isinstance(value, str):
+        edits = [value + "\n", value[:-1], value.upper(), " " + value, "_" + value[1:]]
+        return [*edits, "", "x" * 64, "x" * 65, "\u0661", None, 1]
+    if isinstance(value, list):
+        return [[], tuple(value) and value[:1], {}, None]
+    return [None, [], "x"]
+
+
+@st.composite
+def mutated_records(draw: st.DrawFn) -> bytes:
+    doc = orjson.loads(draw(valid_records))
+    every = paths(doc)[1:]
+    depth = draw(st.sampled_from(sorted({len(p) for p in every})))
+    path = draw(st.sampled_from([p for p in every if len(p) == depth]))
+    *parent_path, last = path
+    parent: Any = doc
+    for step in parent_path:
+        parent = parent[step]
+    how = draw(st.sampled_from(["replace", "nudge", "delete", "extra", "time"]))
+    if how == "replace":
+        parent[last] = draw(json_values)
+    elif how == "nudge":
+        parent[last] = draw(st.sampled_from(nudged(parent[last])))
+    elif how == "delete":
+        if isinstance(parent, dict):
+            del parent[last]
+        else:
+            parent.pop(last)
+    elif how == "extra":
+        target = parent if isinstance(parent, dict) else doc
+        target[draw(st.sampled_from(["extra", "Limit", "ids", "usage", "x"]))] = draw(json_values)
+    else:
+        doc["time"] = draw(times)
+    return orjson.dumps(doc)
+
+
+@st.composite
+def duplicated_keys(draw: st.DrawFn) -> bytes:
+    raw = draw(valid_records)
+    field = draw(st.sampled_from([b'"id":', b'"type":', b'"source":', b'"time":', b'"data":']))
+    value = orjson.dumps(draw(json_scalars))
+    return raw.replace(field, field + value + b"," + field, 1)
+
+
+@st.composite
+def corrupted_bytes(draw: st.DrawFn) -> bytes:
+    raw = bytearray(draw(valid_records))
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(raw) - 1))
+        what = draw(st.sampled_from(["flip", "delete", "insert"]))
+        if what == "flip":
+            raw[at] ^= 1 << draw(st.integers(0, 7))
+        elif what == "delete":
+            del raw[at]
+        else:
+            raw.insert(at, draw(st.sampled_from(b'{}[],:"\\0 e.-x\xff')))
+    return bytes(raw)
+
+
+any_record = st.one_of(valid_records, mutated_records(), duplicated_keys(), corrupted_bytes())
+
+
+def verdict(raw: bytes, offset: int) -> AppliedEvent | str:
+    """The full parse's verdict: the event as applied, or the dead-letter reason."""
+    try:
+        return to_applied(parse(raw), offset)
+    except MalformedEventError as exc:
+        return exc.reason
+
+
+# -- the properties -----------------------------------------------------------------
+
+
+@SETTINGS
+@given(valid_records, st.integers(0, 2**62))
+def test_valid_events_take_the_fast_path_and_match_the_full_parse(raw: bytes, offset: int) -> None:
+    fast = decode(raw, offset)
+    assert fast is not None, raw  # producers' own output must never need the slow path
+    event = parse(raw)
+    assert fast.event == to_applied(event, offset)
+    assert [(c.limit, c.bucket, c.key, c.amount, c.expire_at) for c in fast.charges] == [
+        (c.limit, c.bucket, c.key, c.amount, c.expire_at) for c in event.data.charges
+    ]
+
+
+@settings(SETTINGS, max_examples=2000)
+@given(st.one_of(mutated_records(), duplicated_keys(), corrupted_bytes()), st.integers(0, 99))
+def test_whatever_the_fast_path_accepts_the_full_parse_accepts_identically(
+    raw: bytes, offset: int
+) -> None:
+    fast = decode(raw, offset)
+    expected = verdict(raw, offset)
+    if fast is not None:
+        assert fast.event == expected, raw
+
+
+class Recorder:
+    """A backend that records what would be applied, and a dead-letter sink."""
+
+    def __init__(self) -> None:
+        self.applied: list[AppliedEvent] = []
+        self.letters: list[DeadLetter] = []
+
+    async def apply(
+        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+    ) -> int:
+        self.applied += events
+        return len(events)
+
+    async def watermark(self, partition: str) -> int:
+        return -1
+
+
+@SETTINGS
+@given(st.lists(any_record, min_size=1, max_size=12))
+async def test_the_projector_gives_every_record_the_full_parse_verdict(
+    raws: list[bytes],
+) -> None:
+    recorder = Recorder()
+    projector = Projector(recorder, "t", dlq=recorder.letters.append)  # type: ignore[arg-type]
+    result = await projector.apply_batch(0, list(enumerate(raws)))
+    expected = [verdict(raw, offset) for offset, raw in enumerate(raws)]
+    assert recorder.applied == [v for v in expected if isinstance(v, AppliedEvent)]
+    assert [(d.offset, d.reason, d.raw) for d in recorder.letters] == [
+        (offset, v, raws[offset]) for offset, v in enumerate(expected) if isinstance(v, str)
+    ]
+    assert result.valid == len(recorder.applied) and result.dead == len(recorder.letters)
+
+
+def test_the_fast_path_is_taken_for_the_common_shape_and_refused_for_others() -> None:
+    """Not vacuous: the mutations above do reach both branches."""
+    entry = LedgerEntry(
+        new_id(),
+        EntryType.METERED,
+        1764442477.25,
+        Context(user="u1", tenant="acme"),
+        (LedgerCharge("spend", Unit.USD_MICROS, 1500, Window.DAY, "20251129", "mcpbg:v1:x", 9),),
+    )
+    raw = encode(entry, "/src")
+    decoded = decode(raw, 7)
+    assert decoded is not None and decoded.event.time == 1764442477.25
+    doc = orjson.loads(raw)
+    doc["data"]["charges"][0]["amount"] = 1500.0  # a float amount: the full parse refuses it
+    assert decode(orjson.dumps(doc), 7) is None
+    assert isinstance(verdict(orjson.dumps(doc), 7), str)
+    doc["data"]["charges"][0]["amount"] = 1500
+    doc["time"] = "2025-11-29T18:54:37.25+00:00"  # valid, but not the producers' form
+    assert decode(orjson.dumps(doc), 7) is None
+    assert verdict(orjson.dumps(doc), 7) == decoded.event
+
+
+def test_every_field_nudged_to_each_near_miss_gets_the_full_parse_verdict() -> None:
+    """Exhaustive over one full event: each field, each near-miss value, each removal."""
+    entry = LedgerEntry(
+        new_id(),
+        EntryType.METERED,
+        1764442477.5,
+        Context(user="u1", tenant="acme", tool="search", session="s", agent="a"),
+        (
+            LedgerCharge("spend", Unit.USD_MICROS, 1500, Window.DAY, "20251129", "mcpbg:v1:x", 9),
+            LedgerCharge("calls", Unit.CALLS, 1, Window.MINUTE, "b" * 64, "mcpbg:v1:y", 1),
+        ),
+        limit="spend",
+        status=599,
+        over=("calls",),
+        usage=TokenUsage("m", 1, 2, 3, MAX_AMOUNT, "2025-11"),
+        degraded=True,
+        reservation="r1",
+    )
+    base = orjson.loads(encode(entry, "/src"))
+    checked = fast_taken = 0
+    for path in paths(base)[1:]:
+        *parent_path, last = path
+        probe = orjson.loads(orjson.dumps(base))
+        parent: Any = probe
+        for step in parent_path:
+            parent = parent[step]
+        original = parent[last]
+        for value in [*nudged(original), "DELETE"]:
+            if value == "DELETE":
+                if isinstance(parent, dict):
+                    del parent[last]
+                else:
+                    parent.pop(last)
+            else:
+                parent[last] = value
+            raw = orjson.dumps(probe)
+            fast = decode(raw, 3)
+            if fast is not None:
+                fast_taken += 1
+                assert fast.event == verdict(raw, 3), (path, value)
+            checked += 1
+            probe = orjson.loads(orjson.dumps(base))
+            parent = probe
+            for step in parent_path:
+                parent = parent[step]
+    assert checked > 400 and 0 < fast_taken < checked
