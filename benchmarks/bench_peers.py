@@ -12,9 +12,11 @@ Two measurements in one run:
    ``replicas x cap``; one shared counter admits exactly ``cap``.
 2. **Per-call overhead.** Serial calls to one server of each kind with caps
    that never refuse, interleaved in chunks so drift hits every variant
-   alike: unguarded (no middleware), ``RateLimitingMiddleware``,
-   ``BudgetMiddleware`` checking one limit, and ``BudgetMiddleware`` checking
-   one limit and metering the tool's ``meta`` price on a second. Over
+   alike: unguarded (no middleware), unguarded with one no-op EVALSHA in the
+   tool (what a single Redis round trip costs on this machine, the floor for
+   any shared counter), ``RateLimitingMiddleware``, ``BudgetMiddleware``
+   checking one limit, and ``BudgetMiddleware`` checking one limit and
+   metering the tool's ``meta`` price on a second. Over
    streamable HTTP (a server process each) and over FastMCP's in-memory
    transport (client and server in this process), as ratios to unguarded.
 
@@ -56,6 +58,7 @@ import _common
 
 KINDS = {
     "unguarded": "no middleware",
+    "redis_rtt": "no middleware, the tool does 1 no-op EVALSHA",
     "ratelimit": "FastMCP RateLimitingMiddleware (in-process)",
     "budget": "BudgetMiddleware, 1 limit checked (Redis)",
     "budget_meter": "BudgetMiddleware, 1 checked + meta price metered (Redis)",
@@ -98,9 +101,12 @@ def build_server(kind: str, *, cap: int, redis_url: str | None, rid: str) -> Any
         governor = Governor(policy, RedisBackend.from_url(redis_url, timeout=5.0))
         mcp.add_middleware(BudgetMiddleware(governor))
     meta = {"mcpbg": {"cost_usd": "0.001", "limit": spend}} if kind == "budget_meter" else None
+    rtt = RedisBackend.from_url(redis_url, timeout=5.0) if kind == "redis_rtt" else None
 
     @mcp.tool(meta=meta)
     async def work(n: int) -> int:
+        if rtt is not None:  # the calibration: what one Redis round trip costs here
+            await rtt.noop()
         return n
 
     return mcp
@@ -298,9 +304,11 @@ async def overhead(args: argparse.Namespace, url: str, rid: str) -> dict[str, An
 def _summarize_latency(got: dict[str, Any]) -> dict[str, Any]:
     stats = {k: _stats(v) for k, v in got["samples"].items()}
     base = stats["unguarded"]["median_us"]
+    rtt = stats["redis_rtt"]["median_us"]
     for s in stats.values():
         s["ratio"] = s["median_us"] / base
         s["added_us"] = s["median_us"] - base
+        s["beyond_rtt_us"] = s["median_us"] - rtt
     return {"stats": stats, "failures": got["failures"]}
 
 
@@ -351,13 +359,14 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
                     f"{s['p90_us']:.0f}",
                     f"{s['added_us']:+.0f}",
                     f"{s['ratio']:.2f}x",
+                    f"{s['beyond_rtt_us']:+.0f}" if kind.startswith("budget") else "",
                 ]
             )
         lines.append(
             _common.table(
-                ["variant", "median us", "p90 us", "added us", "ratio"],
+                ["variant", "median us", "p90 us", "added us", "ratio", "beyond 1 RTT us"],
                 rows,
-                [False, True, True, True, True],
+                [False, True, True, True, True, True],
             )
         )
     return "\n".join(lines)
