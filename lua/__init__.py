@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from importlib.resources import files
 
-SCRIPTS = ("charge", "apply", "usage", "noop")
+SCRIPTS = ("charge", "apply", "usage", "noop", "rewrite")
 
 
 @cache

@@ -18,7 +18,16 @@ from collections.abc import Sequence
 from ..errors import GovernorError
 
 #: The command modules, ``mcp_budget_governor.cli.<name>``, each with ``register``.
-COMMANDS: tuple[str, ...] = ("schema", "worker", "budgets", "demo")
+COMMANDS: tuple[str, ...] = (
+    "schema",
+    "worker",
+    "budgets",
+    "demo",
+    "replay",
+    "reconcile",
+    "costs",
+    "sql",
+)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,0 +1,141 @@
+"""``mcpbg costs``: spend by user, tenant, tool, model and day; top spenders; breaker trips.
+
+Read from the ledger (``--archive-dir`` / ``--ledger-dir``), with the one
+money rule of ``projections/ledger_view.py`` (each event's USD once).
+Amounts are exact dollars rendered from integer micros.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .ledger_args import add_ledger_options, open_ledger_from
+
+_DEFAULT_VIEWS = ("tenant", "user", "tool", "model", "day")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "costs",
+        help="spend by user, tenant, tool, model and day; top spenders; breaker trips",
+        description="Without --by: a summary, spend by tenant, the top users, spend by tool, "
+        "model and day, and breaker trips. USD counts each event once (its first USD "
+        "charge); --limit reads one limit's charges instead.",
+    )
+    add_ledger_options(p)
+    p.add_argument("--period", help="a month YYYY-MM or a day YYYY-MM-DD (UTC)")
+    p.add_argument("--from", dest="start", help="from this day YYYY-MM-DD (UTC, inclusive)")
+    p.add_argument("--to", dest="end", help="to this day YYYY-MM-DD (UTC, inclusive)")
+    for name in ("user", "tenant", "tool", "model"):
+        p.add_argument(f"--{name}", help=f"only this {name}")
+    p.add_argument("--limit", help="USD of this limit's charges (instead of once per event)")
+    p.add_argument(
+        "--by",
+        help="group by these, comma-separated: user, tenant, tool, model, agent, day, hour, "
+        "month, type",
+    )
+    p.add_argument("--top", type=int, help="keep the first N rows of each table")
+    p.add_argument("--json", action="store_true", help="print JSON (usd as exact decimals)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import InvalidInputError
+    from ..projections.costs import Filter, breaker_trips, parse_period, spend, summary
+
+    start = end = None
+    if args.period is not None:
+        if args.start is not None or args.end is not None:
+            raise InvalidInputError("--period", args.period, "give --period or --from/--to")
+        start, end = parse_period("--period", args.period)
+    if args.start is not None:
+        start = parse_period("--from", _day(args.start, "--from"))[0]
+    if args.end is not None:
+        end = parse_period("--to", _day(args.end, "--to"))[1]
+    if args.top is not None and args.top < 1:
+        raise InvalidInputError("--top", args.top, "at least 1")
+    flt = Filter(start, end, args.user, args.tenant, args.tool, args.model, args.limit)
+    con = open_ledger_from(args)
+    try:
+        if args.by:
+            by = [b.strip() for b in args.by.split(",") if b.strip()]
+            reports = [spend(con, by, flt, top=args.top)]
+        else:
+            top = args.top or 10
+            reports = [summary(con, flt)]
+            for name in _DEFAULT_VIEWS:
+                report = spend(con, [name], flt, top=top)
+                if name == "user":
+                    report.title = f"top {top} spenders"
+                reports.append(report)
+            reports.append(breaker_trips(con, flt, top=top))
+    finally:
+        con.close()
+    if args.json:
+        json.dump({r.title: _json_rows(r) for r in reports}, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        for r in reports:
+            _print(r)
+    return 0
+
+
+def _day(text: str, option: str) -> str:
+    from ..errors import InvalidInputError
+
+    if len(text) != 10:
+        raise InvalidInputError(option, text, "expected a day YYYY-MM-DD")
+    return text
+
+
+def _json_rows(report: Any) -> list[dict[str, Any]]:
+    from ..money import format_usd
+
+    out = []
+    for row in report.rows:
+        item = dict(zip(report.headers, row, strict=True))
+        if "usd_micros" in item:
+            item["usd"] = format_usd(int(item["usd_micros"]))
+        out.append(item)
+    return out
+
+
+def _print(report: Any) -> None:
+    from ..money import format_usd
+    from .render import print_table
+
+    headers = ["usd" if h == "usd_micros" else h for h in report.headers]
+    numeric = [
+        h
+        for h in headers
+        if h
+        not in (
+            "user",
+            "tenant",
+            "tool",
+            "model",
+            "agent",
+            "day",
+            "hour",
+            "month",
+            "type",
+            "breaker",
+            "first",
+            "last",
+        )
+    ]
+    rows = []
+    for row in report.rows:
+        cells = []
+        for h, v in zip(report.headers, row, strict=True):
+            if h == "usd_micros":
+                cells.append(format_usd(int(v)))
+            elif isinstance(v, int):
+                cells.append(f"{v:,}")
+            else:
+                cells.append("-" if v is None else v)
+        rows.append(cells)
+    print_table(report.title, headers, rows, numeric=numeric)

@@ -1,0 +1,198 @@
+"""``mcpbg replay``: rebuild the Redis counters from the ledger after an outage.
+
+``--source archive`` (the default; DuckDB over the Parquet archive, the fast
+path), ``--source file`` (the embedded file ledger, same path) or
+``--source kafka`` (every retained event through the projection's apply).
+Stop the workers first: a write finding that a projector moved meanwhile is
+refused. Exit code 0, or 2 for bad input, an unreachable service, an empty or
+corrupt ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any, ClassVar
+
+from .ledger_args import (
+    DEFAULT_TOPIC,
+    add_ledger_options,
+    add_redis_option,
+    required,
+    setting,
+)
+
+SOURCES = ("archive", "file", "kafka")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="rebuild the Redis counters from the ledger (archive, file ledger or Kafka)",
+        description="Sets each counter's committed amount from the ledger, the applied-offset "
+        "watermarks, the seen-id sets and the epoch marker, so the live worker resumes "
+        "right after what was replayed and counts nothing twice. Stop the workers first.",
+    )
+    p.add_argument(
+        "--source",
+        default="archive",
+        help="archive (default: DuckDB over --archive-dir), file (--ledger-dir) or kafka",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_buckets",
+        help="every bucket still alive (default: the current buckets only)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show what would change; write nothing")
+    p.add_argument(
+        "--show", type=int, default=50, help="changed counters listed by --dry-run (default 50)"
+    )
+    add_redis_option(p)
+    add_ledger_options(p)
+    p.add_argument("--kafka-url", help="Kafka bootstrap, kafka://host:port (env MCPBG_KAFKA_URL)")
+    p.add_argument("--topic", help=f"the ledger topic (default {DEFAULT_TOPIC}; env MCPBG_TOPIC)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import InvalidInputError
+    from ..projections.counter_sync import redis_client
+    from ..projections.replay import ReplayResult, replay_kafka, replay_ledger
+
+    source = args.source
+    if source not in SOURCES:
+        raise InvalidInputError("--source", source, f"one of {', '.join(SOURCES)}")
+    if args.show < 0:
+        raise InvalidInputError("--show", args.show, "0 or more")
+    redis_url = required(args, "redis_url", "the counters' Redis, redis://host:port/db")
+    with _Bar(args.dry_run) as bar:
+        if source == "kafka":
+            from ..producers.kafka_ledger import parse_bootstrap
+
+            bootstrap = parse_bootstrap(required(args, "kafka_url", "kafka://host:port"))
+            topic = setting(args, "topic") or DEFAULT_TOPIC
+            result: ReplayResult = asyncio.run(
+                replay_kafka(
+                    redis_url,
+                    bootstrap,
+                    topic,
+                    all_buckets=args.all_buckets,
+                    dry_run=args.dry_run,
+                    progress=bar.update,
+                )
+            )
+        else:
+            from ..projections.ledger_view import open_ledger
+
+            if source == "archive":
+                con = open_ledger(archive_dir=required(args, "archive_dir", "the Parquet archive"))
+            else:
+                con = open_ledger(ledger_dir=required(args, "ledger_dir", "the file ledger"))
+            client = redis_client(redis_url)
+            try:
+                result = replay_ledger(
+                    con,
+                    client,
+                    source=source,
+                    all_buckets=args.all_buckets,
+                    dry_run=args.dry_run,
+                    progress=bar.update,
+                )
+            finally:
+                client.close()
+                con.close()
+    _report(result, args.show)
+    return 0
+
+
+def _report(result: Any, show: int) -> None:
+    from .render import console, print_table
+
+    verb = "would write" if result.dry_run else "wrote"
+    print_table(
+        f"replay from {result.source}" + (" (dry run: nothing written)" if result.dry_run else ""),
+        ["events read", f"counters {verb}", "changed", "seen ids", "seconds", "epoch"],
+        [
+            [
+                f"{result.events:,}",
+                f"{result.counters:,}",
+                f"{result.changed:,}",
+                f"{result.seen_ids:,}",
+                f"{result.seconds:.2f}",
+                result.epoch or "-",
+            ]
+        ],
+        numeric=["events read", f"counters {verb}", "changed", "seen ids", "seconds"],
+    )
+    if result.watermarks:
+        print_table(
+            "applied-offset watermarks (the live worker resumes after them)",
+            ["partition", "before", "after"],
+            [
+                [name, "-" if before < 0 else before, after]
+                for name, (before, after) in sorted(result.watermarks.items())
+            ],
+            numeric=["before", "after"],
+        )
+    if result.dry_run and result.changes and show:
+        rows = [
+            [c.key, c.committed_before, c.committed_after, c.in_flight_before, c.in_flight_after]
+            for c in result.changes[:show]
+        ]
+        print_table(
+            "counters that would change",
+            ["key", "committed now", "committed after", "in-flight now", "in-flight after"],
+            rows,
+            numeric=["committed now", "committed after", "in-flight now", "in-flight after"],
+        )
+        if len(result.changes) > show:
+            console().print(f"... and {len(result.changes) - show:,} more (--show N)")
+
+
+class _Bar:
+    """A rich progress bar on stderr for the replay phases (hidden when not a terminal)."""
+
+    _LABELS: ClassVar[dict[str, str]] = {
+        "read": "reading the ledger",
+        "counters": "writing counters",
+        "seen": "writing seen ids",
+        "events": "applying events",
+    }
+
+    def __init__(self, dry_run: bool) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> _Bar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, phase: str, done: int, total: int | None) -> None:
+        task = self.tasks.get(phase)
+        if task is None:
+            task = self.tasks[phase] = self.progress.add_task(
+                self._LABELS.get(phase, phase), total=total
+            )
+        self.progress.update(task, completed=done, total=total)

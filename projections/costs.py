@@ -1,0 +1,236 @@
+"""Cost questions over the ledger view (``mcpbg costs``): spend by user, tenant, tool,
+model and day, top spenders, breaker trips.
+
+Every figure comes from the ``costs`` view of ``projections/ledger_view.py``
+(one row per event; an event's USD is its first USD charge, so dollars
+charged to two USD limits count once; reservations net out with their
+settlements). ``limit=`` reads one limit's USD charges instead. Money is summed
+in DuckDB as integers (``sum`` of BIGINT is an exact HUGEINT) and comes back
+as Python ints of USD micros; nothing here goes through a float.
+
+>>> report = spend(con, ["tenant"], Filter())  # doctest: +SKIP
+>>> report.headers, report.rows[0]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+import duckdb
+
+from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.limits import NAME_PATTERN
+
+from .ledger_view import query_error
+
+__all__ = [
+    "DIMENSIONS",
+    "Filter",
+    "Report",
+    "breaker_trips",
+    "parse_period",
+    "spend",
+    "summary",
+]
+
+#: What spend can be grouped by, and the SQL expression of each.
+DIMENSIONS: dict[str, str] = {
+    "user": '"user"',
+    "tenant": "tenant",
+    "tool": "tool",
+    "model": "model",
+    "agent": "agent",
+    "day": "strftime(\"time\", '%Y-%m-%d')",
+    "hour": "strftime(\"time\", '%Y-%m-%dT%H:00Z')",
+    "month": "strftime(\"time\", '%Y-%m')",
+    "type": "type",
+}
+_MONTH = re.compile(r"^\d{4}-\d{2}$")
+_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+#: Sum columns of a spend report, after the dimensions.
+METRICS = (
+    "events",
+    "calls",
+    "rejected",
+    "model_calls",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "usd_micros",
+)
+
+
+def parse_period(field_name: str, text: str) -> tuple[datetime, datetime]:
+    """``YYYY-MM`` (a month) or ``YYYY-MM-DD`` (a day) as a UTC half-open interval."""
+    try:
+        if _MONTH.match(text):
+            year, month = int(text[:4]), int(text[5:])
+            start = datetime(year, month, 1, tzinfo=UTC)
+            days = calendar.monthrange(year, month)[1]
+            return start, start + timedelta(days=days)
+        if _DAY.match(text):
+            day = date.fromisoformat(text)
+            start = datetime(day.year, day.month, day.day, tzinfo=UTC)
+            return start, start + timedelta(days=1)
+    except ValueError:
+        pass
+    raise InvalidInputError(field_name, text, "expected a month YYYY-MM or a day YYYY-MM-DD")
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """Which events count: a time range ``[start, end)`` and exact context values.
+
+    ``limit``: read USD from this limit's charges instead of the one-per-event rule.
+    """
+
+    start: datetime | None = None
+    end: datetime | None = None
+    user: str | None = None
+    tenant: str | None = None
+    tool: str | None = None
+    model: str | None = None
+    limit: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and not NAME_PATTERN.fullmatch(self.limit):
+            raise InvalidInputError("limit", self.limit, "a limit name")
+        if self.start is not None and self.end is not None and self.end <= self.start:
+            raise InvalidInputError("to", self.end.date().isoformat(), "must be after --from")
+
+    def where(self) -> tuple[str, list[Any]]:
+        """The SQL condition over ``costs`` rows and its parameters."""
+        parts: list[str] = []
+        params: list[Any] = []
+        if self.start is not None:
+            parts.append('"time" >= ?')
+            params.append(self.start)
+        if self.end is not None:
+            parts.append('"time" < ?')
+            params.append(self.end)
+        for name, column in (
+            ("user", '"user"'),
+            ("tenant", "tenant"),
+            ("tool", "tool"),
+            ("model", "model"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                parts.append(f"{column} = ?")
+                params.append(value)
+        return (" AND ".join(parts) or "TRUE"), params
+
+    def relation(self) -> tuple[str, list[Any]]:
+        """The event rows to sum: ``costs``, or with ``limit`` its USD re-read from that limit."""
+        if self.limit is None:
+            return "costs", []
+        return (
+            """(SELECT c.* REPLACE (coalesce(l.usd, 0) AS usd_micros,
+                                    CASE WHEN l.usd IS NULL THEN NULL ELSE ? END AS usd_limit)
+                FROM costs c LEFT JOIN (
+                    SELECT id, sum(amount) AS usd FROM ledger
+                    WHERE "limit" = ? AND unit = 'usd_micros' GROUP BY id) l USING (id))""",
+            [self.limit, self.limit],
+        )
+
+
+@dataclass(slots=True)
+class Report:
+    """A table: headers and rows; ``money`` names the columns holding USD micros."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[Any]] = field(default_factory=list)
+    money: tuple[str, ...] = ("usd_micros",)
+
+
+def _run(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> list[list[Any]]:
+    try:
+        return [list(r) for r in con.execute(sql, list(params)).fetchall()]
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+
+
+_SUMS = """
+    count(*) AS events,
+    count(*) FILTER (WHERE type = 'mcpbg.admitted.v1') AS calls,
+    count(*) FILTER (WHERE type = 'mcpbg.rejected.v1') AS rejected,
+    count(model) AS model_calls,
+    coalesce(sum(input_tokens), 0) AS input_tokens,
+    coalesce(sum(output_tokens), 0) AS output_tokens,
+    coalesce(sum(cache_read_tokens), 0) AS cache_read_tokens,
+    coalesce(sum(cache_write_tokens), 0) AS cache_write_tokens,
+    coalesce(sum(usd_micros), 0) AS usd_micros"""
+
+
+def spend(
+    con: duckdb.DuckDBPyConnection,
+    by: Sequence[str],
+    flt: Filter,
+    *,
+    top: int | None = None,
+) -> Report:
+    """Spend and usage grouped by ``by`` (names in :data:`DIMENSIONS`), most spent first
+    (in time order when grouped by time only); ``top`` keeps the first N rows."""
+    for name in by:
+        if name not in DIMENSIONS:
+            raise InvalidInputError("by", name, f"one of {', '.join(DIMENSIONS)}")
+    if top is not None and top < 1:
+        raise InvalidInputError("top", top, "at least 1")
+    relation, rel_params = flt.relation()
+    where, params = flt.where()
+    dims = ", ".join(f"{DIMENSIONS[n]} AS {_q(n)}" for n in by)
+    timely = bool(by) and all(n in ("day", "hour", "month") for n in by)
+    order = ", ".join(_q(n) for n in by) if timely else "usd_micros DESC, events DESC"
+    group = f"GROUP BY {', '.join(str(i + 1) for i in range(len(by)))}" if by else ""
+    sql = f"""
+        SELECT {dims + "," if dims else ""} {_SUMS}
+        FROM {relation} AS e WHERE {where} {group}
+        ORDER BY {order}{", " + ", ".join(_q(n) for n in by) if by and not timely else ""}
+        {f"LIMIT {int(top)}" if top else ""}
+    """
+    title = f"spend by {', '.join(by)}" if by else "total"
+    return Report(title, [*by, *METRICS], _run(con, sql, [*rel_params, *params]))
+
+
+def summary(con: duckdb.DuckDBPyConnection, flt: Filter) -> Report:
+    """One row: the period, event counts, tokens and spend over everything the filter keeps."""
+    relation, rel_params = flt.relation()
+    where, params = flt.where()
+    sql = f"""
+        SELECT strftime(min("time"), '%Y-%m-%dT%H:%M:%SZ') AS first,
+               strftime(max("time"), '%Y-%m-%dT%H:%M:%SZ') AS last, {_SUMS}
+        FROM {relation} AS e WHERE {where}
+    """
+    return Report("summary", ["first", "last", *METRICS], _run(con, sql, [*rel_params, *params]))
+
+
+def breaker_trips(con: duckdb.DuckDBPyConnection, flt: Filter, *, top: int | None = None) -> Report:
+    """Calls shed by a tripped breaker: rejections with status 503 that no fail mode
+    decided (``degraded`` marks those), per breaker limit, tenant and user."""
+    where, params = flt.where()
+    sql = f"""
+        SELECT decision_limit AS breaker, tenant, "user", count(*) AS trips,
+               strftime(min("time"), '%Y-%m-%dT%H:%M:%SZ') AS first,
+               strftime(max("time"), '%Y-%m-%dT%H:%M:%SZ') AS last
+        FROM costs
+        WHERE type = 'mcpbg.rejected.v1' AND status = 503 AND NOT degraded AND {where}
+        GROUP BY ALL ORDER BY trips DESC, breaker, tenant, "user"
+        {f"LIMIT {int(top)}" if top else ""}
+    """
+    return Report(
+        "breaker trips",
+        ["breaker", "tenant", "user", "trips", "first", "last"],
+        _run(con, sql, params),
+        money=(),
+    )
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'

@@ -1,0 +1,306 @@
+"""Ledger totals per counter, and writing them to Redis: what replay and reconcile share.
+
+Two halves, each the one implementation of its rule:
+
+- :func:`ledger_totals` — the committed amount the ledger gives each live
+  counter: the sum of ``amount`` over the deduplicated ``ledger`` view
+  (``projections/ledger_view.py``), per ``key``. A counter is *alive* while
+  the latest ``expire_at`` of its charges is in the future (Redis expires it
+  then, and ``apply.lua`` drops charges of expired counters); it is *current*
+  while its bucket has not ended (``expire_at`` minus the grace period is in
+  the future; a session counter is current while alive). Given the applied
+  watermarks, only charges at or below their partition's watermark count:
+  that is what the projector has committed, whatever is still in flight.
+- :func:`snapshot` and :func:`write_counters` — reading counters (committed,
+  in-flight total, in-flight per event id, TTL) with the watermarks and the
+  Redis clock in one ``MULTI`` (a consistent cut, even while a worker
+  applies), and rewriting counters in blocks, each one call of
+  ``lua/rewrite.lua`` that first compares the watermark hash with what was
+  read: if a projector applied anything meanwhile, the block writes nothing
+  and :class:`ConcurrentProjectionError` is raised instead of overwriting it.
+
+Rewriting a counter sets its committed amount (``c``), removes the in-flight
+entries of events the ledger has already counted (``e:<id>``, subtracted
+from ``f``: the live projector will skip those events, their offsets being
+at or below the watermark, so nothing else would ever move them) and sets its
+expiry. Other in-flight entries (events not yet in the ledger) are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import pyarrow as pa  # type: ignore[import-untyped]
+import redis
+from redis import exceptions as redis_errors
+
+from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.keys import INTERNAL_PREFIX, PREFIX, WATERMARK_KEY
+from mcp_budget_governor.lua import source
+from mcp_budget_governor.windows import GRACE_SECONDS, SESSION_BUCKET
+
+from .ledger_view import query_error
+
+__all__ = [
+    "ConcurrentProjectionError",
+    "RedisCounter",
+    "Snapshot",
+    "Totals",
+    "is_current",
+    "ledger_ids",
+    "ledger_totals",
+    "redis_client",
+    "scan_counter_keys",
+    "snapshot",
+    "write_counters",
+]
+
+_CHUNK = 2000
+_UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+
+
+class ConcurrentProjectionError(GovernorError):
+    """A projector applied events while counters were being rewritten: nothing was written."""
+
+
+class RedisUnavailableError(GovernorError):
+    """The counters' Redis could not be reached."""
+
+
+def redis_client(url: str) -> redis.Redis:
+    """A client for ``url``; a bad URL or an unreachable server is a one-line error."""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        from mcp_budget_governor.errors import InvalidInputError
+
+        raise InvalidInputError("redis_url", url, "expected redis://host:port/db")
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=30.0, socket_connect_timeout=5.0)
+        client.ping()
+    except (ValueError, *_UNAVAILABLE) as exc:
+        raise RedisUnavailableError(f"redis {url}: {exc}") from None
+    return client
+
+
+def is_current(key: str, expire_at: int, now: int) -> bool:
+    """Whether the counter's bucket has not ended (a session counter: while alive)."""
+    if key.endswith(f":{SESSION_BUCKET}"):
+        return expire_at > now
+    return expire_at - GRACE_SECONDS > now
+
+
+#: A counter as the ledger gives it: ``key -> (sum of its charges, latest expire_at)``.
+Totals = dict[str, tuple[int, int]]
+
+
+def ledger_totals(
+    con: duckdb.DuckDBPyConnection,
+    now: int,
+    *,
+    current_only: bool = False,
+    upto: Mapping[str, int] | None = None,
+) -> Totals:
+    """Sum of ``amount`` per live counter key (module docstring), exact integers.
+
+    ``upto``: watermark per ``partition_name``; only charges at offsets at or
+    below it count (a partition absent from it counts nothing).
+    """
+    join = _register_upto(con, upto) if upto is not None else "WHERE"
+    current = (
+        f"AND (max(expire_at) - {GRACE_SECONDS} > {int(now)} OR any_value(bucket) = "
+        f"'{SESSION_BUCKET}')"
+        if current_only
+        else ""
+    )
+    sql = f"""
+        SELECT "key", CAST(sum(amount) AS BIGINT) AS amount, max(expire_at) AS expire_at
+        FROM ledger {join} "key" IS NOT NULL
+        GROUP BY "key"
+        HAVING max(expire_at) > {int(now)} {current}
+    """
+    try:
+        # sum() of BIGINT is a HUGEINT, exact; the cast back raises rather than wraps.
+        table = con.sql(sql).to_arrow_table()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    pairs = zip(
+        table.column("amount").to_pylist(), table.column("expire_at").to_pylist(), strict=True
+    )
+    return dict(zip(table.column("key").to_pylist(), pairs, strict=True))
+
+
+def _register_upto(con: duckdb.DuckDBPyConnection, upto: Mapping[str, int]) -> str:
+    """Register the watermarks as a table; the join restricting ``ledger`` rows to them."""
+    con.register(
+        "_mcpbg_upto",
+        pa.table(
+            {
+                "partition_name": pa.array(list(upto), pa.string()),
+                "applied": pa.array(list(upto.values()), pa.int64()),
+            }
+        ),
+    )
+    return 'JOIN _mcpbg_upto w USING (partition_name) WHERE "offset" <= w.applied AND'
+
+
+def ledger_ids(
+    con: duckdb.DuckDBPyConnection, ids: Iterable[str], *, upto: Mapping[str, int] | None = None
+) -> set[str]:
+    """Which of ``ids`` are events in the ledger (at or below the watermarks ``upto``)."""
+    wanted = list(set(ids))
+    if not wanted:
+        return set()
+    con.register("_mcpbg_ids", pa.table({"id": pa.array(wanted, pa.string())}))
+    where = _register_upto(con, upto) if upto is not None else "WHERE"
+    sql = f"SELECT DISTINCT id FROM ledger {where} id IN (SELECT id FROM _mcpbg_ids)"
+    try:
+        rows = con.execute(sql).fetchall()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    return {r[0] for r in rows}
+
+
+@dataclass(slots=True)
+class RedisCounter:
+    """A counter read from Redis: committed, in-flight total and per event id, TTL (s)."""
+
+    committed: int = 0
+    in_flight: int = 0
+    pending: dict[str, int] = field(default_factory=dict)
+    ttl: int = -2
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Counters, watermarks and the Redis clock, read at one instant."""
+
+    now: int
+    watermarks: dict[str, int]
+    counters: dict[str, RedisCounter]
+
+
+def scan_counter_keys(client: redis.Redis) -> set[str]:
+    """Every counter key in Redis (an incremental SCAN; the projection's own keys left out)."""
+    try:
+        return {
+            raw.decode() if isinstance(raw, bytes) else raw
+            for raw in client.scan_iter(match=f"{PREFIX}:[^_]*", count=5000)
+            if not (raw.decode() if isinstance(raw, bytes) else raw).startswith(INTERNAL_PREFIX)
+        }
+    except _UNAVAILABLE as exc:
+        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+
+
+def _decode(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _counter(raw: Mapping[bytes, bytes], ttl: int) -> RedisCounter:
+    out = RedisCounter(ttl=int(ttl))
+    for k, v in raw.items():
+        name = _decode(k)
+        if name == "c":
+            out.committed = int(v)
+        elif name == "f":
+            out.in_flight = int(v)
+        elif name.startswith("e:"):
+            out.pending[name[2:]] = int(v)
+    return out
+
+
+def snapshot(client: redis.Redis, keys: Iterable[str], *, atomic: bool = True) -> Snapshot:
+    """Read ``keys`` (missing ones come back empty), the watermarks and Redis's clock.
+
+    ``atomic=True`` reads everything in one ``MULTI``: no script (no apply,
+    no charge) runs in between, so committed amounts and watermarks match.
+    ``atomic=False`` reads in pipelined chunks (cheaper for a very large
+    Redis when no projector runs).
+    """
+    ordered = sorted(set(keys))
+    counters: dict[str, RedisCounter] = {}
+    try:
+        pipe = client.pipeline(transaction=atomic)
+        pipe.time()
+        pipe.hgetall(WATERMARK_KEY)
+        head: list[object] = []
+        for start in range(0, max(len(ordered), 1), _CHUNK):
+            for key in ordered[start : start + _CHUNK]:
+                pipe.hgetall(key)
+                pipe.ttl(key)
+            if not atomic:
+                head.extend(pipe.execute())
+                pipe = client.pipeline(transaction=False)
+        head.extend(pipe.execute())
+    except _UNAVAILABLE as exc:
+        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+    clock: Any = head[0]
+    seconds = int(clock[0])
+    marks = {_decode(k): int(v) for k, v in head[1].items()}  # type: ignore[attr-defined]
+    values = head[2:]
+    for i, key in enumerate(ordered):
+        raw, ttl = values[2 * i], values[2 * i + 1]
+        counters[key] = _counter(raw, ttl)  # type: ignore[arg-type]
+    return Snapshot(int(seconds), marks, counters)
+
+
+def write_counters(
+    client: redis.Redis,
+    counters: Sequence[tuple[str, int, int]],
+    *,
+    watermarks: Mapping[str, int] | None,
+    add: bool = False,
+    drop: Mapping[str, Sequence[str]] | None = None,
+    set_watermarks: Mapping[str, int] | None = None,
+    progress: Callable[[int], None] | None = None,
+    chunk: int = _CHUNK,
+) -> None:
+    """Rewrite ``counters`` (``(key, committed, expire_at)``), one ``lua/rewrite.lua`` call
+    per block of ``chunk``. ``add=True``: the amounts are corrections added
+    to committed (``reconcile --fix``: right even while a projector runs)
+    instead of the new committed amounts.
+
+    ``drop``: per key, the in-flight event ids to remove (events the ledger
+    has counted). ``watermarks``: the watermark hash as read before; a block
+    finding it changed (a projector applied meanwhile) writes nothing and
+    raises :class:`ConcurrentProjectionError` (None: no check). ``set_watermarks`` are written
+    by the last block, in the same atomic step as its counters, so the live
+    projector resumes after what was written. ``progress(n)`` is called
+    after each block with the number of counters it wrote.
+    """
+    script = client.register_script(source("rewrite"))
+    drops = drop or {}
+    expected: list[str | int] = ["add" if add else "set"]
+    if watermarks is None:
+        expected.append(-1)
+    else:
+        expected.append(len(watermarks))
+        for name, offset in watermarks.items():
+            expected += (name, offset)
+    blocks = [counters[i : i + chunk] for i in range(0, len(counters), chunk)] or [[]]
+    try:
+        for n, block in enumerate(blocks):
+            keys: list[str] = [WATERMARK_KEY]
+            args: list[str | int] = list(expected)
+            for key, committed, expire_at in block:
+                keys.append(key)
+                ids = drops.get(key, ())
+                args += (committed, expire_at, len(ids), *ids)
+            final = set_watermarks if n == len(blocks) - 1 and set_watermarks else {}
+            args.append(len(final))
+            for name, offset in final.items():
+                args += (name, offset)
+            if int(script(keys=keys, args=args)) < 0:
+                raise ConcurrentProjectionError(
+                    "a projector applied events meanwhile (the watermarks moved): "
+                    "stop the workers, then run this again"
+                )
+            if progress is not None:
+                progress(len(block))
+    except _UNAVAILABLE as exc:
+        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+
+
+def _watermarks(client: redis.Redis) -> dict[str, int]:
+    return {_decode(k): int(v) for k, v in client.hgetall(WATERMARK_KEY).items()}

@@ -1,0 +1,388 @@
+"""Rebuild the Redis counters from the ledger after an outage (``mcpbg replay``).
+
+Two paths, one result: counters equal to what the live projection would
+hold, and the projection's own state set so the live worker resumes exactly
+after what was replayed, counting nothing twice.
+
+**From the ledger view** (:func:`replay_ledger`; the Parquet archive or the
+file ledger, ``projections/ledger_view.py``) — the fast path, one DuckDB
+aggregation instead of one script call per event:
+
+1. the epoch marker is removed, so a hot path with ``require_epoch`` follows
+   its fail modes instead of admitting from half-written counters;
+2. per live counter, committed = the sum of its ledger charges
+   (:func:`~.counter_sync.ledger_totals`; current buckets only unless
+   ``all_buckets``), and the in-flight entries of events the ledger holds are
+   removed (their offsets are at or below the new watermarks: the live
+   projector will never move them). In-flight entries of newer events stay;
+3. each partition's applied-offset watermark is set to the last offset the
+   ledger holds for it (with the last block of counters, in one ``MULTI``);
+4. every ledger event whose seen-id set is still alive (today's and
+   yesterday's, as ``apply.lua`` keeps them) is added to it, so the same event
+   arriving again at a new offset (a producer retry) is skipped, as it would
+   have been live;
+5. the epoch marker is set.
+
+What it assumes: the ledger holds every event of each partition up to its
+last offset (the worker archives each batch *before* applying it, so an
+archive kept since the topic's start does); and no worker projects meanwhile
+(every write is guarded by ``WATCH`` on the watermarks and refused if one
+does). It refuses to run when Redis has applied a partition further than the
+ledger reaches (the ledger is behind: replaying would lose those events).
+Counters the ledger does not know are left alone (``mcpbg reconcile`` reports
+them). A session counter's ledger total is the sum of all its charges.
+
+**From Kafka** (:func:`replay_kafka`) — :func:`mcp_budget_governor.stream.
+rebuild.rebuild`: every retained event applied through ``apply`` from the
+earliest offset (it sets watermarks, seen-id sets and, at the end, the
+epoch). A dry run rebuilds into a :class:`MemoryBackend` and compares.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import duckdb
+import redis
+
+from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
+from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
+from mcp_budget_governor.ledger import new_id
+
+from .counter_sync import (
+    RedisUnavailableError,
+    is_current,
+    ledger_ids,
+    ledger_totals,
+    scan_counter_keys,
+    snapshot,
+    write_counters,
+)
+from .ledger_view import query_error
+
+__all__ = [
+    "Change",
+    "LedgerBehindError",
+    "Progress",
+    "ReplayResult",
+    "replay_kafka",
+    "replay_ledger",
+]
+
+_SEEN_CHUNK = 10_000
+
+
+class LedgerBehindError(GovernorError):
+    """Redis has applied a partition beyond what the ledger holds: replay would lose events."""
+
+
+#: ``progress(phase, done, total)``: phases "read", "counters", "seen", "events".
+Progress = Callable[[str, int, int | None], None]
+
+
+def _quiet(phase: str, done: int, total: int | None) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A counter replay changes (or would): committed and in-flight, before and after."""
+
+    key: str
+    committed_before: int
+    committed_after: int
+    in_flight_before: int
+    in_flight_after: int
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """What a replay did, or with ``dry_run`` would do.
+
+    ``counters``: counters written; ``changed``: how many of them change
+    (committed or in-flight); ``changes``: those changes, listed in a dry
+    run (a real run lists only the counters Redis held before).
+    """
+
+    source: str
+    dry_run: bool
+    events: int = 0
+    counters: int = 0
+    changed: int = 0
+    changes: list[Change] = field(default_factory=list)
+    watermarks: dict[str, tuple[int, int]] = field(default_factory=dict)  # before, after
+    seen_ids: int = 0
+    seconds: float = 0.0
+    epoch: str | None = None
+
+
+def replay_ledger(
+    con: duckdb.DuckDBPyConnection,
+    client: redis.Redis,
+    *,
+    source: str = "archive",
+    all_buckets: bool = False,
+    dry_run: bool = False,
+    now: int | None = None,
+    progress: Progress = _quiet,
+) -> ReplayResult:
+    """Rebuild the counters in ``client``'s Redis from the ``ledger`` view on ``con``.
+
+    ``now`` (epoch seconds) overrides Redis's clock for which buckets are
+    alive and current (benchmarks and tests of a past month).
+    """
+    started = time.perf_counter()
+    result = ReplayResult(source, dry_run)
+    progress("read", 0, None)
+    existing = scan_counter_keys(client)
+    before = snapshot(client, existing, atomic=False)
+    clock = before.now if now is None else int(now)
+    totals = ledger_totals(con, clock, current_only=not all_buckets)
+    try:
+        marks = dict(
+            con.execute(
+                'SELECT partition_name, max("offset") FROM ledger_raw GROUP BY partition_name'
+            ).fetchall()
+        )
+        (events,) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchone() or (0,)
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    result.events = int(events)
+    for name, last in sorted(marks.items()):
+        applied = before.watermarks.get(name, -1)
+        if applied > last:
+            raise LedgerBehindError(
+                f"partition {name}: Redis has applied up to offset {applied}, the ledger ends "
+                f"at {last}; replaying would lose offsets {last + 1}..{applied} "
+                "(replay from Kafka, or bring the archive up to date)"
+            )
+        result.watermarks[name] = (applied, int(last))
+    # In-flight entries of events the ledger holds: counted by replay, never moved live.
+    pending = {i for c in before.counters.values() for i in c.pending}
+    known = ledger_ids(con, pending)
+    writes: list[tuple[str, int, int]] = []
+    drops: dict[str, list[str]] = {}
+    changes = result.changes
+    for key, counter in before.counters.items():
+        # Counters Redis holds: committed from the ledger, in-flight of its events dropped.
+        drop = [i for i in counter.pending if i in known]
+        total = totals.get(key)
+        if total is None and (not drop or counter.ttl < 0):
+            continue  # not the ledger's (or outside the buckets replayed): left alone
+        committed, expire_at = (
+            total if total is not None else (counter.committed, clock + counter.ttl)
+        )
+        writes.append((key, committed, expire_at))
+        if drop:
+            drops[key] = drop
+        if committed != counter.committed or drop:
+            gone = sum(counter.pending[i] for i in drop)
+            changes.append(
+                Change(
+                    key, counter.committed, committed, counter.in_flight, counter.in_flight - gone
+                )
+            )
+    known_keys = before.counters
+    fresh = [(k, a, e) for k, (a, e) in totals.items() if k not in known_keys]
+    writes += fresh
+    result.changed = len(changes) + sum(1 for _, a, _ in fresh if a != 0)
+    if dry_run:  # the list is for people to read; a real run only counts
+        changes += (Change(k, 0, a, 0, 0) for k, a, _ in fresh if a != 0)
+        changes.sort(key=lambda c: c.key)
+    result.counters = len(writes)
+    seen = _seen_ids(con, clock)
+    result.seen_ids = sum(len(ids) for ids, _ in seen.values())
+    progress("read", 1, 1)
+    if dry_run:
+        result.seconds = time.perf_counter() - started
+        return result
+
+    try:
+        client.delete(EPOCH_KEY)
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            progress("counters", done, len(writes))
+
+        write_counters(
+            client,
+            writes,
+            drop=drops,
+            watermarks=before.watermarks,
+            set_watermarks={name: after for name, (_, after) in result.watermarks.items()},
+            progress=advance,
+        )
+        added = 0
+        for day, (ids, expire_at) in sorted(seen.items()):
+            seen_key = f"{SEEN_PREFIX}:{day}"
+            for i in range(0, len(ids), _SEEN_CHUNK):
+                pipe = client.pipeline(transaction=False)
+                pipe.sadd(seen_key, *ids[i : i + _SEEN_CHUNK])
+                pipe.expireat(seen_key, expire_at)
+                pipe.execute()
+                added += len(ids[i : i + _SEEN_CHUNK])
+                progress("seen", added, result.seen_ids)
+        result.epoch = new_id()
+        client.set(EPOCH_KEY, result.epoch)
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[str], int]]:
+    """Event ids per seen-id day whose set is still alive at ``now`` (``AppliedEvent`` rules)."""
+    sql = f"""
+        SELECT strftime("time", '%Y%m%d') AS day,
+               (CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400 AS expire_at,
+               list(DISTINCT id) AS ids
+        FROM ledger_raw
+        WHERE (CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400 > {int(now)}
+        GROUP BY ALL
+    """
+    try:
+        rows = con.execute(sql).fetchall()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    return {day: (list(ids), int(expire_at)) for day, expire_at, ids in rows}
+
+
+class _CurrentOnly:
+    """A backend wrapper for the Kafka path: drops charges outside the buckets replayed,
+    counts events for the progress bar, and leaves the epoch to the caller in a dry run."""
+
+    def __init__(
+        self, inner: Any, *, all_buckets: bool, now: int, progress: Progress, dry_run: bool
+    ) -> None:
+        self.inner = inner
+        self.all_buckets = all_buckets
+        self.now = now
+        self.progress = progress
+        self.dry_run = dry_run
+        self.events = 0
+        self.keys: set[str] = set()
+
+    async def apply(
+        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+    ) -> int:
+        kept = []
+        for e in events:
+            charges = tuple(
+                c for c in e.charges if self.all_buckets or is_current(c.key, c.expire_at, self.now)
+            )
+            self.keys.update(c.key for c in charges)
+            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges))
+        self.events += len(events)
+        self.progress("events", self.events, None)
+        applied: int = await self.inner.apply(partition, kept, require_epoch=require_epoch)
+        return applied
+
+    async def charge(
+        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
+    ) -> ChargeResult:
+        raise NotImplementedError("replay only applies")
+
+    async def usage(self, keys: Sequence[str]) -> list[int]:
+        raise NotImplementedError("replay only applies")
+
+    async def state(self, key: str) -> CounterState:
+        state: CounterState = await self.inner.state(key)
+        return state
+
+    async def counter_keys(self, limit: int, **options: Any) -> list[str]:
+        keys: list[str] = await self.inner.counter_keys(limit, **options)
+        return keys
+
+    async def has_epoch(self) -> bool:
+        return bool(await self.inner.has_epoch())
+
+    async def mark_ready(self, epoch: str) -> None:
+        if not self.dry_run:
+            await self.inner.mark_ready(epoch)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def replay_kafka(
+    redis_url: str,
+    bootstrap: str,
+    topic: str,
+    *,
+    all_buckets: bool = False,
+    dry_run: bool = False,
+    idle_timeout: float = 5.0,
+    progress: Progress = _quiet,
+    **client_options: Any,
+) -> ReplayResult:
+    """Rebuild the counters from every retained event of ``topic`` (``stream/rebuild.py``).
+
+    Applied through ``apply`` into Redis. On a Redis that still holds a
+    projection only events past its watermarks count (``apply``'s guards), a
+    catch-up; after an outage (Redis empty) that is everything retained. A
+    dry run rebuilds into a MemoryBackend from nothing and lists the counters
+    whose committed amount differs from Redis's: what a rebuild of an empty
+    Redis would give.
+    """
+    from mcp_budget_governor.projections.memory_counters import MemoryBackend
+    from mcp_budget_governor.projections.redis_counters import RedisBackend
+    from mcp_budget_governor.stream.rebuild import rebuild
+
+    from .counter_sync import redis_client
+
+    started = time.perf_counter()
+    client = redis_client(redis_url)
+    try:
+        before = snapshot(client, (), atomic=True)
+        result = ReplayResult("kafka", dry_run)
+        inner: Any = MemoryBackend() if dry_run else RedisBackend.from_url(redis_url, timeout=30.0)
+        backend = _CurrentOnly(
+            inner, all_buckets=all_buckets, now=before.now, progress=progress, dry_run=dry_run
+        )
+        try:
+            outcome = await rebuild(
+                backend, bootstrap, topic, idle_timeout=idle_timeout, **client_options
+            )
+            result.events = outcome.read
+            result.counters = len(backend.keys)
+            after = (
+                {n: await inner.watermark(n) for n in _memory_partitions(inner)}
+                if dry_run
+                else snapshot(client, (), atomic=True).watermarks
+            )
+            for name in sorted(set(before.watermarks) | set(after)):
+                result.watermarks[name] = (
+                    before.watermarks.get(name, -1),
+                    after.get(name, before.watermarks.get(name, -1)),
+                )
+            if dry_run:
+                current = snapshot(client, backend.keys, atomic=False).counters
+                for key in sorted(backend.keys):
+                    rebuilt = (await inner.state(key)).committed
+                    was = current[key]
+                    if rebuilt != was.committed:
+                        result.changes.append(
+                            Change(key, was.committed, rebuilt, was.in_flight, was.in_flight)
+                        )
+                result.changed = len(result.changes)
+            else:
+                result.epoch = outcome.epoch
+                result.changed = outcome.applied
+        finally:
+            await inner.aclose()
+    finally:
+        client.close()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _memory_partitions(backend: Any) -> list[str]:
+    """The partitions a MemoryBackend has applied (it lists no watermarks publicly)."""
+    marks = getattr(backend, "_watermarks", {})
+    return sorted(marks) if isinstance(marks, dict) else []
