@@ -37,14 +37,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
-from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware
+from mcp_budget_governor.integrations.fastmcp import META_KEY, BudgetMiddleware
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 
 #: The environment variables this server reads (the same names as ``mcpbg``).
 ENV = ("MCPBG_REDIS_URL", "MCPBG_KAFKA_URL", "MCPBG_TOPIC", "MCPBG_POLICY", "MCPBG_OUTBOX_DIR")
 
 MODEL = "claude-sonnet-4-5"
-SEARCH_PRICE = usd(0.004)  # what one search costs us, whatever it returns
+SEARCH_PRICE = usd(0.004)  # what one search costs us, declared in the tool's meta
 
 
 def identify(context: Any) -> Context:
@@ -76,16 +76,16 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     money = spend_limits(policy)
 
     def cost(context: Any, result: Any) -> dict[str, int] | None:
-        # The token-priced tool reports its usage; flat-priced ones cost SEARCH_PRICE.
+        # A tool that called a model reports its usage: price its tokens. For
+        # the others, None keeps the fixed price their meta declares.
         usage = (getattr(result, "structured_content", None) or {}).get("usage")
-        if usage:
-            micros = prices.cost_micros(
-                usage["model"],
-                input_tokens=usage["input_tokens"],
-                output_tokens=usage["output_tokens"],
-            )
-        else:
-            micros = SEARCH_PRICE
+        if not usage:
+            return None
+        micros = prices.cost_micros(
+            usage["model"],
+            input_tokens=usage["input_tokens"],
+            output_tokens=usage["output_tokens"],
+        )
         return dict.fromkeys(money, micros)
 
     @asynccontextmanager
@@ -98,7 +98,7 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     server = FastMCP("mcpbg-example", lifespan=lifespan)
     server.add_middleware(BudgetMiddleware(governor, identify=identify, cost=cost))
 
-    @server.tool
+    @server.tool(meta={META_KEY: {"cost": SEARCH_PRICE, "limit": money}})
     def search(query: str) -> str:
         """Search the web (an example: returns a canned answer)."""
         return f"3 results for {query!r}"

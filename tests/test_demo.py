@@ -20,7 +20,7 @@ from services import start_kafka
 
 from mcp_budget_governor import format_usd, usd
 from mcp_budget_governor.demo.runner import FOCUS_FILE, MARKER
-from mcp_budget_governor.demo.scenario import POLICY
+from mcp_budget_governor.demo.scenario import MODEL, POLICY
 
 #: FOCUS 1.2 columns every cost row must have (a subset of the mandatory ones).
 FOCUS_COLUMNS = {
@@ -77,6 +77,10 @@ def check_outputs(
     assert len(rows) > 5
     header = set(rows[0])
     assert header >= FOCUS_COLUMNS, FOCUS_COLUMNS - header
+    # The model calls' costs split into token meters, naming the model.
+    meter, model = rows[0].index("SkuMeter"), rows[0].index("x_ModelId")
+    meters = {(row[meter], row[model]) for row in rows[1:]}
+    assert {("Input Tokens", MODEL), ("Output Tokens", MODEL), ("Tool Calls", "")} <= meters
     billed = rows[0].index("BilledCost")
     assert all("." in row[billed] for row in rows[1:])  # decimals, with a point
     # Each call's cost once: the file bills what the global breaker counted.

@@ -149,22 +149,30 @@ def build_server(governor: Governor) -> FastMCP:
 
 
 def tool_cost(governor: Governor) -> Any:
-    """The ``cost`` callback: a model call's tokens priced, on every spend limit.
+    """The ``cost`` callback: a model call's tokens metered on every spend limit.
 
-    None for a result without token usage: the tool's ``meta`` price stands.
+    It meters through :meth:`Governor.meter_tokens` itself, so each ledger
+    event carries the model, the token counts and the price-table version
+    (the FOCUS file splits the cost into input and output token meters), and
+    returns no charges for the middleware to add. A result without token
+    usage returns None: the tool's ``meta`` price stands.
     """
-    prices = governor.prices
 
-    def cost(context: Any, result: Any) -> dict[str, int] | None:
+    async def cost(context: Any, result: Any) -> dict[str, int] | None:
         usage = _usage_of(result)
-        if usage is None or prices is None:
+        if usage is None:
             return None
-        micros = prices.cost_micros(
-            usage["model"],
-            input_tokens=int(usage["input_tokens"]),
-            output_tokens=int(usage["output_tokens"]),
-        )
-        return dict.fromkeys(SPEND_LIMITS, micros)
+        # The caller as the middleware governed it: identified, with the tool.
+        ctx = governor.policy.identified(identify(context).with_tool(context.message.name))
+        for limit in SPEND_LIMITS:
+            await governor.meter_tokens(
+                limit,
+                str(usage["model"]),
+                input_tokens=int(usage["input_tokens"]),
+                output_tokens=int(usage["output_tokens"]),
+                ctx=ctx,
+            )
+        return {}
 
     return cost
 
