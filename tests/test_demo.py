@@ -133,6 +133,13 @@ def test_a_service_that_does_not_answer_is_named_before_anything_is_written(
     assert not out.exists()
 
 
+def test_topic_without_kafka_is_refused(tmp_path: Path) -> None:
+    proc = run_demo(tmp_path / "demo", "--topic", "mine")
+    assert proc.returncode == 2
+    assert proc.stderr == "mcpbg demo: --topic: only with --kafka (got 'mine')\n"
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.slow
 def test_demo_against_redis(tmp_path: Path, redis_url: str) -> None:
     out = tmp_path / "demo"

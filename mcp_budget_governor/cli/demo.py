@@ -57,8 +57,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from .render import console
+    from .render import console, fail
 
+    if args.topic is not None and args.kafka is None:
+        return fail("demo", f"--topic: only with --kafka (got {args.topic!r})")
     options = DemoOptions(
         out=args.out or DEFAULT_OUT,
         redis_url=args.redis,
