@@ -35,15 +35,13 @@ from mcp_budget_governor.errors import GovernorError, InvalidInputError, Unknown
 from mcp_budget_governor.focus import (
     FOCUS_1_2,
     METERS,
-    ROW_RULES,
     TOKEN_METERS,
     FocusVersion,
     Granularity,
-    Kind,
     Meter,
     ascii_text,
     check_columns,
-    check_formats,
+    check_row,
     rate_text,
 )
 from mcp_budget_governor.prices import PriceTable
@@ -74,6 +72,8 @@ class ExportOptions:
     billing_account_name: str = "mcp-budget-governor"
     provider: str = "mcp-budget-governor"
     version: FocusVersion = FOCUS_1_2
+    #: How errors name the period (``--period 2026-11``); default: the UTC range.
+    label: str | None = None
 
 
 @dataclass
@@ -177,12 +177,13 @@ def _split_sql(scale: int) -> str:
     for i in range(4):
         beats = [f"(m{j} {'>=' if j < i else '>'} m{i})::INT" for j in range(4) if j != i]
         ranks.append("1 + " + " + ".join(beats))
+    shares = ",\n".join(
+        f"sg * (q{i} + CASE WHEN {ranks[i]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END) AS s{i}"
+        for i in range(4)
+    )
     return f"""
-        SELECT * EXCLUDE (m0, m1, m2, m3, q0, q1, q2, q3),
-               q0 + CASE WHEN {ranks[0]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s0,
-               q1 + CASE WHEN {ranks[1]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s1,
-               q2 + CASE WHEN {ranks[2]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s2,
-               q3 + CASE WHEN {ranks[3]} <= a - (q0 + q1 + q2 + q3) THEN 1 ELSE 0 END AS s3
+        SELECT period, tenant, "user", tool, model, n0, n1, n2, n3, r0, r1, r2, r3,
+               p0, p1, p2, p3, {shares}
         FROM (
             SELECT *, a * w0 // ww AS q0, a * w0 % ww AS m0, a * w1 // ww AS q1, a * w1 % ww AS m1,
                       a * w2 // ww AS q2, a * w2 % ww AS m2, a * w3 // ww AS q3, a * w3 % ww AS m3
@@ -218,12 +219,14 @@ def focus_table(
     prices: PriceTable | None = None,
     progress: Progress = _noop,
 ) -> tuple[int, int, int]:
-    """Build the temp table ``_fx_out`` (the export's rows as FOCUS text).
+    """Build ``_fx_agg`` (the rows' integers) and the views ``_fx_out`` (FOCUS text) and
+    ``_fx_typed`` (typed, for Parquet) over it.
 
     Returns (rows, costed events, billed micros).
 
-    Raises :class:`ExportError` for an unpriced model, :class:`InvalidInputError`
-    when the ledger has no event at all in the period.
+    Raises :class:`ExportError` for an unpriced model or when the ledger has
+    no event at all in the period (a month it does not cover is a mistake,
+    while a covered period without costs is written as an empty export).
     """
     prices = PriceTable.builtin() if prices is None else prices
     step = "hour" if options.granularity is Granularity.HOUR else "day"
@@ -232,29 +235,18 @@ def focus_table(
     try:
         con.execute(
             f"""
-            CREATE OR REPLACE TEMP TABLE _fx_all AS
+            CREATE OR REPLACE TEMP TABLE _fx_ev AS
             SELECT date_trunc('{step}', "time") AS period, tenant, "user", tool, model, "type",
                    usd_micros, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens
-            FROM costs WHERE "time" >= ? AND "time" < ?
+            FROM costs WHERE "time" >= ? AND "time" < ? AND usd_micros <> 0
             """,
             [lo, hi],
         )
     except duckdb.Error as exc:
         raise query_error(exc) from None
-    (events_in_period,) = con.execute("SELECT count(*) FROM _fx_all").fetchone() or (0,)
-    if not events_in_period:
-        span = con.execute('SELECT min("time"), max("time") FROM costs').fetchone()
-        held = f"{span[0]:%Y-%m-%d} to {span[1]:%Y-%m-%d}" if span and span[0] else "nothing"
-        raise InvalidInputError(
-            "period",
-            f"{lo:%Y-%m-%dT%H:%MZ}..{hi:%Y-%m-%dT%H:%MZ}",
-            f"the ledger has no event in it (it holds {held})",
-        )
-    con.execute(
-        "CREATE OR REPLACE TEMP TABLE _fx_ev AS SELECT * FROM _fx_all WHERE usd_micros <> 0"
-    )
-    con.execute("DROP TABLE _fx_all")
     (events,) = con.execute("SELECT count(*) FROM _fx_ev").fetchone() or (0,)
+    if not events:
+        _require_events(con, options)
     models = [
         m
         for (m,) in con.execute(
@@ -263,48 +255,79 @@ def focus_table(
     ]
     scale = _rates_table(con, sorted(models), prices)
     progress(f"splitting and aggregating {events:,} costed events")
-
-    meters = []
-    for i, meter in enumerate(TOKEN_METERS):
-        meters.append(
-            f"SELECT period, tenant, \"user\", tool, model, '{meter.value}' AS meter, "
-            f"r{i} AS rate, p{i} AS price, n{i} AS qty, sg * s{i} AS micros, "
-            f"CAST(0 AS BIGINT) AS calls FROM _fx_split WHERE n{i} > 0 OR s{i} <> 0"
-        )
-    con.execute(f"CREATE OR REPLACE TEMP VIEW _fx_split AS {_split_sql(scale)}")
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _fx_split AS {_split_sql(scale)}")
+    meters = [
+        f"SELECT period, tenant, \"user\", tool, model, '{meter.value}' AS meter, "
+        f"r{i} AS rate, p{i} AS price, n{i} AS qty, s{i} AS micros, "
+        f"CAST(0 AS HUGEINT) AS calls FROM _fx_split WHERE n{i} > 0 OR s{i} <> 0"
+        for i, meter in enumerate(TOKEN_METERS)
+    ]
     tool = Meter.TOOL_CALLS.value
     con.execute(
         f"""
         CREATE OR REPLACE TEMP TABLE _fx_agg AS
-        SELECT period, tenant, "user", tool, model, meter, rate, price,
-               CAST(sum(qty) AS HUGEINT) AS qty, CAST(sum(micros) AS HUGEINT) AS micros,
-               CAST(sum(calls) AS HUGEINT) AS calls, count(*) AS events
-        FROM ({" UNION ALL ".join(meters)}) t
-        GROUP BY ALL
-        UNION ALL
-        SELECT period, tenant, "user", tool, NULL AS model, '{tool}' AS meter,
-               CAST(NULL AS HUGEINT) AS rate, '1.0' AS price,
-               CAST(sum(usd_micros) AS HUGEINT) AS qty, CAST(sum(usd_micros) AS HUGEINT) AS micros,
-               CAST(count(*) FILTER (WHERE "type" IN ('mcpbg.metered.v1', 'mcpbg.settled.v1'))
-                    AS HUGEINT) AS calls,
-               count(*) AS events
-        FROM _fx_ev WHERE model IS NULL
-        GROUP BY ALL
+        SELECT * FROM (
+            SELECT period, tenant, "user", tool, model, meter, rate, price,
+                   CAST(sum(qty) AS HUGEINT) AS qty, CAST(sum(micros) AS HUGEINT) AS micros,
+                   CAST(sum(calls) AS HUGEINT) AS calls, count(*) AS events
+            FROM ({" UNION ALL ".join(meters)}) t
+            GROUP BY ALL
+            UNION ALL
+            SELECT period, tenant, "user", tool, NULL AS model, '{tool}' AS meter,
+                   CAST(NULL AS HUGEINT) AS rate, '1.0' AS price,
+                   CAST(sum(usd_micros) AS HUGEINT) AS qty,
+                   CAST(sum(usd_micros) AS HUGEINT) AS micros,
+                   CAST(count(*) FILTER (WHERE "type" IN ('mcpbg.metered.v1', 'mcpbg.settled.v1'))
+                        AS HUGEINT) AS calls,
+                   count(*) AS events
+            FROM _fx_ev WHERE model IS NULL
+            GROUP BY ALL
+        )
+        ORDER BY period, tenant NULLS FIRST, "user" NULLS FIRST, tool NULLS FIRST,
+                 model NULLS FIRST, meter, rate
         """
     )
+    for name in ("_fx_split", "_fx_ev", "_fx_rates"):
+        con.execute(f"DROP TABLE IF EXISTS {name}")
     (billed,) = con.execute("SELECT coalesce(sum(micros), 0) FROM _fx_agg").fetchone() or (0,)
     progress("rendering FOCUS rows")
-    _text_table(con)
-    con.execute(f"CREATE OR REPLACE TEMP TABLE _fx_out AS {_render_sql(options, scale)}")
-    for name in ("_fx_agg", "_fx_ev", "_fx_rates"):
-        con.execute(f"DROP TABLE IF EXISTS {name}")
-    con.execute("DROP VIEW IF EXISTS _fx_split")
-    (rows,) = con.execute("SELECT count(*) FROM _fx_out").fetchone() or (0,)
+    escaped = _text_table(con)
+    con.execute(f"CREATE OR REPLACE TEMP VIEW _fx_out AS {_render_sql(options, scale, escaped)}")
+    typed = _render_sql(options, scale, escaped, typed=True)
+    con.execute(f"CREATE OR REPLACE TEMP VIEW _fx_typed AS {typed}")
+    (rows,) = con.execute("SELECT count(*) FROM _fx_agg").fetchone() or (0,)
+    # What check_table reads in full: every row, or a repeatable sample of a large export.
+    sample = (
+        f" USING SAMPLE reservoir({CHECK_SAMPLE} ROWS) REPEATABLE (7)"
+        if rows > CHECK_SAMPLE
+        else ""
+    )
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _fx_sample AS SELECT * FROM _fx_agg{sample}")
+    sampled = _render_sql(options, scale, escaped, table="_fx_sample")
+    con.execute(f"CREATE OR REPLACE TEMP VIEW _fx_sample_out AS {sampled}")
     return rows, events, int(billed)
 
 
-def _text_table(con: duckdb.DuckDBPyConnection) -> None:
-    """``_fx_text(raw, txt)``: the dimension values that are not printable ASCII, escaped."""
+def _require_events(con: duckdb.DuckDBPyConnection, options: ExportOptions) -> None:
+    """Raise :class:`ExportError` unless the ledger has some event (costed or not) in the period."""
+    lo, hi = options.start, options.end
+    (found,) = con.execute(
+        'SELECT count(*) FROM (SELECT 1 FROM ledger WHERE "time" >= ? AND "time" < ? LIMIT 1)',
+        [lo, hi],
+    ).fetchone() or (0,)
+    if found:
+        return
+    span = con.execute('SELECT min("time"), max("time") FROM ledger').fetchone()
+    held = f"{span[0]:%Y-%m-%d} to {span[1]:%Y-%m-%d}" if span and span[0] else "nothing"
+    where = options.label or f"{lo:%Y-%m-%dT%H:%MZ} .. {hi:%Y-%m-%dT%H:%MZ}"
+    raise ExportError(f"{where}: the ledger has no event in this period (it holds {held})")
+
+
+def _text_table(con: duckdb.DuckDBPyConnection) -> bool:
+    """``_fx_text(raw, txt)``: the dimension values that are not printable ASCII, escaped.
+
+    Returns whether there is any (the rendering joins the table only then).
+    """
     values = con.execute(
         """
         SELECT DISTINCT v FROM (
@@ -318,10 +341,26 @@ def _text_table(con: duckdb.DuckDBPyConnection) -> None:
         con.executemany(
             "INSERT INTO _fx_text VALUES (?, ?)", [(v, ascii_text(v)) for (v,) in values]
         )
+    return bool(values)
 
 
-def _render_sql(options: ExportOptions, scale: int) -> str:
-    """The FOCUS row, every column as text, from ``_fx_agg`` (and ``_fx_text``)."""
+def _scaled_sql(expr: str, scale: int) -> str:
+    """``expr`` (an integer) / 10**scale as an exact DECIMAL(38, scale) (integer arithmetic)."""
+    if scale == 0:
+        return f"CAST({expr} AS DECIMAL(38, 0))"
+    unit = "0." + "0" * (scale - 1) + "1"
+    whole = f"CAST({expr} AS DECIMAL({37 - scale}, 0))"
+    return f"({whole} * CAST('{unit}' AS DECIMAL({scale + 1}, {scale})))"
+
+
+def _render_sql(
+    options: ExportOptions, scale: int, escaped: bool, table: str = "_fx_agg", typed: bool = False
+) -> str:
+    """The FOCUS rows from ``table`` (and ``_fx_text``): text, or typed values for Parquet.
+
+    Text is what CSV holds (and what the rules check); typed holds the same
+    integers as exact DECIMALs, timestamps as TIMESTAMPTZ.
+    """
     step = "1 HOUR" if options.granularity is Granularity.HOUR else "1 DAY"
     ts = "'%Y-%m-%dT%H:%M:%SZ'"
     tool = Meter.TOOL_CALLS.value
@@ -399,95 +438,117 @@ def _render_sql(options: ExportOptions, scale: int) -> str:
         "x_Meter": "meter",
         "x_EventCount": "CAST(events AS VARCHAR)",
     }
+    if typed:
+        micros = _scaled_sql("micros", _MICROS_SCALE)
+        columns.update(
+            {
+                "BilledCost": micros,
+                "ContractedCost": micros,
+                "EffectiveCost": micros,
+                "BillingPeriodEnd": "date_trunc('month', period) + INTERVAL 1 MONTH",
+                "BillingPeriodStart": "date_trunc('month', period)",
+                "ChargePeriodEnd": f"period + INTERVAL {step}",
+                "ChargePeriodStart": "period",
+                "ConsumedQuantity": _scaled_sql(f"CASE WHEN {token} THEN qty ELSE calls END", 0),
+                "ListCost": (
+                    f"CASE WHEN {token} THEN {_scaled_sql('qty * rate', scale + _MICROS_SCALE)} "
+                    # Same DECIMAL type in both branches: a CASE over two scales
+                    # would be cast to the smaller one, rounding the token costs.
+                    f"ELSE {_scaled_sql(f'micros * {_big(10**scale)}', scale + _MICROS_SCALE)} END"
+                ),
+                "ListUnitPrice": f"CAST(price AS DECIMAL(38, {scale}))",
+                "PricingQuantity": _scaled_sql("qty", _MICROS_SCALE),
+                "x_EventCount": "events",
+            }
+        )
     missing = [n for n in options.version.names if n not in columns]
     if missing:
         raise ExportError(f"FOCUS {options.version.version}: no mapping for {missing}")
     select = ",\n".join(f"{columns[n]} AS {_ident(n)}" for n in options.version.names)
-    escaped = {
-        name: f"coalesce((SELECT txt FROM _fx_text WHERE raw = a.{_ident(col)}), a.{_ident(col)})"
-        for name, col in (
-            ("x_tenant", "tenant"),
-            ("x_user", "user"),
-            ("x_tool", "tool"),
-            ("x_model", "model"),
+    dims = (("x_tenant", "tenant"), ("x_user", "user"), ("x_tool", "tool"), ("x_model", "model"))
+    if escaped:  # rare: only then pay for the joins
+        joins = " ".join(
+            f"LEFT JOIN _fx_text {alias} ON {alias}.raw = a.{_ident(col)}" for alias, col in dims
         )
-    }
-    dims = ", ".join(f"{expr} AS {name}" for name, expr in escaped.items())
-    return f"""
-        SELECT {select}
-        FROM (SELECT a.*, {dims} FROM _fx_agg a)
-        ORDER BY "ChargePeriodStart", "SubAccountId" NULLS FIRST, "x_UserId" NULLS FIRST,
-                 "x_ToolName" NULLS FIRST, "SkuPriceId"
-    """
+        picks = ", ".join(
+            f"coalesce({alias}.txt, a.{_ident(col)}) AS {alias}" for alias, col in dims
+        )
+        source = f"(SELECT a.*, {picks} FROM {table} a {joins})"
+    else:
+        picks = ", ".join(f"{_ident(col)} AS {alias}" for alias, col in dims)
+        source = f"(SELECT *, {picks} FROM {table})"
+    # The table is sorted; a plain projection keeps its order.
+    return f"SELECT {select} FROM {source}"
+
+
+#: Rows of a larger export are checked whole on a repeatable sample of this size.
+CHECK_SAMPLE = 10_000
+#: Columns whose distinct values are few and checked completely, whatever the size.
+_COMPLETE = (
+    (
+        "ChargeCategory",
+        "ChargeClass",
+        "ChargeFrequency",
+        "PricingCategory",
+        "ServiceCategory",
+        "ServiceSubcategory",
+        "CommitmentDiscountStatus",
+        "ConsumedUnit",
+        "PricingUnit",
+        "SkuMeter",
+        "ServiceName",
+        "BillingCurrency",
+        "x_Meter",
+    ),
+    ("BillingPeriodStart", "ChargePeriodStart", "ChargePeriodEnd", "BillingPeriodEnd"),
+    ("SubAccountId", "SubAccountName"),
+    ("x_UserId",),
+    ("x_ToolName",),
+    ("x_ModelId",),
+)
 
 
 def check_table(con: duckdb.DuckDBPyConnection, version: FocusVersion = FOCUS_1_2) -> list[str]:
-    """Run ``focus.check_row``'s rules over ``_fx_out``: each on the distinct values it reads.
+    """Check ``_fx_out`` against ``focus.check_row``; return the problems found.
 
-    Returns the problems (at most a few per rule, with the offending values).
+    Every row of an export of at most :data:`CHECK_SAMPLE` rows is checked; a
+    larger one on a repeatable sample of that many rows (``_fx_sample_out``), plus every distinct
+    value of the low-cardinality columns (enumerations, periods, names), so
+    the rules that depend on the data's values are checked completely; the
+    numbers are rendered by construction (integer arithmetic, tested against
+    ``focus.decimal_text`` and ``focus.split_cost``).
     """
     names = [d[0] for d in con.execute("SELECT * FROM _fx_out LIMIT 0").description]
     problems = check_columns(names, version)
-    for name in names:
-        kind = version.column(name).kind if name in version.names else Kind.STRING
-        # Our decimal and integer columns are rendered by construction; their format is
-        # checked on their distinct shapes (digits replaced), which are few.
-        if kind in (Kind.DECIMAL, Kind.INTEGER):
-            query = (
-                f"SELECT DISTINCT regexp_replace({_ident(name)}, '[0-9]+', '0', 'g') FROM _fx_out"
-            )
-        else:
-            query = f"SELECT DISTINCT {_ident(name)} FROM _fx_out"
-        for (value,) in con.execute(query).fetchall():
-            problems += check_formats({name: value}, version)
-    for columns, rule in ROW_RULES:
-        if not all(c in names for c in columns):
-            continue
-        cols = ", ".join(_ident(c) for c in columns)
-        found = 0
-        for values in con.execute(f"SELECT DISTINCT {cols} FROM _fx_out").fetchall():
-            if issues := rule(dict(zip(columns, values, strict=True))):
+    (total,) = con.execute("SELECT count(*) FROM _fx_agg").fetchone() or (0,)
+    queries = []
+    if total > CHECK_SAMPLE:
+        queries.append("SELECT * FROM _fx_sample_out")
+        for columns in _COMPLETE:
+            present = [c for c in columns if c in names]
+            if present:
+                queries.append(
+                    f"SELECT DISTINCT {', '.join(_ident(c) for c in present)} FROM _fx_out"
+                )
+    else:
+        queries.append("SELECT * FROM _fx_out")
+    for query in queries:
+        cursor = con.execute(query)
+        header = [d[0] for d in cursor.description or ()]
+        for values in cursor.fetchall():
+            if issues := check_row(dict(zip(header, values, strict=True)), version):
                 problems += issues
-                found += 1
-                if found >= 3:
-                    break
+                if len(problems) >= 10:
+                    return problems
     return problems
 
 
-def _write(
-    con: duckdb.DuckDBPyConnection,
-    target: Path,
-    fmt: str,
-    options: ExportOptions,
-    scale_of: dict[str, int],
-) -> None:
+def _write(con: duckdb.DuckDBPyConnection, target: Path, fmt: str) -> None:
     path = _quote(str(target))
     if fmt == "csv":
-        con.execute(f"COPY _fx_out TO {path} (FORMAT csv, HEADER true, DELIMITER ',')")
-        return
-    casts = []
-    for column in options.version.columns:
-        name = _ident(column.name)
-        if column.kind is Kind.DECIMAL:
-            casts.append(f"CAST({name} AS DECIMAL(38, {scale_of.get(column.name, 6)})) AS {name}")
-        elif column.kind is Kind.INTEGER:
-            casts.append(f"CAST({name} AS BIGINT) AS {name}")
-        elif column.kind is Kind.DATETIME:
-            casts.append(f"CAST(strptime({name}, '%Y-%m-%dT%H:%M:%SZ') AS TIMESTAMPTZ) AS {name}")
-        else:
-            casts.append(name)
-    con.execute(
-        f"COPY (SELECT {', '.join(casts)} FROM _fx_out) TO {path} "
-        "(FORMAT parquet, COMPRESSION zstd)"
-    )
-
-
-def _decimal_scales(con: duckdb.DuckDBPyConnection, version: FocusVersion) -> dict[str, int]:
-    """The largest number of fractional digits of each decimal column (Parquet's scale)."""
-    decimals = [c.name for c in version.columns if c.kind is Kind.DECIMAL]
-    exprs = ", ".join(f"max(length({_ident(n)}) - strpos({_ident(n)}, '.'))" for n in decimals)
-    row = con.execute(f"SELECT {exprs} FROM _fx_out").fetchone() or ()
-    return {n: max(1, int(v or 1)) for n, v in zip(decimals, row, strict=True)}
+        con.execute(f"COPY (SELECT * FROM _fx_out) TO {path} (FORMAT csv, HEADER true)")
+    else:
+        con.execute(f"COPY (SELECT * FROM _fx_typed) TO {path} (FORMAT parquet, COMPRESSION zstd)")
 
 
 def export_focus(
@@ -536,9 +597,8 @@ def export_focus(
                 )
         mark = time.perf_counter()
         progress(f"writing {rows:,} rows to {target}")
-        scales = _decimal_scales(con, options.version) if fmt == "parquet" else {}
         try:
-            _write(con, temp, fmt, options, scales)
+            _write(con, temp, fmt)
         except duckdb.Error as exc:
             raise ExportError(f"--out {target}: writing failed: {_first_line(exc)}") from None
         with open(temp, "rb") as f:
@@ -552,7 +612,10 @@ def export_focus(
     finally:
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
-        for name in ("_fx_out", "_fx_text", "_fx_agg", "_fx_ev", "_fx_all", "_fx_rates"):
+        for view in ("_fx_out", "_fx_typed", "_fx_sample_out"):
+            with contextlib.suppress(duckdb.Error):
+                con.execute(f"DROP VIEW IF EXISTS {view}")
+        for name in ("_fx_text", "_fx_agg", "_fx_sample", "_fx_ev", "_fx_split", "_fx_rates"):
             with contextlib.suppress(duckdb.Error):
                 con.execute(f"DROP TABLE IF EXISTS {name}")
     return ExportResult(
