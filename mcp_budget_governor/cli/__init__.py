@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "worker",
     "budgets",
     "demo",
+    "export",
     "replay",
     "reconcile",
     "costs",
