@@ -40,6 +40,7 @@ from mcp_budget_governor import (
     usd,
 )
 from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware, BudgetToolError, tool_price
+from mcp_budget_governor.integrations.flow import governed_context
 
 T = TypeVar("T")
 # One instant for the whole run: every call lands in the same minute bucket,
@@ -92,6 +93,14 @@ def build_server(governor: Governor, **middleware: Any) -> FastMCP:
     @mcp.tool(meta={"mcpbg": {"cost_usd": "0.01", "limit": "nope"}})
     async def misconfigured() -> str:
         return "never runs"
+
+    @mcp.tool
+    async def self_metering(micros: int) -> str:
+        # A tool that meters what it spent itself, charged to the governed caller.
+        ctx = governed_context()
+        assert ctx is not None
+        await governor.meter("user_spend", micros, ctx)
+        return f"{ctx.user}/{ctx.tenant}/{ctx.tool}"
 
     return mcp
 
@@ -300,6 +309,13 @@ async def test_an_async_callback_and_identify_work_too(serve: Serve) -> None:
         assert await call(client, "priced", n=1) == 1
         assert await s.usage("spend") == usd("0.03")
         assert await s.usage("burst", Context(user="u_1", tenant="acme")) == 1
+
+
+async def test_a_tool_meters_its_own_spend_on_the_governed_context(serve: Serve) -> None:
+    async with serve(policy(), identify=user_from_meta) as s, s.client() as client:
+        assert await call(client, "self_metering", micros=1234) == "u_1/acme/self_metering"
+        assert await s.usage("user_spend", Context(user="u_1", tenant="acme")) == 1234
+    assert governed_context() is None  # set only while a governed call runs
 
 
 async def test_an_unidentified_caller_is_refused_by_default(serve: Serve) -> None:

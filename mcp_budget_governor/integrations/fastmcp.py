@@ -39,6 +39,11 @@ A tool's cost comes from two places:
 - the ``cost`` callback, ``cost(context, result) -> {limit: amount} | None``
   (sync or async), called after a tool completes with its ``ToolResult``; its
   charges replace the ``meta`` price for that call, and None keeps it.
+
+Inside the tool and the callback,
+:func:`~mcp_budget_governor.integrations.flow.governed_context` is the
+caller's context as it was checked (identified, with the tool), for a tool
+that meters more itself (``governor.meter_tokens(..., ctx=governed_context())``).
 """
 
 from __future__ import annotations

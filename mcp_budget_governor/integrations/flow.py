@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from datetime import UTC
 from typing import Any, TypeAlias, TypeVar
 
@@ -41,6 +42,7 @@ from mcp_budget_governor.producers.emit import Recorder
 __all__ = [
     "Charges",
     "governed_call",
+    "governed_context",
     "identify_with",
     "refusal_body",
     "refusal_text",
@@ -48,6 +50,8 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+
+_current: ContextVar[Context | None] = ContextVar("mcpbg_governed_context", default=None)
 
 Charges: TypeAlias = Mapping[str, int]
 """What a call costs: limit name -> amount in that limit's unit."""
@@ -70,22 +74,38 @@ async def governed_call(
     """
     if isinstance(governor, Governor):
         (await governor.check(ctx)).raise_for_status()
+    token = _current.set(ctx)
     try:
-        result = await work()
-    except Exception:
-        if fixed:
-            await meter_all(governor, fixed, ctx)
-        raise
-    charges = fixed
-    if priced is not None:
-        got = priced(result)
-        if inspect.isawaitable(got):
-            got = await got
-        if got is not None:
-            charges = got
-    if charges:
-        await meter_all(governor, charges, ctx)
-    return result
+        try:
+            result = await work()
+        except Exception:
+            if fixed:
+                await meter_all(governor, fixed, ctx)
+            raise
+        charges = fixed
+        if priced is not None:
+            got = priced(result)
+            if inspect.isawaitable(got):
+                got = await got
+            if got is not None:
+                charges = got
+        if charges:
+            await meter_all(governor, charges, ctx)
+        return result
+    finally:
+        _current.reset(token)
+
+
+def governed_context() -> Context | None:
+    """The context of the governed call running now, as it was checked; None outside one.
+
+    A tool (or a ``cost`` callback) that meters more itself, such as the
+    model tokens it spent, charges the same caller with it::
+
+        await governor.meter_tokens("spend", model, input_tokens=..., output_tokens=...,
+                                    ctx=governed_context())
+    """
+    return _current.get()
 
 
 async def meter_all(governor: Governor | Recorder, charges: Charges, ctx: Context) -> None:
