@@ -249,7 +249,9 @@ async def _reachable(options: DemoOptions, backend: Backend) -> None:
             await client.ping()
         except Exception as exc:  # any failure to answer means the URL is unusable here
             await backend.aclose()
-            raise InvalidInputError("--redis", options.redis_url, f"no answer ({exc})") from None
+            raise InvalidInputError(
+                "--redis", _redact(options.redis_url), f"no answer ({exc})"
+            ) from None
     if options.kafka_url:
         from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 
@@ -285,10 +287,24 @@ def _projector(options: DemoOptions, out: Path, backend: Backend) -> Any:
     return FileProjector(out / "ledger", backend)
 
 
+def _redact(url: str) -> str:
+    """A URL without its password, for the screen.
+
+    >>> _redact("redis://:s3cret@cache:6379/15")
+    'redis://***@cache:6379/15'
+    """
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme + sep + rest
+
+
 def _intro(
     console: Console, options: DemoOptions, out: Path, topic: str, prices: PriceTable
 ) -> None:
-    counters = f"Redis at {options.redis_url}" if options.redis_url else "in-process counters"
+    counters = (
+        f"Redis at {_redact(options.redis_url)}" if options.redis_url else "in-process counters"
+    )
     ledger = (
         f"Kafka topic {topic} at {options.kafka_url}"
         if options.kafka_url
