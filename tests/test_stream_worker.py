@@ -36,6 +36,7 @@ from pathlib import Path
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import OffsetAndMetadata
 from services import KafkaService, start_kafka, tansu_binary
 
@@ -87,7 +88,7 @@ def _tenants() -> list[str]:
 TENANTS = _tenants()
 
 
-def policy() -> Policy:
+def policy(*extra: Limit) -> Policy:
     return Policy.of(
         Limit("burst", cap=8, window=Window.MINUTE, scope=Scope.USER),
         Limit("daily", cap=400, window=Window.DAY, scope=Scope.USER),
@@ -100,7 +101,15 @@ def policy() -> Policy:
             scope=Scope.TENANT,
             gated=False,
         ),
+        *extra,
     )
+
+
+#: One global counter every partition charges, alerting every 10 %: two workers
+#: splitting the partitions both see each level crossed. ``--policy
+#: test_stream_worker:ALERT_POLICY`` (the worker runs with tests/ on its path).
+ALERT_LEVELS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
+ALERT_POLICY = policy(Limit("all_calls", cap=100, window=Window.DAY, alert_at=ALERT_LEVELS))
 
 
 async def workload(gov: Governor, n: int, rng: random.Random) -> None:
@@ -205,6 +214,10 @@ def start_worker(
     # Settings through the environment (as in a container), options for the rest.
     env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_REDIS_URL=redis_url)
     env["TMPDIR"] = str(tmp_path)  # whatever a SIGKILLed worker leaves stays in the test's dir
+    # --policy test_stream_worker:ALERT_POLICY names a module of this folder.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p
+    )
     argv = [
         sys.executable, "-m", "mcp_budget_governor.cli", "worker",
         "--topic", names.topic,
@@ -233,13 +246,17 @@ async def backend(redis_url: str) -> AsyncIterator[RedisBackend]:
 
 @contextlib.asynccontextmanager
 async def governor(
-    kafka: KafkaService, backend: RedisBackend, topic: str, tmp_path: Path
+    kafka: KafkaService,
+    backend: RedisBackend,
+    topic: str,
+    tmp_path: Path,
+    rules: Policy | None = None,
 ) -> AsyncIterator[Governor]:
     """A Governor whose ledger is the topic; every event is acknowledged on exit."""
     ledger = KafkaLedger(
         kafka.bootstrap, topic=topic, partitions=PARTITIONS, outbox_dir=tmp_path / "outbox"
     )
-    gov = Governor(policy(), backend, ledger=ledger)
+    gov = Governor(rules or policy(), backend, ledger=ledger)
     try:
         yield gov
     finally:
@@ -629,3 +646,76 @@ async def test_an_unresponsive_redis_stalls_the_batch_which_is_retried_not_skipp
     records = await wait_caught_up(kafka, backend, names.topic, workers)
     await assert_exact(backend, records)
     assert worker.terminate() == 0
+
+
+@pytest.mark.slow
+async def test_two_workers_alert_each_level_of_a_shared_counter_once(
+    kafka: KafkaService,
+    redis_url: str,
+    backend: RedisBackend,
+    names: Names,
+    workers: list[Worker],
+    tmp_path: Path,
+) -> None:
+    """Alert dedupe across processes: both workers evaluate the one global counter
+    (every partition charges it), each level crossed fires once on the alerts topic."""
+    alerts_topic = f"alerts-{names.topic}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(alerts_topic, PARTITIONS, 1)])
+    finally:
+        await admin.close()
+    opts = ["--policy", "test_stream_worker:ALERT_POLICY", "--alert-topic", alerts_topic]
+    async with governor(kafka, backend, names.topic, tmp_path, ALERT_POLICY) as gov:
+        await workload(gov, 50, random.Random(11))  # the topic exists before the workers
+        first = start_worker(workers, kafka, redis_url, names, tmp_path, *opts)
+        await wait_for(lambda: first.assigned() == {0, 1, 2}, "first takes all", workers, 30)
+        second = start_worker(workers, kafka, redis_url, names, tmp_path, *opts)
+
+        def split() -> bool:
+            a, b = first.assigned(), second.assigned()
+            return a is not None and b is not None and not a & b and a | b == {0, 1, 2}
+
+        await wait_for(split, "the workers split the partitions", workers, 40)
+        # Slowly, so that both workers' batches cross levels while both run.
+        rng = random.Random(12)
+        for _ in range(40):
+            await workload(gov, 40, rng)
+            await asyncio.sleep(0.1)
+    records = await wait_caught_up(kafka, backend, names.topic, workers)
+    await assert_exact(backend, records)
+    assert first.terminate() == 0 and second.terminate() == 0
+    applied = [
+        int(re.findall(r"stopped after \d+ records, (\d+) applied", w.text())[-1])
+        for w in (first, second)
+    ]
+    assert all(n > 0 for n in applied), applied  # both projected (so both evaluated)
+
+    key = next(c.key for r in records for c in r.event.data.charges if c.limit == "all_calls")
+    used = (await backend.state(key)).committed
+    crossed = [level for level in ALERT_LEVELS if used >= level]  # cap 100: percent = calls
+    assert len(crossed) >= 5, used  # the workload crossed most levels
+    fired = await read_alerts(kafka, alerts_topic, len(crossed))
+    assert sorted(fired) == [(key, level) for level in crossed]  # each level once
+
+
+async def read_alerts(kafka: KafkaService, topic: str, count: int) -> list[tuple[str, int]]:
+    """(counter key, level) of every alert on ``topic``, waiting for ``count`` of them."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    out: list[tuple[str, int]] = []
+    try:
+        consumer.assign([TopicPartition(topic, p) for p in range(PARTITIONS)])
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=500)
+            for messages in batch.values():
+                for m in messages:
+                    data = orjson.loads(m.value or b"{}")["data"]
+                    out.append((data["key"], data["level"]))
+            if len(out) >= count and not batch:
+                break  # the expected count, and then nothing more
+    finally:
+        await consumer.stop()
+    return out
