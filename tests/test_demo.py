@@ -62,8 +62,15 @@ def check_outputs(
     # The projection caught up: every charge committed (conservation).
     assert "nothing left in flight" in text
     # The tables.
-    for title in ("Calls by agent", "Budgets now", "Cost by tenant, user and tool"):
+    for title in (
+        "Calls by agent",
+        "Budgets now",
+        "Cost by tenant, user and tool",
+        "Calls shed by the breaker",
+    ):
         assert title in text, title
+    shed = text[text.index("Calls shed by the breaker") :]
+    assert "│ global_spend │" in shed.split("Ledger:")[0]
     cap = f"${format_usd(POLICY['global_spend'].cap)}"
     budget_line = next(line for line in text.splitlines() if "global_spend" in line)
     assert cap in budget_line and "yes" in budget_line  # exceeded

@@ -550,29 +550,38 @@ async def _budgets_table(console: Console, governor: Governor, now: float) -> No
 
 
 def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
+    """Spend by tenant, user and tool, and the calls the breaker shed: `mcpbg costs` reports."""
     from mcp_budget_governor.cli.render import table
+    from mcp_budget_governor.projections.costs import Filter, breaker_trips, spend
 
     con = _open_ledger(options, out)
     try:
         _one_cost_per_call(con)
-        cur = con.execute(
-            "SELECT tenant, \"user\", tool, count(*) FILTER (WHERE type = 'mcpbg.metered.v1'), "
-            "sum(usd_micros) AS micros FROM costs WHERE usd_micros <> 0 "
-            "GROUP BY ALL ORDER BY micros DESC"
-        )
-        rows = [[t, u, tool, n, usd_text(int(m))] for t, u, tool, n, m in cur.fetchall()]
+        report = spend(con, ["tenant", "user", "tool"], Filter())
+        trips = breaker_trips(con, Filter())
         kinds = con.execute(
             "SELECT replace(replace(type, 'mcpbg.', ''), '.v1', ''), count(DISTINCT id) "
             "FROM ledger_raw GROUP BY ALL ORDER BY 2 DESC"
         ).fetchall()
     finally:
         con.close()
+    shown = ["tenant", "user", "tool", "calls", "rejected", "input_tokens", "output_tokens"]
+    at = [report.headers.index(name) for name in [*shown, "usd_micros"]]
+    rows = [[*(_cell(row[i]) for i in at[:-1]), usd_text(int(row[at[-1]]))] for row in report.rows]
     console.print(
         table(
-            "Cost by tenant, user and tool (DuckDB over the ledger)",
-            ["tenant", "user", "tool", "metered calls", "cost"],
+            "Cost by tenant, user and tool (DuckDB over the ledger, as mcpbg costs)",
+            [*shown, "cost"],
             rows,
-            numeric=["metered calls", "cost"],
+            numeric=[*shown[3:], "cost"],
+        )
+    )
+    console.print(
+        table(
+            "Calls shed by the breaker",
+            trips.headers,
+            [[_cell(v) for v in row] for row in trips.rows],
+            numeric=["trips"],
         )
     )
     total = sum(n for _, n in kinds)
@@ -580,6 +589,10 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
         f"Ledger: {total} events, " + ", ".join(f"{n} {kind}" for kind, n in kinds) + " "
         f"(a cost is metered once per spend limit: {', '.join(SPEND_LIMITS)})"
     )
+
+
+def _cell(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def _write_focus(console: Console, options: DemoOptions, out: Path, now: float) -> Path | None:
@@ -614,10 +627,11 @@ def _open_ledger(options: DemoOptions, out: Path) -> Any:
 def _one_cost_per_call(con: Any) -> None:
     """Keep one USD charge per call: the global limit's.
 
-    The middleware meters a call's cost to each spend limit as its own ledger
-    event, and the ``costs`` view counts each event's USD, so it would count
-    a call once per spend limit. Every cost reaches ``global_spend``: the
-    other limits' USD charges are left out of this connection's ``ledger``.
+    A call's cost is metered to each spend limit as its own ledger event
+    (``Governor.meter`` charges one limit), and the ``costs`` view counts
+    each event's USD and tokens, so it would count a call once per spend
+    limit. Every cost reaches ``global_spend``: the other limits' USD
+    charges are left out of this connection's ``ledger``.
     """
     con.execute(
         """
