@@ -794,7 +794,7 @@ class WebhookSink:
     ``(retries + 1) * timeout`` plus the pauses. Logs name the URL by scheme,
     host and port only: a webhook path often holds a secret token.
 
-    Needs ``aiohttp`` (installed with the ``stream`` extra, through faust-streaming).
+    Needs ``aiohttp`` (installed with the ``stream`` extra).
     """
 
     def __init__(
