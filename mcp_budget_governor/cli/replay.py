@@ -85,11 +85,16 @@ def run(args: argparse.Namespace) -> int:
         else:
             from ..projections.ledger_view import open_ledger
 
-            if source == "archive":
-                con = open_ledger(archive_dir=required(args, "archive_dir", "the Parquet archive"))
-            else:
-                con = open_ledger(ledger_dir=required(args, "ledger_dir", "the file ledger"))
-            client = redis_client(redis_url)
+            client = redis_client(redis_url)  # first: a bad URL is the error to see
+            try:
+                if source == "archive":
+                    folder = required(args, "archive_dir", "the Parquet archive")
+                    con = open_ledger(archive_dir=folder)
+                else:
+                    con = open_ledger(ledger_dir=required(args, "ledger_dir", "the file ledger"))
+            except BaseException:
+                client.close()
+                raise
             try:
                 result = replay_ledger(
                     con,
@@ -171,14 +176,17 @@ class _Bar:
             TimeElapsedColumn,
         )
 
+        console = Console(stderr=True)
         self.progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            console=Console(stderr=True),
+            console=console,
             transient=True,
+            # Only on a terminal: piped stderr stays the one-line error channel.
+            disable=not console.is_terminal,
         )
         self.tasks: dict[str, Any] = {}
 

@@ -1,0 +1,369 @@
+"""``mcpbg replay``: counters rebuilt from the ledger equal the live ones, and the live
+projection resumes after a replay counting nothing twice (real Redis; real Kafka and
+the real worker for ``--source kafka``)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+from test_ledger_view import (
+    SOURCE,
+    TOPIC,
+    Clock,
+    Run,
+    live_counters,
+    mixed_run,
+    partition_of,
+    policy,
+    watermarks,
+    workload,
+)
+
+from mcp_budget_governor import Governor, RedisBackend
+from mcp_budget_governor.cli import main
+from mcp_budget_governor.events import encode, parse
+from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.prices import PriceTable
+from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+from mcp_budget_governor.projections.counter_sync import (
+    ConcurrentProjectionError,
+    redis_client,
+    write_counters,
+)
+from mcp_budget_governor.stream.archiver import Archiver
+from mcp_budget_governor.stream.projector import Projector
+
+
+def flush(url: str) -> None:
+    client = redis_sync.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+
+
+def replay(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["replay", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_archive_replay_equals_the_live_counters(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await mixed_run(redis_url, tmp_path)
+    live, marks = live_counters(redis_url), watermarks(redis_url)
+    assert live and all(f == 0 for _, f in live.values())
+    assert {k: c for k, (c, _) in live.items()} == run.totals()  # the projector is exact
+    flush(redis_url)
+
+    code, out, _ = replay(
+        capsys, "--all", "--archive-dir", str(run.archive), "--redis-url", redis_url
+    )
+    assert code == 0, out
+    assert live_counters(redis_url) == live
+    assert watermarks(redis_url) == marks
+    client = redis_sync.Redis.from_url(redis_url)
+    assert client.exists(EPOCH_KEY)
+    seen = set()
+    for key in client.scan_iter(match=f"{SEEN_PREFIX}:*"):
+        seen |= {m.decode() for m in client.smembers(key)}
+        assert client.ttl(key) > 0
+    assert seen == set(run.ids)
+    client.close()
+    assert "replay from archive" in out and f"{TOPIC}:0" in out
+
+
+async def test_default_replays_the_current_buckets_only(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await mixed_run(redis_url, tmp_path)  # events spread over the last 3 minutes
+    live = live_counters(redis_url)
+    flush(redis_url)
+    code, out, _ = replay(capsys, "--archive-dir", str(run.archive), "--redis-url", redis_url)
+    assert code == 0, out
+    rebuilt = live_counters(redis_url)
+    left_out = set(live) - set(rebuilt)
+    assert left_out, "the workload should span more than one minute bucket"
+    import time
+
+    current_minute = time.strftime("%Y%m%dT%H%M", time.gmtime())
+    for key in left_out:  # only ended minute buckets, still alive in their grace hour
+        assert key.startswith("mcpbg:v1:burst:") and key.rsplit(":", 1)[1] < current_minute
+    assert {k: live[k] for k in rebuilt} == rebuilt
+
+
+async def test_dry_run_lists_the_changes_and_writes_nothing(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await mixed_run(redis_url, tmp_path)
+    some_key = next(iter(run.totals()))
+    flush(redis_url)
+    code, out, _ = replay(
+        capsys,
+        "--all", "--dry-run", "--show", "1000",
+        "--archive-dir", str(run.archive), "--redis-url", redis_url,
+    )  # fmt: skip
+    assert code == 0
+    assert "dry run: nothing written" in out and some_key in out
+    client = redis_sync.Redis.from_url(redis_url)
+    assert client.dbsize() == 0
+    client.close()
+
+
+async def extend(redis_url: str, run: Run, n: int, seed: int) -> dict[int, list[tuple[int, bytes]]]:
+    """New governed events after the run (the hot path writes them in flight in Redis),
+    appended at the next offsets of their partitions; returns them per partition."""
+    import time
+
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    ledger = MemoryLedger()
+    gov = Governor(
+        policy(), backend, ledger=ledger, prices=PriceTable.builtin(),
+        clock=Clock(time.time(), back=30, step=30 / n),
+    )  # fmt: skip
+    await workload(gov, n, random.Random(seed))
+    await backend.aclose()
+    new: dict[int, list[tuple[int, bytes]]] = {}
+    for entry in ledger.entries:
+        raw = encode(entry, SOURCE)
+        p = partition_of(raw)
+        records = run.partitions[p]
+        records.append((len(records), raw))
+        new.setdefault(p, []).append(records[-1])
+    return new
+
+
+async def test_live_projection_resumes_after_a_replay_counting_nothing_twice(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await mixed_run(redis_url, tmp_path)
+    flush(redis_url)  # the outage: Redis restarted empty
+    code, out, _ = replay(
+        capsys, "--all", "--archive-dir", str(run.archive), "--redis-url", redis_url
+    )
+    assert code == 0, out
+    new = await extend(redis_url, run, 150, seed=5)
+    # A producer retry of an event the replay counted, at a new offset.
+    p0 = min(run.partitions)
+    old = run.partitions[p0][3][1]
+    run.partitions[p0].append((len(run.partitions[p0]), old))
+    new[p0].append(run.partitions[p0][-1])
+
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    projector = Projector(backend, TOPIC, dlq=lambda letter: None, require_epoch=True)
+    for p, records in sorted(new.items()):
+        # Redelivered from before the replay's watermark, as a consumer group may.
+        first_new = records[0][0]
+        overlap = [r for r in run.partitions[p] if first_new - 25 <= r[0] < first_new]
+        await projector.apply_batch(p, overlap + records)
+    await backend.aclose()
+
+    rebuilt = live_counters(redis_url)
+    assert {k: c for k, (c, _) in rebuilt.items() if c or k in run.totals()} == run.totals()
+    assert all(f == 0 for _, f in rebuilt.values()), "something was left in flight"
+
+
+async def test_replay_over_a_live_redis_moves_the_in_flight_of_archived_events(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker archives a batch, then dies before applying it: the archive has events
+    Redis holds in flight. Replay commits them and drops those in-flight entries (the live
+    projector, resuming after the new watermark, will never move them); the newer events'
+    in-flight entries stay for the projector."""
+    run = await mixed_run(redis_url, tmp_path)
+    archived = await extend(redis_url, run, 60, seed=8)
+    unarchived = await extend(redis_url, run, 40, seed=9)
+    archiver = Archiver(run.archive, topic=TOPIC)
+    for p, records in archived.items():
+        archiver.write_batch(p, [(o, parse(raw)) for o, raw in records])
+    code, out, _ = replay(
+        capsys, "--all", "--archive-dir", str(run.archive), "--redis-url", redis_url
+    )
+    assert code == 0, out
+    upto = {p: records[-1][0] for p, records in archived.items()}
+    for p in run.partitions:
+        upto.setdefault(
+            p,
+            max(
+                o
+                for o, _ in run.partitions[p]
+                if o < min([r[0] for r in unarchived.get(p, [])] or [10**9])
+            ),
+        )
+    assert watermarks(redis_url) == {f"{TOPIC}:{p}": o for p, o in upto.items()}
+
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    in_flight_ids = set()
+    for key in live_counters(redis_url):
+        in_flight_ids |= set((await backend.state(key)).pending)
+    want_pending = {parse(raw).id for records in unarchived.values() for _, raw in records}
+    assert in_flight_ids <= want_pending and in_flight_ids
+    # The worker comes back: it redelivers the archived batch (skipped) and goes on.
+    projector = Projector(backend, TOPIC, dlq=lambda letter: None)
+    for p in sorted(run.partitions):
+        batch = archived.get(p, []) + unarchived.get(p, [])
+        if batch:
+            await projector.apply_batch(p, batch)
+    await backend.aclose()
+    counters = live_counters(redis_url)
+    assert {k: c for k, (c, _) in counters.items() if k in run.totals()} == run.totals()
+    assert all(f == 0 for _, f in counters.values())
+
+
+async def test_file_ledger_replay_equals_the_file_projector(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    folder = tmp_path / "ledger"
+    gov = Governor(
+        policy(), backend, ledger=FileLedger(folder, fsync="never"), prices=PriceTable.builtin()
+    )
+    await workload(gov, 200, random.Random(4))
+    await gov.ledger.aclose()  # type: ignore[union-attr]
+    projector = FileProjector(folder, backend)
+    assert await projector.catch_up() > 0
+    await backend.aclose()
+    live, marks = live_counters(redis_url), watermarks(redis_url)
+    flush(redis_url)
+    code, out, _ = replay(
+        capsys, "--source", "file", "--all", "--ledger-dir", str(folder), "--redis-url", redis_url
+    )
+    assert code == 0, out
+    assert live_counters(redis_url) == live
+    assert watermarks(redis_url) == marks and all(k.startswith("file:") for k in marks)
+
+
+async def test_replay_refuses_when_redis_is_ahead_of_the_archive(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = await mixed_run(redis_url, tmp_path)
+    client = redis_sync.Redis.from_url(redis_url)
+    client.hset(WATERMARK_KEY, f"{TOPIC}:0", 10**6)
+    before = live_counters(redis_url)
+    code, _, err = replay(
+        capsys, "--all", "--archive-dir", str(run.archive), "--redis-url", redis_url
+    )
+    assert code == 2
+    assert err.count("\n") == 1 and f"partition {TOPIC}:0" in err and "ledger ends at" in err
+    assert live_counters(redis_url) == before and client.exists(EPOCH_KEY)
+    client.close()
+
+
+def test_a_projector_moving_meanwhile_makes_the_write_refuse(redis_url: str) -> None:
+    client = redis_client(redis_url)
+    client.hset(WATERMARK_KEY, "t:0", 5)
+    with pytest.raises(ConcurrentProjectionError):
+        write_counters(client, [("mcpbg:v1:x:global:20261129", 7, 2**40)], watermarks={"t:0": 4})
+    assert not client.exists("mcpbg:v1:x:global:20261129")
+    write_counters(client, [("mcpbg:v1:x:global:20261129", 7, 2**40)], watermarks={"t:0": 5})
+    assert client.hget("mcpbg:v1:x:global:20261129", "c") == b"7"
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--source", "tape"], "--source: one of archive, file, kafka (got 'tape')"),
+        (["--redis-url", "http://localhost"], "redis_url: expected redis://host:port/db"),
+        (["--redis-url", "redis://127.0.0.1:1/0"], "redis redis://127.0.0.1:1/0"),
+        (["--archive-dir", "{empty}"], "empty ledger"),
+        (["--archive-dir", "{corrupt}"], "corrupt Parquet file"),
+        (["--archive-dir", "{tmp}/nope"], "no such folder"),
+        (["--source", "kafka", "--kafka-url", "http://x:1"], "expected kafka://host:port"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(
+    redis_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    problem: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for var in ("MCPBG_ARCHIVE_DIR", "MCPBG_LEDGER_DIR", "MCPBG_REDIS_URL", "MCPBG_KAFKA_URL"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "empty").mkdir()
+    corrupt = tmp_path / "corrupt" / "date=2026-11-29"
+    corrupt.mkdir(parents=True)
+    (corrupt / "x.parquet").write_bytes(b"garbage")
+    argv = [a.format(empty=tmp_path / "empty", corrupt=tmp_path / "corrupt", tmp=tmp_path)
+            for a in argv]  # fmt: skip
+    if "--redis-url" not in argv:
+        argv += ["--redis-url", redis_url]
+    if "--archive-dir" not in argv:
+        argv += ["--archive-dir", str(tmp_path / "empty")]
+    code, _, err = replay(capsys, *argv)
+    assert code == 2
+    assert err.startswith("mcpbg replay: ") and err.count("\n") == 1, err
+    assert problem in err
+
+
+# -- the real worker and Kafka ------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real worker projects a Kafka ledger and archives it; after an outage both
+    replay paths rebuild exactly its counters, and the worker resumes after a replay
+    with every counter equal to its ledger sum and nothing in flight."""
+    pytest.importorskip("mcp_budget_governor.stream.worker")
+    import test_stream_worker as sw
+    from services import start_kafka
+
+    kafka = start_kafka()
+    started: list[sw.Worker] = []
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    try:
+        await backend.mark_ready("test")
+        names = sw.Names(f"ledger-replay-{random.randrange(10**9)}", "projector-replay")
+        archive = tmp_path / "archive"
+        async with sw.governor(kafka, backend, names.topic, tmp_path) as gov:
+            await sw.workload(gov, 400, random.Random(11))
+        worker = sw.start_worker(
+            started, kafka, redis_url, names, tmp_path, "--archive-dir", str(archive)
+        )
+        records = await sw.wait_caught_up(kafka, backend, names.topic, started)
+        await sw.assert_exact(backend, records)
+        assert worker.terminate() == 0
+        live, marks = live_counters(redis_url), watermarks(redis_url)
+
+        common = ["--all", "--redis-url", redis_url]
+        flush(redis_url)
+        code, out, _ = await asyncio.to_thread(
+            replay, capsys, "--archive-dir", str(archive), *common
+        )
+        assert code == 0, out
+        assert (live_counters(redis_url), watermarks(redis_url)) == (live, marks)
+
+        # The worker resumes on the replayed Redis: new events, nothing counted twice.
+        async with sw.governor(kafka, backend, names.topic, tmp_path) as gov:
+            await sw.workload(gov, 200, random.Random(12))
+        worker = sw.start_worker(
+            started, kafka, redis_url, names, tmp_path, "--archive-dir", str(archive)
+        )
+        records = await sw.wait_caught_up(kafka, backend, names.topic, started)
+        await sw.assert_exact(backend, records)
+        assert "rebuild: " not in worker.text()  # the replay's epoch marker was found
+        assert worker.terminate() == 0
+        live, marks = live_counters(redis_url), watermarks(redis_url)
+
+        flush(redis_url)
+        code, out, _ = await asyncio.to_thread(
+            replay, capsys, "--source", "kafka", "--kafka-url", f"kafka://{kafka.bootstrap}",
+            "--topic", names.topic, *common,
+        )  # fmt: skip
+        assert code == 0, out
+        assert (live_counters(redis_url), watermarks(redis_url)) == (live, marks)
+        assert redis_sync.Redis.from_url(redis_url).exists(EPOCH_KEY)
+    finally:
+        for w in started:
+            if w.proc.poll() is None:
+                w.kill()
+        await backend.aclose()
+        kafka.stop()
