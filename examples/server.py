@@ -38,6 +38,7 @@ from starlette.responses import JSONResponse
 
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
 from mcp_budget_governor.integrations.fastmcp import META_KEY, BudgetMiddleware
+from mcp_budget_governor.integrations.flow import governed_context
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 
 #: The environment variables this server reads (the same names as ``mcpbg``).
@@ -75,18 +76,23 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     governor = Governor(policy, backend, ledger=ledger, prices=prices)
     money = spend_limits(policy)
 
-    def cost(context: Any, result: Any) -> dict[str, int] | None:
-        # A tool that called a model reports its usage: price its tokens. For
-        # the others, None keeps the fixed price their meta declares.
+    async def cost(context: Any, result: Any) -> dict[str, int] | None:
+        # A tool that called a model reports its usage: meter its tokens on each
+        # spend limit (the ledger keeps model, tokens and price version, so the
+        # cost can be audited), and return no further charges. For the other
+        # tools, None keeps the fixed price their meta declares.
         usage = (getattr(result, "structured_content", None) or {}).get("usage")
         if not usage:
             return None
-        micros = prices.cost_micros(
-            usage["model"],
-            input_tokens=usage["input_tokens"],
-            output_tokens=usage["output_tokens"],
-        )
-        return dict.fromkeys(money, micros)
+        for limit in money:
+            await governor.meter_tokens(
+                limit,
+                usage["model"],
+                input_tokens=usage["input_tokens"],
+                output_tokens=usage["output_tokens"],
+                ctx=governed_context(),
+            )
+        return {}
 
     @asynccontextmanager
     async def lifespan(_: FastMCP) -> AsyncIterator[None]:

@@ -24,7 +24,7 @@ from fastmcp.client.transports import StreamableHttpTransport
 from fastmcp.exceptions import ToolError
 from services import KafkaService, free_port, start_kafka
 
-from mcp_budget_governor import Context, Governor, Policy, RedisBackend, usd
+from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
 from mcp_budget_governor.stream.topic_reader import read_topic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,12 +138,22 @@ async def test_governed_calls_over_streamable_http(
     assert message.startswith("budget_exceeded:user/minute")
     assert "status=429" in message and "retry_after=" in message
 
+    # bob: a model call (its tokens priced) and two searches; the last one is
+    # admitted under the $0.02 breaker and takes the spend past it.
+    text = "x" * 400
+    summary_cost = PriceTable.builtin().cost_micros(
+        "claude-sonnet-4-5", input_tokens=400 + len(text) // 4, output_tokens=120
+    )
+    assert 4 * SEARCH_PRICE + summary_cost < usd("0.02") <= 5 * SEARCH_PRICE + summary_cost
     async with client(base, "bob") as bob:
+        reply = await bob.call_tool("summarise", {"text": text})
+        assert reply.structured_content["usage"]["output_tokens"] == 120
         for i in range(2):
             await bob.call_tool("search", {"query": f"b{i}"})
-        # 5 searches spent the breaker's $0.02: the next caller is shed.
+    # The breaker has tripped: the next caller is shed.
+    async with client(base, "carol") as carol:
         with pytest.raises(ToolError) as shed:
-            await bob.call_tool("search", {"query": "shed"})
+            await carol.call_tool("search", {"query": "shed"})
     assert str(shed.value).startswith("budget_exceeded:global/day")
     assert "status=503" in str(shed.value)
 
@@ -155,7 +165,8 @@ async def test_governed_calls_over_streamable_http(
     # Spend is metered on the shared counters...
     gov = Governor(Policy.from_file(policy), backend)
     assert await gov.usage("user_spend", Context(user="alice")) == 3 * SEARCH_PRICE
-    assert await gov.usage("global_spend") == 5 * SEARCH_PRICE
+    assert await gov.usage("user_spend", Context(user="bob")) == 2 * SEARCH_PRICE + summary_cost
+    assert await gov.usage("global_spend") == 5 * SEARCH_PRICE + summary_cost
     await gov.aclose()
 
     # ...and on the ledger: the server ships its events to the topic.
@@ -163,14 +174,19 @@ async def test_governed_calls_over_streamable_http(
     while True:  # the ledger ships in the background (it lingers to form batches)
         records = await read_topic(kafka.bootstrap, topic)
         types = [r.event.type for r in records]
-        if types.count("mcpbg.admitted.v1") >= 5 or time.monotonic() > deadline:
+        if types.count("mcpbg.admitted.v1") >= 6 or time.monotonic() > deadline:
             break
-    assert types.count("mcpbg.admitted.v1") == 5
+    assert types.count("mcpbg.admitted.v1") == 6
     assert types.count("mcpbg.rejected.v1") >= 2
     metered = [r.event for r in records if r.event.type == "mcpbg.metered.v1"]
-    assert sum(c.amount for e in metered for c in e.data.charges if c.limit == "global_spend") == (
-        5 * SEARCH_PRICE
-    )
+    spent = [c.amount for e in metered for c in e.data.charges if c.limit == "global_spend"]
+    assert sum(spent) == 5 * SEARCH_PRICE + summary_cost
+    # The model call's events carry its tokens, so its cost can be re-derived.
+    priced = [e.data.usage for e in metered if e.data.usage is not None]
+    assert len(priced) == 2  # user_spend and global_spend
+    assert {(u.model, u.input_tokens, u.output_tokens) for u in priced} == {
+        ("claude-sonnet-4-5", 500, 120)
+    }
 
 
 def test_health_reports_the_policy(server: tuple[str, str, Path]) -> None:

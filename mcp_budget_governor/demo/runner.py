@@ -158,12 +158,14 @@ def tool_cost(governor: Governor) -> Any:
     usage returns None: the tool's ``meta`` price stands.
     """
 
+    from mcp_budget_governor.integrations.flow import governed_context
+
     async def cost(context: Any, result: Any) -> dict[str, int] | None:
         usage = _usage_of(result)
         if usage is None:
             return None
-        # The caller as the middleware governed it: identified, with the tool.
-        ctx = governor.policy.identified(identify(context).with_tool(context.message.name))
+        # The caller exactly as the middleware checked it (identified, with the tool).
+        ctx = governed_context()
         for limit in SPEND_LIMITS:
             await governor.meter_tokens(
                 limit,
