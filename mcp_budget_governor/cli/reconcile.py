@@ -45,8 +45,12 @@ def run(args: argparse.Namespace) -> int:
     if args.show < 0:
         raise InvalidInputError("--show", args.show, "0 or more")
     redis_url = required(args, "redis_url", "the counters' Redis, redis://host:port/db")
-    con = open_ledger_from(args)
-    client = redis_client(redis_url)
+    client = redis_client(redis_url)  # first: a bad URL is the error to see
+    try:
+        con = open_ledger_from(args)
+    except BaseException:
+        client.close()
+        raise
     try:
         result = reconcile(con, client, fix=args.fix)
     finally:
