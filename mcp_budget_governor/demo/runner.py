@@ -491,6 +491,8 @@ async def _project_topic(
     if not await ledger.flush(30.0):
         raise RuntimeError("Kafka did not acknowledge every ledger event within 30 s")
     records = await read_topic(parse_bootstrap(options.kafka_url or ""), topic)
+    if not records.caught_up:
+        raise RuntimeError(f"could not read Kafka topic {topic} to its end")
     archiver = Archiver(out / "archive", topic=topic)
     by_partition: dict[int, list[Any]] = {}
     for record in records:
