@@ -15,6 +15,7 @@ from typing import Any
 from .ledger_args import add_ledger_options, open_ledger_from
 
 _DEFAULT_VIEWS = ("tenant", "user", "tool", "model", "day")
+_JSON_ONLY = ("cache_read_tokens", "cache_write_tokens")
 
 
 def register(sub: Any) -> None:
@@ -107,7 +108,9 @@ def _print(report: Any) -> None:
     from ..money import format_usd
     from .render import print_table
 
-    headers = ["usd" if h == "usd_micros" else h for h in report.headers]
+    # Cache-token sums stay in --json: the table must fit a terminal.
+    keep = [i for i, h in enumerate(report.headers) if h not in _JSON_ONLY]
+    headers = ["usd" if report.headers[i] == "usd_micros" else report.headers[i] for i in keep]
     numeric = [
         h
         for h in headers
@@ -130,7 +133,7 @@ def _print(report: Any) -> None:
     rows = []
     for row in report.rows:
         cells = []
-        for h, v in zip(report.headers, row, strict=True):
+        for h, v in ((report.headers[i], row[i]) for i in keep):
             if h == "usd_micros":
                 cells.append(format_usd(int(v)))
             elif isinstance(v, int):
