@@ -148,7 +148,7 @@ def replay_ledger(
                 'SELECT partition_name, max("offset") FROM ledger_raw GROUP BY partition_name'
             ).fetchall()
         )
-        (events,) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchone() or (0,)
+        ((events,),) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchall()
     except duckdb.Error as exc:
         raise query_error(exc) from None
     result.events = int(events)
