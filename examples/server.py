@@ -77,21 +77,20 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     money = spend_limits(policy)
 
     async def cost(context: Any, result: Any) -> dict[str, int] | None:
-        # A tool that called a model reports its usage: meter its tokens on each
-        # spend limit (the ledger keeps model, tokens and price version, so the
+        # A tool that called a model reports its usage: meter its tokens on every
+        # spend limit, as one event (the ledger keeps model, tokens and price version, so the
         # cost can be audited), and return no further charges. For the other
         # tools, None keeps the fixed price their meta declares.
         usage = (getattr(result, "structured_content", None) or {}).get("usage")
         if not usage:
             return None
-        for limit in money:
-            await governor.meter_tokens(
-                limit,
-                usage["model"],
-                input_tokens=usage["input_tokens"],
-                output_tokens=usage["output_tokens"],
-                ctx=governed_context(),
-            )
+        await governor.meter_tokens(
+            money,
+            usage["model"],
+            input_tokens=usage["input_tokens"],
+            output_tokens=usage["output_tokens"],
+            ctx=governed_context(),
+        )
         return {}
 
     @asynccontextmanager

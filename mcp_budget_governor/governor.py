@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -96,19 +96,32 @@ class Governor:
         decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
         return decision
 
-    async def meter(self, limit: str, amount: int, ctx: Context | None = None) -> int:
+    async def meter(
+        self, limit: str | Sequence[str], amount: int, ctx: Context | None = None
+    ) -> int:
         """Record what a completed call cost on ``limit``; always charged, even past the cap.
 
-        Returns the amount charged: 0 when the context lacks the limit's scope
-        (the limit does not apply to this caller).
+        ``limit`` may name several limits (``("user_spend", "global_spend")``):
+        one ledger event then charges each of them, in one round trip, so the
+        cost is one cost in every spend query. Returns the amount charged: 0
+        when the context lacks the scope of every named limit.
         """
-        lim = self.policy[limit]
+        limits = planning.named_limits(self.policy, limit)
         amount = check_amount(amount, "amount")
-        return await self._record(lim, amount, ctx or EMPTY, EntryType.METERED, None)
+        return await self._meter([(lim, amount) for lim in limits], ctx or EMPTY, None)
+
+    async def meter_charges(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
+        """Record one completed call charging each limit its own amount, as one ledger event.
+
+        ``{"calls_spent": 1, "spend": usd("0.02")}``: every amount is checked
+        before anything is charged.
+        """
+        pairs = planning.charge_pairs(self.policy, charges)
+        await self._meter(pairs, ctx or EMPTY, None)
 
     async def meter_tokens(
         self,
-        limit: str,
+        limit: str | Sequence[str],
         model: str,
         *,
         input_tokens: int,
@@ -121,12 +134,13 @@ class Governor:
 
         On a USD limit the cost comes from the price table (an unknown model
         raises :class:`UnknownModelError`); on a TOKENS limit the tokens are
-        counted (``input_tokens`` already includes the cache tokens). Returns
-        the amount charged.
+        counted (``input_tokens`` already includes the cache tokens). Several
+        limits (say a USD budget and a token quota) are charged by one event.
+        Returns the amount charged on the first named limit that applies.
         """
-        lim = self.policy[limit]
-        amount, usage = planning.token_charge(
-            lim,
+        pairs, usage = planning.token_charges(
+            self.policy,
+            limit,
             self.prices,
             model,
             input_tokens=input_tokens,
@@ -134,7 +148,7 @@ class Governor:
             cache_read_tokens=cache_read_tokens,
             cache_write_tokens=cache_write_tokens,
         )
-        return await self._record(lim, amount, ctx or EMPTY, EntryType.METERED, usage)
+        return await self._meter(pairs, ctx or EMPTY, usage)
 
     def reserved(self, limit: str, estimate: int, ctx: Context | None = None) -> Reservation:
         """Reserve ``estimate`` on ``limit`` for the duration of a block; settle on exit.
@@ -287,46 +301,48 @@ class Governor:
         self._keep_for_later(slots)
         return planning.admitted(local, result.used, degraded=True)
 
+    async def _meter(
+        self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
+    ) -> int:
+        now = self._clock()
+        slots = planning.meter_slots(charges, ctx, now, self.policy.tz)
+        if not slots:
+            return 0
+        await self._record(slots, ctx, EntryType.METERED, usage, now)
+        return slots[0].amount
+
     async def _record(
         self,
-        lim: Limit,
-        amount: int,
+        slots: Sequence[Slot],
         ctx: Context,
         kind: EntryType,
         usage: TokenUsage | None,
+        now: float,
         *,
-        base: Slot | None = None,
         reservation: str | None = None,
-    ) -> int:
-        now = self._clock()
-        s = (
-            base.with_amount(amount)
-            if base is not None
-            else planning.slot(lim, ctx, now, self.policy.tz, amount, enforce=False)
-        )
-        if s is None:
-            return 0
+    ) -> None:
+        """Charge ``slots`` in one call and append them as one ledger event."""
         event_id = new_id() if self.ledger is not None else None
         degraded = False
         try:
-            await self._charge((s.op,), event_id, want_used=False)
+            await self._charge([s.op for s in slots], event_id, want_used=False)
         except BackendUnavailableError:
             degraded = True
-            if _local(lim):
-                await self._fallback.charge([s.op])
-            self._keep_for_later([s])
+            local = [s.op for s in slots if _local(s.limit)]
+            if local:
+                await self._fallback.charge(local)
+            self._keep_for_later(slots)
         if event_id is not None:
             await self._append(
                 event_id,
                 kind,
                 now,
                 ctx,
-                planning.ledger_charges((s,)),
+                planning.ledger_charges(slots),
                 usage=usage,
                 degraded=degraded,
                 reservation=reservation,
             )
-        return amount
 
     async def _append(
         self,
@@ -404,5 +420,10 @@ class Reservation:
         if delta == 0 and self._gov.ledger is None:
             return
         await self._gov._record(
-            self.limit, delta, self.ctx, kind, None, base=self._slot, reservation=self.id
+            (self._slot.with_amount(delta),),
+            self.ctx,
+            kind,
+            None,
+            self._gov._clock(),
+            reservation=self.id,
         )

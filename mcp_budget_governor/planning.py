@@ -7,7 +7,7 @@ backend returned.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import tzinfo
 from typing import TYPE_CHECKING
@@ -64,6 +64,74 @@ def slot(
     bucket = bucket_for(limit.window, now, tz)
     key = counter_key(limit.name, scope_segment(limit.dimensions, values), bucket.label)
     return Slot(limit, key, bucket, amount, enforce, bucket.expire_at(now))
+
+
+def named_limits(policy: Policy, limit: str | Sequence[str]) -> tuple[Limit, ...]:
+    """The limits a meter names: one name, or several charged by the same event.
+
+    Several names make one ledger event with one charge per limit, so a cost
+    metered on a user's budget and on a global one is one cost, counted once
+    by every spend query, not two events of the same dollars.
+    """
+    names = (limit,) if isinstance(limit, str) else tuple(limit)
+    if not names:
+        raise InvalidInputError("limit", limit, "name at least one limit")
+    if len(set(names)) != len(names):
+        raise InvalidInputError("limit", limit, "names a limit twice")
+    return tuple(policy[name] for name in names)
+
+
+def meter_slots(
+    charges: Sequence[tuple[Limit, int]], ctx: Context, now: float, tz: tzinfo
+) -> tuple[Slot, ...]:
+    """The counters one metered event charges: each limit whose scope ``ctx`` supplies."""
+    out = []
+    for limit, amount in charges:
+        s = slot(limit, ctx, now, tz, amount, enforce=False)
+        if s is not None:
+            out.append(s)
+    return tuple(out)
+
+
+def charge_pairs(policy: Policy, charges: Mapping[str, int]) -> list[tuple[Limit, int]]:
+    """Validate a mapping of limit name -> amount whole, before anything is charged."""
+    if not isinstance(charges, Mapping):
+        raise InvalidInputError("charges", charges, "expected a mapping of limit name -> amount")
+    return [
+        (policy[name], check_amount(amount, f"charges[{name!r}]"))
+        for name, amount in charges.items()
+    ]
+
+
+def token_charges(
+    policy: Policy,
+    limit: str | Sequence[str],
+    prices: PriceTable | None,
+    model: str,
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    cache_read_tokens: int = 0,
+    cache_write_tokens: int = 0,
+) -> tuple[list[tuple[Limit, int]], TokenUsage]:
+    """:func:`token_charge` on every limit ``limit`` names, and the usage of the call."""
+    limits = named_limits(policy, limit)
+    priced = [
+        token_charge(
+            lim,
+            prices,
+            model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cache_read_tokens=cache_read_tokens,
+            cache_write_tokens=cache_write_tokens,
+        )
+        for lim in limits
+    ]
+    pairs = [(lim, amount) for lim, (amount, _) in zip(limits, priced, strict=True)]
+    # The usage of a priced limit carries the price table's version.
+    usage = next((u for _, u in priced if u.price_version), priced[0][1])
+    return pairs, usage
 
 
 def token_charge(

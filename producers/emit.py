@@ -39,7 +39,7 @@ that limit (0 is returned and nothing is appended), as with ``Governor.meter``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from mcp_budget_governor import planning
 from mcp_budget_governor.context import EMPTY, Context
@@ -96,18 +96,26 @@ class Recorder:
         self.prices = prices
         self._clock = clock
 
-    async def meter(self, limit: str, amount: int, ctx: Context | None = None) -> int:
+    async def meter(
+        self, limit: str | Sequence[str], amount: int, ctx: Context | None = None
+    ) -> int:
         """Append what a completed call cost on ``limit``; see :meth:`Governor.meter`.
 
-        Returns the amount charged: 0 (and nothing appended) when the context
-        lacks the limit's scope.
+        Several limit names make one event charging each. Returns the amount
+        charged: 0 (and nothing appended) when the context lacks every named
+        limit's scope.
         """
-        lim = self.policy[limit]
-        return await self._append(lim, check_amount(amount, "amount"), ctx or EMPTY, None)
+        limits = planning.named_limits(self.policy, limit)
+        amount = check_amount(amount, "amount")
+        return await self._append([(lim, amount) for lim in limits], ctx or EMPTY, None)
+
+    async def meter_charges(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
+        """Append one event charging each limit its amount; see :meth:`Governor.meter_charges`."""
+        await self._append(planning.charge_pairs(self.policy, charges), ctx or EMPTY, None)
 
     async def meter_tokens(
         self,
-        limit: str,
+        limit: str | Sequence[str],
         model: str,
         *,
         input_tokens: int,
@@ -123,9 +131,9 @@ class Recorder:
         the tokens are counted. The usage and price-table version travel with
         the event.
         """
-        lim = self.policy[limit]
-        amount, usage = planning.token_charge(
-            lim,
+        pairs, usage = planning.token_charges(
+            self.policy,
+            limit,
             self.prices,
             model,
             input_tokens=input_tokens,
@@ -133,18 +141,21 @@ class Recorder:
             cache_read_tokens=cache_read_tokens,
             cache_write_tokens=cache_write_tokens,
         )
-        return await self._append(lim, amount, ctx or EMPTY, usage)
+        return await self._append(pairs, ctx or EMPTY, usage)
 
-    async def _append(self, lim: Limit, amount: int, ctx: Context, usage: TokenUsage | None) -> int:
+    async def _append(
+        self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
+    ) -> int:
         now = self._clock()
-        s = planning.slot(lim, ctx, now, self.policy.tz, amount, enforce=False)
-        if s is None:
+        slots = planning.meter_slots(charges, ctx, now, self.policy.tz)
+        if not slots:
             return 0
-        charges = (s.ledger_charge(),) if amount else ()
         await self.ledger.append(
-            LedgerEntry(new_id(), EntryType.METERED, now, ctx, charges, usage=usage)
+            LedgerEntry(
+                new_id(), EntryType.METERED, now, ctx, planning.ledger_charges(slots), usage=usage
+            )
         )
-        return amount
+        return slots[0].amount
 
     async def aclose(self) -> None:
         """Flush and close the ledger (as ``Governor.aclose`` does)."""

@@ -149,7 +149,7 @@ def build_server(governor: Governor) -> FastMCP:
 
 
 def tool_cost(governor: Governor) -> Any:
-    """The ``cost`` callback: a model call's tokens metered on every spend limit.
+    """The ``cost`` callback: a model call's tokens metered on every spend limit at once.
 
     It meters through :meth:`Governor.meter_tokens` itself, so each ledger
     event carries the model, the token counts and the price-table version
@@ -166,14 +166,14 @@ def tool_cost(governor: Governor) -> Any:
             return None
         # The caller exactly as the middleware checked it (identified, with the tool).
         ctx = governed_context()
-        for limit in SPEND_LIMITS:
-            await governor.meter_tokens(
-                limit,
-                str(usage["model"]),
-                input_tokens=int(usage["input_tokens"]),
-                output_tokens=int(usage["output_tokens"]),
-                ctx=ctx,
-            )
+        # One event charging every spend limit: one cost, counted once by the ledger.
+        await governor.meter_tokens(
+            SPEND_LIMITS,
+            str(usage["model"]),
+            input_tokens=int(usage["input_tokens"]),
+            output_tokens=int(usage["output_tokens"]),
+            ctx=ctx,
+        )
         return {}
 
     return cost
@@ -560,7 +560,6 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
 
     con = _open_ledger(options, out)
     try:
-        _one_cost_per_call(con)
         report = spend(con, ["tenant", "user", "tool"], Filter())
         trips = breaker_trips(con, Filter())
         kinds = con.execute(
@@ -591,7 +590,7 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
     total = sum(n for _, n in kinds)
     console.print(
         f"Ledger: {total} events, " + ", ".join(f"{n} {kind}" for kind, n in kinds) + " "
-        f"(a cost is metered once per spend limit: {', '.join(SPEND_LIMITS)})"
+        f"(each cost is one event charging {', '.join(SPEND_LIMITS)})"
     )
 
 
@@ -606,7 +605,6 @@ def _write_focus(console: Console, options: DemoOptions, out: Path, now: float) 
     path = out / FOCUS_FILE
     con = _open_ledger(options, out)
     try:
-        _one_cost_per_call(con)
         day = datetime.fromtimestamp(now, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
         result = export_focus(
             con, path, ExportOptions(day, day + timedelta(days=1), Granularity.HOUR)
@@ -626,26 +624,6 @@ def _open_ledger(options: DemoOptions, out: Path) -> Any:
     if options.kafka_url:
         return open_ledger(archive_dir=out / "archive")
     return open_ledger(ledger_dir=out / "ledger")
-
-
-def _one_cost_per_call(con: Any) -> None:
-    """Keep one USD charge per call: the global limit's.
-
-    A call's cost is metered to each spend limit as its own ledger event
-    (``Governor.meter`` charges one limit), and the ``costs`` view counts
-    each event's USD and tokens, so it would count a call once per spend
-    limit. Every cost reaches ``global_spend``: the other limits' USD
-    charges are left out of this connection's ``ledger``.
-    """
-    con.execute(
-        """
-        CREATE OR REPLACE TEMP VIEW ledger AS
-        SELECT * FROM ledger_raw
-        WHERE unit IS DISTINCT FROM 'usd_micros' OR "limit" = 'global_spend'
-        QUALIFY row_number() OVER (
-            PARTITION BY id, charge_index ORDER BY source, "partition", "offset") = 1
-        """
-    )
 
 
 def _closing(console: Console, result: DemoResult, out: Path) -> None:

@@ -109,15 +109,15 @@ def governed_context() -> Context | None:
 
 
 async def meter_all(governor: Governor | Recorder, charges: Charges, ctx: Context) -> None:
-    """Meter every charge, after validating them all (nothing partial)."""
+    """Meter every charge as one ledger event, after validating them all (nothing partial)."""
     if not isinstance(charges, Mapping):
         raise InvalidInputError("cost", charges, "expected a mapping of limit name -> amount")
+    nonzero = {limit: amount for limit, amount in charges.items() if amount != 0}
     for limit, amount in charges.items():
         governor.policy[limit]  # an unknown limit raises PolicyError here
         check_amount(amount, f"amount for {limit!r}")
-    for limit, amount in charges.items():
-        if amount:
-            await governor.meter(limit, amount, ctx)
+    if nonzero:
+        await governor.meter_charges(nonzero, ctx)
 
 
 async def identify_with(identify: Callable[..., Any], *args: Any) -> Context:
