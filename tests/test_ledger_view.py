@@ -319,3 +319,18 @@ def test_no_source_empty_folder_and_corrupt_file_are_one_line_errors(tmp_path: P
     pq.write_table(__import__("pyarrow").table({"x": [1]}), bad)
     with pytest.raises(LedgerError, match="not a ledger archive segment"):
         open_ledger(tmp_path / "archive")
+
+
+async def test_archive_and_file_ledger_together(run: Run, redis_url: str, tmp_path: Path) -> None:
+    folder = tmp_path / "ledger"
+    ledger = FileLedger(folder, fsync="never", source=SOURCE)
+    gov = Governor(
+        policy(), RedisBackend.from_url(redis_url), ledger=ledger, prices=PriceTable.builtin()
+    )
+    await workload(gov, 50, random.Random(9))
+    await gov.aclose()
+    both = open_ledger(run.archive, folder)
+    counts = dict(both.sql("SELECT source, count(DISTINCT id) FROM ledger GROUP BY 1").fetchall())
+    ((archive_events,),) = open_ledger(run.archive).sql("SELECT count(*) FROM costs").fetchall()
+    ((file_events,),) = open_ledger(ledger_dir=folder).sql("SELECT count(*) FROM costs").fetchall()
+    assert counts == {"archive": archive_events, "file": file_events} and file_events >= 50

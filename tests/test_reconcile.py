@@ -112,3 +112,33 @@ def test_bad_input_is_one_line_and_exit_code_2(
     ]:
         code, _, err = reconcile(capsys, *argv)
         assert code == 2 and err.count("\n") == 1 and problem in err, err
+
+
+async def test_file_ledger_reconcile(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The embedded mode: a FileLedger projected by the FileProjector reconciles too."""
+    import random
+
+    from test_ledger_view import policy, workload
+
+    from mcp_budget_governor import Governor, RedisBackend
+    from mcp_budget_governor.prices import PriceTable
+    from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    folder = tmp_path / "ledger"
+    ledger = FileLedger(folder, fsync="never")
+    gov = Governor(policy(), backend, ledger=ledger, prices=PriceTable.builtin())
+    await workload(gov, 150, random.Random(31))
+    await ledger.aclose()
+    await FileProjector(folder, backend).catch_up()
+    await backend.aclose()
+    args = ["--ledger-dir", str(folder), "--redis-url", redis_url]
+    assert reconcile(capsys, *args)[0] == 0
+    key = next(iter(live_counters(redis_url)))
+    client = redis_sync.Redis.from_url(redis_url)
+    client.hincrby(key, "c", -1)
+    code, out, _ = reconcile(capsys, *args)
+    assert code == 1 and key in out and "-1" in out
+    client.close()
