@@ -107,16 +107,15 @@ def _big(value: int) -> str:
 
 
 def _dec_sql(expr: str, scale: int) -> str:
-    """SQL text of ``expr / 10**scale`` exactly: ``focus.decimal_text`` in SQL."""
+    """SQL text of ``expr / 10**scale`` exactly: ``focus.decimal_text`` in SQL.
+
+    Through an exact DECIMAL (integer arithmetic) and DuckDB's own decimal
+    text, with trailing zeros dropped but one digit kept after the point.
+    """
     if scale == 0:
         return f"(CAST({expr} AS VARCHAR) || '.0')"
-    unit = _big(10**scale)
-    return (
-        f"(CASE WHEN ({expr}) < 0 THEN '-' ELSE '' END"
-        f" || CAST(abs({expr}) // {unit} AS VARCHAR) || '.'"
-        f" || coalesce(nullif(rtrim(lpad(CAST(abs({expr}) % {unit} AS VARCHAR), {scale}, '0'),"
-        f" '0'), ''), '0'))"
-    )
+    text = f"rtrim(CAST({_scaled_sql(expr, scale)} AS VARCHAR), '0')"
+    return f"(CASE WHEN ends_with({text}, '.') THEN {text} || '0' ELSE {text} END)"
 
 
 def _quote(value: str) -> str:
@@ -263,6 +262,18 @@ def focus_table(
         for i, meter in enumerate(TOKEN_METERS)
     ]
     tool = Meter.TOOL_CALLS.value
+    # A few hundred distinct periods: their FOCUS text is made once each, then joined.
+    ts = "'%Y-%m-%dT%H:%M:%SZ'"
+    con.execute(
+        f"""
+        CREATE OR REPLACE TEMP TABLE _fx_periods AS
+        SELECT period, strftime(period, {ts}) AS _cps,
+               strftime(period + INTERVAL 1 {step}, {ts}) AS _cpe,
+               strftime(date_trunc('month', period), {ts}) AS _bps,
+               strftime(date_trunc('month', period) + INTERVAL 1 MONTH, {ts}) AS _bpe
+        FROM (SELECT DISTINCT period FROM _fx_ev)
+        """
+    )
     con.execute(
         f"""
         CREATE OR REPLACE TEMP TABLE _fx_agg AS
@@ -282,12 +293,12 @@ def focus_table(
                    count(*) AS events
             FROM _fx_ev WHERE model IS NULL
             GROUP BY ALL
-        )
+        ) JOIN _fx_periods USING (period)
         ORDER BY period, tenant NULLS FIRST, "user" NULLS FIRST, tool NULLS FIRST,
                  model NULLS FIRST, meter, rate
         """
     )
-    for name in ("_fx_split", "_fx_ev", "_fx_rates"):
+    for name in ("_fx_split", "_fx_ev", "_fx_rates", "_fx_periods"):
         con.execute(f"DROP TABLE IF EXISTS {name}")
     (billed,) = con.execute("SELECT coalesce(sum(micros), 0) FROM _fx_agg").fetchone() or (0,)
     progress("rendering FOCUS rows")
@@ -362,7 +373,6 @@ def _render_sql(
     integers as exact DECIMALs, timestamps as TIMESTAMPTZ.
     """
     step = "1 HOUR" if options.granularity is Granularity.HOUR else "1 DAY"
-    ts = "'%Y-%m-%dT%H:%M:%SZ'"
     tool = Meter.TOOL_CALLS.value
     token = f"meter <> '{tool}'"
 
@@ -376,7 +386,9 @@ def _render_sql(
             + " END"
         )
 
-    billed = _dec_sql("micros", _MICROS_SCALE)
+    # Computed once per row in the inner query, used by several columns.
+    shared = {"_billed": _dec_sql("micros", _MICROS_SCALE)}
+    billed = "_billed"
     tags = (
         "nullif('{' || concat_ws(',', "
         + ", ".join(
@@ -385,17 +397,18 @@ def _render_sql(
         )
         + ") || '}', '{}')"
     )
-    sku = (
+    shared["_sku"] = (
         f"CASE WHEN {token} THEN x_model || ':' || meter "
         f"WHEN x_tool IS NULL THEN '{tool}' ELSE x_tool || ':{tool}' END"
     )
+    sku = "_sku"
     columns = {
         "BilledCost": billed,
         "BillingAccountId": _quote(options.billing_account_id),
         "BillingAccountName": _quote(options.billing_account_name),
         "BillingCurrency": "'USD'",
-        "BillingPeriodEnd": f"strftime(date_trunc('month', period) + INTERVAL 1 MONTH, {ts})",
-        "BillingPeriodStart": f"strftime(date_trunc('month', period), {ts})",
+        "BillingPeriodEnd": "_bpe",
+        "BillingPeriodStart": "_bps",
         "ChargeCategory": "'Usage'",
         "ChargeClass": "CAST(NULL AS VARCHAR)",
         "ChargeDescription": (
@@ -403,8 +416,8 @@ def _render_sql(
             f"|| ' ' || {case('description')}"
         ),
         "ChargeFrequency": "'Usage-Based'",
-        "ChargePeriodEnd": f"strftime(period + INTERVAL {step}, {ts})",
-        "ChargePeriodStart": f"strftime(period, {ts})",
+        "ChargePeriodEnd": "_cpe",
+        "ChargePeriodStart": "_cps",
         "CommitmentDiscountStatus": "CAST(NULL AS VARCHAR)",
         "ConsumedQuantity": _dec_sql(f"CASE WHEN {token} THEN qty ELSE calls END", 0),
         "ConsumedUnit": case("consumed_unit"),
@@ -439,6 +452,8 @@ def _render_sql(
         "x_EventCount": "CAST(events AS VARCHAR)",
     }
     if typed:
+        columns["SkuId"] = shared["_sku"]
+        columns["SkuPriceId"] = f"({shared['_sku']}) || ':' || price"
         micros = _scaled_sql("micros", _MICROS_SCALE)
         columns.update(
             {
@@ -477,6 +492,9 @@ def _render_sql(
     else:
         picks = ", ".join(f"{_ident(col)} AS {alias}" for alias, col in dims)
         source = f"(SELECT *, {picks} FROM {table})"
+    if not typed:
+        inner = ", ".join(f"{expr} AS {name}" for name, expr in shared.items())
+        source = f"(SELECT *, {inner} FROM {source})"
     # The table is sorted; a plain projection keeps its order.
     return f"SELECT {select} FROM {source}"
 
@@ -615,7 +633,10 @@ def export_focus(
         for view in ("_fx_out", "_fx_typed", "_fx_sample_out"):
             with contextlib.suppress(duckdb.Error):
                 con.execute(f"DROP VIEW IF EXISTS {view}")
-        for name in ("_fx_text", "_fx_agg", "_fx_sample", "_fx_ev", "_fx_split", "_fx_rates"):
+        for name in (
+            *("_fx_text", "_fx_agg", "_fx_sample", "_fx_ev", "_fx_split", "_fx_rates"),
+            "_fx_periods",
+        ):
             with contextlib.suppress(duckdb.Error):
                 con.execute(f"DROP TABLE IF EXISTS {name}")
     return ExportResult(

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcp_budget_governor import Context, Governor, Limit, MemoryBackend, Policy, Scope, Unit, Window
 from mcp_budget_governor.cli import main
@@ -27,6 +29,7 @@ from mcp_budget_governor.focus import (
     FOCUS_1_2,
     TOKEN_METERS,
     check_row,
+    decimal_text,
     list_cost_micros,
     split_cost,
     tier_rates,
@@ -378,3 +381,24 @@ def test_a_row_breaking_a_rule_writes_nothing(
     monkeypatch.setattr(focus_export, "check_row", lambda row, version: ["BilledCost: bad"])
     err = run_bad(["--period", MONTH, "--archive-dir", str(archive)], tmp_path / "f.csv", capsys)
     assert "a row breaks a FOCUS rule, nothing written: BilledCost: bad" in err
+
+
+# --- the SQL renderings are the pure rules -----------------------------------------
+
+
+@given(
+    st.lists(st.integers(min_value=-(10**24), max_value=10**24), min_size=1, max_size=50),
+    st.integers(min_value=0, max_value=12),
+)
+@settings(max_examples=60, deadline=None)
+def test_decimal_sql_is_decimal_text(values: list[int], scale: int) -> None:
+    con = duckdb.connect()
+    rendered = [
+        text
+        for (text,) in con.execute(
+            f"SELECT {focus_export._dec_sql('CAST(v AS HUGEINT)', scale)} "
+            "FROM unnest(CAST(? AS VARCHAR[])) AS t(v)",
+            [[str(v) for v in values]],
+        ).fetchall()
+    ]
+    assert rendered == [decimal_text(v, scale) for v in values]
