@@ -101,13 +101,18 @@ def ledger_totals(
     *,
     current_only: bool = False,
     upto: Mapping[str, int] | None = None,
+    keys: Iterable[str] | None = None,
 ) -> Totals:
     """Sum of ``amount`` per live counter key (module docstring), exact integers.
 
     ``upto``: watermark per ``partition_name``; only charges at offsets at or
-    below it count (a partition absent from it counts nothing).
+    below it count (a partition absent from it counts nothing). ``keys``:
+    only these counters.
     """
     join = _register_upto(con, upto) if upto is not None else "WHERE"
+    if keys is not None:
+        con.register("_mcpbg_keys", pa.table({"key": pa.array(sorted(set(keys)), pa.string())}))
+        join += ' "key" IN (SELECT "key" FROM _mcpbg_keys) AND'
     current = (
         f"AND (max(expire_at) - {GRACE_SECONDS} > {int(now)} OR any_value(bucket) = "
         f"'{SESSION_BUCKET}')"

@@ -164,6 +164,10 @@ def replay_ledger(
     # In-flight entries of events the ledger holds: counted by replay, never moved live.
     pending = {i for c in before.counters.values() for i in c.pending}
     known = ledger_ids(con, pending)
+    holding = [
+        k for k, c in before.counters.items() if k not in totals and known & c.pending.keys()
+    ]
+    outside = ledger_totals(con, clock, keys=holding) if holding else {}
     writes: list[tuple[str, int, int]] = []
     drops: dict[str, list[str]] = {}
     changes = result.changes
@@ -171,11 +175,13 @@ def replay_ledger(
         # Counters Redis holds: committed from the ledger, in-flight of its events dropped.
         drop = [i for i in counter.pending if i in known]
         total = totals.get(key)
-        if total is None and (not drop or counter.ttl < 0):
-            continue  # not the ledger's (or outside the buckets replayed): left alone
-        committed, expire_at = (
-            total if total is not None else (counter.committed, clock + counter.ttl)
-        )
+        if total is None and drop:
+            # Outside the replayed buckets, yet holding in flight events the ledger has:
+            # they leave in-flight for committed, as applying them would have done.
+            total = outside.get(key)
+        if total is None:
+            continue  # not the ledger's, or outside the replayed buckets: left alone
+        committed, expire_at = total
         writes.append((key, committed, expire_at))
         if drop:
             drops[key] = drop

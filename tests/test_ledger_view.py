@@ -96,10 +96,10 @@ class Clock:
         return self.t
 
 
-async def workload(gov: Governor, n: int, rng: random.Random) -> None:
+async def workload(gov: Governor, n: int, rng: random.Random, users: str = "u") -> None:
     """Checks (some refused), metered USD, metered model calls, reservations settled or released."""
     for _ in range(n):
-        ctx = Context(user=f"u{rng.randrange(6)}", tenant=rng.choice(TENANTS), tool="search")
+        ctx = Context(user=f"{users}{rng.randrange(6)}", tenant=rng.choice(TENANTS), tool="search")
         op = rng.random()
         if op < 0.5:
             await gov.check(ctx)

@@ -114,7 +114,9 @@ async def test_dry_run_lists_the_changes_and_writes_nothing(
     client.close()
 
 
-async def extend(redis_url: str, run: Run, n: int, seed: int) -> dict[int, list[tuple[int, bytes]]]:
+async def extend(
+    redis_url: str, run: Run, n: int, seed: int, *, back: float = 30, users: str = "u"
+) -> dict[int, list[tuple[int, bytes]]]:
     """New governed events after the run (the hot path writes them in flight in Redis),
     appended at the next offsets of their partitions; returns them per partition."""
     import time
@@ -123,9 +125,9 @@ async def extend(redis_url: str, run: Run, n: int, seed: int) -> dict[int, list[
     ledger = MemoryLedger()
     gov = Governor(
         policy(), backend, ledger=ledger, prices=PriceTable.builtin(),
-        clock=Clock(time.time(), back=30, step=30 / n),
+        clock=Clock(time.time(), back=back, step=back / n),
     )  # fmt: skip
-    await workload(gov, n, random.Random(seed))
+    await workload(gov, n, random.Random(seed), users)
     await backend.aclose()
     new: dict[int, list[tuple[int, bytes]]] = {}
     for entry in ledger.entries:
@@ -167,23 +169,34 @@ async def test_live_projection_resumes_after_a_replay_counting_nothing_twice(
     assert all(f == 0 for _, f in rebuilt.values()), "something was left in flight"
 
 
+@pytest.mark.parametrize("buckets", [["--all"], []], ids=["all", "current"])
 async def test_replay_over_a_live_redis_moves_the_in_flight_of_archived_events(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], buckets: list[str]
 ) -> None:
     """The worker archives a batch, then dies before applying it: the archive has events
     Redis holds in flight. Replay commits them and drops those in-flight entries (the live
-    projector, resuming after the new watermark, will never move them); the newer events'
-    in-flight entries stay for the projector."""
+    projector, resuming after the new watermark, will never move them), also on counters of
+    ended buckets a default replay leaves otherwise alone; the newer events' in-flight
+    entries stay for the projector."""
     run = await mixed_run(redis_url, tmp_path)
-    archived = await extend(redis_url, run, 60, seed=8)
+    # Over three minute buckets, by users with room left in them.
+    archived = await extend(redis_url, run, 60, seed=8, back=150, users="v")
     unarchived = await extend(redis_url, run, 40, seed=9)
     archiver = Archiver(run.archive, topic=TOPIC)
     for p, records in archived.items():
         archiver.write_batch(p, [(o, parse(raw)) for o, raw in records])
     code, out, _ = replay(
-        capsys, "--all", "--archive-dir", str(run.archive), "--redis-url", redis_url
+        capsys, *buckets, "--archive-dir", str(run.archive), "--redis-url", redis_url
     )
     assert code == 0, out
+    minutes = {
+        c.key
+        for records in archived.values()
+        for _, raw in records
+        for c in parse(raw).data.charges
+        if c.key.startswith("mcpbg:v1:burst:")
+    }
+    assert len({k.rsplit(":", 1)[1] for k in minutes}) > 1  # ended minute buckets too
     upto = {p: records[-1][0] for p, records in archived.items()}
     for p in run.partitions:
         upto.setdefault(
