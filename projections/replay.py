@@ -14,9 +14,12 @@ aggregation instead of one script call per event:
    (:func:`~.counter_sync.ledger_totals`; current buckets only unless
    ``all_buckets``), and the in-flight entries of events the ledger holds are
    removed (their offsets are at or below the new watermarks: the live
-   projector will never move them). In-flight entries of newer events stay;
+   projector will never move them). In-flight entries of newer events stay.
+   A counter of an ended bucket (outside a default replay) that holds such
+   entries gets its ledger total too, so those amounts move to committed;
 3. each partition's applied-offset watermark is set to the last offset the
-   ledger holds for it (with the last block of counters, in one ``MULTI``);
+   ledger holds for it (in the same ``lua/rewrite.lua`` call as the last
+   block of counters);
 4. every ledger event whose seen-id set is still alive (today's and
    yesterday's, as ``apply.lua`` keeps them) is added to it, so the same event
    arriving again at a new offset (a producer retry) is skipped, as it would
