@@ -97,16 +97,18 @@ async def test_default_replays_the_current_buckets_only(
 
 
 async def test_dry_run_lists_the_changes_and_writes_nothing(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    redis_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run = await mixed_run(redis_url, tmp_path)
     some_key = next(iter(run.totals()))
     flush(redis_url)
-    code, out, _ = replay(
-        capsys,
-        "--all", "--dry-run", "--show", "1000",
-        "--archive-dir", str(run.archive), "--redis-url", redis_url,
-    )  # fmt: skip
+    # Settings from the worker's environment variables.
+    monkeypatch.setenv("MCPBG_ARCHIVE_DIR", str(run.archive))
+    monkeypatch.setenv("MCPBG_REDIS_URL", redis_url)
+    code, out, _ = replay(capsys, "--all", "--dry-run", "--show", "1000")
     assert code == 0
     assert "dry run: nothing written" in out and some_key in out
     client = redis_sync.Redis.from_url(redis_url)
