@@ -14,7 +14,8 @@ class Decision:
 
     - ``limit``: the refusing limit's name (None when admitted).
     - ``status``: 200 when admitted, else 429 (quota), 402 (spend), 503
-      (breaker or unreachable counters), or the limit's override.
+      (breaker or unreachable counters), 403 (an unnamed caller the policy
+      refuses, reason ``caller_unidentified``), or the limit's override.
     - ``retry_after``: seconds until retrying can succeed; None on a 402,
       because waiting a few seconds never restores a spend cap and an SDK
       would retry in a loop (``resets_at`` still says when the window ends).

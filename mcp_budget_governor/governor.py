@@ -96,6 +96,25 @@ class Governor:
         decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
         return decision
 
+    async def identified(self, ctx: Context) -> Context:
+        """:meth:`Policy.identified` for a caller, with a refusal recorded in the ledger.
+
+        Integrations call this with what their ``identify`` produced: an
+        unnamed caller is shared in the anonymous bucket or refused (status
+        403), as the policy says, and a refusal is a ``rejected`` event like
+        any other, so the ledger shows who was turned away and why.
+        """
+        try:
+            return self.policy.identified(ctx)
+        except BudgetExceeded as exc:
+            if self.ledger is not None:
+                d = exc.decision
+                await self._append(
+                    new_id(), EntryType.REJECTED, self._clock(), ctx, (),
+                    limit=d.limit, status=d.status, over=d.over, degraded=False,
+                )  # fmt: skip
+            raise
+
     async def meter(
         self, limit: str | Sequence[str], amount: int, ctx: Context | None = None
     ) -> int:

@@ -177,18 +177,27 @@ async def test_governed_calls_over_streamable_http(
     while True:
         records = await read_topic(kafka.bootstrap, topic)
         types = [r.event.type for r in records]
-        expected = {"mcpbg.admitted.v1": 6, "mcpbg.rejected.v1": 2, "mcpbg.metered.v1": 12}
+        # One metered event per completed call, charging both spend limits; the
+        # anonymous caller's refusal is a rejection too.
+        expected = {"mcpbg.admitted.v1": 6, "mcpbg.rejected.v1": 3, "mcpbg.metered.v1": 6}
         if all(types.count(t) >= n for t, n in expected.items()):
             break
         assert time.monotonic() < deadline, f"the ledger holds only {sorted(types)}"
         await asyncio.sleep(0.2)
     assert types.count("mcpbg.admitted.v1") == 6
+    refusals = sorted(
+        r.event.data.decision.status for r in records if r.event.type == "mcpbg.rejected.v1"
+    )
+    assert refusals == [403, 429, 503]
     metered = [r.event for r in records if r.event.type == "mcpbg.metered.v1"]
     spent = [c.amount for e in metered for c in e.data.charges if c.limit == "global_spend"]
     assert sum(spent) == 5 * SEARCH_PRICE + summary_cost
     # The model call's events carry its tokens, so its cost can be re-derived.
     priced = [e.data.usage for e in metered if e.data.usage is not None]
-    assert len(priced) == 2  # user_spend and global_spend
+    assert len(priced) == 1  # one event charging user_spend and global_spend
+    assert all(
+        {c.limit for c in e.data.charges} == {"user_spend", "global_spend"} for e in metered
+    )
     assert {(u.model, u.input_tokens, u.output_tokens) for u in priced} == {
         ("claude-sonnet-4-5", 500, 120)
     }

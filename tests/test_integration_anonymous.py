@@ -111,3 +111,22 @@ def test_no_real_user_id_shares_the_anonymous_key(
     assert anon_slot is not None and real_slot is not None
     assert anon_slot.key != real_slot.key
     assert "user=:" in anon_slot.key or "user=," in anon_slot.key
+
+
+async def test_a_refused_unnamed_caller_is_a_rejection_in_the_ledger() -> None:
+    from mcp_budget_governor.ledger import EntryType
+    from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+
+    ledger = MemoryLedger()
+    gov = Governor(Policy.of(BURST, PER_TOOL), MemoryBackend(), ledger=ledger)
+    with pytest.raises(BudgetExceeded) as refused:
+        await gov.identified(Context(tool="search"))
+    assert refused.value.decision.status == 403
+    (entry,) = ledger.entries
+    assert entry.type is EntryType.REJECTED
+    assert (entry.limit, entry.status, entry.charges) == ("burst", 403, ())
+    assert entry.context == Context(tool="search")
+    # A named caller passes unchanged and appends nothing.
+    named = Context(user="u", tool="search")
+    assert await gov.identified(named) == named
+    assert len(ledger.entries) == 1

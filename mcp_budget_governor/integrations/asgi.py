@@ -120,7 +120,7 @@ class BudgetASGIMiddleware:
                 return cost(scope, code)
 
         try:
-            ctx = self.governor.policy.identified((await self._caller(scope)).with_tool(name))
+            ctx = (await self._caller(scope)).with_tool(name)
             await governed_call(self.governor, ctx, respond, priced=priced)
         except BudgetExceeded as exc:
             if status:

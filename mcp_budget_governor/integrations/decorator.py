@@ -161,7 +161,12 @@ def governed(
                     )
             ctx = ctx.with_tool(tool if tool is not None else ctx.tool or default_tool)
             return await governed_call(
-                governor, ctx, lambda: fn(*args, **kwargs), fixed=fixed, priced=priced
+                governor,
+                ctx,
+                lambda: fn(*args, **kwargs),
+                fixed=fixed,
+                priced=priced,
+                unnamed_rule=False,
             )
 
         return wrapper

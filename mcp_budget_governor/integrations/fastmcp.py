@@ -132,11 +132,7 @@ class BudgetMiddleware(Middleware):
     ) -> ToolResult:
         """Check, run the tool, meter; a refusal raises :class:`BudgetToolError`."""
         name = context.message.name
-        policy = self.governor.policy
-        try:
-            ctx = policy.identified((await self._caller(context)).with_tool(name))
-        except BudgetExceeded as exc:
-            raise BudgetToolError(exc.decision) from None
+        ctx = (await self._caller(context)).with_tool(name)
         try:
             fixed = await self._meta_price(context, name)
         except InvalidInputError as exc:

@@ -4,8 +4,10 @@
 MCP hook all run a call through :func:`governed_call`, so what a refused, a
 failed or a completed call is charged is decided in one place:
 
-- the check comes first; a refusal raises :class:`BudgetExceeded` and the work
-  never runs (a refused call is charged nothing);
+- the caller is identified first (:meth:`Governor.identified`: an unnamed
+  caller is refused or shared, as the policy says), then checked; a refusal
+  raises :class:`BudgetExceeded` and the work never runs (a refused call is
+  charged nothing, and the ledger records the rejection);
 - when the work raises an ``Exception``, the admission stands (a failing call
   still used its quota, so retrying a failing tool is not free) and the
   ``fixed`` charges are metered: they are prices known without a result, and
@@ -66,13 +68,18 @@ async def governed_call(
     *,
     fixed: Charges | None = None,
     priced: PricedCost | None = None,
+    unnamed_rule: bool = True,
 ) -> R:
     """Check (a Governor only), run ``work``, meter what it cost; see the module docstring.
 
     A :class:`Recorder` has no counters: the work always runs and its cost is
-    appended to the ledger.
+    appended to the ledger. ``unnamed_rule=False`` skips the policy's rule for
+    unnamed callers: ``@governed`` is handed its context by the developer, and
+    a limit that context cannot scope is skipped, as with ``Governor.check``.
     """
     if isinstance(governor, Governor):
+        if unnamed_rule:
+            ctx = await governor.identified(ctx)
         (await governor.check(ctx)).raise_for_status()
     token = _current.set(ctx)
     try:

@@ -75,8 +75,7 @@ def governed_call_tool(
                 return charge(params, result)
 
         try:
-            who = await _caller(identify, ctx, params)
-            who = governor.policy.identified(who.with_tool(params.name))
+            who = (await _caller(identify, ctx, params)).with_tool(params.name)
             return await governed_call(governor, who, lambda: handler(ctx, params), priced=priced)
         except BudgetExceeded as exc:
             return mt.CallToolResult(
