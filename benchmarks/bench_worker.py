@@ -3,7 +3,7 @@
 Starts its own Redis and tansu broker (memory storage) through
 ``tests/services.py``; each phase projects into its own fresh Redis database,
 whose epoch marker is set first (counters complete: the worker projects live
-through faust instead of rebuilding from the topic).
+instead of rebuilding from the topic).
 
 1. **Throughput.** A 6-partition topic is pre-filled with ``--events``
    (200,000) ledger events: CloudEvents encoded with ``events.encode`` from
@@ -13,14 +13,17 @@ through faust instead of rebuilding from the topic).
    same records are then projected, each way timed until every partition's
    Redis watermark reaches its last offset:
 
-   - ``mcpbg worker``: the faust worker as a subprocess, default settings,
-     timed from its first applied batch (start-up reported apart);
+   - ``mcpbg worker``: the worker as a subprocess, default settings, timed
+     from its first applied batch (start-up reported apart); then the same
+     with ``--archive-dir`` (every record parsed fully, Parquet written
+     before each apply);
    - the same ``Projector`` driven by a plain aiokafka consumer in this
      process (manual assignment, ``getmany``, ``apply_batch`` per partition):
-     the worker without faust;
+     the worker without its group membership, listener and side outputs;
    - the ``Projector`` alone, records already in memory;
-   - the ``Projector`` over a backend whose ``apply`` does nothing (parsing
-     and argument building only).
+   - the ``Projector`` over a backend whose ``apply`` does nothing (decoding
+     and argument building only), with its fast decoder and with the full
+     pydantic parse for every record (the decoder's baseline).
 
 2. **Lag at a steady rate.** While one worker runs, ``KafkaLedger`` (default
    settings) is fed ``--rate`` (5,000) events/s for ``--seconds`` (20 s). The
@@ -29,11 +32,11 @@ through faust instead of rebuilding from the topic).
    for each event's (partition, offset). An event's lag is the time of the
    first poll that saw its partition's watermark at or past its offset, minus
    its append time. Diagnostics (skip with ``--no-diagnostics``): the same run
-   with the worker's consumer ``fetch_max_wait_ms`` patched from faust's 1500
-   to 50, and a probe of the broker's delivery latency with a plain consumer.
+   with ``--fetch-max-wait-ms 1500`` (the faust worker's fixed value), and a
+   probe of the broker's delivery latency with a plain consumer.
 
-``--profile`` adds cProfile runs of the aiokafka loop and of the worker
-(every thread), own time grouped by layer.
+``--profile`` adds cProfile runs of the aiokafka loop and of the worker,
+own time grouped by layer.
 
     python benchmarks/bench_worker.py [--events 200000] [--rate 5000] [--seconds 20]
                                       [--json out.json] [--profile] [--no-diagnostics]
@@ -102,6 +105,8 @@ THROUGHPUT_TARGET = 20_000.0
 LAG_P99_TARGET_MS = 250.0
 # Group membership as the worker tests use it: tansu is slow to rejoin a group.
 GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
+#: The worker's --fetch-max-wait-ms default (stream.worker.WorkerConfig).
+DEFAULT_FETCH_WAIT_MS = 50
 CATCH_UP = 120.0  # seconds a phase may take before the run is declared broken
 
 
@@ -419,7 +424,14 @@ async def wait_until(
 
 
 async def run_worker_throughput(
-    svc: Services, topic: str, last: dict[int, int], n: int, db: int, tmp: Path, poll: float
+    svc: Services,
+    topic: str,
+    last: dict[int, int],
+    n: int,
+    db: int,
+    tmp: Path,
+    poll: float,
+    extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     url = svc.url(db)
     await mark_ready(url)
@@ -431,7 +443,8 @@ async def run_worker_throughput(
         url,
         topic,
         f"bench-worker-{uuid.uuid4().hex[:8]}",
-        tmp / "worker-throughput.log",
+        tmp / f"worker-throughput-{db}.log",
+        extra=extra,
     )
     meter.pids["worker"] = worker.pid
     load = loadavg()
@@ -471,18 +484,24 @@ async def run_worker_throughput(
     }
 
 
-# -- faust-less: aiokafka + Projector in this process --------------------------------
+# -- aiokafka + Projector in this process ---------------------------------------------
 
 
 def no_dead_letters(letter: DeadLetter) -> None:
     raise SystemExit(f"benchmark invalid: a dead letter ({letter.reason})")
 
 
-def make_projector(backend: Any, topic: str) -> Projector:
-    """A Projector as the worker builds it (requiring the epoch marker where supported)."""
+def make_projector(backend: Any, topic: str, *, full_parse: bool = False) -> Projector:
+    """A Projector as the worker builds it (requiring the epoch marker where supported).
+
+    ``full_parse``: every record through the pydantic parse (what an archive
+    handler makes the Projector do), the fast decoder's baseline.
+    """
     options: dict[str, Any] = {}
     if "require_epoch" in inspect.signature(Projector).parameters:
         options["require_epoch"] = True
+    if full_parse:
+        options["archive"] = lambda partition, records: None
     return Projector(backend, topic, dlq=no_dead_letters, **options)
 
 
@@ -490,7 +509,7 @@ async def mark_ready(url: str) -> None:
     """Set the epoch marker of a fresh database: counters complete, project live.
 
     Without it a worker that checks the marker would rebuild from the topic at
-    its assignment instead of consuming it through faust.
+    its assignment instead of consuming it live.
     """
     backend = RedisBackend.from_url(url, timeout=5.0)
     try:
@@ -559,6 +578,8 @@ async def run_projector_alone(
     by_partition: dict[int, list[tuple[int, bytes]]],
     db: int,
     batch: int,
+    *,
+    full_parse: bool = False,
 ) -> dict[str, Any]:
     """apply_batch over records already in memory, partitions in turn, ``batch`` at a time."""
     backend: Any = (
@@ -568,7 +589,7 @@ async def run_projector_alone(
     )
     if svc is not None:
         await mark_ready(svc.url(db))
-    projector = make_projector(backend, topic)
+    projector = make_projector(backend, topic, full_parse=full_parse)
     chunks = [
         (p, records[i : i + batch])
         for i in range(0, max(len(r) for r in by_partition.values()), batch)
@@ -622,10 +643,10 @@ async def run_lag(
         topic,
         f"bench-lag-{uuid.uuid4().hex[:8]}",
         tmp / f"worker-lag-{db}.log",
-        extra=extra,
-        python=()
-        if fetch_wait_ms is None
-        else [sys.executable, "-c", _FETCH_WAIT_PATCH, str(fetch_wait_ms)],
+        extra=[
+            *extra,
+            *(() if fetch_wait_ms is None else ("--fetch-max-wait-ms", str(fetch_wait_ms))),
+        ],
     )
     ledger = KafkaLedger(
         svc.bootstrap, topic=topic, partitions=PARTITIONS, outbox_dir=tmp / f"outbox-{db}"
@@ -694,7 +715,7 @@ async def run_lag(
         await client.aclose()
     lags = lag_per_event(appended, located, polls)
     return {
-        "fetch_max_wait_ms": 1500 if fetch_wait_ms is None else fetch_wait_ms,
+        "fetch_max_wait_ms": DEFAULT_FETCH_WAIT_MS if fetch_wait_ms is None else fetch_wait_ms,
         "worker_options": list(extra),
         "events": len(appended),
         "rate_target": rate,
@@ -776,21 +797,6 @@ def lag_per_event(
     return lags
 
 
-# The worker with its consumer's fetch_max_wait_ms changed (faust fixes it at 1500 ms).
-_FETCH_WAIT_PATCH = """
-import sys
-import aiokafka
-wait_ms = int(sys.argv.pop(1))
-original = aiokafka.AIOKafkaConsumer.__init__
-def init(self, *args, **kwargs):
-    kwargs["fetch_max_wait_ms"] = wait_ms
-    original(self, *args, **kwargs)
-aiokafka.AIOKafkaConsumer.__init__ = init
-from mcp_budget_governor.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 # -- profile ------------------------------------------------------------------------
 
 
@@ -837,19 +843,17 @@ def _short(filename: str) -> str:
 IDLE = "idle"
 PARSE = "events.parse (pydantic validate_json)"
 
-FAUST = "faust + mode (streams, events, acks, conductor)"
-
 _GROUPS = [
     ("site-packages/pydantic", PARSE),
     ("mcp_budget_governor/events.py", PARSE),
+    ("stream/fastdecode.py", "fastdecode.decode (orjson + checks)"),
     ("stream/projector.py", "Projector (to_applied, batch loop)"),
     ("projections/redis_counters.py", "RedisBackend.apply (Lua arguments)"),
     ("mcp_budget_governor/counters.py", "Projector (to_applied, batch loop)"),
     ("site-packages/redis/", "redis-py (pack_command, encode, reply)"),
     ("site-packages/aiokafka/", "aiokafka (fetch, decode records)"),
-    ("site-packages/faust/", FAUST),
-    ("site-packages/mode/", FAUST),
-    ("stream/worker.py", "stream/worker.py (_by_partition, agent loop)"),
+    ("site-packages/orjson", "fastdecode.decode (orjson + checks)"),
+    ("stream/worker.py", "stream/worker.py (consume loop)"),
     ("benchmarks/bench_worker.py", "the benchmark's consume loop"),
     ("/asyncio/", "asyncio event loop (tasks, futures, callbacks)"),
     ("/selectors.py", "asyncio event loop (tasks, futures, callbacks)"),
@@ -865,6 +869,7 @@ _BUILTINS = [
     ("select.select", IDLE),
     ("validate_json", PARSE),
     ("_pydantic_core", PARSE),
+    ("orjson.loads", "fastdecode.decode (orjson + checks)"),
     ("acquire' of '_thread", IDLE),
 ]
 
@@ -894,8 +899,8 @@ async def profile_aiokafka_loop(
     return [f"{result['events_per_s']:,.0f} events/s under cProfile", *profile_summary(stats, n)]
 
 
-# Runs the worker with a profiler in every thread (faust's consumer has its own
-# thread, a subclass overriding run(), hence the private _bootstrap_inner).
+# Runs the worker with a profiler in every thread (the worker itself has one
+# thread; helper threads, e.g. the archive's, show up when they are busy).
 _PROFILED_WORKER = """
 import cProfile, sys, threading
 out = sys.argv.pop(1)
@@ -1006,6 +1011,19 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
         svc, topic, last, args.events, 1, tmp, args.poll_ms / 1000
     )
     progress(f"  {result['worker']['events_per_s']:,.0f} events/s")
+    if not args.no_archive:
+        progress("throughput: mcpbg worker --archive-dir (subprocess) ...")
+        result["worker_archive"] = await run_worker_throughput(
+            svc,
+            topic,
+            last,
+            args.events,
+            8,
+            tmp,
+            args.poll_ms / 1000,
+            extra=["--archive-dir", str(tmp / "archive")],
+        )
+        progress(f"  {result['worker_archive']['events_per_s']:,.0f} events/s")
     progress("throughput: aiokafka consumer + Projector (in process) ...")
     result["aiokafka"] = await run_aiokafka_loop(svc, topic, last, args.events, 2, args.batch)
     progress(f"  {result['aiokafka']['events_per_s']:,.0f} events/s")
@@ -1015,6 +1033,11 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
     progress("throughput: Projector over a no-op backend (parse only) ...")
     result["parse_only"] = await run_projector_alone(None, topic, by_partition, 0, args.batch)
     progress(f"  {result['parse_only']['events_per_s']:,.0f} events/s")
+    progress("throughput: the same, every record through the pydantic parse ...")
+    result["parse_full"] = await run_projector_alone(
+        None, topic, by_partition, 0, args.batch, full_parse=True
+    )
+    progress(f"  {result['parse_full']['events_per_s']:,.0f} events/s")
     del by_partition
 
     progress(f"lag: {args.rate:,.0f} events/s for {args.seconds:g} s through KafkaLedger ...")
@@ -1117,12 +1140,16 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
     )
     rows = []
     names = [
-        ("worker", "mcpbg worker (faust), subprocess"),
+        ("worker", "mcpbg worker, subprocess"),
+        ("worker_archive", "mcpbg worker --archive-dir, subprocess"),
         ("aiokafka", "aiokafka getmany + Projector, in process"),
         ("projector", "Projector alone, records in memory"),
-        ("parse_only", "Projector, no-op backend (parse only)"),
+        ("parse_only", "Projector, no-op backend (decode only)"),
+        ("parse_full", "same, full pydantic parse (no fast decoder)"),
     ]
     for key, label in names:
+        if key not in result:
+            continue
         r = result[key]
         cpu = r["cpu_seconds"]
         own = cpu.get("worker", cpu.get("this process", float("nan")))
@@ -1182,7 +1209,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
     lag_rows = []
     for key, label in (
         ("lag", "mcpbg worker, default settings"),
-        ("lag_fetch_wait", "same, consumer fetch_max_wait_ms={} (patched)"),
+        ("lag_fetch_wait", "same, --fetch-max-wait-ms {}"),
     ):
         if key in result:
             r = result[key]
@@ -1237,7 +1264,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
         )
     for key, title in (
         ("profile_aiokafka", "cProfile: aiokafka getmany + Projector, in process"),
-        ("profile_worker", "cProfile: mcpbg worker (faust), subprocess"),
+        ("profile_worker", "cProfile: mcpbg worker, subprocess"),
     ):
         if key in result:
             print(f"\n{title}")
@@ -1261,8 +1288,11 @@ def main() -> int:
     parser.add_argument(
         "--diag-fetch-wait-ms",
         type=int,
-        default=50,
-        help="fetch_max_wait_ms of the diagnostic lag run (faust uses 1500)",
+        default=1500,
+        help="--fetch-max-wait-ms of the diagnostic lag run (the faust worker's fixed 1500)",
+    )
+    parser.add_argument(
+        "--no-archive", action="store_true", help="skip the worker run with --archive-dir"
     )
     parser.add_argument("--profile", action="store_true", help="add cProfile runs (~+60 s)")
     parser.add_argument("--json", help="write raw results here")
@@ -1279,11 +1309,17 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     load_after = loadavg()
     import aiokafka
-    import faust
 
+    try:
+        import hiredis  # redis-py packs and parses in C when it is installed
+
+        with_hiredis = f"hiredis {hiredis.__version__}"
+    except ImportError:
+        with_hiredis = "no hiredis"
     env = (
-        f"Python {sys.version.split()[0]}, faust-streaming {faust.__version__}, aiokafka "
-        f"{aiokafka.__version__}, redis-py {redis.__version__}; Redis {info.get('redis_version')}"
+        f"Python {sys.version.split()[0]}, aiokafka "
+        f"{aiokafka.__version__}, redis-py {redis.__version__} ({with_hiredis}); "
+        f"Redis {info.get('redis_version')}"
         f" and tansu (memory storage) started by the benchmark on loopback; {os.cpu_count()} "
         f"CPUs; load avg {_load(load_before)} -> {_load(load_after)}"
     )

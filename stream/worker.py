@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -235,6 +236,8 @@ def _convert(name: str, var: str, raw: str, kind: Any) -> Any:
     return raw
 
 
+#: The worker process's gen-0 garbage collection threshold (Python's default: 700).
+GC_GEN0_THRESHOLD = 50_000
 #: Seconds between two commits of consumed offsets (they serve lag tools only).
 COMMIT_INTERVAL = 1.0
 
@@ -740,6 +743,11 @@ def run(config: WorkerConfig) -> int:
         level=config.log_level.upper(),
         format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s",
     )
+    # A batch keeps hundreds of parsed events (pydantic models, tracked by the
+    # cyclic GC) alive at once; at the default gen-0 threshold (700) the
+    # collector ran every few dozen events and cost more than the parse itself
+    # (benchmarks/README.md, bench_worker.py). The process is this loop alone.
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
     return asyncio.run(_main(config))
 
 
