@@ -38,7 +38,7 @@ decimal point (:func:`decimal_text`), never through a float.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -659,18 +659,6 @@ def _check_periods(row: Mapping[str, str | None]) -> list[str]:
     if not (b0 <= c0 and c1 <= b1):  # type: ignore[operator]
         problems.append(f"charge period {c0}..{c1} must lie within the billing period {b0}..{b1}")
     return problems
-
-
-#: The row rules, each with the columns it reads (so a caller may check distinct projections).
-ROW_RULES: tuple[tuple[tuple[str, ...], Callable[[Mapping[str, str | None]], list[str]]], ...] = (
-    (("ServiceCategory", "ServiceSubcategory", *ALLOWED_VALUES), _check_allowed),
-    (("ListUnitPrice", "PricingQuantity", "ListCost"), _check_costs),
-    (("ContractedCost", "BilledCost"), _check_costs),
-    (
-        ("BillingPeriodStart", "ChargePeriodStart", "ChargePeriodEnd", "BillingPeriodEnd"),
-        _check_periods,
-    ),
-)
 
 
 def check_row(row: Mapping[str, str | None], version: FocusVersion = FOCUS_1_2) -> list[str]:

@@ -282,6 +282,50 @@ async def test_a_file_ledger_with_unusual_names_exports_ascii(tmp_path: Path) ->
     assert tool["SubAccountId"] == "" and "tenant" not in tool["Tags"]
 
 
+async def model_call_ledger(folder: Path) -> None:
+    """An admission at 10:15, then at 11:15 a call of a model only a custom price table knows."""
+    now = [datetime(2026, 11, 3, 10, 15, tzinfo=UTC).timestamp()]
+    gov = Governor(
+        Policy.of(
+            Limit("calls", cap=5, window=Window.DAY, scope=Scope.USER),
+            Limit("spend", cap=10**9, window=Window.DAY, unit=Unit.USD_MICROS, gated=False),
+        ),
+        MemoryBackend(),
+        ledger=FileLedger(folder),
+        prices=PriceTable().with_price("house-model", 1, 2),
+        clock=lambda: now[0],
+    )
+    who = Context(user="u1", tool="search")
+    assert (await gov.check(who)).admitted
+    now[0] += 3600
+    await gov.meter_tokens("spend", "house-model", input_tokens=1_000, output_tokens=10, ctx=who)
+    await gov.aclose()
+
+
+async def test_a_period_with_events_but_no_cost_is_an_empty_export(tmp_path: Path) -> None:
+    await model_call_ledger(tmp_path / "ledger")
+    args = ["export", "focus", "--ledger-dir", str(tmp_path / "ledger"), "--quiet"]
+    out = tmp_path / "empty.csv"
+    hour = ["--from", "2026-11-03T10:00Z", "--to", "2026-11-03T11:00Z"]  # the admission only
+    assert main([*args, *hour, "--out", str(out)]) == 0
+    assert out.read_text().splitlines() == [",".join(FOCUS_1_2.names)]
+    before = ["--from", "2026-11-03T09:00Z", "--to", "2026-11-03T10:00Z"]  # nothing at all
+    assert main([*args, *before, "--out", str(tmp_path / "none.csv")]) == 2
+    assert not (tmp_path / "none.csv").exists()
+
+
+async def test_an_unpriced_model_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await model_call_ledger(tmp_path / "ledger")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    err = run_bad(
+        ["--period", MONTH, "--ledger-dir", str(tmp_path / "ledger")], out_dir / "f.csv", capsys
+    )
+    assert "no price for 'house-model'" in err and "--prices" in err
+
+
 # --- bad input: one line, exit 2, nothing left behind ----------------------------------
 
 
