@@ -1061,7 +1061,9 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
         lag = result["lag_fetch_wait"]["lag_ms"]
         progress(f"  lag p50 {lag['p50']:.0f} ms, p99 {lag['p99']:.0f} ms")
         progress("broker probe: delivery latency of a plain aiokafka consumer ...")
-        result["broker_probe"] = await probe_broker(svc, (1500, args.diag_fetch_wait_ms))
+        result["broker_probe"] = await probe_broker(
+            svc, (DEFAULT_FETCH_WAIT_MS, args.diag_fetch_wait_ms)
+        )
 
     if args.profile:
         progress("profile: aiokafka consumer + Projector under cProfile ...")
