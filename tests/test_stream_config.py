@@ -17,10 +17,18 @@ BASE = {"MCPBG_KAFKA_URL": "kafka://k1:9092,k2:9092", "MCPBG_REDIS_URL": "redis:
 
 
 def test_environment_then_options() -> None:
-    env = {**BASE, "MCPBG_TOPIC": "ledger", "MCPBG_BATCH_SIZE": "64", "MCPBG_BATCH_WAIT": "0.5"}
+    env = {
+        **BASE,
+        "MCPBG_TOPIC": "ledger",
+        "MCPBG_BATCH_SIZE": "64",
+        "MCPBG_BATCH_WAIT": "0.5",
+        "MCPBG_FETCH_MAX_WAIT_MS": "20",
+    }
     config = WorkerConfig.from_env(env, batch_size=128, group=None)
     assert config.bootstrap == "k1:9092,k2:9092"
     assert (config.topic, config.batch_size, config.batch_wait) == ("ledger", 128, 0.5)
+    assert config.fetch_max_wait_ms == 20
+    assert WorkerConfig.from_env(BASE).fetch_max_wait_ms == 50  # the default
     assert config.group == "mcpbg-projector"  # None means "not given": the default stays
     assert config.dlq_topic == "ledger.dlq"
     assert set(worker.ENV.values()) >= {
@@ -41,6 +49,7 @@ def test_environment_then_options() -> None:
         (BASE, {"redis_url": "r:6379"}, "redis_url"),
         (BASE, {"batch_size": 0}, "batch_size"),
         (BASE, {"batch_wait": 0.0}, "batch_wait"),
+        (BASE, {"fetch_max_wait_ms": 0}, "fetch_max_wait_ms"),
         (BASE, {"topic": ""}, "topic"),
         (BASE, {"heartbeat_interval_ms": 6000, "session_timeout_ms": 6000}, "heartbeat"),
         (BASE, {"progress_interval": -1.0}, "progress_interval"),
