@@ -326,6 +326,34 @@ async def test_an_unpriced_model_is_refused(
     assert "no price for 'house-model'" in err and "--prices" in err
 
 
+def test_a_large_export_is_checked_on_a_sample_and_every_enumerated_value(
+    month: tuple[Path, GenStats],
+    exported: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    archive, _ = month
+    monkeypatch.setattr(focus_export, "CHECK_SAMPLE", 300)
+    out = tmp_path / "sampled.csv"
+    args = ["export", "focus", "--period", MONTH, "--archive-dir", str(archive), "--quiet"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert out.read_bytes() == exported["csv"].read_bytes()  # same rows, fewer checked whole
+    # A value on few rows (one user), which a 300-row sample would likely miss, is still seen:
+    users: dict[str, int] = defaultdict(int)
+    for r in rows_of(out):
+        users[r["x_UserId"]] += 1
+    rare = min(users, key=lambda u: users[u])
+    real = focus_export.check_row
+
+    def strict(row: dict[str, str | None], version: object) -> list[str]:
+        bad = ["x_UserId: refused"] if row.get("x_UserId") == rare else []
+        return bad + real(row, version)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(focus_export, "check_row", strict)
+    assert main([*args, "--out", str(tmp_path / "again.csv")]) == 2
+    assert not (tmp_path / "again.csv").exists()
+
+
 # --- bad input: one line, exit 2, nothing left behind ----------------------------------
 
 

@@ -57,6 +57,8 @@ def _load_prices(spec: str) -> Any:
     from ..prices import PriceTable
 
     module_name, _, attribute = spec.partition(":")
+    if os.getcwd() not in sys.path:  # a module next to the operator, as `python -m` would see it
+        sys.path.insert(0, os.getcwd())
     if not module_name or not attribute:
         raise InvalidInputError("--prices", spec, "expected package.module:attribute")
     try:
