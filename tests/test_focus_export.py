@@ -474,3 +474,38 @@ def test_decimal_sql_is_decimal_text(values: list[int], scale: int) -> None:
         ).fetchall()
     ]
     assert rendered == [decimal_text(v, scale) for v in values]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--period", MONTH, "--to", "2026-11-05"], "--to: goes with --from, not --period"),
+        (["--from", "2026-11-03"], "--to: required with --from"),
+        (["--period", MONTH, "--prices", "nocolon"], "--prices: expected package.module:attribute"),
+        (["--period", MONTH, "--prices", "no_such_mod:X"], "--prices: cannot load it"),
+        (["--period", MONTH, "--prices", "os:sep"], "--prices: is not a PriceTable"),
+    ],
+)
+def test_bad_options_name_themselves(
+    month: tuple[Path, GenStats],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    archive, _ = month
+    assert message in run_bad([*args, "--archive-dir", str(archive)], tmp_path / "f.csv", capsys)
+
+
+def test_progress_and_summary_for_people(
+    month: tuple[Path, GenStats], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    archive, stats = month
+    out = tmp_path / "f.parquet"
+    code = main(
+        ["export", "focus", "--period", MONTH, "--archive-dir", str(archive), "--out", str(out)]
+    )
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "splitting and aggregating" in captured.err and "writing" in captured.err
+    assert f"{stats.usd_micros // 1_000_000}." in captured.out and "parquet" in captured.out

@@ -57,14 +57,19 @@ def _load_prices(spec: str) -> Any:
     from ..prices import PriceTable
 
     module_name, _, attribute = spec.partition(":")
-    if os.getcwd() not in sys.path:  # a module next to the operator, as `python -m` would see it
-        sys.path.insert(0, os.getcwd())
     if not module_name or not attribute:
         raise InvalidInputError("--prices", spec, "expected package.module:attribute")
+    # A module in the working folder is found, as `python -m` would find it.
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
     try:
         value = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
         raise InvalidInputError("--prices", spec, f"cannot load it: {exc}") from None
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
     if not isinstance(value, PriceTable):
         raise InvalidInputError("--prices", spec, "is not a PriceTable")
     return value
