@@ -96,6 +96,18 @@ def _noop(_: str) -> None:
     return None
 
 
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
@@ -622,6 +634,7 @@ def export_focus(
         with open(temp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temp, target)
+        _fsync_dir(folder)
         stages["write"] = time.perf_counter() - mark
     except duckdb.Error as exc:
         raise query_error(exc) from None
