@@ -479,6 +479,7 @@ class ProjectionWorker:
     async def revoked(self, partitions: set[TopicPartition]) -> None:
         """Listener: let the batch in hand finish (bounded wait), then commit what it consumed."""
         consumer = self._consumer
+        self._unaligned -= partitions  # no longer ours to align
         if consumer is None or not partitions:
             return
         wait = max(self.config.session_timeout_ms / 1000, 1.0)
@@ -517,10 +518,13 @@ class ProjectionWorker:
         try:
             for tp, offset in offsets.items():
                 consumer.seek(tp, offset)
-        except IllegalStateError:
-            return  # revoked meanwhile; the listener has set what comes next
+        except IllegalStateError:  # revoked meanwhile; the next assignment is aligned anew
+            await asyncio.sleep(0.05)
+            return
         self._to_commit = dict(offsets)
         committed = await self._commit(consumer)
+        if generation != self._assignments:
+            return  # reassigned during the commit: align the new assignment instead
         consumer.resume(*mine)
         self._unaligned = set()
         for tp, offset in offsets.items():  # the watermark, until this worker applies more
