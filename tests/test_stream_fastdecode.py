@@ -193,7 +193,11 @@ def mutated_records(draw: st.DrawFn) -> bytes:
 @st.composite
 def duplicated_keys(draw: st.DrawFn) -> bytes:
     raw = draw(valid_records)
-    field = draw(st.sampled_from([b'"id":', b'"type":', b'"source":', b'"time":', b'"data":']))
+    field = draw(
+        st.sampled_from(
+            [b'"id":', b'"type":', b'"source":', b'"time":', b'"data":', b'"amount":', b'"key":']
+        )
+    )
     value = orjson.dumps(draw(json_scalars))
     return raw.replace(field, field + value + b"," + field, 1)
 
