@@ -77,7 +77,7 @@ from aiokafka.structs import ConsumerRecord
 
 from mcp_budget_governor.errors import EpochMissingError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent
-from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 from mcp_budget_governor.projections.redis_counters import RedisBackend
 
@@ -139,8 +139,9 @@ class WorkerConfig:
     - ``progress_interval``: seconds between progress lines (0: none).
     - ``redis_timeout``: seconds one Redis call may take (a batch is one call).
     - ``topic_wait``: seconds to wait at start for the ledger topic to exist.
-    - ``policy``: ``package.module:attribute`` naming the :class:`Policy` whose
-      ``alert_at`` levels, breakers and shadow limits raise alerts; empty: no alerts.
+    - ``policy``: a TOML policy file or ``package.module:attribute``, naming
+      the :class:`~mcp_budget_governor.Policy` whose ``alert_at`` levels,
+      breakers and shadow limits raise alerts; empty: no alerts.
     - ``alert_webhook``: an http(s) URL each alert is POSTed to (optional).
     - ``alert_topic``: the Kafka topic alerts go to (default ``mcpbg.alerts``;
       empty: none). Alerts are always logged (WARNING).
@@ -659,22 +660,6 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         self.worker.assigned(set(assigned))
-
-
-def load_policy(spec: str) -> Policy:
-    """The :class:`Policy` named by ``package.module:attribute``."""
-    import importlib
-
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise InvalidInputError("policy", spec, "expected package.module:attribute")
-    try:
-        policy = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidInputError("policy", spec, f"cannot load it ({exc})") from None
-    if not isinstance(policy, Policy):
-        raise InvalidInputError("policy", spec, f"not a Policy but {type(policy).__name__}")
-    return policy
 
 
 # -- start-up -----------------------------------------------------------------

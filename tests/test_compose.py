@@ -21,6 +21,7 @@ import yaml
 from mcp_budget_governor import Policy, cli
 from mcp_budget_governor.cli import worker as worker_cli
 from mcp_budget_governor.stream.worker import WorkerConfig
+from mcp_budget_governor.stream.worker import load_policy as worker_load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -129,7 +130,7 @@ def test_the_worker_command_is_a_real_mcpbg_subcommand(compose: dict[str, Any]) 
 
 
 def test_the_server_command_runs_the_example_server_which_imports(
-    compose: dict[str, Any],
+    compose: dict[str, Any], tmp_path: Path
 ) -> None:
     command = services(compose)["server"]["command"]
     assert command[0] == "python"
@@ -144,6 +145,7 @@ def test_the_server_command_runs_the_example_server_which_imports(
     assert names and names <= set(server.ENV), names - set(server.ENV)
     # Building the server (nothing connects yet) reads each of them.
     env["MCPBG_POLICY"] = str(ROOT / env["MCPBG_POLICY"].removeprefix("/app/"))
+    env["MCPBG_OUTBOX_DIR"] = str(tmp_path / "outbox")  # the container's path, not this host's
     read = Spy(env)
     app = server.build(read)
     assert names <= read.asked, names - read.asked
@@ -168,10 +170,13 @@ class Spy(dict[str, str]):
 
 def test_the_policy_file_is_in_the_image(compose: dict[str, Any]) -> None:
     policy = services(compose)["server"]["environment"]["MCPBG_POLICY"]
+    # The worker reads the same file for its alert levels and breakers.
+    assert services(compose)["worker"]["environment"]["MCPBG_POLICY"] == policy
     assert policy.startswith("/app/")
     # The Dockerfile copies examples/ into /app.
     local = ROOT / policy.removeprefix("/app/")
     assert len(Policy.from_file(local)) > 0
+    assert worker_load_policy(str(local)) == Policy.from_file(local)
     assert "COPY examples ./examples" in (ROOT / "Dockerfile").read_text()
 
 

@@ -55,7 +55,7 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "redis_timeout": (float, "seconds one Redis call may take (default 5)"),
     "topic_wait": (float, "seconds to wait at start for the topic to exist (default 60)"),
     "log_level": (str, "debug, info, warning or error (default info)"),
-    "policy": (str, "package.module:attribute of the Policy whose levels raise alerts"),
+    "policy": (str, "the policy (a .toml file or package.module:attribute) whose levels alert"),
     "alert_webhook": (str, "http(s) URL each alert is POSTed to (CloudEvent JSON)"),
     "alert_topic": (str, "Kafka topic for alerts (default mcpbg.alerts; '' for none)"),
     "archive_dir": (str, "folder for the Parquet archive, written before each batch applies"),
