@@ -5,9 +5,11 @@ No services: these only build configurations and read the CLI's answers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from mcp_budget_governor import InvalidInputError
+from mcp_budget_governor import GovernorError, InvalidInputError
 from mcp_budget_governor.cli import main
 
 worker = pytest.importorskip("mcp_budget_governor.stream.worker", reason="needs the stream extra")
@@ -77,3 +79,22 @@ def test_cli_worker_reports_bad_input_with_exit_code_2(
     assert "batch_size" in capsys.readouterr().err
     # The schema command is untouched by the worker's optional dependencies.
     assert main(["schema", "--type", "mcpbg.metered.v1"]) == 0
+
+
+def test_the_worker_reads_a_policy_file_and_names_a_bad_one(tmp_path: Path) -> None:
+    """MCPBG_POLICY is a TOML file (or module:attribute), through the one policy loader."""
+    from mcp_budget_governor import Policy
+
+    ProjectionWorker = worker.ProjectionWorker
+
+    example = Path(__file__).parent.parent / "examples" / "policy.toml"
+    projection = ProjectionWorker(
+        WorkerConfig("kafka://127.0.0.1:9", "redis://127.0.0.1:9/0", policy=str(example))
+    )
+    assert projection._policy == Policy.from_file(example)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[limits]]\nname = "x"\ncap = 5\nwindow = "fortnight"\n')
+    with pytest.raises(GovernorError, match=r"bad.toml:4: limits\[0\].window"):
+        ProjectionWorker(
+            WorkerConfig("kafka://127.0.0.1:9", "redis://127.0.0.1:9/0", policy=str(bad))
+        )
