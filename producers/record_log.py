@@ -156,8 +156,16 @@ def segment_name(prefix: str, segment: int) -> str:
 
 
 def fsync_dir(directory: Path) -> None:
-    """Make a created, renamed or deleted directory entry durable."""
-    fd = os.open(directory, os.O_RDONLY)
+    """Make a created, renamed or deleted directory entry durable.
+
+    The one implementation for every writer that renames files into place
+    (record logs, the Parquet archive, FOCUS exports). A no-op where folders
+    cannot be opened (Windows).
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
     try:
         os.fsync(fd)
     finally:

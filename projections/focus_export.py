@@ -45,6 +45,7 @@ from mcp_budget_governor.focus import (
     rate_text,
 )
 from mcp_budget_governor.prices import PriceTable
+from mcp_budget_governor.producers.record_log import fsync_dir
 from mcp_budget_governor.projections.ledger_view import query_error
 
 __all__ = ["ExportError", "ExportOptions", "ExportResult", "export_focus", "focus_table"]
@@ -94,18 +95,6 @@ Progress = Callable[[str], None]
 
 def _noop(_: str) -> None:
     return None
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename durable (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -634,7 +623,7 @@ def export_focus(
         with open(temp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temp, target)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         stages["write"] = time.perf_counter() - mark
     except duckdb.Error as exc:
         raise query_error(exc) from None

@@ -140,6 +140,7 @@ import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.events import LedgerEvent
+from mcp_budget_governor.producers.record_log import fsync_dir
 
 __all__ = [
     "COMPRESSION",
@@ -269,18 +270,6 @@ def _write_all(fd: int, data: memoryview) -> None:
     while data:
         written = os.write(fd, data)
         data = data[written:]
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable (no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Archiver:
@@ -469,7 +458,7 @@ class Archiver:
         if folder.name not in self._folders:
             if not folder.is_dir():
                 folder.mkdir(parents=True, exist_ok=True)
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
             self._folders.add(folder.name)
         return folder
 
@@ -498,5 +487,5 @@ class Archiver:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
             raise
-        _fsync_dir(folder)
+        fsync_dir(folder)
         return final
