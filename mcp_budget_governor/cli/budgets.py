@@ -124,14 +124,11 @@ async def _report(
 
 def print_report(report: BudgetReport, *, title: str | None = "budgets") -> None:
     """Print a budgets report as a table, and say when the listing was cut (the demo uses it)."""
-    from rich.markup import escape
-
     from ..projections.budgets import HEADERS, NUMERIC, table_rows
     from .render import console, print_table
 
-    # Ids are caller data: "[bold]" in one must print as written, not as markup.
-    rows = [[escape(cell) for cell in row] for row in table_rows(report)]
-    print_table(title and escape(title), HEADERS, rows, numeric=NUMERIC)
+    # Ids are caller data: print_table shows "[bold]" in one as written, not as markup.
+    print_table(title, HEADERS, table_rows(report), numeric=NUMERIC)
     out = console()
     if not report.rows:
         out.print("no counters in the current period")

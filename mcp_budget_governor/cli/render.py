@@ -35,7 +35,7 @@ def table(
     1
     """
     right = set(numeric)
-    out = Table(title=title, title_justify="left")
+    out = Table(title=None if title is None else Text(title), title_justify="left")
     for name in headers:
         out.add_column(name, justify="right" if name in right else "left", overflow="fold")
     for row in rows:
