@@ -112,6 +112,8 @@ ENV: Mapping[str, str] = {
     "alert_topic": "MCPBG_ALERT_TOPIC",
     "archive_dir": "MCPBG_ARCHIVE_DIR",
     "metrics_port": "MCPBG_METRICS_PORT",
+    "partitions": "MCPBG_PARTITIONS",
+    "concurrency": "MCPBG_CONCURRENCY",
 }
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -148,6 +150,13 @@ class WorkerConfig:
     - ``archive_dir``: where each batch is written as Parquet (see
       :mod:`.archiver`) *before* it is applied; empty: no archive.
     - ``metrics_port``: serve Prometheus metrics on this port (0: off).
+    - ``partitions``: create the ledger topic with this many partitions when
+      it does not exist (0, the default: wait ``topic_wait`` for a producer
+      or an operator to create it).
+    - ``concurrency``: how many partitions' batches of one fetch are applied
+      at once (default 1). Each partition has its own watermark, so their
+      applies are independent; more than one keeps Redis busy while a batch
+      is in flight, which pays off when Redis is a network hop away.
     """
 
     kafka_url: str
@@ -168,6 +177,8 @@ class WorkerConfig:
     alert_topic: str = "mcpbg.alerts"
     archive_dir: str = ""
     metrics_port: int = 0
+    partitions: int = 0
+    concurrency: int = 1
     bootstrap: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -182,6 +193,7 @@ class WorkerConfig:
             "fetch_max_wait_ms",
             "session_timeout_ms",
             "heartbeat_interval_ms",
+            "concurrency",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -189,6 +201,10 @@ class WorkerConfig:
         for name in ("batch_wait", "redis_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidInputError(name, getattr(self, name), "expected seconds > 0")
+        if isinstance(self.partitions, bool) or not isinstance(self.partitions, int):
+            raise InvalidInputError("partitions", self.partitions, "expected an integer >= 0")
+        if self.partitions < 0:
+            raise InvalidInputError("partitions", self.partitions, "expected an integer >= 0")
         if self.log_level.lower() not in _LOG_LEVELS:
             raise InvalidInputError("log_level", self.log_level, f"one of {', '.join(_LOG_LEVELS)}")
         for name in ("progress_interval", "topic_wait"):
@@ -272,6 +288,8 @@ class ProjectionWorker:
         self._stopping = asyncio.Event()
         # Held while a batch is applied; a revocation waits for it.
         self._lock = asyncio.Lock()
+        # One rebuild at a time: concurrent partition applies may all find Redis empty.
+        self._rebuilding = asyncio.Lock()
         # Partitions assigned but not yet moved to their watermark (paused until then).
         self._unaligned: set[TopicPartition] = set()
         self._assignments = 0
@@ -401,13 +419,24 @@ class ProjectionWorker:
         self, consumer: AIOKafkaConsumer, batch: Mapping[TopicPartition, list[ConsumerRecord]]
     ) -> None:
         assigned = consumer.assignment()
-        for tp, messages in batch.items():
-            # Fetched before this partition was moved to its watermark (or after it
-            # was taken away): not ours to apply; it is fetched again from the right place.
-            if tp not in assigned or tp in self._unaligned or not messages:
-                continue
-            records: list[Record] = [(m.offset, m.value) for m in messages]
-            result = await self._apply_until_done(tp.partition, records)
+        # Fetched before a partition was moved to its watermark (or after it was
+        # taken away): not ours to apply; it is fetched again from the right place.
+        work = [
+            (tp, [(m.offset, m.value) for m in messages])
+            for tp, messages in batch.items()
+            if messages and tp in assigned and tp not in self._unaligned
+        ]
+        if self.config.concurrency > 1 and len(work) > 1:
+            gate = asyncio.Semaphore(self.config.concurrency)
+
+            async def one(partition: int, records: list[Record]) -> ProjectorResult:
+                async with gate:
+                    return await self._apply_until_done(partition, records)
+
+            results = await asyncio.gather(*(one(tp.partition, recs) for tp, recs in work))
+        else:
+            results = [await self._apply_until_done(tp.partition, recs) for tp, recs in work]
+        for (tp, _), result in zip(work, results, strict=True):
             await self.evaluate_alerts(result)
             partition = tp.partition
             self.last_offset[partition] = result.last_offset
@@ -539,6 +568,10 @@ class ProjectionWorker:
 
     async def rebuild_until_done(self) -> None:
         """Replay the ledger into an emptied Redis, retrying until it is complete."""
+        async with self._rebuilding:
+            await self._rebuild_until_done()
+
+    async def _rebuild_until_done(self) -> None:
         backend = self.backend
         attempt = 0
         while True:
@@ -666,13 +699,15 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 async def prepare_topics(config: WorkerConfig) -> int:
-    """Wait for the ledger topic (up to ``topic_wait`` s); create its DLQ if missing.
+    """Wait for the ledger topic (up to ``topic_wait`` s, or create it with ``partitions``);
+    create its DLQ if missing.
 
     Returns the ledger topic's partition count. Waiting first avoids a
     subscription to a topic that does not exist yet, which costs a
     rebalance (slow on some brokers) when it appears.
     """
-    deadline = time.monotonic() + config.topic_wait
+    # Creating the topic gets a few seconds of its own, even with topic_wait 0.
+    deadline = time.monotonic() + config.topic_wait + (10.0 if config.partitions else 0.0)
     admin = await _admin(config.bootstrap, deadline)
     try:
         said = 0.0
@@ -686,6 +721,14 @@ async def prepare_topics(config: WorkerConfig) -> int:
                     config.topic,
                     f"not found on {config.bootstrap} within {config.topic_wait:g} s",
                 )
+            if config.partitions:
+                with contextlib.suppress(TopicAlreadyExistsError):
+                    await admin.create_topics([NewTopic(config.topic, config.partitions, 1)])
+                    log.info(
+                        "projector: created %s (%d partitions)", config.topic, config.partitions
+                    )
+                await asyncio.sleep(0.1)  # until the broker lists it
+                continue
             if time.monotonic() - said > 5:
                 log.info("projector: waiting for topic %s on %s", config.topic, config.bootstrap)
                 said = time.monotonic()
@@ -702,6 +745,11 @@ async def prepare_topics(config: WorkerConfig) -> int:
 async def _partition_count(admin: AIOKafkaAdminClient, topic: str) -> int:
     """How many partitions ``topic`` has, 0 when the broker does not know it."""
     try:
+        # Listed first: describing a missing topic is a metadata request that a
+        # broker with auto-creation on answers by creating it with its default
+        # partition count (tansu: 4), behind the operator's back.
+        if topic not in await admin.list_topics():
+            return 0
         described = await admin.describe_topics([topic])
     except KafkaError:
         return 0

@@ -98,3 +98,18 @@ def test_the_worker_reads_a_policy_file_and_names_a_bad_one(tmp_path: Path) -> N
         ProjectionWorker(
             WorkerConfig("kafka://127.0.0.1:9", "redis://127.0.0.1:9/0", policy=str(bad))
         )
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("partitions", -1), ("partitions", True), ("concurrency", 0), ("concurrency", 2.0)],
+)
+def test_partitions_and_concurrency_are_checked(option: str, value: object) -> None:
+    with pytest.raises(InvalidInputError, match=option):
+        WorkerConfig("kafka://127.0.0.1:9", "redis://127.0.0.1:9/0", **{option: value})
+
+
+def test_partitions_and_concurrency_come_from_the_environment() -> None:
+    env = {**BASE, "MCPBG_PARTITIONS": "6", "MCPBG_CONCURRENCY": "3"}
+    config = WorkerConfig.from_env(env)
+    assert (config.partitions, config.concurrency) == (6, 3)

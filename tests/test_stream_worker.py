@@ -44,6 +44,7 @@ from mcp_budget_governor import (
     BudgetExceeded,
     Context,
     Governor,
+    InvalidInputError,
     Limit,
     MemoryBackend,
     Policy,
@@ -719,3 +720,55 @@ async def read_alerts(kafka: KafkaService, topic: str, count: int) -> list[tuple
     finally:
         await consumer.stop()
     return out
+
+
+async def test_a_worker_creates_the_topic_and_applies_partitions_concurrently(
+    kafka: KafkaService,
+    redis_url: str,
+    backend: RedisBackend,
+    names: Names,
+    tmp_path: Path,
+) -> None:
+    """``--partitions`` creates a missing ledger topic; ``--concurrency`` stays exact."""
+    config = worker_module.WorkerConfig(
+        kafka.bootstrap,
+        redis_url,
+        topic=names.topic,
+        group=names.group,
+        batch_size=100,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        progress_interval=0,
+        topic_wait=0,
+        partitions=PARTITIONS,
+        concurrency=PARTITIONS,
+    )
+    # The topic does not exist yet: the worker makes it (and its dead-letter topic).
+    assert await worker_module.prepare_topics(config) == PARTITIONS
+    worker = worker_module.ProjectionWorker(config)
+    serving = asyncio.create_task(worker.serve())
+    try:
+        async with governor(kafka, backend, names.topic, tmp_path) as gov:
+            await workload(gov, 600, random.Random(11))
+        records = await wait_caught_up(kafka, backend, names.topic, [])
+        assert {r.partition for r in records} == set(range(PARTITIONS))
+        await assert_exact(backend, records)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(serving, 30)
+
+
+async def test_without_partitions_a_missing_topic_is_waited_for_never_created(
+    kafka: KafkaService, redis_url: str, names: Names
+) -> None:
+    config = worker_module.WorkerConfig(
+        kafka.bootstrap, redis_url, topic=names.topic, topic_wait=0.5
+    )
+    with pytest.raises(InvalidInputError, match="not found"):
+        await worker_module.prepare_topics(config)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    await admin.start()
+    try:
+        assert names.topic not in await admin.list_topics()
+    finally:
+        await admin.close()

@@ -60,4 +60,9 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "alert_topic": (str, "Kafka topic for alerts (default mcpbg.alerts; '' for none)"),
     "archive_dir": (str, "folder for the Parquet archive, written before each batch applies"),
     "metrics_port": (int, "serve Prometheus metrics on this port (default 0: off)"),
+    "partitions": (
+        int,
+        "create the ledger topic with this many partitions if missing (default 0: wait)",
+    ),
+    "concurrency": (int, "partitions whose batches are applied at once (default 1)"),
 }
