@@ -54,6 +54,8 @@ def test_the_four_services_with_official_images(compose: dict[str, Any]) -> None
     assert re.fullmatch(r"redis:\d+(\.\d+)*(-alpine)?", svc["redis"]["image"])
     # The worker builds the project image (Dockerfile) that the server reuses.
     assert svc["worker"]["build"] == "."
+    # The worker, which the server waits for, creates the ledger topic.
+    assert int(svc["worker"]["environment"]["MCPBG_PARTITIONS"]) > 1
     assert svc["server"]["image"] == svc["worker"]["image"]
     assert (ROOT / "Dockerfile").is_file()
 
