@@ -19,15 +19,16 @@ from ..errors import GovernorError
 
 #: The command modules, ``mcp_budget_governor.cli.<name>``, each with ``register``.
 COMMANDS: tuple[str, ...] = (
-    "schema",
-    "worker",
-    "budgets",
+    # What an operator reaches for first, then the pipeline's jobs, then reference.
     "demo",
-    "export",
-    "replay",
-    "reconcile",
+    "budgets",
     "costs",
     "sql",
+    "export",
+    "reconcile",
+    "replay",
+    "worker",
+    "schema",
 )
 
 
