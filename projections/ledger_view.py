@@ -92,7 +92,7 @@ from mcp_budget_governor.errors import GovernorError
 from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
 from mcp_budget_governor.producers.record_log import RecordLog
-from mcp_budget_governor.stream.archiver import SCHEMA, Archiver
+from mcp_budget_governor.stream.archiver import SCHEMA, ledger_table
 
 __all__ = [
     "COLUMNS",
@@ -258,13 +258,10 @@ def _file_rows(
         by_segment.setdefault(pos.segment, []).append((pos.index, event))
     if not by_segment:
         return None
-    # The archiver's row builder is the one definition of a ledger row; it is
-    # used without its constructor, which would create an archive folder.
-    rows = Archiver.__new__(Archiver)
-    rows.topic = partition_prefix
+    # The archiver's row builder is the one definition of a ledger row.
     tables = []
     for segment, events in sorted(by_segment.items()):
-        table, _ = rows._table(segment, events)
+        table, _ = ledger_table(partition_prefix, segment, events)
         name = f"{partition_prefix}:{records.path(segment).name}"
         tables.append(table.append_column("partition_name", pa.repeat(pa.scalar(name), len(table))))
     return pa.concat_tables(tables)

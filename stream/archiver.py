@@ -148,6 +148,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "TEMP_SUFFIX",
     "Archiver",
+    "ledger_table",
     "segment_name",
 ]
 
@@ -346,109 +347,7 @@ class Archiver:
     def _table(
         self, partition: int, records: Sequence[tuple[int, LedgerEvent]]
     ) -> tuple[pa.Table, dict[int, tuple[int, int, pa.Array | None]]]:
-        """The rows of the batch, and per UTC day: (first offset, last offset, row mask)."""
-        # One tuple per event and one per charge, in the column order of
-        # _EVENT_COLUMNS and _CHARGE_COLUMNS, transposed at the end by zip():
-        # far cheaper in Python than one append per column.
-        event_rows: list[tuple[object, ...]] = []
-        charge_rows: list[tuple[object, ...]] = []
-        row_event: list[int] = []
-        days: list[int] = []
-        previous = -1
-        for n, (offset, event) in enumerate(records):
-            if isinstance(offset, bool) or not isinstance(offset, int):
-                raise InvalidInputError("offset", offset, "an integer offset")
-            if offset <= previous or offset > _MAX_OFFSET:
-                raise ValueError(
-                    f"{self.topic}:{partition}: offsets must ascend within 0..2**63-1 "
-                    f"({offset} after {previous})"
-                )
-            previous = offset
-            data = event.data
-            ctx = data.context
-            decision = data.decision
-            usage = data.usage
-            micros = _micros(event.time)
-            days.append(micros // _DAY_MICROS)
-            if usage is None:
-                tokens: tuple[object, ...] = _NO_USAGE
-            else:
-                tokens = (
-                    usage.model,
-                    usage.input_tokens,
-                    usage.output_tokens,
-                    usage.cache_read_tokens,
-                    usage.cache_write_tokens,
-                    usage.price_version,
-                )
-            event_rows.append(
-                (
-                    offset,
-                    event.id,
-                    event.type,
-                    micros,
-                    event.source,
-                    event.subject,
-                    ctx.user,
-                    ctx.tenant,
-                    ctx.tool,
-                    ctx.session,
-                    ctx.agent,
-                    decision.limit,
-                    decision.status,
-                    decision.over,
-                    decision.degraded,
-                    *tokens,
-                    data.reservation,
-                )
-            )
-            charges = data.charges
-            if charges:
-                for i, c in enumerate(charges):
-                    row_event.append(n)
-                    # Unit and Window are str enums: pyarrow stores their value.
-                    charge_rows.append(
-                        (i, c.limit, c.unit, c.amount, c.window, c.bucket, c.key, c.expire_at)
-                    )
-            else:
-                row_event.append(n)
-                charge_rows.append(_NO_CHARGE)
-
-        take = pa.array(row_event, type=_INT)
-        events = pa.Table.from_arrays(
-            [
-                pa.array(values, type=_TYPES[name])
-                for name, values in zip(_EVENT_COLUMNS, zip(*event_rows, strict=True), strict=True)
-            ],
-            names=list(_EVENT_COLUMNS),
-        ).take(take)
-        count = len(row_event)
-        columns: dict[str, object] = {
-            "topic": pa.repeat(pa.scalar(self.topic, _STR), count),
-            "partition": pa.repeat(pa.scalar(partition, _INT), count),
-        }
-        for name, values in zip(_CHARGE_COLUMNS, zip(*charge_rows, strict=True), strict=True):
-            columns[name] = pa.array(values, type=_TYPES[name])
-        for name in _EVENT_COLUMNS:
-            columns[name] = events.column(name)
-        table = pa.Table.from_arrays([columns[name] for name in SCHEMA.names], schema=SCHEMA)
-
-        # Per UTC day: first and last offset (offsets ascend), and a row mask
-        # when the batch spans more than one day.
-        spans: dict[int, list[int]] = {}
-        for (offset, _), day in zip(records, days, strict=True):
-            span = spans.get(day)
-            if span is None:
-                spans[day] = [offset, offset]
-            else:
-                span[1] = offset
-        if len(spans) == 1:
-            ((day, (first, last)),) = spans.items()
-            return table, {day: (first, last, None)}
-        row_days = pa.array(days, type=_INT).take(take)
-        return table, {
-            day: (first, last, pc.equal(row_days, day)) for day, (first, last) in spans.items()
-        }
+        return ledger_table(self.topic, partition, records)
 
     def _folder(self, day: int) -> Path:
         return self._folder_for(self.directory / _date_folder(day))
@@ -489,3 +388,115 @@ class Archiver:
             raise
         fsync_dir(folder)
         return final
+
+
+def ledger_table(
+    topic: str, partition: int, records: Sequence[tuple[int, LedgerEvent]]
+) -> tuple[pa.Table, dict[int, tuple[int, int, pa.Array | None]]]:
+    """One partition's events as archive rows, and per UTC day: (first, last offset, row mask).
+
+    The one definition of a ledger row: the archiver writes it, and the DuckDB
+    ledger view builds the file ledger's rows with it.
+    """
+    # One tuple per event and one per charge, in the column order of
+    # _EVENT_COLUMNS and _CHARGE_COLUMNS, transposed at the end by zip():
+    # far cheaper in Python than one append per column.
+    event_rows: list[tuple[object, ...]] = []
+    charge_rows: list[tuple[object, ...]] = []
+    row_event: list[int] = []
+    days: list[int] = []
+    previous = -1
+    for n, (offset, event) in enumerate(records):
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise InvalidInputError("offset", offset, "an integer offset")
+        if offset <= previous or offset > _MAX_OFFSET:
+            raise ValueError(
+                f"{topic}:{partition}: offsets must ascend within 0..2**63-1 "
+                f"({offset} after {previous})"
+            )
+        previous = offset
+        data = event.data
+        ctx = data.context
+        decision = data.decision
+        usage = data.usage
+        micros = _micros(event.time)
+        days.append(micros // _DAY_MICROS)
+        if usage is None:
+            tokens: tuple[object, ...] = _NO_USAGE
+        else:
+            tokens = (
+                usage.model,
+                usage.input_tokens,
+                usage.output_tokens,
+                usage.cache_read_tokens,
+                usage.cache_write_tokens,
+                usage.price_version,
+            )
+        event_rows.append(
+            (
+                offset,
+                event.id,
+                event.type,
+                micros,
+                event.source,
+                event.subject,
+                ctx.user,
+                ctx.tenant,
+                ctx.tool,
+                ctx.session,
+                ctx.agent,
+                decision.limit,
+                decision.status,
+                decision.over,
+                decision.degraded,
+                *tokens,
+                data.reservation,
+            )
+        )
+        charges = data.charges
+        if charges:
+            for i, c in enumerate(charges):
+                row_event.append(n)
+                # Unit and Window are str enums: pyarrow stores their value.
+                charge_rows.append(
+                    (i, c.limit, c.unit, c.amount, c.window, c.bucket, c.key, c.expire_at)
+                )
+        else:
+            row_event.append(n)
+            charge_rows.append(_NO_CHARGE)
+
+    take = pa.array(row_event, type=_INT)
+    events = pa.Table.from_arrays(
+        [
+            pa.array(values, type=_TYPES[name])
+            for name, values in zip(_EVENT_COLUMNS, zip(*event_rows, strict=True), strict=True)
+        ],
+        names=list(_EVENT_COLUMNS),
+    ).take(take)
+    count = len(row_event)
+    columns: dict[str, object] = {
+        "topic": pa.repeat(pa.scalar(topic, _STR), count),
+        "partition": pa.repeat(pa.scalar(partition, _INT), count),
+    }
+    for name, values in zip(_CHARGE_COLUMNS, zip(*charge_rows, strict=True), strict=True):
+        columns[name] = pa.array(values, type=_TYPES[name])
+    for name in _EVENT_COLUMNS:
+        columns[name] = events.column(name)
+    table = pa.Table.from_arrays([columns[name] for name in SCHEMA.names], schema=SCHEMA)
+
+    # Per UTC day: first and last offset (offsets ascend), and a row mask
+    # when the batch spans more than one day.
+    spans: dict[int, list[int]] = {}
+    for (offset, _), day in zip(records, days, strict=True):
+        span = spans.get(day)
+        if span is None:
+            spans[day] = [offset, offset]
+        else:
+            span[1] = offset
+    if len(spans) == 1:
+        ((day, (first, last)),) = spans.items()
+        return table, {day: (first, last, None)}
+    row_days = pa.array(days, type=_INT).take(take)
+    return table, {
+        day: (first, last, pc.equal(row_days, day)) for day, (first, last) in spans.items()
+    }
