@@ -11,8 +11,9 @@ printable-ASCII strings), checks the rows against the rules focus-validator
 does not enforce, and writes CSV or Parquet through a temporary file in the
 target folder renamed at the end: a failure leaves no partial file.
 
->>> con = open_ledger("/var/lib/mcpbg/archive")  # doctest: +SKIP
 >>> options = ExportOptions(*parse_period("2026-11"))  # doctest: +SKIP
+>>> # only the period's date folders are read:
+>>> con = open_ledger(archive, since=options.start, until=options.end)  # doctest: +SKIP
 >>> export_focus(con, "focus-2026-11.csv", options)  # doctest: +SKIP
 ExportResult(rows=..., billed_micros=..., ...)
 """
@@ -329,7 +330,9 @@ def _require_events(con: duckdb.DuckDBPyConnection, options: ExportOptions) -> N
     ).fetchone() or (0,)
     if found:
         return
-    span = con.execute('SELECT min("time"), max("time") FROM ledger').fetchone()
+    # From the dates the ledger holds (folder names), not its rows: a ledger
+    # opened for this period only (open_ledger's since/until) names the same span.
+    span = con.execute('SELECT min("date"), max("date") FROM ledger_dates').fetchone()
     held = f"{span[0]:%Y-%m-%d} to {span[1]:%Y-%m-%d}" if span and span[0] else "nothing"
     where = options.label or f"{lo:%Y-%m-%dT%H:%MZ} .. {hi:%Y-%m-%dT%H:%MZ}"
     raise ExportError(f"{where}: the ledger has no event in this period (it holds {held})")

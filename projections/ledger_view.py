@@ -50,6 +50,10 @@ views exist (the session time zone is set to UTC, so ``date_trunc`` and
 
 ``ledger_raw`` — the same rows *before* deduplication (to count redeliveries).
 
+``ledger_dates`` — the UTC dates holding events (one ``date DATE`` column), read
+    from the archive's folder names and the file ledger, never from the rows:
+    what the whole ledger covers, also outside a time range (below).
+
 ``costs`` — **one row per event**: the one rule for money (read this, FOCUS export)
     Every spend question (``mcpbg costs``, the FOCUS export) must read USD
     from this view, or apply the same rule: **an event's USD is its first
@@ -69,6 +73,13 @@ views exist (the session time zone is set to UTC, so ``date_trunc`` and
     To read one limit's spend instead (``mcpbg costs --limit``), sum ``amount``
     over ``ledger`` rows with that ``"limit"``.
 
+A time range (``since`` / ``until``) restricts the views to the events of
+the UTC days that ``[since, until)`` touches, so a question about one month
+reads that month's ``date=`` folders only and never opens the others (a
+year-long archive is not scanned to export November). The views still hold
+whole days: callers filter on ``"time"`` as before, and get the same answer
+as over the whole ledger.
+
 Errors are :class:`LedgerError` (a :class:`GovernorError`) with one line
 naming the path: no source given, a missing folder, an empty ledger, a
 Parquet file that is corrupt or is not an archive segment.
@@ -81,14 +92,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
-from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
 from mcp_budget_governor.producers.record_log import RecordLog
@@ -101,6 +114,7 @@ __all__ = [
     "archive_glob",
     "open_ledger",
     "query_error",
+    "range_days",
     "sql_string",
 ]
 
@@ -109,6 +123,10 @@ log = logging.getLogger(__name__)
 #: The ``topic`` of file-ledger rows; their watermark fields are ``file:<segment name>``.
 FILE_TOPIC = "file"
 _FILE_TABLE = "_mcpbg_file_ledger"
+_EMPTY_TABLE = "_mcpbg_no_archive_rows"
+_DATES_TABLE = "_mcpbg_archive_dates"
+#: The archiver's hive folders (``stream/archiver.py``: ``date=<event time's UTC date>``).
+_DATE_FOLDER = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
 
 #: The columns of the ``ledger`` view, in order (the contract with its readers).
 COLUMNS: tuple[str, ...] = (
@@ -197,17 +215,45 @@ def _parquet_files(folder: Path) -> Iterator[Path]:
     return (p for p in sorted(folder.glob("**/*.parquet")) if not p.name.startswith("."))
 
 
+def range_days(since: datetime | None, until: datetime | None) -> tuple[date | None, date | None]:
+    """The first and last UTC day that ``[since, until)`` touches (None: unbounded).
+
+    ``until`` is exclusive: a range ending at midnight ends the day before.
+    An empty range (``until <= since``) gives a last day before the first.
+    """
+    for name, value in (("since", since), ("until", until)):
+        if value is not None and value.utcoffset() is None:
+            raise InvalidInputError(name, value.isoformat(), "a time zone-aware datetime")
+    first = None if since is None else since.astimezone(UTC).date()
+    last = None if until is None else (until.astimezone(UTC) - timedelta(microseconds=1)).date()
+    if first is not None and last is not None and last < first:
+        last = first - timedelta(days=1)
+    return first, last
+
+
+def _folder_date(path: Path, folder: Path) -> date | None:
+    """The hive date of an archive file: its top folder ``date=YYYY-MM-DD`` under ``folder``."""
+    top = path.relative_to(folder).parts[0]
+    match = _DATE_FOLDER.match(top)
+    if match is None:
+        return None
+    try:
+        return date.fromisoformat(match.group(1))
+    except ValueError:
+        return None
+
+
 _REQUIRED = frozenset(SCHEMA.names)
 
 
-def _check_archive(folder: Path) -> int:
-    """Count the archive's Parquet files, opening each footer: a corrupt one is named now.
+def _check_archive(paths: Iterable[Path]) -> int:
+    """Count Parquet files, opening each footer: a corrupt one is named now.
 
     A file whose footer is sound but whose pages are damaged is only found
     when a query reads it; :func:`query_error` names it then.
     """
     count = 0
-    for path in _parquet_files(folder):
+    for path in paths:
         try:
             names = set(pq.read_schema(path).names)
         except (OSError, pa.ArrowException) as exc:
@@ -267,16 +313,71 @@ def _file_rows(
     return pa.concat_tables(tables)
 
 
-def _select(relation: str, source: str, *, hive_date: bool, partition_name: str) -> str:
-    date = '"date"' if hive_date else 'CAST("time" AS DATE)'
+def _select(
+    relation: str, source: str, *, hive_date: bool, partition_name: str, where: str = ""
+) -> str:
+    day = '"date"' if hive_date else 'CAST("time" AS DATE)'
     return f"""
-        SELECT "time", {date} AS "date", "type", id, "user", tenant, tool, "session", agent,
+        SELECT "time", {day} AS "date", "type", id, "user", tenant, tool, "session", agent,
                model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
                price_version, charge_index, "limit", unit, amount, "window", bucket, "key",
                expire_at, CAST(status AS INTEGER) AS status, decision_limit, degraded,
                reservation, "partition", "offset", '{source}' AS source, topic,
                {partition_name} AS partition_name, "source" AS event_source, subject, "over"
-        FROM {relation}"""
+        FROM {relation} {where}"""
+
+
+def _archive_relation(
+    folder: Path, first: date | None, last: date | None, ranged: bool
+) -> tuple[str | None, list[date], int]:
+    """What to read of the archive: (a ``read_parquet`` relation or None, its dates, files).
+
+    Without a range: the whole archive by one glob, read live. With one: a
+    glob per ``date=`` folder of the range, listed now (files added later to
+    those folders are seen, a date folder created later is not), plus any
+    Parquet file outside a date folder (undated: never pruned). Only the
+    files read have their footers checked; the others are never opened.
+    ``union_by_name`` opens every file the glob matches when the query is
+    bound, so a filter on the hive ``date`` column would not keep DuckDB away
+    from the other folders' files: listing the folders is what prunes.
+    """
+    dates: set[date] = set()
+    chosen: set[date] = set()
+    undated: list[Path] = []
+    files: list[Path] = []
+    total = 0
+    for path in _parquet_files(folder):
+        total += 1
+        day = _folder_date(path, folder)
+        if day is not None:
+            dates.add(day)
+        if day is None:
+            undated.append(path)
+        elif (first is None or day >= first) and (last is None or day <= last):
+            chosen.add(day)
+        else:
+            continue
+        files.append(path)
+    if not ranged:
+        return (
+            (
+                f"read_parquet({sql_string(archive_glob(folder))}, {_READ_OPTIONS})"
+                if total
+                else None
+            ),
+            sorted(dates),
+            _check_archive(files),
+        )
+    _check_archive(files)
+    globs = [str(folder / f"date={day.isoformat()}" / "**" / "*.parquet") for day in sorted(chosen)]
+    globs += [str(path) for path in undated]
+    relation = None
+    if globs:
+        relation = f"read_parquet([{', '.join(map(sql_string, globs))}], {_READ_OPTIONS})"
+    return relation, sorted(dates), total
+
+
+_READ_OPTIONS = "hive_partitioning = true, union_by_name = true"
 
 
 def open_ledger(
@@ -285,6 +386,8 @@ def open_ledger(
     *,
     con: duckdb.DuckDBPyConnection | None = None,
     file_prefix: str = DEFAULT_PREFIX,
+    since: datetime | None = None,
+    until: datetime | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the ``ledger``, ``ledger_raw`` and ``costs`` views.
 
@@ -295,6 +398,16 @@ def open_ledger(
     Either or both. ``con``: add the views to this connection instead of a
     new in-memory one (its time zone is set to UTC).
 
+    ``since`` / ``until`` (aware datetimes, either or both): the views hold
+    only the events of the UTC days ``[since, until)`` touches. The archive
+    is read from those days' ``date=`` folders only: the other files are
+    neither read nor checked. Deduplication stays exact: the archiver files
+    every copy of an event (a redelivery, an overlapping segment, a producer
+    retry) under the UTC date of the event's own time, so all copies sit in
+    the same date folder and a range of whole days keeps all or none of them.
+    The file ledger is parsed whole (it has no folders to prune) and its rows
+    are filtered to the same days, so both sources answer alike.
+
     Raises :class:`LedgerError` naming the path when no source is given, a
     folder is missing, neither holds a ledger event ("empty ledger") or a
     Parquet file is corrupt or not an archive segment.
@@ -304,25 +417,30 @@ def open_ledger(
             "no ledger given: an archive folder (--archive-dir, MCPBG_ARCHIVE_DIR) "
             "or a file-ledger folder (--ledger-dir, MCPBG_LEDGER_DIR)"
         )
+    ranged = since is not None or until is not None
+    first, last = range_days(since, until)
     parts: list[str] = []
+    dates: list[str] = []
     db = duckdb.connect() if con is None else con
     db.execute("SET TimeZone = 'UTC'")
     where: list[str] = []
     if archive_dir is not None:
         folder = _folder(archive_dir, "archive folder")
         where.append(str(folder))
-        if _check_archive(folder):
-            relation = (
-                f"read_parquet({sql_string(archive_glob(folder))}, hive_partitioning = true, "
-                "union_by_name = true)"
-            )
+        relation, days, files = _archive_relation(folder, first, last, ranged)
+        db.execute(f"CREATE OR REPLACE TEMP TABLE {_DATES_TABLE} (date DATE)")
+        if days:
+            db.executemany(f"INSERT INTO {_DATES_TABLE} VALUES (?)", [(d,) for d in days])
+        dates.append(f"SELECT date FROM {_DATES_TABLE}")
+        partition_name = "topic || ':' || \"partition\""
+        if relation is not None:
             parts.append(
-                _select(
-                    relation,
-                    "archive",
-                    hive_date=True,
-                    partition_name="topic || ':' || \"partition\"",
-                )
+                _select(relation, "archive", hive_date=True, partition_name=partition_name)
+            )
+        elif files:  # the archive holds events, none on the range's days
+            db.register(_EMPTY_TABLE, SCHEMA.empty_table())
+            parts.append(
+                _select(_EMPTY_TABLE, "archive", hive_date=False, partition_name=partition_name)
             )
     if ledger_dir is not None:
         folder = _folder(ledger_dir, "file-ledger folder")
@@ -330,11 +448,28 @@ def open_ledger(
         table = _file_rows(folder, prefix=file_prefix)
         if table is not None:
             db.register(_FILE_TABLE, table)
+            dates.append(f'SELECT DISTINCT CAST("time" AS DATE) AS date FROM {_FILE_TABLE}')
+            days_sql = [
+                f"CAST(\"time\" AS DATE) {op} DATE '{day.isoformat()}'"
+                for op, day in ((">=", first), ("<=", last))
+                if day is not None
+            ]
             parts.append(
-                _select(_FILE_TABLE, "file", hive_date=False, partition_name="partition_name")
+                _select(
+                    _FILE_TABLE,
+                    "file",
+                    hive_date=False,
+                    partition_name="partition_name",
+                    where=f"WHERE {' AND '.join(days_sql)}" if days_sql else "",
+                )
             )
     if not parts:
         raise LedgerError(f"empty ledger: no ledger events in {' or '.join(where)}")
+    db.execute(
+        "CREATE OR REPLACE TEMP VIEW ledger_dates AS SELECT DISTINCT date FROM ("
+        + " UNION ALL ".join(dates)
+        + ")"
+    )
     union = "\nUNION ALL BY NAME\n".join(parts) if len(parts) > 1 else parts[0]
     db.execute(f"CREATE OR REPLACE TEMP VIEW ledger_raw AS {union}")
     db.execute(

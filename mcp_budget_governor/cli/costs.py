@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top is not None and args.top < 1:
         raise InvalidInputError("--top", args.top, "at least 1")
     flt = Filter(start, end, args.user, args.tenant, args.tool, args.model, args.limit)
-    con = open_ledger_from(args)
+    # A period or --from/--to reads only those days' archive folders.
+    con = open_ledger_from(args, since=start, until=end)
     try:
         if args.by:
             by = [b.strip() for b in args.by.split(",") if b.strip()]

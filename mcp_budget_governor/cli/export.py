@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"mcpbg export focus: {time.monotonic() - began:5.1f}s {stage}", file=sys.stderr)
 
     progress("opening the ledger")
-    con = open_ledger(archive, ledger)
+    # Only the period's date folders are read (a year-long archive is not scanned).
+    con = open_ledger(archive, ledger, since=start, until=end)
     try:
         result = export_focus(
             con,

@@ -11,6 +11,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     import duckdb
 
 #: option -> environment variable
@@ -62,8 +64,16 @@ def required(args: argparse.Namespace, name: str, what: str) -> str:
     return value
 
 
-def open_ledger_from(args: argparse.Namespace) -> duckdb.DuckDBPyConnection:
-    """The ledger view over ``--archive-dir`` and/or ``--ledger-dir``."""
+def open_ledger_from(
+    args: argparse.Namespace, since: datetime | None = None, until: datetime | None = None
+) -> duckdb.DuckDBPyConnection:
+    """The ledger view over ``--archive-dir`` and/or ``--ledger-dir``.
+
+    ``since`` / ``until``: the command's time range, when it has one; only the
+    archive's date folders of that range are read (``open_ledger``).
+    """
     from ..projections.ledger_view import open_ledger
 
-    return open_ledger(setting(args, "archive_dir"), setting(args, "ledger_dir"))
+    return open_ledger(
+        setting(args, "archive_dir"), setting(args, "ledger_dir"), since=since, until=until
+    )
