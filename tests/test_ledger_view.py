@@ -15,6 +15,7 @@ import random
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta, timezone
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -33,12 +34,19 @@ from mcp_budget_governor import (
     Window,
     usd,
 )
-from mcp_budget_governor.events import encode, parse
+from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.events import LedgerEvent, encode, parse, to_entry
 from mcp_budget_governor.keys import WATERMARK_KEY
+from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, new_id
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
-from mcp_budget_governor.projections.ledger_view import COLUMNS, LedgerError, open_ledger
+from mcp_budget_governor.projections.ledger_view import (
+    COLUMNS,
+    LedgerError,
+    open_ledger,
+    range_days,
+)
 from mcp_budget_governor.stream.archiver import Archiver
 from mcp_budget_governor.stream.projector import Projector
 
@@ -334,3 +342,132 @@ async def test_archive_and_file_ledger_together(run: Run, redis_url: str, tmp_pa
     ((archive_events,),) = open_ledger(run.archive).sql("SELECT count(*) FROM costs").fetchall()
     ((file_events,),) = open_ledger(ledger_dir=folder).sql("SELECT count(*) FROM costs").fetchall()
     assert counts == {"archive": archive_events, "file": file_events} and file_events >= 50
+
+
+# -- a time range: only its days' date folders are read --------------------------
+
+NOV = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def test_range_days_are_the_utc_days_a_half_open_range_touches() -> None:
+    dec = datetime(2026, 12, 1, tzinfo=UTC)
+    assert range_days(NOV, dec) == (date(2026, 11, 1), date(2026, 11, 30))
+    assert range_days(None, None) == (None, None)
+    assert range_days(NOV + timedelta(hours=23), None) == (date(2026, 11, 1), None)
+    assert range_days(None, NOV + timedelta(seconds=1)) == (None, date(2026, 11, 1))
+    # Another zone: 2026-11-01T01:00+02:00 is 2026-10-31T23:00Z.
+    plus2 = datetime(2026, 11, 1, 1, tzinfo=timezone(timedelta(hours=2)))
+    assert range_days(plus2, NOV) == (date(2026, 10, 31), date(2026, 10, 31))
+    first, last = range_days(NOV, NOV)  # empty: no day at all
+    assert first is not None and last is not None and last < first
+    with pytest.raises(InvalidInputError, match="since"):
+        range_days(datetime(2026, 11, 1), None)
+
+
+def _around_midnight(n: int) -> list[tuple[int, LedgerEvent]]:
+    """``n`` metered events one second apart, half before and half after 2026-11-01T00:00Z."""
+    records = []
+    for i in range(n):
+        entry = LedgerEntry(
+            id=new_id(),
+            type=EntryType.METERED,
+            time=NOV.timestamp() - n // 2 + i + 0.25,
+            context=Context(user=f"u{i % 3}", tenant=TENANTS[0]),
+            charges=(
+                LedgerCharge(
+                    "spend",
+                    Unit.USD_MICROS,
+                    1_000 + i,
+                    Window.DAY,
+                    "b",
+                    f"mcpbg:v1:k{i % 3}",
+                    2**31,
+                ),
+                LedgerCharge(
+                    "global", Unit.USD_MICROS, 1_000 + i, Window.DAY, "b", "mcpbg:v1:g", 2**31
+                ),
+            ),
+        )
+        records.append((i, parse(encode(entry, SOURCE))))
+    return records
+
+
+def test_a_time_range_reads_its_days_and_keeps_every_copy_of_an_event(tmp_path: Path) -> None:
+    records = _around_midnight(20)
+    archiver = Archiver(tmp_path, topic=TOPIC)
+    archiver.write_batch(0, records[:12])
+    archiver.write_batch(0, records[6:])  # redelivered, batched differently: overlapping files
+    # A producer retry: events at a second place (other partition and offsets), near midnight.
+    archiver.write_batch(1, [(0, records[9][1]), (1, records[10][1]), (2, records[11][1])])
+    # Pruning by folder keeps duplicates together: every copy of an event is
+    # filed under the UTC date of its own time, whichever batch carried it.
+    ids_by_folder: dict[str, set[str]] = {}
+    for folder in sorted(tmp_path.glob("date=*")):
+        table = pq.ParquetDataset(folder).read()
+        times = table.column("time").to_pylist()
+        assert {t.astimezone(UTC).date().isoformat() for t in times} == {folder.name[5:]}
+        ids_by_folder[folder.name] = set(table.column("id").to_pylist())
+    assert sorted(ids_by_folder) == ["date=2026-10-31", "date=2026-11-01"]
+    assert not ids_by_folder["date=2026-10-31"] & ids_by_folder["date=2026-11-01"]
+
+    whole = open_ledger(tmp_path)
+    nov = open_ledger(tmp_path, since=NOV, until=NOV + timedelta(days=30))
+    raw = 'SELECT DISTINCT "date" FROM ledger_raw'
+    assert nov.sql(raw).fetchall() == [(date(2026, 11, 1),)]  # October was not read
+    query = (
+        'SELECT id, charge_index, amount, "partition", "offset" FROM ledger '
+        "WHERE \"time\" >= TIMESTAMPTZ '2026-11-01 00:00Z' ORDER BY ALL"
+    )
+    expected = whole.sql(query).fetchall()
+    assert nov.sql(query).fetchall() == expected and len(expected) == 2 * 10
+    ((read,),) = nov.sql("SELECT count(*) FROM ledger_raw").fetchall()
+    assert read > len(expected)  # copies were read, and removed exactly
+    spend = "SELECT count(*), sum(usd_micros) FROM costs WHERE \"time\" >= TIMESTAMPTZ '2026-11-01'"
+    assert (
+        nov.sql(spend).fetchall()
+        == whole.sql(spend).fetchall()
+        == [(10, sum(1_000 + i for i in range(10, 20)))]
+    )
+    # What the whole ledger covers is known without reading it.
+    dates = "SELECT date FROM ledger_dates ORDER BY 1"
+    assert (
+        nov.sql(dates).fetchall()
+        == whole.sql(dates).fetchall()
+        == [
+            (date(2026, 10, 31),),
+            (date(2026, 11, 1),),
+        ]
+    )
+    # A range with no folder: empty views, not an error (the ledger is not empty).
+    empty = open_ledger(tmp_path, since=NOV + timedelta(days=3), until=NOV + timedelta(days=4))
+    assert empty.sql("SELECT count(*) FROM costs").fetchall() == [(0,)]
+    assert [d[0] for d in empty.sql("SELECT * FROM ledger").description] == list(COLUMNS)
+
+
+def test_a_range_never_opens_files_outside_it(tmp_path: Path) -> None:
+    records = _around_midnight(8)
+    Archiver(tmp_path / "archive", topic=TOPIC).write_batch(0, records)
+    bad = tmp_path / "archive" / "date=2026-10-05" / "mcpbg.ledger-p0-x.parquet"
+    bad.parent.mkdir()
+    bad.write_bytes(b"PAR1 this is not parquet at all")
+    with pytest.raises(LedgerError, match="corrupt Parquet file"):
+        open_ledger(tmp_path / "archive")
+    con = open_ledger(tmp_path / "archive", since=NOV, until=NOV + timedelta(days=1))
+    assert con.sql("SELECT count(*) FROM costs").fetchall() == [(4,)]
+    # Inside the range, the same file is named.
+    with pytest.raises(LedgerError, match="corrupt Parquet file"):
+        open_ledger(tmp_path / "archive", since=NOV - timedelta(days=30))
+
+
+async def test_a_range_filters_the_file_ledger_to_the_same_days(tmp_path: Path) -> None:
+    ledger = FileLedger(tmp_path / "ledger", fsync="never", source=SOURCE)
+    for _, event in _around_midnight(6):
+        await ledger.append(to_entry(event))
+    await ledger.aclose()
+    whole = open_ledger(ledger_dir=tmp_path / "ledger")
+    nov = open_ledger(ledger_dir=tmp_path / "ledger", since=NOV)
+    assert whole.sql("SELECT count(*) FROM costs").fetchall() == [(6,)]
+    assert nov.sql(
+        "SELECT count(*), min(\"time\") >= TIMESTAMPTZ '2026-11-01' FROM costs"
+    ).fetchall() == [(3, True)]
+    assert nov.sql("SELECT count(*) FROM ledger_dates").fetchall() == [(2,)]
