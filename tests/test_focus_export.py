@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import sys
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -38,7 +39,7 @@ from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
 from mcp_budget_governor.projections import focus_export
-from mcp_budget_governor.projections.ledger_view import open_ledger
+from mcp_budget_governor.projections.ledger_view import LedgerError, open_ledger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -509,3 +510,73 @@ def test_progress_and_summary_for_people(
     captured = capsys.readouterr()
     assert "splitting and aggregating" in captured.err and "writing" in captured.err
     assert f"{stats.usd_micros // 1_000_000}." in captured.out and "parquet" in captured.out
+
+
+# -- a period reads only its date folders ----------------------------------------
+
+QUARTER = ("2026-10", "2026-11", "2026-12")
+
+
+@pytest.fixture(scope="module")
+def quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three generated months in one archive (a seed each: distinct events)."""
+    archive = tmp_path_factory.mktemp("quarter")
+    for i, name in enumerate(QUARTER):
+        write_archive(archive, 2_500, seed=20 + i, month=name, tenants=3, users=30)
+    return archive
+
+
+def _export(con: duckdb.DuckDBPyConnection, out: Path, start: str, end: str) -> bytes:
+    options = focus_export.ExportOptions(datetime.fromisoformat(start), datetime.fromisoformat(end))
+    focus_export.export_focus(con, out, options)
+    return out.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "days"),
+    [
+        ("2026-11-01T00:00Z", "2026-12-01T00:00Z", 30),  # a month
+        ("2026-10-30T05:00Z", "2026-11-02T17:00Z", 4),  # hours across a month's end
+        ("2026-12-31T00:00Z", "2027-01-01T00:00Z", 1),  # the last day
+    ],
+)
+def test_a_pruned_export_equals_the_export_of_the_whole_archive(
+    quarter: Path, tmp_path: Path, start: str, end: str, days: int
+) -> None:
+    lo, hi = datetime.fromisoformat(start), datetime.fromisoformat(end)
+    pruned = open_ledger(quarter, since=lo, until=hi)
+    (read,) = pruned.execute('SELECT count(DISTINCT "date") FROM ledger_raw').fetchone() or (0,)
+    assert read == days  # the days the range touches, not the quarter's 92
+    whole = _export(open_ledger(quarter), tmp_path / "whole.csv", start, end)
+    assert _export(pruned, tmp_path / "pruned.csv", start, end) == whole
+    assert whole.count(b"\n") > 10
+
+
+def test_a_period_export_never_opens_files_of_other_months(
+    quarter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "archive"
+    shutil.copytree(quarter, broken)
+    bad = broken / "date=2026-10-05" / "mcpbg.ledger-p9-corrupt.parquet"
+    bad.write_bytes(b"PAR1 not a parquet file PAR1")
+    outs = {}
+    for name, archive in (("clean", quarter), ("broken", broken)):
+        outs[name] = tmp_path / f"{name}.csv"
+        code = main(
+            [
+                *("export", "focus", "--period", "2026-11", "--archive-dir", str(archive)),
+                *("--out", str(outs[name]), "--quiet"),
+            ]
+        )
+        assert code == 0, capsys.readouterr().err
+    assert outs["broken"].read_bytes() == outs["clean"].read_bytes()
+    # Read whole, the archive fails on that file; so does a period that holds it.
+    with pytest.raises(LedgerError, match="corrupt Parquet file"):
+        open_ledger(broken)
+    err = run_bad(["--period", "2026-10", "--archive-dir", str(broken)], tmp_path / "f.csv", capsys)
+    assert "corrupt Parquet file" in err and bad.name in err
+    # A month the archive does not hold names the whole archive's span, from its folders.
+    err = run_bad(
+        ["--period", "2027-01", "--archive-dir", str(quarter)], tmp_path / "f.csv", capsys
+    )
+    assert err.endswith("(it holds 2026-10-01 to 2026-12-31)"), err
