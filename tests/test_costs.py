@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -14,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from test_ledger_view import mixed_run
 
-from mcp_budget_governor.cli import main
+from mcp_budget_governor.cli import costs as cli_costs
+from mcp_budget_governor.cli import ledger_args, main
 from mcp_budget_governor.events import parse
 from mcp_budget_governor.money import format_usd
 from mcp_budget_governor.prices import PriceTable
@@ -195,4 +197,67 @@ def test_empty_and_corrupt_ledgers(tmp_path: Path, capsys: pytest.CaptureFixture
     folder.mkdir(parents=True)
     (folder / "seg.parquet").write_bytes(b"PAR1garbagePAR1")
     code, _, err = run_cli(capsys, "sql", "SELECT 1", "--archive-dir", str(tmp_path / "bad"))
+    assert code == 2 and "corrupt Parquet file" in err and "seg.parquet" in err
+
+
+# -- a period reads only its date folders ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quarter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three generated months in one archive (a seed each: distinct events)."""
+    archive = tmp_path_factory.mktemp("quarter") / "archive"
+    for i, month in enumerate(("2026-10", "2026-11", "2026-12")):
+        write_archive(archive, 2_500, seed=30 + i, month=month)
+    return archive
+
+
+@pytest.mark.parametrize(
+    "when",
+    [
+        ["--period", "2026-11"],
+        ["--from", "2026-10-30", "--to", "2026-11-02"],
+        ["--period", "2026-12-31", "--limit", "spend"],
+        ["--from", "2026-12-30", "--by", "tenant,day"],
+    ],
+)
+def test_costs_of_a_period_equal_those_read_from_the_whole_archive(
+    quarter: Path,
+    when: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    argv = ["costs", "--archive-dir", str(quarter), "--json", *when]
+    code, pruned, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    whole_reads: list[object] = []
+
+    def unpruned(args: object, since: object = None, until: object = None) -> object:
+        whole_reads.append((since, until))
+        return ledger_args.open_ledger_from(args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cli_costs, "open_ledger_from", unpruned)
+    code, whole, err = run_cli(capsys, *argv)
+    assert code == 0 and whole_reads and whole_reads[0] != (None, None), err
+    assert pruned == whole
+    report = json.loads(pruned)
+    assert report[next(iter(report))][0]["events"] > 0
+
+
+def test_costs_of_a_period_never_open_files_of_other_months(
+    quarter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "archive"
+    shutil.copytree(quarter, broken)
+    bad = broken / "date=2026-10-05" / "seg.parquet"
+    bad.write_bytes(b"PAR1garbagePAR1")
+    outs = []
+    for archive in (quarter, broken):
+        code, out, err = run_cli(
+            capsys, "costs", "--archive-dir", str(archive), "--period", "2026-11", "--json"
+        )
+        assert code == 0, err
+        outs.append(out)
+    assert outs[0] == outs[1]
+    code, _, err = run_cli(capsys, "costs", "--archive-dir", str(broken), "--json")
     assert code == 2 and "corrupt Parquet file" in err and "seg.parquet" in err
