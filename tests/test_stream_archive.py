@@ -5,21 +5,22 @@ from __future__ import annotations
 import asyncio
 import random
 import urllib.request
-from collections import defaultdict
 from pathlib import Path
 
 import duckdb
 import pytest
 from services import KafkaService, free_port
-from test_stream_worker import (
+from stream_support import (
     Names,
     Worker,
     assert_exact,
     backend,
+    charge_totals,
     governor,
     kafka,
     names,
     start_worker,
+    unique_events,
     wait_caught_up,
     workers,
     workload,
@@ -52,13 +53,7 @@ async def test_archive_matches_the_ledger_and_metrics_count_it(
 
     # The archive holds every charge once (deduplicated on event id and charge index,
     # as a reader must), and its totals per counter equal the ledger's.
-    want: dict[str, int] = defaultdict(int)
-    seen: set[str] = set()
-    for r in records:
-        if r.event.id not in seen:
-            seen.add(r.event.id)
-            for c in r.event.data.charges:
-                want[c.key] += c.amount
+    want = charge_totals(unique_events(records))
     rows = duckdb.sql(
         f"""
         SELECT key, sum(amount)::BIGINT FROM (

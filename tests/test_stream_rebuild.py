@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 from services import KafkaService
-from test_stream_worker import (  # fixtures and helpers of the worker suite
+from stream_support import (
     Names,
     Worker,
     assert_exact,

