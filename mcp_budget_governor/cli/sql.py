@@ -5,6 +5,9 @@ deduplication) and ``costs`` (one row per event, with the one USD rule);
 ``projections/ledger_view.py`` documents their columns. Output: a table, or
 ``--csv`` / ``--json``. Integers stay integers (money is USD micros; render
 it with ``format_usd`` or divide in SQL as a DECIMAL, never a float).
+The query is free SQL with no period option, so the whole ledger is opened
+(unlike ``mcpbg costs --period`` and ``mcpbg export focus``, which read only
+their days' archive folders).
 """
 
 from __future__ import annotations
