@@ -31,16 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
 import time
 import uuid
-import zlib
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +47,18 @@ from services import (
     start_kafka,
     start_redis,
     tansu_binary,
+)
+from stream_support import (
+    Worker,
+    applied_offsets,
+    charge_totals,
+    tenants,
+    unique_events,
+    wait_watermarks,
+    watermarks,
+    worker_argv,
+    worker_env,
+    worker_logs,
 )
 
 from mcp_budget_governor import (
@@ -71,7 +77,7 @@ from mcp_budget_governor import (
 from mcp_budget_governor.keys import EPOCH_KEY, PREFIX, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.alerts import ALERTED_PREFIX
-from mcp_budget_governor.stream.topic_reader import TopicRecords, read_topic
+from mcp_budget_governor.stream.topic_reader import read_topic
 
 pytest.importorskip("mcp_budget_governor.stream.worker", reason="the worker needs the stream extra")
 
@@ -86,23 +92,10 @@ PARTITIONS = 6
 RATE = 3_000  # events/s the producer aims at: a third of the run outlasts a takeover
 CONCURRENCY = 8  # producer coroutines (concurrent hot-path calls)
 FIRST_KILL, SECOND_KILL = EVENTS // 3, 2 * EVENTS // 3
-GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
 PHASE_TIMEOUT = 90.0  # seconds any one phase may take before the test gives up
 MODEL = "soak-model"
 
-
-def _tenants() -> list[str]:
-    """Eight tenants or more, whose events land on every partition (keyed by tenant)."""
-    names: list[str] = []
-    covered: set[int] = set()
-    while len(names) < 8 or covered != set(range(PARTITIONS)):
-        name = f"tenant-{len(names)}"
-        names.append(name)
-        covered.add(zlib.crc32(name.encode()) % PARTITIONS)
-    return names
-
-
-TENANTS = _tenants()
+TENANTS = tenants(PARTITIONS, 8, "tenant-")
 # Skewed: the big tenants exhaust their spend early (reservations refused), the small never.
 TENANT_WEIGHTS = [8, 4, 2] + [1] * (len(TENANTS) - 3)
 USERS = [f"user-{i}" for i in range(24)]
@@ -213,52 +206,6 @@ async def produce(gov: Governor, prod: Production, seed: int) -> None:
 # -- the workers --------------------------------------------------------------
 
 
-class Worker:
-    """One ``python -m mcp_budget_governor.cli worker`` subprocess and its log."""
-
-    def __init__(self, name: str, log: Path, argv: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.log = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, lines: int = 30) -> str:
-        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
-        body = "\n".join(self.text().splitlines()[-lines:])
-        return f"--- worker {self.name} (pid {self.proc.pid}, {state}) ---\n{body}"
-
-    def resumed_at(self) -> dict[int, int] | None:
-        """The offsets of the worker's last assignment ("resuming at p0@12, ..."), None before."""
-        found = re.findall(r"projector: assigned [\d,]*; resuming at (.*)", self.text())
-        if not found:
-            return None
-        return {int(p): int(o) for p, o in re.findall(r"p(\d+)@(\d+)", found[-1])}
-
-    def kill(self) -> None:
-        """SIGKILL by pid, as a crash (or the OOM killer) would."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def terminate(self, within: float = 30.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(within)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"worker {self.name} ignored SIGTERM for {within}s\n{self.tail()}")
-
-
 @dataclass
 class Setup:
     kafka: KafkaService
@@ -270,37 +217,27 @@ class Setup:
     workers: list[Worker] = field(default_factory=list)
 
     def start_worker(self, name: str) -> Worker:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
-        # Whatever temp files a SIGKILLed worker leaves stay under the test's own dir.
         tmp = self.tmp / f"worker-{name}-tmp"
         tmp.mkdir()
-        env["TMPDIR"] = str(tmp)
-        argv = [
-            sys.executable, "-m", "mcp_budget_governor.cli", "worker",
+        argv = worker_argv(
+            self.topic, self.group,
             "--kafka-url", f"kafka://{self.kafka.bootstrap}",
             "--redis-url", self.redis.url,
-            "--topic", self.topic,
-            "--group", self.group,
             "--progress-interval", "1",
             "--topic-wait", "30",
-            *GROUP_OPTS,
-        ]  # fmt: skip
-        worker = Worker(name, self.tmp / f"worker-{name}.log", argv, env)
+        )  # fmt: skip
+        worker = Worker(name, self.tmp / f"worker-{name}.log", argv, worker_env(tmp))
         self.workers.append(worker)
         return worker
 
     def logs(self) -> str:
-        return "\n".join(w.tail() for w in self.workers)
+        return worker_logs(self.workers)
 
     async def watermarks(self) -> dict[int, int]:
-        raw = await self.backend.client.hgetall(WATERMARK_KEY)
-        prefix = f"{self.topic}:"
-        fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
-        return {int(k[len(prefix) :]): v for k, v in fields.items() if k.startswith(prefix)}
+        return await watermarks(self.backend, self.topic)
 
     async def applied(self) -> int:
-        """Offsets the counters hold (watermark + 1, summed): all records are valid events."""
-        return sum(v + 1 for v in (await self.watermarks()).values())
+        return await applied_offsets(self.backend, self.topic)
 
 
 @pytest.fixture
@@ -338,27 +275,6 @@ async def until(
             marks = await setup.watermarks()
             pytest.fail(f"{what}: not within {within:g}s (watermarks {marks})\n{setup.logs()}")
         await asyncio.sleep(0.1)
-
-
-async def wait_caught_up(setup: Setup, records: TopicRecords) -> None:
-    """Until every partition's watermark is its last offset; on timeout, say which lag."""
-    last: dict[int, int] = {}
-    for r in records:
-        last[r.partition] = max(last.get(r.partition, -1), r.offset)
-    deadline = time.monotonic() + PHASE_TIMEOUT
-    while (marks := await setup.watermarks()) != last:
-        if time.monotonic() > deadline:
-            lag = {
-                p: f"watermark {marks.get(p, -1)}, last offset {want}, "
-                f"{want - marks.get(p, -1)} behind"
-                for p, want in sorted(last.items())
-                if marks.get(p, -1) != want
-            }
-            pytest.fail(
-                f"the worker did not catch up within {PHASE_TIMEOUT:g}s; lagging: {lag}\n"
-                f"{setup.logs()}"
-            )
-        await asyncio.sleep(0.2)
 
 
 # -- the test -----------------------------------------------------------------
@@ -448,7 +364,7 @@ async def test_100k_events_two_sigkills_every_counter_exact(setup: Setup) -> Non
     assert records.malformed == 0
     assert set(records.highwater) == set(range(PARTITIONS))
     assert sum(records.highwater.values()) == len(records)  # every record is a valid event
-    await wait_caught_up(setup, records)
+    await wait_watermarks(setup.backend, setup.topic, records, PHASE_TIMEOUT, setup.logs, 0.2)
     mark(f"worker C caught up (resumed at {sum((c.resumed_at() or {}).values())})")
     assert c.terminate() == 0, c.tail()
     mark("worker C stopped (SIGTERM)")
@@ -462,17 +378,10 @@ async def test_100k_events_two_sigkills_every_counter_exact(setup: Setup) -> Non
         assert "Traceback" not in w.text(), w.tail(200)
 
     # -- conservation over every key -------------------------------------------
-    totals: dict[str, int] = defaultdict(int)
-    kinds: Counter[str] = Counter()
-    seen: set[str] = set()
-    for r in records:
-        if r.event.id in seen:
-            continue  # a producer retry: the same event twice on the topic counts once
-        seen.add(r.event.id)
-        kinds[r.event.type.split(".")[1]] += 1
-        for charge in r.event.data.charges:
-            totals[charge.key] += charge.amount
-    assert len(seen) == EVENTS, (len(seen), len(records))
+    events = unique_events(records)  # a producer retry may put an event on the topic twice
+    totals = charge_totals(events)
+    kinds = Counter(event.type.split(".")[1] for event in events)
+    assert len(events) == EVENTS, (len(events), len(records))
     for kind in ("admitted", "rejected", "metered", "reserved", "settled", "released"):
         assert kinds[kind] > 0, f"the workload made no {kind} event: {kinds}"
 
@@ -496,6 +405,6 @@ async def test_100k_events_two_sigkills_every_counter_exact(setup: Setup) -> Non
     assert not unexplained, f"counters the ledger does not explain: {unexplained[:10]}"
     mark(
         f"checked {len(totals)} ledger keys ({len(stored)} counters in Redis), "
-        f"{len(records) - len(seen)} duplicate records, events {dict(kinds)}"
+        f"{len(records) - len(events)} duplicate records, events {dict(kinds)}"
     )
     print("\n".join(["", *timeline]))
