@@ -740,13 +740,11 @@ async def usages(gov: Governor, ctx: Context) -> tuple[int, int]:
     return await gov.usage("burst", ctx), await gov.usage("spend", ctx)
 
 
-@pytest.mark.slow
-async def test_full_outbox_refuses_admissions_but_records_costs(
-    durable: KafkaService, outbox_dir: Path
-) -> None:
-    """Outbox past its budget: check() answers 503 ledger_unavailable and charges
-    nothing; meter() is still recorded (forced), and ships once the broker is back."""
-    topic = fresh_topic("full")
+async def broker_down_outbox_refusing(
+    durable: KafkaService, topic: str, outbox_dir: Path
+) -> tuple[KafkaLedger, LedgerSpy, Governor]:
+    """The broker killed; a Governor whose ledger (spied on) refuses admissions once
+    its 4 KiB outbox is full."""
     await asyncio.to_thread(durable.kill)
     ledger = KafkaLedger(
         durable.bootstrap,
@@ -758,7 +756,17 @@ async def test_full_outbox_refuses_admissions_but_records_costs(
         **FAST,
     )
     spy = LedgerSpy(ledger)
-    gov = Governor(calls_policy(), MemoryBackend(), ledger=spy)
+    return ledger, spy, Governor(calls_policy(), MemoryBackend(), ledger=spy)
+
+
+@pytest.mark.slow
+async def test_full_outbox_refuses_admissions_but_records_costs(
+    durable: KafkaService, outbox_dir: Path
+) -> None:
+    """Outbox past its budget: check() answers 503 ledger_unavailable and charges
+    nothing; meter() is still recorded (forced), and ships once the broker is back."""
+    topic = fresh_topic("full")
+    ledger, spy, gov = await broker_down_outbox_refusing(durable, topic, outbox_dir)
     ctx = Context(user="u1")
     await gov.check(ctx)
     deadline = time.monotonic() + 10
@@ -797,18 +805,7 @@ async def test_filling_outbox_check_answers_503_and_never_raises(
     """Checks only, while the outbox fills up: each is admitted (and written) or
     refused with 503 ledger_unavailable without charging; none raises."""
     topic = fresh_topic("filling")
-    await asyncio.to_thread(durable.kill)
-    ledger = KafkaLedger(
-        durable.bootstrap,
-        topic=topic,
-        outbox_dir=outbox_dir,
-        partitions=PARTITIONS,
-        outbox_max_bytes=4096,
-        on_full="refuse",
-        **FAST,
-    )
-    spy = LedgerSpy(ledger)
-    gov = Governor(calls_policy(), MemoryBackend(), ledger=spy)
+    ledger, spy, gov = await broker_down_outbox_refusing(durable, topic, outbox_dir)
     ctx = Context(user="u1")
     admitted = 0
     try:

@@ -338,13 +338,19 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
         await backend.mark_ready("test")
         names = sw.Names(f"ledger-replay-{random.randrange(10**9)}", "projector-replay")
         archive = tmp_path / "archive"
-        async with sw.governor(kafka, backend, names.topic, tmp_path) as gov:
-            await sw.workload(gov, 400, random.Random(11))
-        worker = sw.start_worker(
-            started, kafka, redis_url, names, tmp_path, "--archive-dir", str(archive)
-        )
-        records = await sw.wait_caught_up(kafka, backend, names.topic, started)
-        await sw.assert_exact(backend, records)
+
+        async def project(operations: int, seed: int) -> sw.Worker:
+            """The operations' events, projected and archived by a worker, exactly."""
+            async with sw.governor(kafka, backend, names.topic, tmp_path) as gov:
+                await sw.workload(gov, operations, random.Random(seed))
+            worker = sw.start_worker(
+                started, kafka, redis_url, names, tmp_path, "--archive-dir", str(archive)
+            )
+            records = await sw.wait_caught_up(kafka, backend, names.topic, started)
+            await sw.assert_exact(backend, records)
+            return worker
+
+        worker = await project(400, 11)
         assert worker.terminate() == 0
         live, marks = live_counters(redis_url), watermarks(redis_url)
 
@@ -357,13 +363,7 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
         assert (live_counters(redis_url), watermarks(redis_url)) == (live, marks)
 
         # The worker resumes on the replayed Redis: new events, nothing counted twice.
-        async with sw.governor(kafka, backend, names.topic, tmp_path) as gov:
-            await sw.workload(gov, 200, random.Random(12))
-        worker = sw.start_worker(
-            started, kafka, redis_url, names, tmp_path, "--archive-dir", str(archive)
-        )
-        records = await sw.wait_caught_up(kafka, backend, names.topic, started)
-        await sw.assert_exact(backend, records)
+        worker = await project(200, 12)
         assert "rebuild: " not in worker.text()  # the replay's epoch marker was found
         assert worker.terminate() == 0
         live, marks = live_counters(redis_url), watermarks(redis_url)
