@@ -371,3 +371,51 @@ async def wait_for(
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {within}s\n{worker_logs(workers)}")
         await asyncio.sleep(0.1)
+
+
+@dataclass
+class Stream:
+    """One test's broker, Redis, fresh topic and group, started workers and temp dir,
+    with the helpers above bound to them."""
+
+    kafka: KafkaService
+    redis_url: str
+    backend: RedisBackend
+    names: Names
+    workers: list[Worker]
+    tmp_path: Path
+
+    @property
+    def topic(self) -> str:
+        return self.names.topic
+
+    def governor(
+        self, rules: Policy | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Governor]:
+        """A Governor whose ledger is the topic (see :func:`governor`)."""
+        return governor(self.kafka, self.backend, self.topic, self.tmp_path, rules)
+
+    def start_worker(self, *extra: str) -> Worker:
+        return start_worker(
+            self.workers, self.kafka, self.redis_url, self.names, self.tmp_path, *extra
+        )
+
+    async def caught_up(self, within: float = CATCH_UP) -> TopicRecords:
+        """The topic's records, once every worker-projected watermark reached its end."""
+        return await wait_caught_up(self.kafka, self.backend, self.topic, self.workers, within)
+
+    async def wait_for(self, condition: Callable[[], object], what: str, within: float) -> None:
+        await wait_for(condition, what, self.workers, within)
+
+
+@pytest.fixture
+def stream(
+    kafka: KafkaService,
+    redis_url: str,
+    backend: RedisBackend,
+    names: Names,
+    workers: list[Worker],
+    tmp_path: Path,
+) -> Stream:
+    """The fixtures a worker test uses, in one (the test module imports them all)."""
+    return Stream(kafka, redis_url, backend, names, workers, tmp_path)

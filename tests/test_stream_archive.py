@@ -5,51 +5,35 @@ from __future__ import annotations
 import asyncio
 import random
 import urllib.request
-from pathlib import Path
 
 import duckdb
 import pytest
-from services import KafkaService, free_port
+from services import free_port
 from stream_support import (
-    Names,
-    Worker,
+    Stream,
     assert_exact,
     backend,
     charge_totals,
-    governor,
     kafka,
     names,
-    start_worker,
+    stream,
     unique_events,
-    wait_caught_up,
     workers,
     workload,
 )
 
-from mcp_budget_governor import RedisBackend
-
-__all__ = ["backend", "kafka", "names", "workers"]  # fixtures, used by name
+__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 
 @pytest.mark.slow
-async def test_archive_matches_the_ledger_and_metrics_count_it(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
-) -> None:
-    archive = tmp_path / "archive"
+async def test_archive_matches_the_ledger_and_metrics_count_it(stream: Stream) -> None:
+    archive = stream.tmp_path / "archive"
     port = free_port()
-    async with governor(kafka, backend, names.topic, tmp_path) as gov:
+    async with stream.governor() as gov:
         await workload(gov, 500, random.Random(3))
-    worker = start_worker(
-        workers, kafka, redis_url, names, tmp_path,
-        "--archive-dir", str(archive), "--metrics-port", str(port),
-    )  # fmt: skip
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    events = await assert_exact(backend, records)
+    worker = stream.start_worker("--archive-dir", str(archive), "--metrics-port", str(port))
+    records = await stream.caught_up()
+    events = await assert_exact(stream.backend, records)
 
     # The archive holds every charge once (deduplicated on event id and charge index,
     # as a reader must), and its totals per counter equal the ledger's.

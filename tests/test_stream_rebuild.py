@@ -12,6 +12,7 @@ import redis as redis_sync
 from services import KafkaService
 from stream_support import (
     Names,
+    Stream,
     Worker,
     assert_exact,
     backend,
@@ -20,8 +21,8 @@ from stream_support import (
     names,
     policy,
     start_worker,
+    stream,
     wait_caught_up,
-    wait_for,
     workers,
     workload,
 )
@@ -30,29 +31,27 @@ from mcp_budget_governor import Context, Governor, RedisBackend
 from mcp_budget_governor.keys import EPOCH_KEY
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 
-__all__ = ["backend", "kafka", "names", "workers"]  # fixtures, used by name
+__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 
 @pytest.mark.slow
 async def test_flushall_mid_run_rebuilds_and_never_admits_from_empty_counters(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
+    stream: Stream,
 ) -> None:
-    sync = redis_sync.Redis.from_url(redis_url)
-    async with governor(kafka, backend, names.topic, tmp_path) as seed:
+    sync = redis_sync.Redis.from_url(stream.redis_url)
+    async with stream.governor() as seed:
         await workload(seed, 300, __import__("random").Random(1))
-    worker = start_worker(workers, kafka, redis_url, names, tmp_path)
-    await wait_for(lambda: sync.exists(EPOCH_KEY), "first rebuild sets the epoch", workers, 60)
-    await wait_caught_up(kafka, backend, names.topic, workers)
+    worker = stream.start_worker()
+    await stream.wait_for(lambda: sync.exists(EPOCH_KEY), "first rebuild sets the epoch", 60)
+    await stream.caught_up()
 
     # The hot path of a ledger deployment refuses to admit from a Redis without the marker.
-    guarded = RedisBackend.from_url(redis_url, require_epoch=True, timeout=2.0)
+    guarded = RedisBackend.from_url(stream.redis_url, require_epoch=True, timeout=2.0)
     ledger = KafkaLedger(
-        kafka.bootstrap, topic=names.topic, partitions=3, outbox_dir=tmp_path / "hot-outbox"
+        stream.kafka.bootstrap,
+        topic=stream.topic,
+        partitions=3,
+        outbox_dir=stream.tmp_path / "hot-outbox",
     )
     gov = Governor(policy(), guarded, ledger=ledger, retry_interval=0.05)
     decisions: list[tuple[float, bool, bool, bool]] = []  # time, admitted, degraded, epoch
@@ -75,7 +74,7 @@ async def test_flushall_mid_run_rebuilds_and_never_admits_from_empty_counters(
     sync.flushall()  # Redis loses everything mid-run
     flushed_at = time.monotonic()
     await traffic(3.0)
-    await wait_for(lambda: sync.exists(EPOCH_KEY), "rebuild after FLUSHALL", workers, 60)
+    await stream.wait_for(lambda: sync.exists(EPOCH_KEY), "rebuild after FLUSHALL", 60)
     await traffic(1.0)
     assert await ledger.flush(30)
     await ledger.aclose()
@@ -90,8 +89,8 @@ async def test_flushall_mid_run_rebuilds_and_never_admits_from_empty_counters(
     resumed = [d for d in after if d[3]]
     assert resumed and not resumed[-1][2], "enforcement on Redis never resumed"
 
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    checked = await assert_exact(backend, records)
+    records = await stream.caught_up()
+    checked = await assert_exact(stream.backend, records)
     assert checked > 300
     assert "rebuild: " in worker.text()
     assert worker.terminate() == 0

