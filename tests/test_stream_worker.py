@@ -101,6 +101,21 @@ async def serving(
         await asyncio.wait_for(task, 30)
 
 
+@contextlib.asynccontextmanager
+async def group_consumer(stream: Stream) -> AsyncIterator[AIOKafkaConsumer]:
+    """A consumer in the workers' group, to read or set its committed offsets."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=stream.kafka.bootstrap,
+        group_id=stream.names.group,
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    try:
+        yield consumer
+    finally:
+        await consumer.stop()
+
+
 def split(first: Worker, second: Worker) -> bool:
     """The two workers share every partition, none of them twice."""
     a, b = first.assigned(), second.assigned()
@@ -135,18 +150,10 @@ async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(stream: S
     assert "Traceback" not in text, text
 
     # The group's committed offsets end where the worker stopped.
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=stream.kafka.bootstrap,
-        group_id=stream.names.group,
-        enable_auto_commit=False,
-    )
-    await consumer.start()
-    try:
+    async with group_consumer(stream) as consumer:
         for p in range(PARTITIONS):
             committed = await consumer.committed(TopicPartition(stream.topic, p))
             assert committed == records.highwater[p]
-    finally:
-        await consumer.stop()
 
 
 async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(stream: Stream) -> None:
@@ -155,20 +162,12 @@ async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(strea
     async with stream.governor() as gov:
         await workload(gov, 300, random.Random(2))
     ledger = await read_ledger(stream.kafka, stream.topic)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=stream.kafka.bootstrap,
-        group_id=stream.names.group,
-        enable_auto_commit=False,
-    )
-    await consumer.start()
-    try:
+    async with group_consumer(stream) as consumer:
         tps = [TopicPartition(stream.topic, p) for p in range(PARTITIONS)]
         consumer.assign(tps)
         await consumer.commit(
             {tp: OffsetAndMetadata(ledger.highwater[tp.partition], "") for tp in tps}
         )
-    finally:
-        await consumer.stop()
 
     worker = stream.start_worker()
     records = await stream.caught_up()
