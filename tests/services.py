@@ -80,7 +80,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Literal, Protocol, Self, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 import redis
 
@@ -255,17 +255,13 @@ def _terminate_process(proc: subprocess.Popen[bytes] | None) -> None:
 # --------------------------------------------------------------------------- #
 
 
-class _Stoppable(Protocol):
-    def stop(self) -> None: ...
+_P = TypeVar("_P", bound="LocalProcess")
 
-
-_S = TypeVar("_S", bound=_Stoppable)
-
-_live: set[_Stoppable] = set()
+_live: set[LocalProcess] = set()
 _live_lock = threading.Lock()
 
 
-def _register(service: _S) -> _S:
+def _register(service: _P) -> _P:
     with _live_lock:
         _live.add(service)
     return service
@@ -493,9 +489,6 @@ class LocalProcess:
 
     def _stop_local(self) -> None:
         self._terminate()
-
-
-_P = TypeVar("_P", bound=LocalProcess)
 
 
 def _start_on_free_port(make: Callable[[int], _P]) -> _P:
@@ -835,6 +828,34 @@ def _http_answers(url: str, timeout: float = 0.5) -> bool:
 
 
 @dataclass(eq=False)
+class _MotoServer(LocalProcess):
+    """The private S3 (moto_server) a durable local broker stores in."""
+
+    _NAME = "moto_server"
+    _NOUN = "server"
+    _STARTER = "start_kafka"
+    _LOG_NAME = "moto.log"
+    _PROBE = "HTTP"
+    _UNAVAILABLE = KafkaUnavailable
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self._port)]
+
+    def _address(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def _describe(self) -> str:
+        return "moto_server"
+
+    def _start_timeout(self) -> float:
+        return KAFKA_START_TIMEOUT
+
+    def _probe(self, proc: subprocess.Popen[bytes]) -> bool:
+        return _http_answers(f"{self._address()}/moto-api/")
+
+
+@dataclass(eq=False)
 class KafkaService(LocalProcess):
     """A Kafka-protocol broker the tests can use, and how to control it.
 
@@ -848,8 +869,7 @@ class KafkaService(LocalProcess):
     durable: bool = False
     _cluster_id: str | None = field(default=None, repr=False)
     _bucket: str | None = field(default=None, repr=False)
-    _moto_port: int | None = field(default=None, repr=False)
-    _moto_proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _moto: _MotoServer | None = field(default=None, repr=False)
 
     _NAME = "Kafka"
     _NOUN = "broker"
@@ -916,8 +936,13 @@ class KafkaService(LocalProcess):
         try:
             super()._stop_local()
         finally:
-            _terminate_process(self._moto_proc)
-            self._moto_proc = None
+            if self._moto is not None:
+                self._moto.stop()
+
+    @property
+    def _moto_url(self) -> str:
+        assert self._moto is not None
+        return self._moto._address()
 
     def _tansu_env(self) -> dict[str, str]:
         env = {
@@ -928,7 +953,7 @@ class KafkaService(LocalProcess):
         env["NO_COLOR"] = "1"  # plain log lines for the error message's tail
         if self.durable:
             env.update(
-                AWS_ENDPOINT=f"http://127.0.0.1:{self._moto_port}",
+                AWS_ENDPOINT=self._moto_url,
                 AWS_ALLOW_HTTP="true",
                 AWS_ACCESS_KEY_ID="test",
                 AWS_SECRET_ACCESS_KEY="test",
@@ -938,65 +963,28 @@ class KafkaService(LocalProcess):
 
     def _start_moto(self) -> None:
         """Start a private moto_server on loopback and create our bucket in it."""
-        assert self._dir is not None
         if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
             raise KafkaUnavailable(
                 "a durable local Kafka needs S3 storage from moto_server: "
                 "pip install 'moto[server]'"
             )
-        log_path = self._dir / "moto.log"
-        last_problem = ""
-        for _ in range(_PORT_ATTEMPTS):
-            port = free_port()
-            with log_path.open("ab") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=self._dir,
-                    start_new_session=True,
-                )
-            self._moto_proc, self._moto_port = proc, port
-            deadline = time.monotonic() + KAFKA_START_TIMEOUT
-            while proc.poll() is None and time.monotonic() < deadline:
-                if _http_answers(f"http://127.0.0.1:{port}/moto-api/"):
-                    break
-                time.sleep(0.05)
-            code = proc.poll()
-            if code is None and _http_answers(f"http://127.0.0.1:{port}/moto-api/"):
-                self._create_bucket()
-                if proc.poll() is None:
-                    return
-                code = proc.poll()
-            _terminate_process(proc)
-            self._moto_proc = None
-            tail = _log_tail(log_path)
-            last_problem = (
-                f"moto_server on 127.0.0.1:{port} "
-                + (
-                    f"exited with code {code}"
-                    if code is not None
-                    else f"did not answer within {KAFKA_START_TIMEOUT:g}s"
-                )
-                + f".\n--- last lines of {log_path} ---\n{tail}"
+        self._moto = _start_on_free_port(
+            lambda port: _MotoServer(
+                kind="local", _port=port, _dir=Path(tempfile.mkdtemp(prefix="moto-", dir=self._dir))
             )
-            if "in use" not in tail:
-                break  # a real failure, not a lost race for the port
-        raise KafkaUnavailable(last_problem)
+        )
+        self._create_bucket()
 
     def _create_bucket(self) -> None:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self._moto_port}/{self._bucket}", data=b"", method="PUT"
-        )
+        request = urllib.request.Request(f"{self._moto_url}/{self._bucket}", data=b"", method="PUT")
         try:
             with opener.open(request, timeout=5.0) as response:
                 status = response.status
         except (OSError, ValueError) as exc:
             raise KafkaUnavailable(
-                f"could not create bucket {self._bucket!r} in moto_server on "
-                f"127.0.0.1:{self._moto_port}: {exc!r}"
+                f"could not create bucket {self._bucket!r} in moto_server at "
+                f"{self._moto_url}: {exc!r}"
             ) from exc
         if status != 200:
             raise KafkaUnavailable(
