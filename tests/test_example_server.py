@@ -195,9 +195,7 @@ async def test_governed_calls_over_streamable_http(
     # The model call's events carry its tokens, so its cost can be re-derived.
     priced = [e.data.usage for e in metered if e.data.usage is not None]
     assert len(priced) == 1  # one event charging user_spend and global_spend
-    assert all(
-        {c.limit for c in e.data.charges} == {"user_spend", "global_spend"} for e in metered
-    )
+    assert all({c.limit for c in e.data.charges} == {"user_spend", "global_spend"} for e in metered)
     assert {(u.model, u.input_tokens, u.output_tokens) for u in priced} == {
         ("claude-sonnet-4-5", 500, 120)
     }
