@@ -105,7 +105,7 @@ from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
 from mcp_budget_governor.producers.record_log import RecordLog
-from mcp_budget_governor.stream.archiver import SCHEMA, ledger_table
+from mcp_budget_governor.stream.archiver import CHARGE_COLUMNS, SCHEMA, ledger_table
 
 __all__ = [
     "COLUMNS",
@@ -167,21 +167,7 @@ COLUMNS: tuple[str, ...] = (
     "over",
 )
 # Event-level columns: the same on every charge row of an event.
-_EVENT_COLUMNS = tuple(
-    c
-    for c in COLUMNS
-    if c
-    not in {
-        "charge_index",
-        "limit",
-        "unit",
-        "amount",
-        "window",
-        "bucket",
-        "key",
-        "expire_at",
-    }
-)
+_EVENT_COLUMNS = tuple(c for c in COLUMNS if c not in CHARGE_COLUMNS)
 
 
 class LedgerError(GovernorError):

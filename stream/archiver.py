@@ -143,6 +143,7 @@ from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.producers.record_log import fsync_dir
 
 __all__ = [
+    "CHARGE_COLUMNS",
     "COMPRESSION",
     "SCHEMA",
     "SCHEMA_VERSION",
@@ -233,8 +234,8 @@ _EVENT_COLUMNS = (
     "price_version",
     "reservation",
 )
-# Columns taken once per charge (None on the row of an event without charges).
-_CHARGE_COLUMNS = (
+#: Columns taken once per charge (None on the row of an event without charges).
+CHARGE_COLUMNS = (
     "charge_index",
     "limit",
     "unit",
@@ -246,7 +247,7 @@ _CHARGE_COLUMNS = (
 )
 _TYPES = {field.name: field.type for field in SCHEMA}
 _NO_USAGE: tuple[None, ...] = (None,) * 6
-_NO_CHARGE: tuple[None, ...] = (None,) * len(_CHARGE_COLUMNS)
+_NO_CHARGE: tuple[None, ...] = (None,) * len(CHARGE_COLUMNS)
 
 
 def segment_name(topic: str, partition: int, first: int, last: int) -> str:
@@ -399,7 +400,7 @@ def ledger_table(
     ledger view builds the file ledger's rows with it.
     """
     # One tuple per event and one per charge, in the column order of
-    # _EVENT_COLUMNS and _CHARGE_COLUMNS, transposed at the end by zip():
+    # _EVENT_COLUMNS and CHARGE_COLUMNS, transposed at the end by zip():
     # far cheaper in Python than one append per column.
     event_rows: list[tuple[object, ...]] = []
     charge_rows: list[tuple[object, ...]] = []
@@ -478,7 +479,7 @@ def ledger_table(
         "topic": pa.repeat(pa.scalar(topic, _STR), count),
         "partition": pa.repeat(pa.scalar(partition, _INT), count),
     }
-    for name, values in zip(_CHARGE_COLUMNS, zip(*charge_rows, strict=True), strict=True):
+    for name, values in zip(CHARGE_COLUMNS, zip(*charge_rows, strict=True), strict=True):
         columns[name] = pa.array(values, type=_TYPES[name])
     for name in _EVENT_COLUMNS:
         columns[name] = events.column(name)

@@ -31,7 +31,15 @@ from typing import Any, NamedTuple
 import orjson
 
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
-from mcp_budget_governor.events import type_name
+from mcp_budget_governor.events import (
+    Charge,
+    Decided,
+    EventContext,
+    EventData,
+    MeteredEvent,
+    Tokens,
+    type_name,
+)
 from mcp_budget_governor.keys import PREFIX
 from mcp_budget_governor.ledger import EntryType
 from mcp_budget_governor.limits import NAME_PATTERN
@@ -60,23 +68,14 @@ class Decoded(NamedTuple):
 
 _TYPES = frozenset(type_name(kind) for kind in EntryType)
 _REJECTED = type_name(EntryType.REJECTED)
-_TOP = frozenset(
-    ("specversion", "id", "source", "type", "time", "subject", "datacontenttype", "data")
-)
-_DATA = frozenset(("context", "charges", "decision", "usage", "reservation"))
-_CONTEXT = frozenset(("user", "tenant", "tool", "session", "agent"))
-_CHARGE = frozenset(("limit", "unit", "amount", "window", "bucket", "key", "expire_at"))
-_DECISION = frozenset(("limit", "status", "over", "degraded"))
-_USAGE = frozenset(
-    (
-        "model",
-        "input_tokens",
-        "output_tokens",
-        "cache_read_tokens",
-        "cache_write_tokens",
-        "price_version",
-    )
-)
+# The field sets come from the pydantic models, the one definition of the schema:
+# a field added there reaches this decoder's "exact shape" check too.
+_TOP = frozenset(MeteredEvent.model_fields)
+_DATA = frozenset(EventData.model_fields)
+_CONTEXT = frozenset(EventContext.model_fields)
+_CHARGE = frozenset(Charge.model_fields)
+_DECISION = frozenset(Decided.model_fields)
+_USAGE = frozenset(Tokens.model_fields)
 _USAGE_COUNTS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
 _UNITS = frozenset(u.value for u in Unit)
 _WINDOWS = frozenset(w.value for w in Window)
