@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -29,6 +29,7 @@ from .decision import ADMITTED, Decision
 from .errors import BackendUnavailableError, BudgetExceeded, InvalidInputError
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from .limits import FailMode, Limit, OnExceed
+from .metering import Metering
 from .money import check_amount
 from .planning import Slot
 from .policy import Policy
@@ -37,7 +38,7 @@ from .prices import PriceTable
 log = logging.getLogger("mcp_budget_governor")
 
 
-class Governor:
+class Governor(Metering):
     """Enforces a :class:`Policy` on shared counters.
 
     - ``backend``: :class:`RedisBackend` (shared by every replica) or
@@ -114,60 +115,6 @@ class Governor:
                     limit=d.limit, status=d.status, over=d.over, degraded=False,
                 )  # fmt: skip
             raise
-
-    async def meter(
-        self, limit: str | Sequence[str], amount: int, ctx: Context | None = None
-    ) -> int:
-        """Record what a completed call cost on ``limit``; always charged, even past the cap.
-
-        ``limit`` may name several limits (``("user_spend", "global_spend")``):
-        one ledger event then charges each of them, in one round trip, so the
-        cost is one cost in every spend query. Returns the amount charged: 0
-        when the context lacks the scope of every named limit.
-        """
-        limits = planning.named_limits(self.policy, limit)
-        amount = check_amount(amount, "amount")
-        return await self._meter([(lim, amount) for lim in limits], ctx or EMPTY, None)
-
-    async def meter_charges(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
-        """Record one completed call charging each limit its own amount, as one ledger event.
-
-        ``{"calls_spent": 1, "spend": usd("0.02")}``: every amount is checked
-        before anything is charged.
-        """
-        pairs = planning.charge_pairs(self.policy, charges)
-        await self._meter(pairs, ctx or EMPTY, None)
-
-    async def meter_tokens(
-        self,
-        limit: str | Sequence[str],
-        model: str,
-        *,
-        input_tokens: int,
-        output_tokens: int,
-        cache_read_tokens: int = 0,
-        cache_write_tokens: int = 0,
-        ctx: Context | None = None,
-    ) -> int:
-        """Meter a model call by its token usage.
-
-        On a USD limit the cost comes from the price table (an unknown model
-        raises :class:`UnknownModelError`); on a TOKENS limit the tokens are
-        counted (``input_tokens`` already includes the cache tokens). Several
-        limits (say a USD budget and a token quota) are charged by one event.
-        Returns the amount charged on the first named limit that applies.
-        """
-        pairs, usage = planning.token_charges(
-            self.policy,
-            limit,
-            self.prices,
-            model,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cache_read_tokens=cache_read_tokens,
-            cache_write_tokens=cache_write_tokens,
-        )
-        return await self._meter(pairs, ctx or EMPTY, usage)
 
     def reserved(self, limit: str, estimate: int, ctx: Context | None = None) -> Reservation:
         """Reserve ``estimate`` on ``limit`` for the duration of a block; settle on exit.

@@ -39,21 +39,21 @@ that limit (0 is returned and nothing is appended), as with ``Governor.meter``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from mcp_budget_governor import planning
-from mcp_budget_governor.context import EMPTY, Context
+from mcp_budget_governor.context import Context
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.ledger import EntryType, Ledger, LedgerEntry, TokenUsage, new_id
 from mcp_budget_governor.limits import Limit
-from mcp_budget_governor.money import check_amount
+from mcp_budget_governor.metering import Metering
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.prices import PriceTable
 
 __all__ = ["Recorder", "emit"]
 
 
-class Recorder:
+class Recorder(Metering):
     """Appends ``metered`` events for a policy to a ledger; keeps no counters.
 
     ``meter`` and ``meter_tokens`` take the same arguments, validate them the
@@ -96,54 +96,7 @@ class Recorder:
         self.prices = prices
         self._clock = clock
 
-    async def meter(
-        self, limit: str | Sequence[str], amount: int, ctx: Context | None = None
-    ) -> int:
-        """Append what a completed call cost on ``limit``; see :meth:`Governor.meter`.
-
-        Several limit names make one event charging each. Returns the amount
-        charged: 0 (and nothing appended) when the context lacks every named
-        limit's scope.
-        """
-        limits = planning.named_limits(self.policy, limit)
-        amount = check_amount(amount, "amount")
-        return await self._append([(lim, amount) for lim in limits], ctx or EMPTY, None)
-
-    async def meter_charges(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
-        """Append one event charging each limit its amount; see :meth:`Governor.meter_charges`."""
-        await self._append(planning.charge_pairs(self.policy, charges), ctx or EMPTY, None)
-
-    async def meter_tokens(
-        self,
-        limit: str | Sequence[str],
-        model: str,
-        *,
-        input_tokens: int,
-        output_tokens: int,
-        cache_read_tokens: int = 0,
-        cache_write_tokens: int = 0,
-        ctx: Context | None = None,
-    ) -> int:
-        """Append a model call's cost by its token usage; see :meth:`Governor.meter_tokens`.
-
-        On a USD limit the cost comes from ``prices`` (an unknown model raises
-        :class:`~mcp_budget_governor.UnknownModelError`); on a TOKENS limit
-        the tokens are counted. The usage and price-table version travel with
-        the event.
-        """
-        pairs, usage = planning.token_charges(
-            self.policy,
-            limit,
-            self.prices,
-            model,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cache_read_tokens=cache_read_tokens,
-            cache_write_tokens=cache_write_tokens,
-        )
-        return await self._append(pairs, ctx or EMPTY, usage)
-
-    async def _append(
+    async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
     ) -> int:
         now = self._clock()

@@ -1,0 +1,91 @@
+"""The metering API that :class:`Governor` and :class:`Recorder` share.
+
+``meter``, ``meter_charges`` and ``meter_tokens`` validate what a completed
+call cost and turn it into ``(limit, amount)`` pairs, the same way for both;
+each subclass then records the pairs as one ledger event in its
+``_meter``: the :class:`~mcp_budget_governor.Governor` charges the counters
+and appends the event, a :class:`~mcp_budget_governor.producers.emit.Recorder`
+only appends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from . import planning
+from .context import EMPTY, Context
+from .ledger import TokenUsage
+from .limits import Limit
+from .money import check_amount
+from .policy import Policy
+
+if TYPE_CHECKING:
+    from .prices import PriceTable
+
+
+class Metering:
+    """``meter``/``meter_charges``/``meter_tokens`` over ``policy`` and ``prices``."""
+
+    policy: Policy
+    prices: PriceTable | None
+
+    async def meter(
+        self, limit: str | Sequence[str], amount: int, ctx: Context | None = None
+    ) -> int:
+        """Record what a completed call cost on ``limit``; always charged, even past the cap.
+
+        ``limit`` may name several limits (``("user_spend", "global_spend")``):
+        one ledger event then charges each of them (one round trip on a Governor), so the
+        cost is one cost in every spend query. Returns the amount charged: 0
+        when the context lacks the scope of every named limit.
+        """
+        limits = planning.named_limits(self.policy, limit)
+        amount = check_amount(amount, "amount")
+        return await self._meter([(lim, amount) for lim in limits], ctx or EMPTY, None)
+
+    async def meter_charges(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
+        """Record one completed call charging each limit its own amount, as one ledger event.
+
+        ``{"calls_spent": 1, "spend": usd("0.02")}``: every amount is checked
+        before anything is charged.
+        """
+        pairs = planning.charge_pairs(self.policy, charges)
+        await self._meter(pairs, ctx or EMPTY, None)
+
+    async def meter_tokens(
+        self,
+        limit: str | Sequence[str],
+        model: str,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        cache_read_tokens: int = 0,
+        cache_write_tokens: int = 0,
+        ctx: Context | None = None,
+    ) -> int:
+        """Meter a model call by its token usage.
+
+        On a USD limit the cost comes from the price table (an unknown model
+        raises :class:`UnknownModelError`); on a TOKENS limit the tokens are
+        counted (``input_tokens`` already includes the cache tokens). Several
+        limits (say a USD budget and a token quota) are charged by one event.
+        Returns the amount charged on the first named limit that applies.
+        """
+        pairs, usage = planning.token_charges(
+            self.policy,
+            limit,
+            self.prices,
+            model,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cache_read_tokens=cache_read_tokens,
+            cache_write_tokens=cache_write_tokens,
+        )
+        return await self._meter(pairs, ctx or EMPTY, usage)
+
+    async def _meter(
+        self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
+    ) -> int:
+        """Record ``charges`` as one ``metered`` event; the amount on the first that applies."""
+        raise NotImplementedError
