@@ -114,41 +114,13 @@ def token_charges(
     cache_read_tokens: int = 0,
     cache_write_tokens: int = 0,
 ) -> tuple[list[tuple[Limit, int]], TokenUsage]:
-    """:func:`token_charge` on every limit ``limit`` names, and the usage of the call."""
-    limits = named_limits(policy, limit)
-    priced = [
-        token_charge(
-            lim,
-            prices,
-            model,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cache_read_tokens=cache_read_tokens,
-            cache_write_tokens=cache_write_tokens,
-        )
-        for lim in limits
-    ]
-    pairs = [(lim, amount) for lim, (amount, _) in zip(limits, priced, strict=True)]
-    # The usage of a priced limit carries the price table's version.
-    usage = next((u for _, u in priced if u.price_version), priced[0][1])
-    return pairs, usage
-
-
-def token_charge(
-    limit: Limit,
-    prices: PriceTable | None,
-    model: str,
-    *,
-    input_tokens: int,
-    output_tokens: int,
-    cache_read_tokens: int = 0,
-    cache_write_tokens: int = 0,
-) -> tuple[int, TokenUsage]:
-    """What a model call charges to ``limit``, and the usage that travels with it.
+    """What a model call charges to each limit ``limit`` names, and the usage that travels with it.
 
     USD limits price the tokens (an unknown model raises); TOKENS limits count
     ``input_tokens + output_tokens`` (input already includes the cache tokens).
+    The tokens are checked and the call priced once, however many limits.
     """
+    limits = named_limits(policy, limit)
     for name, value in (
         ("input_tokens", input_tokens),
         ("output_tokens", output_tokens),
@@ -156,14 +128,20 @@ def token_charge(
         ("cache_write_tokens", cache_write_tokens),
     ):
         check_amount(value, name)
+    for lim in limits:
+        if lim.unit not in (Unit.USD_MICROS, Unit.TOKENS):
+            raise InvalidInputError(
+                "limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
+            )
     price_version: str | None = None
-    if limit.unit is Unit.USD_MICROS:
+    cost = 0
+    if any(lim.unit is Unit.USD_MICROS for lim in limits):
         if prices is None:
             raise GovernorError(
                 "prices: meter_tokens on a USD limit needs a price table: "
                 "prices=PriceTable.builtin() or PriceTable().with_price(...)"
             )
-        amount = prices.cost_micros(
+        cost = prices.cost_micros(
             model,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
@@ -171,16 +149,14 @@ def token_charge(
             cache_write_tokens=cache_write_tokens,
         )
         price_version = prices.version
-    elif limit.unit is Unit.TOKENS:
-        amount = check_amount(input_tokens + output_tokens, "input_tokens + output_tokens")
-    else:
-        raise InvalidInputError(
-            "limit", limit.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
-        )
+    tokens = 0
+    if any(lim.unit is Unit.TOKENS for lim in limits):
+        tokens = check_amount(input_tokens + output_tokens, "input_tokens + output_tokens")
+    pairs = [(lim, cost if lim.unit is Unit.USD_MICROS else tokens) for lim in limits]
     usage = TokenUsage(
         model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, price_version
     )
-    return amount, usage
+    return pairs, usage
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,3 +126,15 @@ async def test_recorder_appends_the_same_single_event() -> None:
         )
     (a,), (b,) = ledger.entries, gov_ledger.entries
     assert a.charges == b.charges and a.usage == b.usage
+
+
+async def test_meter_tokens_refuses_a_calls_limit_and_charges_nothing(backend: Backend) -> None:
+    ledger = MemoryLedger()
+    pol = Policy.of(*policy(), Limit("calls", cap=10, window=Window.DAY))
+    gov = Governor(pol, backend, ledger=ledger, prices=PRICES)
+    with pytest.raises(InvalidInputError, match=r"not CALLS \(got 'calls'\)"):
+        await gov.meter_tokens(
+            ("global_spend", "calls"), "m", input_tokens=10, output_tokens=1, ctx=Context(user="u")
+        )
+    assert ledger.entries == []
+    assert await gov.usage("global_spend") == 0
