@@ -121,6 +121,7 @@ class BudgetASGIMiddleware:
 
         try:
             ctx = (await self._caller(scope)).with_tool(name)
+            ctx = await self.governor.identified(ctx)
             await governed_call(self.governor, ctx, respond, priced=priced)
         except BudgetExceeded as exc:
             if status:

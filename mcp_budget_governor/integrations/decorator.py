@@ -166,7 +166,6 @@ def governed(
                 lambda: fn(*args, **kwargs),
                 fixed=fixed,
                 priced=priced,
-                unnamed_rule=False,
             )
 
         return wrapper

@@ -149,7 +149,11 @@ class BudgetMiddleware(Middleware):
 
         try:
             return await governed_call(
-                self.governor, ctx, lambda: call_next(context), fixed=fixed, priced=priced
+                self.governor,
+                await self.governor.identified(ctx),
+                lambda: call_next(context),
+                fixed=fixed,
+                priced=priced,
             )
         except BudgetExceeded as exc:
             raise BudgetToolError(exc.decision) from None

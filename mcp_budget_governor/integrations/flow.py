@@ -4,10 +4,12 @@
 MCP hook all run a call through :func:`governed_call`, so what a refused, a
 failed or a completed call is charged is decided in one place:
 
-- the caller is identified first (:meth:`Governor.identified`: an unnamed
-  caller is refused or shared, as the policy says), then checked; a refusal
-  raises :class:`BudgetExceeded` and the work never runs (a refused call is
-  charged nothing, and the ledger records the rejection);
+- the call is checked first; a refusal raises :class:`BudgetExceeded` and the
+  work never runs (a refused call is charged nothing, and the ledger records
+  the rejection). Integrations that identify their callers pass what
+  ``identify`` produced through :meth:`Governor.identified` before (an
+  unnamed caller is refused or shared, as the policy says); ``@governed``
+  takes the context the developer gives it;
 - when the work raises an ``Exception``, the admission stands (a failing call
   still used its quota, so retrying a failing tool is not free) and the
   ``fixed`` charges are metered: they are prices known without a result, and
@@ -68,18 +70,14 @@ async def governed_call(
     *,
     fixed: Charges | None = None,
     priced: PricedCost | None = None,
-    unnamed_rule: bool = True,
 ) -> R:
     """Check (a Governor only), run ``work``, meter what it cost; see the module docstring.
 
     A :class:`Recorder` has no counters: the work always runs and its cost is
-    appended to the ledger. ``unnamed_rule=False`` skips the policy's rule for
-    unnamed callers: ``@governed`` is handed its context by the developer, and
-    a limit that context cannot scope is skipped, as with ``Governor.check``.
+    appended to the ledger. ``ctx`` is governed as given: integrations that
+    identify callers pass it through :meth:`Governor.identified` first.
     """
     if isinstance(governor, Governor):
-        if unnamed_rule:
-            ctx = await governor.identified(ctx)
         (await governor.check(ctx)).raise_for_status()
     token = _current.set(ctx)
     try:

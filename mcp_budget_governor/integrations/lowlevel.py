@@ -76,6 +76,7 @@ def governed_call_tool(
 
         try:
             who = (await _caller(identify, ctx, params)).with_tool(params.name)
+            who = await governor.identified(who)
             return await governed_call(governor, who, lambda: handler(ctx, params), priced=priced)
         except BudgetExceeded as exc:
             return mt.CallToolResult(
