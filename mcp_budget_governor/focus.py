@@ -47,6 +47,7 @@ from fractions import Fraction
 
 from .errors import InvalidInputError
 from .prices import ModelPrice, PriceTier
+from .windows import Window, utc_bounds
 
 __all__ = [
     "ALLOWED_VALUES",
@@ -513,18 +514,13 @@ def tier_rates(price: ModelPrice) -> list[tuple[int, tuple[Decimal, Decimal, Dec
 _MONTH = re.compile(r"^(\d{4})-(\d{2})$")
 
 
-def _month_start(year: int, month: int) -> datetime:
-    return datetime(year, month, 1, tzinfo=UTC)
-
-
 def parse_period(text: str) -> tuple[datetime, datetime]:
     """``"2026-11"`` -> (2026-11-01T00:00Z, 2026-12-01T00:00Z): a UTC calendar month."""
     match = _MONTH.match(text.strip()) if isinstance(text, str) else None
     if match is None or not 1 <= int(match.group(2)) <= 12 or int(match.group(1)) < 1970:
         raise InvalidInputError("--period", text, "expected a month as YYYY-MM, e.g. 2026-11")
     year, month = int(match.group(1)), int(match.group(2))
-    end = _month_start(year + 1, 1) if month == 12 else _month_start(year, month + 1)
-    return _month_start(year, month), end
+    return utc_bounds(Window.MONTH, datetime(year, month, 1, tzinfo=UTC))
 
 
 def _instant(text: str, field: str) -> datetime:

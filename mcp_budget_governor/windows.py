@@ -19,7 +19,7 @@ from enum import StrEnum
 from functools import lru_cache
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from .errors import PolicyError
+from .errors import InvalidInputError, PolicyError
 
 #: Seconds a counter outlives its bucket, so late charges still land in it.
 GRACE_SECONDS = 3600
@@ -96,6 +96,22 @@ def bucket_for(window: Window, now: float, tz: tzinfo = UTC) -> Bucket:
         start = math.floor(now / 3600) * 3600
         return _utc_bucket(start, 3600, "%Y%m%dT%H")
     return _calendar_bucket(window, math.floor(now / 60), tz)
+
+
+def utc_bounds(window: Window, at: datetime) -> tuple[datetime, datetime]:
+    """The UTC bucket of ``window`` holding ``at``, as ``[start, end)`` datetimes.
+
+    The bucket rule of the counters, for the commands that take a period
+    (``--period 2026-11``: the month's bucket).
+
+    >>> utc_bounds(Window.MONTH, datetime(2026, 12, 5, tzinfo=UTC))[1].isoformat()
+    '2027-01-01T00:00:00+00:00'
+    """
+    if window is Window.SESSION:
+        raise InvalidInputError("window", window.value, "a session has no calendar bounds")
+    bucket = bucket_for(window, at.timestamp(), UTC)
+    assert bucket.start is not None and bucket.end is not None
+    return datetime.fromtimestamp(bucket.start, UTC), datetime.fromtimestamp(bucket.end, UTC)
 
 
 @lru_cache(maxsize=4096)

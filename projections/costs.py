@@ -14,17 +14,17 @@ as Python ints of USD micros; nothing here goes through a float.
 
 from __future__ import annotations
 
-import calendar
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from typing import Any
 
 import duckdb
 
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.limits import NAME_PATTERN
+from mcp_budget_governor.windows import Window, utc_bounds
 
 from .ledger_view import query_error
 
@@ -71,13 +71,10 @@ def parse_period(field_name: str, text: str) -> tuple[datetime, datetime]:
     try:
         if _MONTH.match(text):
             year, month = int(text[:4]), int(text[5:])
-            start = datetime(year, month, 1, tzinfo=UTC)
-            days = calendar.monthrange(year, month)[1]
-            return start, start + timedelta(days=days)
+            return utc_bounds(Window.MONTH, datetime(year, month, 1, tzinfo=UTC))
         if _DAY.match(text):
             day = date.fromisoformat(text)
-            start = datetime(day.year, day.month, day.day, tzinfo=UTC)
-            return start, start + timedelta(days=1)
+            return utc_bounds(Window.DAY, datetime(day.year, day.month, day.day, tzinfo=UTC))
     except ValueError:
         pass
     raise InvalidInputError(field_name, text, "expected a month YYYY-MM or a day YYYY-MM-DD")
