@@ -80,6 +80,7 @@ from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 from mcp_budget_governor.projections.redis_counters import RedisBackend
+from mcp_budget_governor.urls import redact as redact_url
 
 from . import metrics
 from .alerts import AlertEvaluator, AlertSink, LogSink, RedisDeduper, TopicSink, WebhookSink
@@ -799,7 +800,7 @@ async def _main(config: WorkerConfig) -> int:
         config.group,
         config.topic,
         partitions,
-        _redact(config.redis_url),
+        redact_url(config.redis_url),
         config.batch_size,
     )
     if config.metrics_port:
@@ -811,11 +812,3 @@ async def _main(config: WorkerConfig) -> int:
         loop.add_signal_handler(sig, worker.stop)
     await worker.serve()
     return 0
-
-
-def _redact(url: str) -> str:
-    """A URL without its password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return f"{scheme}{sep}{rest}"

@@ -31,6 +31,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from mcp_budget_governor import Backend, Context, Governor, InvalidInputError, PriceTable
 from mcp_budget_governor import format_usd as _format_usd
 from mcp_budget_governor.ledger import Ledger
+from mcp_budget_governor.urls import redact as redact_url
 
 from . import scenario
 from .scenario import (
@@ -252,7 +253,7 @@ async def _reachable(options: DemoOptions, backend: Backend) -> None:
         except Exception as exc:  # any failure to answer means the URL is unusable here
             await backend.aclose()
             raise InvalidInputError(
-                "--redis", _redact(options.redis_url), f"no answer ({exc})"
+                "--redis", redact_url(options.redis_url), f"no answer ({exc})"
             ) from None
     if options.kafka_url:
         from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
@@ -289,23 +290,11 @@ def _projector(options: DemoOptions, out: Path, backend: Backend) -> Any:
     return FileProjector(out / "ledger", backend)
 
 
-def _redact(url: str) -> str:
-    """A URL without its password, for the screen.
-
-    >>> _redact("redis://:s3cret@cache:6379/15")
-    'redis://***@cache:6379/15'
-    """
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.rsplit("@", 1)[1]
-    return scheme + sep + rest
-
-
 def _intro(
     console: Console, options: DemoOptions, out: Path, topic: str, prices: PriceTable
 ) -> None:
     counters = (
-        f"Redis at {_redact(options.redis_url)}" if options.redis_url else "in-process counters"
+        f"Redis at {redact_url(options.redis_url)}" if options.redis_url else "in-process counters"
     )
     ledger = (
         f"Kafka topic {topic} at {options.kafka_url}"
