@@ -69,6 +69,12 @@ def format_usd(micros: int) -> str:
     return f"{sign}{whole}.{frac:06d}"
 
 
+def format_dollars(micros: int) -> str:
+    """Micros as dollars for people: ``format_dollars(-1_500_000) == '-$1.500000'``."""
+    text = format_usd(micros)
+    return f"-${text[1:]}" if text.startswith("-") else f"${text}"
+
+
 def check_amount(value: Any, field: str, *, allow_negative: bool = False) -> int:
     """Validate an integer amount (calls, tokens or micros) and return it."""
     if isinstance(value, bool) or not isinstance(value, int):

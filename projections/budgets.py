@@ -20,7 +20,7 @@ from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import Backend, fits
 from mcp_budget_governor.keys import key_pattern, parse_key
 from mcp_budget_governor.limits import Limit
-from mcp_budget_governor.money import Unit, format_usd
+from mcp_budget_governor.money import Unit, format_dollars
 from mcp_budget_governor.planning import slot
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.scopes import Scope
@@ -204,7 +204,7 @@ async def budget_report(
 def format_amount(unit: Unit, amount: int) -> str:
     """Money in dollars (``$7.420000``), calls and tokens with thousands separators."""
     if unit is Unit.USD_MICROS:
-        return f"${format_usd(amount)}"
+        return format_dollars(amount)
     return f"{amount:,}"
 
 

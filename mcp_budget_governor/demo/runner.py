@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
 from mcp_budget_governor import Backend, Context, Governor, InvalidInputError, PriceTable
-from mcp_budget_governor import format_usd as _format_usd
 from mcp_budget_governor.ledger import Ledger
+from mcp_budget_governor.money import format_dollars
 from mcp_budget_governor.urls import redact as redact_url
 
 from . import scenario
@@ -49,11 +49,6 @@ from .scenario import (
 MARKER = ".mcpbg-demo"
 DEFAULT_OUT = Path("mcpbg-demo")
 FOCUS_FILE = "focus-costs.csv"
-
-
-def usd_text(micros: int) -> str:
-    """``$1.234567`` for people."""
-    return f"${_format_usd(micros)}"
 
 
 @dataclass
@@ -307,8 +302,8 @@ def _intro(
         f"of {len({a.tenant for a in AGENTS})} tenants burst tool calls at it for "
         f"{options.seconds // 60} simulated minutes.\n"
         f"Counters: {counters}. Ledger: {ledger}. Output folder: {out.resolve()}\n"
-        f"Tools: search ({usd_text(FLAT_PRICES['search'])}/call), "
-        f"fetch ({usd_text(FLAT_PRICES['fetch'])}/call), summarise ({MODEL} tokens priced "
+        f"Tools: search ({format_dollars(FLAT_PRICES['search'])}/call), "
+        f"fetch ({format_dollars(FLAT_PRICES['fetch'])}/call), summarise ({MODEL} tokens priced "
         f"from {prices.version}).\n"
         f"Policy: {scenario.describe(POLICY)}.\n"
         "Polite agents wait out a retry hint and stop when their budget is spent; "
@@ -373,7 +368,7 @@ async def _simulate(
                     advance=1,
                     clock=scenario.clock_label(second + 1),
                     stats=f"{result.calls} calls, {admitted} admitted, "
-                    f"{result.calls - admitted} refused, {usd_text(spent)} spent",
+                    f"{result.calls - admitted} refused, {format_dollars(spent)} spent",
                 )
 
 
@@ -410,7 +405,7 @@ def _react(
         result.tripped_at = clock.elapsed
         say(
             "[bold red]global breaker tripped[/]: today's spend reached "
-            f"{usd_text(POLICY['global_spend'].cap)}; every caller is now shed (503)"
+            f"{format_dollars(POLICY['global_spend'].cap)}; every caller is now shed (503)"
         )
     first = (agent.user, refusal.reason) not in told
     told.add((agent.user, refusal.reason))
@@ -516,7 +511,7 @@ async def _report_budgets(
                 admitted,
                 sum(refused.values()),
                 ", ".join(f"{r.split(':', 1)[1]} x{n}" for r, n in sorted(refused.items())) or "-",
-                usd_text(spent),
+                format_dollars(spent),
             ]
         )
     console.print()
@@ -559,7 +554,9 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
         con.close()
     shown = ["tenant", "user", "tool", "calls", "rejected", "input_tokens", "output_tokens"]
     at = [report.headers.index(name) for name in [*shown, "usd_micros"]]
-    rows = [[*(_cell(row[i]) for i in at[:-1]), usd_text(int(row[at[-1]]))] for row in report.rows]
+    rows = [
+        [*(_cell(row[i]) for i in at[:-1]), format_dollars(int(row[at[-1]]))] for row in report.rows
+    ]
     console.print(
         table(
             "Cost by tenant, user and tool (DuckDB over the ledger, as mcpbg costs)",
@@ -602,7 +599,7 @@ def _write_focus(console: Console, options: DemoOptions, out: Path, now: float) 
         con.close()
     console.print(
         f"\nFOCUS 1.2 cost and usage file: {path} ({result.rows} rows, "
-        f"{usd_text(result.billed_micros)} billed)"
+        f"{format_dollars(result.billed_micros)} billed)"
     )
     return path
 
@@ -620,8 +617,9 @@ def _closing(console: Console, result: DemoResult, out: Path) -> None:
         when = scenario.clock_label(result.tripped_at)
         cap = POLICY["global_spend"].cap
         console.print(
-            f"Global breaker: TRIPPED at simulated {when} with {usd_text(result.spent)} spent of "
-            f"{usd_text(cap)} (calls that completed are charged in full, even past the cap); "
+            f"Global breaker: TRIPPED at simulated {when} with "
+            f"{format_dollars(result.spent)} spent of "
+            f"{format_dollars(cap)} (calls that completed are charged in full, even past the cap); "
             "every caller shed since."
         )
     else:

@@ -10,7 +10,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from mcp_budget_governor import FailMode, Limit, Policy, Scope, Unit, Window, format_usd, usd
+from mcp_budget_governor import FailMode, Limit, Policy, Scope, Unit, Window, usd
+from mcp_budget_governor.money import format_dollars
 
 #: The model the ``summarise`` tool "calls"; its tokens are priced by the price table.
 MODEL = "claude-sonnet-4-5"
@@ -155,7 +156,7 @@ def describe(policy: Policy) -> str:
     """The policy in one line for people: each limit's cap, window, scope and refusal status."""
     parts = []
     for limit in policy:
-        cap = f"${format_usd(limit.cap)}" if limit.unit is Unit.USD_MICROS else f"{limit.cap}"
+        cap = format_dollars(limit.cap) if limit.unit is Unit.USD_MICROS else f"{limit.cap}"
         cap = cap.removesuffix("0000").removesuffix("00") if cap.startswith("$") else cap
         kind = "breaker" if limit.breaker else f"per {limit.scope_label}"
         parts.append(f"{cap}/{limit.window.value} {kind} ({limit.refusal_status})")
