@@ -12,9 +12,10 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
+
+from .ledger_args import add_redis_option, required
 
 if TYPE_CHECKING:
     from ..counters import Backend
@@ -33,15 +34,9 @@ def register(sub: Any) -> None:
         "any row is exceeded.",
     )
     p.add_argument(
-        "--policy",
-        default=os.environ.get("MCPBG_POLICY"),
-        help="the policy: a .toml file or package.module:attribute (env MCPBG_POLICY)",
+        "--policy", help="the policy: a .toml file or package.module:attribute (env MCPBG_POLICY)"
     )
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get("MCPBG_REDIS_URL"),
-        help="the counters' Redis, redis://host:port/db (env MCPBG_REDIS_URL)",
-    )
+    add_redis_option(p)
     for scope in _SCOPES:
         p.add_argument(f"--{scope}", help=f"only the counters of this {scope}")
     p.add_argument(
@@ -59,15 +54,9 @@ def run(args: argparse.Namespace) -> int:
     from ..projections.budgets import DEFAULT_MAX_KEYS
     from .render import fail
 
-    if not args.policy:
-        return fail(
-            "budgets", "--policy: required (a .toml file or module:attribute; or set MCPBG_POLICY)"
-        )
-    policy = load_policy(args.policy)  # first: a bad policy file is the error to see
-    if not args.redis_url:
-        return fail(
-            "budgets", "--redis-url: required (redis://host:port/db; or set MCPBG_REDIS_URL)"
-        )
+    # The policy first: a bad policy file is the error to see.
+    policy = load_policy(required(args, "policy", "a .toml file or module:attribute"))
+    args.redis_url = required(args, "redis_url", "redis://host:port/db")
     max_keys = DEFAULT_MAX_KEYS if args.max_keys is None else args.max_keys
     if max_keys < 1:
         return fail("budgets", f"--max-keys: expected a positive number (got {max_keys})")

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import InvalidInputError
 from ..money import format_usd
+from .ledger_args import add_ledger_options, setting
 
 
 def register(sub: Any) -> None:
@@ -30,10 +31,7 @@ def register(sub: Any) -> None:
     focus.add_argument(
         "--granularity", choices=("hour", "day"), default="hour", help="row period (default hour)"
     )
-    focus.add_argument("--archive-dir", help="the Parquet archive folder (env MCPBG_ARCHIVE_DIR)")
-    focus.add_argument(
-        "--ledger-dir", help="the embedded file-ledger folder (env MCPBG_LEDGER_DIR)"
-    )
+    add_ledger_options(focus)
     focus.add_argument(
         "--prices",
         help="package.module:attribute of the PriceTable that priced the calls "
@@ -99,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
         start, end = parse_range(args.start, args.end, granularity)
         label = f"--from {args.start} --to {args.end}"
     prices = _load_prices(args.prices) if args.prices else None
-    archive = args.archive_dir or os.environ.get("MCPBG_ARCHIVE_DIR") or None
-    ledger = args.ledger_dir or os.environ.get("MCPBG_LEDGER_DIR") or None
+    archive = setting(args, "archive_dir")
+    ledger = setting(args, "ledger_dir")
     began = time.monotonic()
 
     def progress(stage: str) -> None:

@@ -1,4 +1,6 @@
-"""Options shared by the commands that read the ledger (replay, reconcile, costs, sql).
+"""Options shared by the commands that read the ledger or the counters.
+
+(replay, reconcile, costs, sql, export, budgets.)
 
 Each option falls back to its ``MCPBG_*`` environment variable, the names
 ``mcpbg worker`` uses, so one environment serves every command.
@@ -22,6 +24,7 @@ ENV = {
     "redis_url": "MCPBG_REDIS_URL",
     "kafka_url": "MCPBG_KAFKA_URL",
     "topic": "MCPBG_TOPIC",
+    "policy": "MCPBG_POLICY",
 }
 DEFAULT_TOPIC = "mcpbg.ledger"
 
