@@ -210,7 +210,7 @@ def report(results: dict[str, Any]) -> str:
 def _area(filename: str, func: str) -> str:
     """Which layer a profiled function belongs to."""
     repo = str(_common.REPO)
-    if filename.endswith("/projections/redis_counters.py"):  # also via a symlinked path
+    if filename.endswith("/projections/redis_counters.py"):
         return "RedisBackend (projections/redis_counters.py)"
     if filename.startswith(f"{repo}/mcp_budget_governor/"):
         return "mcp_budget_governor (governor, planning, keys, windows)"
