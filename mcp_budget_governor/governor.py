@@ -259,7 +259,10 @@ class Governor(Metering[MeterResult]):
         except BackendUnavailableError:
             decision = await self._degraded_check(plan.slots, now)
         else:
-            decision = self._decide(plan.slots, result, now)
+            if result.admitted:
+                decision = planning.admitted_by(plan, result.used)
+            else:
+                decision = self._decide(plan.slots, result, now)
         if event_id is not None:
             await self._append(
                 event_id,

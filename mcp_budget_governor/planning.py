@@ -182,13 +182,16 @@ class Plan:
     """What a check does for one context within one minute: its slots and their ops.
 
     ``shadow`` is true when a slot never refuses (``OnExceed.ALERT``): only then
-    does the decision need the totals, to report what went over.
+    does the decision report what went over. ``room`` is per slot its limit's
+    name and what is left of the cap after the call's amount, so an admitted
+    check's headroom is one subtraction per limit.
     """
 
     slots: tuple[Slot, ...]
     ops: tuple[CounterOp, ...]
     shadow: bool
     charges: tuple[LedgerCharge, ...]
+    room: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, slots: Sequence[Slot]) -> Plan:
@@ -199,6 +202,7 @@ class Plan:
             tuple(s.op for s in slots),
             any(not s.enforce for s in slots),
             ledger_charges(slots),
+            tuple((s.limit.name, s.limit.cap - s.amount) for s in slots),
         )
 
 
@@ -284,6 +288,20 @@ def ledger_full(retry_after: float) -> Decision:
         retry_after=max(1, math.ceil(retry_after)),
         reason=LEDGER_UNAVAILABLE,
         degraded=True,
+    )
+
+
+def admitted_by(plan: Plan, used: Sequence[int]) -> Decision:
+    """:func:`admitted` for a whole plan, on the hot path: no shadow limit to report
+    means the headroom is all there is to compute."""
+    if plan.shadow or not used:
+        return admitted(plan.slots, used)
+    return Decision(
+        admitted=True,
+        remaining={
+            name: room - u if room > u else 0
+            for (name, room), u in zip(plan.room, used, strict=True)
+        },
     )
 
 
