@@ -267,6 +267,16 @@ async def test_limit_exceeded_is_a_budget_exceeded_and_a_breaker_raises_budget_e
     assert type(reserve.value) is BudgetExceeded
     # Whichever raise site builds the refusal, the decision picks the class.
     assert type(BudgetExceeded(quota.value.decision)) is LimitExceeded
+    # A handler chain in the reference's order answers 503 to a quota refusal.
+    try:
+        raise quota.value
+    except BudgetExceeded:
+        answered = "503"
+    except LimitExceeded:  # pragma: no cover - unreachable, which is the point
+        answered = "429"
+    assert answered == "503"
+    assert quota.value.decision.status == 429
+    assert not hasattr(quota.value, "to_problem_detail") and not hasattr(quota.value, "cap")
 
 
 async def test_unreachable_fail_closed_counters_refuse_with_a_decision_not_an_exception() -> None:
@@ -314,6 +324,8 @@ async def test_unknown_limits_and_missing_scopes(backend: Backend) -> None:
     assert await gov.settle(r, 50) == MeterResult(within=True, total=0, crossed=False)
     with pytest.raises(InvalidInputError, match="lacks user"):
         await gov.is_tripped("user_spend", nobody)
+    with pytest.raises(InvalidInputError, match="lacks user"):
+        await gov.usage("user_spend", nobody)
     assert await gov.status(nobody) == {
         "global_spend": {
             "total": 0, "cap": usd(5), "remaining": usd(5), "exceeded": False,
@@ -477,7 +489,7 @@ def test_model_prices_are_dollars_per_million_tokens() -> None:
     table = PriceTable({"m": ModelPrice(5, 25)})
     assert table.cost_micros("m", input_tokens=1_000_000, output_tokens=0) == usd(5)
     assert table.price_of("m").output_per_mtok == 25
-    assert not hasattr(table, "cost")
+    assert not hasattr(table, "cost") and not hasattr(table, "price_for")
 
 
 def test_builtin_as_of_is_the_date_of_the_builtin_prices() -> None:
@@ -487,6 +499,23 @@ def test_builtin_as_of_is_the_date_of_the_builtin_prices() -> None:
     assert PriceTable.builtin().as_of == BUILTIN_AS_OF
     assert PriceTable.builtin().with_price("mine", 1, 2).as_of == BUILTIN_AS_OF
     assert PriceTable().as_of is None
+
+
+def test_backends_follow_this_packages_contract() -> None:
+    """18. A backend written for the reference (consume/accumulate/release/peek/close) is
+    not a Backend; ConsumeResult and AccumulateResult name ChargeResult and MeterResult."""
+
+    class ReferenceStyle:
+        async def consume(self, key: str, amount: int, cap: int, ttl: int) -> Any: ...
+        async def accumulate(self, key: str, amount: int, cap: int, ttl: int) -> Any: ...
+        async def release(self, key: str, amount: int) -> None: ...
+        async def peek(self, key: str) -> int: ...
+        async def close(self) -> None: ...
+
+    assert not isinstance(ReferenceStyle(), Backend)
+    assert isinstance(MemoryBackend(), Backend)
+    assert ConsumeResult(-1, (3,)).admitted
+    assert AccumulateResult(within=True, total=3, crossed=False).charged == 0
 
 
 # -- status() is read only -----------------------------------------------------
