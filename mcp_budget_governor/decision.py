@@ -104,8 +104,9 @@ class MeterResult:
       False once the cap is reached, when the next check is refused.
     - ``crossed``: True only for the charge that took it from room to none,
       so an alert fires once per window.
-    - ``charged``: the amount charged on it; ``limit`` its name (None, and
-      nothing charged, when the context lacks the scope of every named limit).
+    - ``charged``: the amount charged on it (a settle: the difference from
+      the estimate); ``limit`` its name (None, and nothing charged, when the
+      context lacks the scope of every named limit).
     - ``degraded``: the shared counters were unreachable.
     """
 
