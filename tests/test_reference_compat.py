@@ -158,9 +158,16 @@ async def reference_readme_script(backend: Any) -> None:
 
     reservation = await governor.reserve("global_spend", usd(0.10), ctx)
     assert isinstance(reservation, Reservation)
+    assert (reservation.limit_name, reservation.amount, reservation.context) == (
+        "global_spend",
+        usd(0.10),
+        ctx,
+    )
+    assert not reservation.settled
     assert not await governor.is_tripped("global_spend")
     settled = await governor.settle(reservation, usd(0.80))
     assert (settled.within, settled.total, settled.crossed) == (False, spent + usd(0.80), True)
+    assert reservation.settled
     again = await governor.settle(reservation, usd(0.80))  # settling twice is a no-op
     assert again == MeterResult(within=True, total=0, crossed=False)
 
@@ -217,7 +224,8 @@ async def test_close_is_aclose(backend: Backend) -> None:
     gov = Governor(Policy.of(Limit("calls", cap=1, window=Window.DAY)), Watching())
     await gov.close()
     assert closed == ["backend"]
-    assert Governor(Policy.of(Limit("calls", cap=1, window=Window.DAY))).backend is not None
+    assert isinstance(Governor(Policy.of(Limit("calls", cap=1, window=Window.DAY))).backend,
+                      MemoryBackend)  # fmt: skip
 
 
 # -- The differences, in the order the README's migration section lists them --
@@ -425,8 +433,10 @@ async def test_check_amount_counts_calls_and_reads_spend(backend: Backend) -> No
     assert decision.remaining == {"calls": 6, "spend": usd(1)}
     assert await gov.usage("calls") == 4 and await gov.usage("spend") == 0
     assert not (await gov.check(amount=7)).allowed
-    with pytest.raises(InvalidInputError, match="amount"):
-        await gov.check(amount=-1)
+    for bad in (-1, "2", True, 2.0):
+        with pytest.raises(InvalidInputError, match="amount"):
+            await gov.check(amount=bad)  # type: ignore[arg-type]
+    assert await gov.usage("calls") == 4
 
 
 async def test_keys_moved_under_v1_so_counters_start_fresh(redis_url: str) -> None:
@@ -538,3 +548,61 @@ async def test_status_and_is_tripped_write_nothing_and_append_nothing(backend: B
     assert ledger.entries == entries
     assert await backend.counter_keys(100) == keys
     assert [await backend.state(k) for k in keys] == states
+
+
+async def test_status_of_a_session_window_has_no_reset_time(backend: Backend) -> None:
+    gov = Governor(Policy.of(Limit("per_session", cap=9, window=Window.SESSION)), backend)
+    s1 = Context(session="s1")
+    await gov.check(s1)
+    assert await gov.status(s1) == {
+        "per_session": {"total": 1, "cap": 9, "remaining": 8, "exceeded": False, "resets_in": None}
+    }
+    assert await gov.status() == {}  # no session: the limit does not apply
+
+
+# -- what else the compatible API added --------------------------------------
+
+
+async def test_a_full_ledger_refuses_with_budget_unavailable(backend: Backend) -> None:
+    from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+
+    class Full(MemoryLedger):
+        accepting = False
+
+    gov = Governor(Policy.of(Limit("calls", cap=5, window=Window.DAY)), backend, ledger=Full())
+    decision = await gov.check()
+    assert (decision.allowed, decision.status, decision.reason) == (
+        False,
+        503,
+        "ledger_unavailable",
+    )
+    with pytest.raises(BudgetUnavailable):
+        decision.raise_for_status()
+    assert await gov.usage("calls") == 0
+
+
+async def test_local_fallback_answers_remaining_meter_and_reads_while_redis_is_down() -> None:
+    dead = RedisBackend.from_url(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)
+    gov = Governor(
+        Policy.of(
+            Limit("calls", cap=2, window=Window.DAY, scope=Scope.USER),
+            Limit("spend", cap=100, window=Window.DAY, unit=Unit.USD_MICROS, gated=False),
+            Limit("blind", cap=100, window=Window.DAY, gated=False, local_fallback=False),
+        ),
+        dead,
+    )
+    u1 = Context(user="u1")
+    first = await gov.check(u1)
+    assert first.degraded and first.remaining == {"calls": 1}
+    await gov.check(u1)
+    refused = await gov.check(u1)
+    assert (refused.allowed, refused.degraded, refused.remaining) == (False, True, {"calls": 0})
+
+    spent = await gov.meter("spend", 100)
+    assert (spent.degraded, spent.total, spent.within, spent.crossed) == (True, 100, False, True)
+    blind = await gov.meter("blind", 100)
+    assert (blind.degraded, blind.total, blind.within, blind.charged) == (True, 0, True, 100)
+    assert await gov.is_tripped("spend")  # the local counter answers
+    assert not await gov.is_tripped("blind")  # nothing answers: not evidence of a breach
+    assert set(await gov.status(u1)) == {"calls", "spend"}
+    await gov.close()
