@@ -492,6 +492,18 @@ async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_use
     assert exc.value.status_code == 403 and type(exc.value) is BudgetExceeded
     assert (await gov.check(Context(tool="search"))).allowed
 
+    from mcp_budget_governor.integrations.decorator import governed
+
+    with pytest.raises(TypeError):
+        governed(gov, meter_limit="user_spend", cost_of=len)  # type: ignore[call-arg]
+
+    @governed(gov, limit="user_spend", cost=len, context=lambda args, kwargs: Context(user=args[0]))
+    async def search(user: str) -> str:
+        return "four"
+
+    assert await search("u_7") == "four"
+    assert await gov.usage("user_spend", Context(user="u_7")) == 4
+
 
 def test_model_prices_are_dollars_per_million_tokens() -> None:
     """16. ModelPrice takes USD per million tokens (the reference: micros); the cost is
