@@ -10,6 +10,7 @@ fails here.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from datetime import UTC, datetime
@@ -477,7 +478,10 @@ def test_no_scope_global_and_governor_options() -> None:
     policy = Policy.of(Limit("calls", cap=1, window=Window.DAY))
     with pytest.raises(TypeError):
         Governor(policy, local_fallback=False)  # type: ignore[call-arg]
-    assert Governor(policy, clock=lambda: 1764442477.0) is not None
+    memory = MemoryBackend(clock=lambda: 1764442477.0)
+    gov = Governor(policy, memory, clock=lambda: 1764442477.0)  # 2025-11-29T18:54:37Z
+    asyncio.run(gov.check())
+    assert memory.keys() == ["mcpbg:v1:calls:global:20251129"]
 
 
 async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_user(
