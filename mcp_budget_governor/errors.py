@@ -61,8 +61,52 @@ class EpochMissingError(BackendUnavailableError):
 
 
 class BudgetExceeded(GovernorError):
-    """A call was refused by a limit; ``decision`` says which and until when."""
+    """A call was refused; ``decision`` says by which limit and until when.
+
+    ``BudgetExceeded(decision)`` builds the subclass the decision calls for
+    (:meth:`Decision.refusal_type`), wherever a refusal is raised:
+    :class:`LimitExceeded` for a caller over its quota (429, 402),
+    :class:`BudgetUnavailable` when fail-closed counters or the ledger cannot
+    be reached, this class itself for a tripped breaker (503) or an unnamed
+    caller (403). ``except BudgetExceeded`` catches every refusal.
+    """
+
+    def __new__(cls, decision: Decision) -> BudgetExceeded:
+        if cls is BudgetExceeded:
+            cls = decision.refusal_type()
+        return super().__new__(cls, decision.reason)
 
     def __init__(self, decision: Decision) -> None:
         self.decision = decision
         super().__init__(decision.reason)
+
+    @property
+    def status_code(self) -> int:
+        """The HTTP status of the refusal (``decision.status``)."""
+        return self.decision.status
+
+    @property
+    def limit_name(self) -> str | None:
+        """The refusing limit's name (``decision.limit``)."""
+        return self.decision.limit
+
+    @property
+    def retry_after(self) -> int | None:
+        """Seconds until retrying can succeed; None on a 402 (``decision.retry_after``)."""
+        return self.decision.retry_after
+
+
+class LimitExceeded(BudgetExceeded):
+    """A caller is over its own quota or spend limit (429, 402): the service is fine."""
+
+
+class BudgetUnavailable(BudgetExceeded, BackendUnavailableError):
+    """Refused because a fail-closed limit's counters (or the ledger) cannot be
+    reached (503, retry soon); also a :class:`BackendUnavailableError`."""
+
+
+# The names of mcp-budget-governor 0.1.0 (the reference package), on our classes;
+# README "Migrating from mcp-budget-governor 0.1.0" lists where they differ.
+BudgetGovernorError = GovernorError
+BackendUnavailable = BackendUnavailableError
+UnknownModel = UnknownModelError

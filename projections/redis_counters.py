@@ -151,7 +151,7 @@ class RedisBackend:
             return _ADMITTED
         if head_value < 0:
             raise BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding")
-        return ChargeResult(head_value - 1, tuple(int(v) for v in reply[1:]))
+        return ChargeResult(head_value - 1, tuple(map(int, reply[1:])))
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:

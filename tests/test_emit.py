@@ -27,6 +27,7 @@ from mcp_budget_governor import (
     InvalidInputError,
     Limit,
     MemoryBackend,
+    MeterResult,
     Policy,
     PolicyError,
     PriceTable,
@@ -81,8 +82,13 @@ def without_id(entry: LedgerEntry) -> LedgerEntry:
 Meterer = Governor | Recorder
 
 
+def charged(got: int | MeterResult) -> int:
+    """The amount charged: what a Recorder returns, a Governor's MeterResult.charged."""
+    return got.charged if isinstance(got, MeterResult) else got
+
+
 async def every_kind_of_charge(m: Meterer, ctx: Context) -> list[int]:
-    return [
+    got: list[int | MeterResult] = [
         await m.meter("daily", 7, ctx),
         await m.meter("per_session", 1, ctx),
         await m.meter("spend", usd("0.125"), ctx),
@@ -93,6 +99,7 @@ async def every_kind_of_charge(m: Meterer, ctx: Context) -> list[int]:
         ),
         await m.meter_tokens("spend", "M", input_tokens=10, output_tokens=0, ctx=ctx),
     ]
+    return [charged(g) for g in got]
 
 
 # -- Recorder: the same events a Governor appends ---------------------------
@@ -160,7 +167,8 @@ async def test_a_context_without_the_scope_is_not_charged() -> None:
     rec = Recorder(policy(), ledger, prices=PRICES)
     gov = Governor(policy(), MemoryBackend(), ledger=MemoryLedger(), prices=PRICES)
     no_tenant = Context(user="u_42", tool="search")
-    assert await rec.meter("daily", 5, no_tenant) == await gov.meter("daily", 5, no_tenant) == 0
+    got = await gov.meter("daily", 5, no_tenant)
+    assert await rec.meter("daily", 5, no_tenant) == got.charged == 0 and got.limit is None
     assert await rec.meter_tokens("monthly", "m", input_tokens=9, output_tokens=9) == 0
     assert ledger.entries == []
 
