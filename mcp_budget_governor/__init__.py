@@ -21,6 +21,7 @@ from .decision import Decision
 from .errors import (
     BackendUnavailableError,
     BudgetExceeded,
+    CounterOverflowError,
     GovernorError,
     InvalidInputError,
     PolicyError,
@@ -47,6 +48,7 @@ __all__ = [
     "BackendUnavailableError",
     "BudgetExceeded",
     "Context",
+    "CounterOverflowError",
     "Decision",
     "FailMode",
     "Governor",
