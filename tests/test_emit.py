@@ -461,6 +461,24 @@ async def test_a_call_cancelled_by_an_anyio_scope_pays_to_the_end(backend: Backe
     assert await gov.usage("spend") == 100
 
 
+async def test_a_cancelled_call_whose_charge_fails_is_still_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    edge = Policy.of(
+        Limit("spend", cap=MAX_AMOUNT, window=Window.DAY, unit=Unit.USD_MICROS, gated=False)
+    )
+    gov = Governor(edge, MemoryBackend())
+    await gov.meter("spend", MAX_AMOUNT)  # no room left in the exact range
+    started = asyncio.Event()
+    task = asyncio.create_task(blocking(gov, started)())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "tool 'slow': charging the cancelled call failed" in caplog.text
+    assert "CounterOverflowError" in caplog.text
+
+
 class SlowCharges:
     """A backend whose charges take a while (as over a network): time to cancel again."""
 

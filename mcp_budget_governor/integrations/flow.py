@@ -100,7 +100,14 @@ async def governed_call(
     try:
         try:
             result = await work()
-        except (Exception, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            if fixed:
+                try:
+                    await _to_the_end(meter_all(governor, fixed, ctx))
+                except Exception:  # the cancellation goes on, whatever the charge met
+                    log.exception("tool %r: charging the cancelled call failed", ctx.tool)
+            raise
+        except Exception:
             if fixed:
                 await _to_the_end(meter_all(governor, fixed, ctx))
             raise
