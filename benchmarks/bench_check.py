@@ -323,7 +323,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
     class InstantBackend:
         """Answers charge() at once with the real reply: Governor.check's own Python cost."""
 
-        async def charge(self, ops: Any, *, event_id: str | None = None) -> Any:
+        async def charge(self, ops: Any, **_: Any) -> Any:
             return result
 
     instant = Governor(policy, cast(Any, InstantBackend()))

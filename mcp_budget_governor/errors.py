@@ -60,6 +60,25 @@ class EpochMissingError(BackendUnavailableError):
     before anything is applied to, or admitted from, them."""
 
 
+class CounterOverflowError(GovernorError, OverflowError):
+    """A charge would leave the range a counter is counted exactly in: refused, nothing written.
+
+    ``limit`` names the limit (the counter ``key`` belongs to it), ``amount``
+    the charge; ``bound`` is the largest magnitude a counter's parts and total
+    may reach (``counters.MAX_COUNTER``).
+    """
+
+    def __init__(self, limit: str, amount: int, key: str, bound: int) -> None:
+        self.limit = limit
+        self.amount = amount
+        self.key = key
+        self.bound = bound
+        super().__init__(
+            f"limit {limit!r}: charging {amount} would take counter {_show(key)} past "
+            f"+-{bound}, the largest total counted exactly; nothing was charged"
+        )
+
+
 class BudgetExceeded(GovernorError):
     """A call was refused; ``decision`` says by which limit and until when.
 

@@ -26,7 +26,12 @@ from . import planning
 from .context import EMPTY, Context
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
-from .errors import BackendUnavailableError, BudgetExceeded, InvalidInputError
+from .errors import (
+    BackendUnavailableError,
+    BudgetExceeded,
+    CounterOverflowError,
+    InvalidInputError,
+)
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from .limits import FailMode, Limit, OnExceed
 from .metering import Metering
@@ -75,8 +80,10 @@ class Governor(Metering[MeterResult]):
         # Process-local counters for fail-open limits while the backend is down.
         self._fallback = MemoryBackend(clock=clock)
         # Inline mode only: charges made while the backend was down, replayed
-        # when it answers again so outage spend is not lost.
-        self._pending: deque[tuple[CounterOp, ...]] = deque()
+        # when it answers again so outage spend is not lost. Each keeps the
+        # operation id it was first sent with: a charge whose reply came too
+        # late had landed, and its replay then changes nothing (lua/charge.lua).
+        self._pending: deque[tuple[str, tuple[CounterOp, ...]]] = deque()
         self._max_pending = max_pending
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
@@ -253,11 +260,12 @@ class Governor(Metering[MeterResult]):
         if self.ledger is not None and not getattr(self.ledger, "accepting", True):
             return planning.ledger_full(self._retry_interval), None
         event_id = new_id() if self.ledger is not None else None
+        op_id = None if event_id is not None else new_id()
         try:
             # The totals come back in the same reply: they give Decision.remaining.
-            result = await self._charge(plan.ops, event_id, want_used=True)
+            result = await self._charge(plan.ops, event_id, want_used=True, op_id=op_id)
         except BackendUnavailableError:
-            decision = await self._degraded_check(plan.slots, now)
+            decision = await self._degraded_check(plan.slots, now, op_id)
         else:
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used)
@@ -295,14 +303,23 @@ class Governor(Metering[MeterResult]):
         return plan
 
     async def _charge(
-        self, ops: Sequence[CounterOp], event_id: str | None, *, want_used: bool = True
+        self,
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        *,
+        want_used: bool = True,
+        op_id: str | None = None,
     ) -> ChargeResult:
         if self._down_until:
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
             await self._flush_pending()
         try:
-            return await self.backend.charge(ops, event_id=event_id, want_used=want_used)
+            if op_id is None:  # ledger mode: a Backend predating op_id works as before
+                return await self.backend.charge(ops, event_id=event_id, want_used=want_used)
+            return await self.backend.charge(
+                ops, event_id=event_id, want_used=want_used, op_id=op_id
+            )
         except BackendUnavailableError:
             self._mark_down()
             raise
@@ -315,20 +332,23 @@ class Governor(Metering[MeterResult]):
     async def _flush_pending(self) -> None:
         """Replay outage charges, then resume normal enforcement."""
         while self._pending:
-            ops = self._pending[0]
+            op_id, ops = self._pending[0]
             try:
-                await self.backend.charge(ops, want_used=False)
+                await self.backend.charge(ops, want_used=False, op_id=op_id)
             except BackendUnavailableError:
                 self._mark_down()
                 raise
+            except CounterOverflowError as exc:
+                log.error("outage charge dropped: %s", exc)  # it can never be counted
             self._pending.popleft()
         if self._down_until:
             log.warning("budget counters reachable again: normal enforcement resumed")
             self._down_until = 0.0
 
-    def _keep_for_later(self, slots: Sequence[Slot]) -> None:
-        """Inline mode: remember charges made during an outage for the backend."""
-        if self.ledger is not None:
+    def _keep_for_later(self, slots: Sequence[Slot], op_id: str | None) -> None:
+        """Inline mode: remember charges made during an outage (under their operation
+        id) for the backend."""
+        if self.ledger is not None or op_id is None:
             return  # the ledger carries them; the projection will count them
         ops = tuple(
             CounterOp(s.key, s.amount, s.limit.cap, False, s.expire_at) for s in slots if s.amount
@@ -338,9 +358,11 @@ class Governor(Metering[MeterResult]):
         if len(self._pending) >= self._max_pending:
             log.error("outage buffer full (%d charges): the oldest is dropped", self._max_pending)
             self._pending.popleft()
-        self._pending.append(ops)
+        self._pending.append((op_id, ops))
 
-    async def _degraded_check(self, slots: Sequence[Slot], now: float) -> Decision:
+    async def _degraded_check(
+        self, slots: Sequence[Slot], now: float, op_id: str | None
+    ) -> Decision:
         for s in slots:
             if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
                 return planning.unavailable(s, self._retry_interval)
@@ -349,7 +371,7 @@ class Governor(Metering[MeterResult]):
         if not result.admitted:
             remaining = planning.headroom(local, result.used, charged=False)
             return planning.refused(local[result.refused], now, degraded=True, remaining=remaining)
-        self._keep_for_later(slots)
+        self._keep_for_later(slots, op_id)
         return planning.admitted(local, result.used, degraded=True)
 
     async def _meter(
@@ -382,10 +404,13 @@ class Governor(Metering[MeterResult]):
         were unreachable.
         """
         event_id = new_id() if self.ledger is not None else None
+        op_id = None if event_id is not None else new_id()
         degraded = False
         before: int | None = None
         try:
-            result = await self._charge([s.op for s in slots], event_id, want_used=want_used)
+            result = await self._charge(
+                [s.op for s in slots], event_id, want_used=want_used, op_id=op_id
+            )
             if want_used and result.used:
                 before = result.used[0]
         except BackendUnavailableError:
@@ -395,7 +420,7 @@ class Governor(Metering[MeterResult]):
                 fallback = await self._fallback.charge(local)
                 if _local(slots[0].limit):
                     before = fallback.used[0]
-            self._keep_for_later(slots)
+            self._keep_for_later(slots, op_id)
         if event_id is not None:
             await self._append(
                 event_id,

@@ -67,6 +67,14 @@ WATERMARK_KEY = f"{PREFIX}:_applied"
 SEEN_PREFIX = f"{PREFIX}:_seen"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"
+#: Prefix of the markers of applied inline charges (``<prefix>:<operation id>``), kept
+#: until the latest bucket the charge touched has ended (plus grace).
+OP_PREFIX = f"{PREFIX}:_op"
+
+
+def op_key(op_id: str) -> str:
+    """The marker key of an inline charge's operation id (see ``lua/charge.lua``)."""
+    return f"{OP_PREFIX}:{op_id}"
 
 
 @dataclass(frozen=True, slots=True)
