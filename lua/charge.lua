@@ -20,8 +20,9 @@
 --
 -- An operation marker makes an inline charge idempotent: a charge replayed
 -- after its reply came too late finds the marker and changes nothing ({0}).
--- The marker lives until the latest expire_at of the charge's counters: past
--- it, every counter it could count twice has expired too.
+-- The marker lives OP_HORIZON seconds (keys.OP_HORIZON_SECONDS): long enough
+-- for the replay that follows an outage, short of holding a bucket's every id.
+local OP_HORIZON = 900
 
 local event_id = ARGV[1]
 local flags = ARGV[2]
@@ -76,19 +77,16 @@ for i = 1, n do
   end
 end
 
-local latest = nil
+local wrote = false
 for i = 1, n do
   local base = 3 + (i - 1) * 4
   local amount = ARGV[base]
   if amount ~= '0' then
     add(KEYS[first + i - 1], amount, event_id, ARGV[base + 3])
-    if latest == nil or tonumber(ARGV[base + 3]) > tonumber(latest) then
-      latest = ARGV[base + 3]
-    end
+    wrote = true
   end
 end
-if op_key and latest then
-  redis.call('SET', op_key, '1')
-  redis.call('EXPIREAT', op_key, latest)
+if op_key and wrote then
+  redis.call('SET', op_key, '1', 'EX', OP_HORIZON)
 end
 return result

@@ -166,8 +166,8 @@ class Backend(Protocol):
         in-flight under ``event_id`` otherwise. ``want_used=False`` lets a backend
         skip returning the totals (``used`` may then be empty).
 
-        ``op_id`` (inline charges): an admitted charge remembers it until the
-        latest ``expire_at`` of its ops, and a charge whose ``op_id`` is
+        ``op_id`` (inline charges): a charge that wrote something remembers it
+        for ``keys.OP_HORIZON_SECONDS``, and a charge whose ``op_id`` is
         remembered changes nothing and is admitted (a replay of a charge
         that landed although its reply came too late). Raises
         :class:`CounterOverflowError`, writing nothing, when an op fails

@@ -67,9 +67,14 @@ WATERMARK_KEY = f"{PREFIX}:_applied"
 SEEN_PREFIX = f"{PREFIX}:_seen"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"
-#: Prefix of the markers of applied inline charges (``<prefix>:<operation id>``), kept
-#: until the latest bucket the charge touched has ended (plus grace).
+#: Prefix of the markers of applied inline charges (``<prefix>:<operation id>``).
 OP_PREFIX = f"{PREFIX}:_op"
+#: How long an inline charge's operation marker lives (mirrored in ``lua/charge.lua``).
+#: The marker only has to outlive the charge's replay, which follows an outage within a
+#: second of Redis answering again; a marker kept for its bucket's life would hold a
+#: month bucket's every charge. A replay after a longer outage may count a charge whose
+#: reply was lost a second time: the safe direction for a budget.
+OP_HORIZON_SECONDS = 900
 
 
 def op_key(op_id: str) -> str:

@@ -27,7 +27,7 @@ from mcp_budget_governor.counters import (
     stays_exact,
 )
 from mcp_budget_governor.errors import EpochMissingError
-from mcp_budget_governor.keys import INTERNAL_PREFIX, pattern_regex
+from mcp_budget_governor.keys import INTERNAL_PREFIX, OP_HORIZON_SECONDS, pattern_regex
 
 # What an expiry-heap entry names.
 _COUNTER, _OP, _SEEN = 0, 1, 2
@@ -135,14 +135,15 @@ class MemoryBackend:
         for op, (c, f) in zip(ops, parts, strict=True):
             if not stays_exact(c, f, op.amount, inline=inline):
                 raise overflow(op.key, op.amount)
-        latest: int | None = None
+        wrote = False
         for op in ops:
             if op.amount:
                 self._add(op.key, op.amount, event_id, op.expire_at, now)
-                latest = op.expire_at if latest is None else max(latest, op.expire_at)
-        if op_id is not None and latest is not None:
-            self._ops[op_id] = latest
-            heapq.heappush(self._expiry, (latest, _OP, op_id))
+                wrote = True
+        if op_id is not None and wrote:
+            until = now + OP_HORIZON_SECONDS
+            self._ops[op_id] = until
+            heapq.heappush(self._expiry, (until, _OP, op_id))
         return ChargeResult(-1, used)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:

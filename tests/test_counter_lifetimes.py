@@ -15,7 +15,7 @@ import redis
 from mcp_budget_governor import Backend, Limit, MemoryBackend, Policy, Scope, Window
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, CounterOp
-from mcp_budget_governor.keys import OP_PREFIX, op_key
+from mcp_budget_governor.keys import OP_HORIZON_SECONDS, OP_PREFIX, op_key
 from mcp_budget_governor.planning import slot
 
 DAY = Limit("per_user", cap=10, window=Window.DAY, scope=Scope.USER)
@@ -53,7 +53,13 @@ async def test_a_charge_replayed_under_its_operation_id_counts_once(backend: Bac
     assert (await backend.charge(ops_for("bob", time.time(), 1), event_id="e-1")).admitted
 
 
-def test_the_redis_marker_lives_as_long_as_the_latest_counter(redis_url: str) -> None:
+def test_the_lua_horizon_is_the_python_one() -> None:
+    from mcp_budget_governor.lua import source
+
+    assert f"local OP_HORIZON = {OP_HORIZON_SECONDS}\n" in source("charge")
+
+
+def test_the_redis_marker_lives_for_the_horizon(redis_url: str) -> None:
     import asyncio
 
     from mcp_budget_governor import RedisBackend
@@ -69,7 +75,7 @@ def test_the_redis_marker_lives_as_long_as_the_latest_counter(redis_url: str) ->
     asyncio.run(charge())
     client = redis.Redis.from_url(redis_url)
     try:
-        assert client.expiretime(op_key("op-ttl")) == max(op.expire_at for op in ops)
+        assert OP_HORIZON_SECONDS - 5 <= client.ttl(op_key("op-ttl")) <= OP_HORIZON_SECONDS
         assert op_key("op-ttl").startswith(OP_PREFIX + ":")
         assert client.exists(op_key("z")) == 0  # a charge that wrote nothing leaves no marker
     finally:
@@ -119,5 +125,5 @@ async def test_memory_backend_stays_bounded_under_many_buckets() -> None:
     grace_minutes = (ops_for("a", clock.now, 1)[1].expire_at - clock.now) // 60 + 2
     bound = 3 * (2 + 2) + 3 * grace_minutes
     assert max(live[-500:]) <= bound < 9000
-    assert len(backend._ops) <= 3 * (24 * 60 + grace_minutes + 2)
+    assert len(backend._ops) <= 3 * (OP_HORIZON_SECONDS // 60 + 1)
     assert len(backend._expiry) <= len(backend._counters) + len(backend._ops)
