@@ -86,13 +86,21 @@ class ParsedKey:
     bucket: str
 
     @property
+    def scope(self) -> str:
+        """The key's scope segment: ``user=alice``, ``tenant=acme,tool=search``, ``global``.
+
+        >>> parse_key("mcpbg:v1:per_tool:user=a%3Ab,tool=search:20261129").scope
+        'user=a%3Ab,tool=search'
+        """
+        if not self.dims:
+            return GLOBAL_SCOPE
+        segments = (v if h else escape(v) for v, h in zip(self.values, self.hashed, strict=True))
+        return ",".join(f"{d.value}={s}" for d, s in zip(self.dims, segments, strict=True))
+
+    @property
     def key(self) -> str:
         """The key this was parsed from."""
-        segments = (v if h else escape(v) for v, h in zip(self.values, self.hashed, strict=True))
-        if not self.dims:
-            return counter_key(self.limit, GLOBAL_SCOPE, self.bucket)
-        scope = ",".join(f"{d.value}={s}" for d, s in zip(self.dims, segments, strict=True))
-        return counter_key(self.limit, scope, self.bucket)
+        return counter_key(self.limit, self.scope, self.bucket)
 
 
 _HASHED = re.compile(r"#[0-9a-f]{64}")
