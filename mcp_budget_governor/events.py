@@ -190,8 +190,8 @@ def rfc3339(epoch: float) -> str:
 
     The one formatter of event times: ledger events and alerts.
 
-    >>> rfc3339(1764442477.25)
-    '2025-11-29T18:54:37.250000Z'
+    >>> rfc3339(1764442477.25), rfc3339(-0.5)
+    ('2025-11-29T18:54:37.250000Z', '1969-12-31T23:59:59.500000Z')
     """
     whole = math.floor(epoch)  # not int(): before 1970 the fraction still counts forward
     micros = round((epoch - whole) * 1_000_000)
