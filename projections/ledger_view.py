@@ -105,6 +105,7 @@ from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
 from mcp_budget_governor.producers.record_log import RecordLog
+from mcp_budget_governor.projections.sql_quote import quote_ident, quote_string
 from mcp_budget_governor.stream.archiver import CHARGE_COLUMNS, SCHEMA, ledger_table
 
 __all__ = [
@@ -115,7 +116,6 @@ __all__ = [
     "open_ledger",
     "query_error",
     "range_days",
-    "sql_string",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,15 +172,6 @@ _EVENT_COLUMNS = tuple(c for c in COLUMNS if c not in CHARGE_COLUMNS)
 
 class LedgerError(GovernorError):
     """The ledger cannot be read: no source, a missing folder, no data, a corrupt file."""
-
-
-def sql_string(value: str | os.PathLike[str]) -> str:
-    """``value`` as a SQL string literal (single quotes doubled)."""
-    return "'" + str(value).replace("'", "''") + "'"
-
-
-def _q(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def archive_glob(archive_dir: str | os.PathLike[str]) -> str:
@@ -308,7 +299,7 @@ def _select(
                model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
                price_version, charge_index, "limit", unit, amount, "window", bucket, "key",
                expire_at, CAST(status AS INTEGER) AS status, decision_limit, degraded,
-               reservation, "partition", "offset", '{source}' AS source, topic,
+               reservation, "partition", "offset", {quote_string(source)} AS source, topic,
                {partition_name} AS partition_name, "source" AS event_source, subject, "over"
         FROM {relation} {where}"""
 
@@ -347,7 +338,7 @@ def _archive_relation(
     if not ranged:
         return (
             (
-                f"read_parquet({sql_string(archive_glob(folder))}, {_READ_OPTIONS})"
+                f"read_parquet({quote_string(archive_glob(folder))}, {_READ_OPTIONS})"
                 if total
                 else None
             ),
@@ -359,7 +350,7 @@ def _archive_relation(
     globs += [str(path) for path in undated]
     relation = None
     if globs:
-        relation = f"read_parquet([{', '.join(map(sql_string, globs))}], {_READ_OPTIONS})"
+        relation = f"read_parquet([{', '.join(map(quote_string, globs))}], {_READ_OPTIONS})"
     return relation, sorted(dates), total
 
 
@@ -436,7 +427,7 @@ def open_ledger(
             db.register(_FILE_TABLE, table)
             dates.append(f'SELECT DISTINCT CAST("time" AS DATE) AS date FROM {_FILE_TABLE}')
             days_sql = [
-                f"CAST(\"time\" AS DATE) {op} DATE '{day.isoformat()}'"
+                f'CAST("time" AS DATE) {op} DATE {quote_string(day.isoformat())}'
                 for op, day in ((">=", first), ("<=", last))
                 if day is not None
             ]
@@ -466,7 +457,9 @@ def open_ledger(
             PARTITION BY id, charge_index ORDER BY source, "partition", "offset") = 1
         """
     )
-    event_columns = ", ".join(f"any_value({_q(c)}) AS {_q(c)}" for c in _EVENT_COLUMNS if c != "id")
+    event_columns = ", ".join(
+        f"any_value({quote_ident(c)}) AS {quote_ident(c)}" for c in _EVENT_COLUMNS if c != "id"
+    )
     db.execute(
         f"""
         CREATE OR REPLACE TEMP VIEW costs AS
