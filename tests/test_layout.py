@@ -81,6 +81,7 @@ def _check_wheel(wheel: Path, target: Path) -> None:
         assert f"mcp_budget_governor/{folder}/__init__.py" in names
     assert "mcp_budget_governor/lua/apply.lua" in names
     assert "mcp_budget_governor/producers/outbox.py" in names
+    assert "mcp_budget_governor/stream/alerts/evaluator.py" in names  # a subpackage of a folder
     # The installed copy works on its own, away from the repository.
     subprocess.run(
         [
