@@ -9,14 +9,6 @@ newlines, megabytes). Each value is percent-encoded (everything except
 and leaves no ``:``, ``=``, ``,``, ``{`` or ``}`` in the key. A value whose
 encoding would exceed ``MAX_VALUE_CHARS`` is replaced by ``#`` and its SHA-256:
 ``#`` never survives encoding, so the two forms cannot collide.
-
->>> from mcp_budget_governor.scopes import Scope
->>> key = counter_key("per_tool", scope_segment((Scope.USER, Scope.TOOL), ("a:b", "search")),
-...                   "20261129")
->>> key
-'mcpbg:v1:per_tool:user=a%3Ab,tool=search:20261129'
->>> parse_key(key).values, parse_key(key).key == key
-(('a:b', 'search'), True)
 """
 
 from __future__ import annotations
@@ -85,6 +77,13 @@ class ParsedKey:
     value was too long and the key holds ``#`` and its SHA-256 instead:
     ``hashed[i]`` is then true and ``values[i]`` is that ``#<hex>`` token,
     since the original cannot be recovered from it.
+
+    >>> key = counter_key("per_tool", scope_segment((Scope.USER, Scope.TOOL), ("a:b", "search")),
+    ...                   "20261129")
+    >>> key
+    'mcpbg:v1:per_tool:user=a%3Ab,tool=search:20261129'
+    >>> parse_key(key).values, parse_key(key).key == key
+    (('a:b', 'search'), True)
     """
 
     limit: str
