@@ -20,7 +20,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("producers", "stream", "projections", "lua")
-SKIP = {".git", ".venv", "node_modules", "build", "dist", ".mypy_cache", ".ruff_cache"}
+SKIP = {
+    ".git",
+    ".venv",
+    "node_modules",
+    "build",
+    "dist",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+}
 
 
 def test_the_repository_holds_no_symlink() -> None:
