@@ -18,7 +18,7 @@ from .event import Alert
 from .levels import alert_levels, crossed, marker_key
 from .sinks import AlertDispatcher, AlertSink
 
-log = logging.getLogger("mcp_budget_governor.stream.alerts")  # one logger for the alerts
+log = logging.getLogger(__package__)  # the package's one logger: ...stream.alerts
 
 
 class ChargeRef(Protocol):

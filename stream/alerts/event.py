@@ -19,7 +19,7 @@ from .levels import AlertKind, marker_key
 
 #: The CloudEvents ``type`` of an alert.
 ALERT_TYPE = "mcpbg.alert.v1"
-#: The CloudEvents ``source`` of the alerts this module emits.
+#: The CloudEvents ``source`` of the alerts the evaluator emits.
 ALERT_SOURCE = "/mcpbg/alerts"
 #: UUIDv5 namespace of alert ids: an alert's id is a function of its marker.
 _ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "urn:mcpbg:alert")

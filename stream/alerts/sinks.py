@@ -18,7 +18,7 @@ from .event import Alert
 if TYPE_CHECKING:
     import aiohttp
 
-log = logging.getLogger("mcp_budget_governor.stream.alerts")  # one logger for the alerts
+log = logging.getLogger(__package__)  # the package's one logger: ...stream.alerts
 
 #: The Kafka topic alerts go to unless the worker names another.
 DEFAULT_ALERT_TOPIC = "mcpbg.alerts"
