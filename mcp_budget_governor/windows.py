@@ -43,6 +43,13 @@ class Bucket:
     """One period of a window: its key label and its bounds in epoch seconds.
 
     ``end`` is None for a SESSION bucket, which lasts as long as the session.
+
+    >>> at = 1764442477.0  # 2025-11-29T18:54:37Z
+    >>> bucket_for(Window.MINUTE, at).label, bucket_for(Window.DAY, at, zone("Europe/Paris")).label
+    ('20251129T1854', '20251129@Europe/Paris')
+    >>> day = bucket_for(Window.DAY, at)
+    >>> day.end - day.start, day.expire_at(at) - day.end  # a day, then the grace
+    (86400.0, 3600.0)
     """
 
     label: str

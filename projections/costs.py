@@ -27,6 +27,7 @@ from mcp_budget_governor.limits import NAME_PATTERN
 from mcp_budget_governor.windows import Window, utc_bounds
 
 from .ledger_view import query_error
+from .sql_quote import quote_ident
 
 __all__ = [
     "DIMENSIONS",
@@ -182,18 +183,19 @@ def spend(
         raise InvalidInputError("top", top, "at least 1")
     relation, rel_params = flt.relation()
     where, params = flt.where()
-    dims = ", ".join(f"{DIMENSIONS[n]} AS {_q(n)}" for n in by)
+    dims = ", ".join(f"{DIMENSIONS[n]} AS {quote_ident(n)}" for n in by)
     timely = bool(by) and all(n in ("day", "hour", "month") for n in by)
-    order = ", ".join(_q(n) for n in by) if timely else "usd_micros DESC, events DESC"
+    order = ", ".join(quote_ident(n) for n in by) if timely else "usd_micros DESC, events DESC"
     group = f"GROUP BY {', '.join(str(i + 1) for i in range(len(by)))}" if by else ""
     sql = f"""
         SELECT {dims + "," if dims else ""} {_SUMS}
         FROM {relation} AS e WHERE {where} {group}
-        ORDER BY {order}{", " + ", ".join(_q(n) for n in by) if by and not timely else ""}
-        {f"LIMIT {int(top)}" if top else ""}
+        ORDER BY {order}{", " + ", ".join(quote_ident(n) for n in by) if by and not timely else ""}
+        {"LIMIT ?" if top else ""}
     """
     title = f"spend by {', '.join(by)}" if by else "total"
-    return Report(title, [*by, *METRICS], _run(con, sql, [*rel_params, *params]))
+    limit = [top] if top else []
+    return Report(title, [*by, *METRICS], _run(con, sql, [*rel_params, *params, *limit]))
 
 
 def summary(con: duckdb.DuckDBPyConnection, flt: Filter) -> Report:
@@ -219,15 +221,11 @@ def breaker_trips(con: duckdb.DuckDBPyConnection, flt: Filter, *, top: int | Non
         FROM costs
         WHERE type = 'mcpbg.rejected.v1' AND status = 503 AND NOT degraded AND {where}
         GROUP BY ALL ORDER BY trips DESC, breaker, tenant, "user"
-        {f"LIMIT {int(top)}" if top else ""}
+        {"LIMIT ?" if top else ""}
     """
     return Report(
         "breaker trips",
         ["breaker", "tenant", "user", "trips", "first", "last"],
-        _run(con, sql, params),
+        _run(con, sql, [*params, top] if top else params),
         money=(),
     )
-
-
-def _q(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'

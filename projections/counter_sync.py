@@ -113,21 +113,20 @@ def ledger_totals(
     if keys is not None:
         con.register("_mcpbg_keys", pa.table({"key": pa.array(sorted(set(keys)), pa.string())}))
         join += ' "key" IN (SELECT "key" FROM _mcpbg_keys) AND'
-    current = (
-        f"AND (max(expire_at) - {GRACE_SECONDS} > {int(now)} OR any_value(bucket) = "
-        f"'{SESSION_BUCKET}')"
-        if current_only
-        else ""
-    )
+    params: dict[str, object] = {"now": int(now)}
+    current = ""
+    if current_only:
+        current = "AND (max(expire_at) - $grace > $now OR any_value(bucket) = $session)"
+        params.update(grace=GRACE_SECONDS, session=SESSION_BUCKET)
     sql = f"""
         SELECT "key", CAST(sum(amount) AS BIGINT) AS amount, max(expire_at) AS expire_at
         FROM ledger {join} "key" IS NOT NULL
         GROUP BY "key"
-        HAVING max(expire_at) > {int(now)} {current}
+        HAVING max(expire_at) > $now {current}
     """
     try:
         # sum() of BIGINT is a HUGEINT, exact; the cast back raises rather than wraps.
-        table = con.sql(sql).to_arrow_table()
+        table = con.sql(sql, params=params).to_arrow_table()
     except duckdb.Error as exc:
         raise query_error(exc) from None
     pairs = zip(

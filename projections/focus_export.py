@@ -48,6 +48,8 @@ from mcp_budget_governor.focus import (
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.record_log import fsync_dir
 from mcp_budget_governor.projections.ledger_view import query_error
+from mcp_budget_governor.projections.sql_quote import quote_ident as _ident
+from mcp_budget_governor.projections.sql_quote import quote_string as _quote
 
 __all__ = ["ExportError", "ExportOptions", "ExportResult", "export_focus", "focus_table"]
 
@@ -118,14 +120,6 @@ def _dec_sql(expr: str, scale: int) -> str:
         return f"(CAST({expr} AS VARCHAR) || '.0')"
     text = f"rtrim(CAST({_scaled_sql(expr, scale)} AS VARCHAR), '0')"
     return f"(CASE WHEN ends_with({text}, '.') THEN {text} || '0' ELSE {text} END)"
-
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _rates_table(con: duckdb.DuckDBPyConnection, models: list[str], prices: PriceTable) -> int:
