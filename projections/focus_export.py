@@ -11,7 +11,7 @@ printable-ASCII strings), checks the rows against the rules focus-validator
 does not enforce, and writes CSV or Parquet through a temporary file in the
 target folder renamed at the end: a failure leaves no partial file.
 
->>> options = ExportOptions(*parse_period("2026-11"))  # doctest: +SKIP
+>>> options = ExportOptions(*windows.parse_period("2026-11"))  # doctest: +SKIP
 >>> # only the period's date folders are read:
 >>> con = open_ledger(archive, since=options.start, until=options.end)  # doctest: +SKIP
 >>> export_focus(con, "focus-2026-11.csv", options)  # doctest: +SKIP
