@@ -52,11 +52,12 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..policy_file import load_policy
     from ..projections.budgets import DEFAULT_MAX_KEYS
+    from ..urls import check_redis_url
     from .render import fail
 
     # The policy first: a bad policy file is the error to see.
     policy = load_policy(required(args, "policy", "a .toml file or module:attribute"))
-    args.redis_url = required(args, "redis_url", "redis://host:port/db")
+    args.redis_url = check_redis_url(required(args, "redis_url", "redis://host:port/db"))
     max_keys = DEFAULT_MAX_KEYS if args.max_keys is None else args.max_keys
     if max_keys < 1:
         return fail("budgets", f"--max-keys: expected a positive number (got {max_keys})")

@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .render import console, fail
 
+    if args.redis is not None:
+        from ..urls import check_redis_url
+
+        check_redis_url(args.redis, "--redis")
     if args.topic is not None and args.kafka is None:
         return fail("demo", f"--topic: only with --kafka (got {args.topic!r})")
     options = DemoOptions(
