@@ -511,6 +511,7 @@ def tier_rates(price: ModelPrice) -> list[tuple[int, tuple[Decimal, Decimal, Dec
 
 # --- periods --------------------------------------------------------------------
 
+
 def parse_range(start: str, end: str, granularity: Granularity) -> tuple[datetime, datetime]:
     """``--from`` / ``--to`` (:func:`~mcp_budget_governor.windows.parse_range`: a day
     ``--to`` is included, a time is the instant), aligned to whole hours or days.

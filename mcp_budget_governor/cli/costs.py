@@ -31,9 +31,7 @@ def register(sub: Any) -> None:
     )
     add_ledger_options(p)
     p.add_argument("--period", help="a month YYYY-MM or a day YYYY-MM-DD (UTC)")
-    p.add_argument(
-        "--from", dest="start", help="from this day YYYY-MM-DD or time (UTC, inclusive)"
-    )
+    p.add_argument("--from", dest="start", help="from this day YYYY-MM-DD or time (UTC, inclusive)")
     p.add_argument(
         "--to", dest="end", help="through this day YYYY-MM-DD (inclusive), or to a time (UTC)"
     )

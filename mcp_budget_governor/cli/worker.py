@@ -33,8 +33,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from ..policy_file import load_policy
+
     overrides = {name: getattr(args, name) for name in OPTIONS}
-    return run_worker(WorkerConfig.from_env(**overrides))
+    config = WorkerConfig.from_env(**overrides)
+    if config.policy:
+        load_policy(config.policy)  # a bad policy is one line now, not a log after connecting
+    return run_worker(config)
 
 
 #: ``mcpbg worker`` options: name, type, help. Each also reads MCPBG_<NAME>.
