@@ -80,8 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     command = args.command
-    if getattr(args, "export_kind", None):
-        command = f"{command} {args.export_kind}"
     try:
         code: int = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler

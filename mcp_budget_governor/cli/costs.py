@@ -103,7 +103,7 @@ def _json_rows(report: Any) -> list[dict[str, Any]]:
 
 
 def _print(report: Any) -> None:
-    from ..money import format_usd
+    from ..money import format_dollars
     from .render import print_table
 
     # Cache-token sums stay in --json: the table must fit a terminal.
@@ -133,7 +133,7 @@ def _print(report: Any) -> None:
         cells = []
         for h, v in ((report.headers[i], row[i]) for i in keep):
             if h == "usd_micros":
-                cells.append(format_usd(int(v)))
+                cells.append(format_dollars(int(v)))
             elif isinstance(v, int):
                 cells.append(f"{v:,}")
             else:

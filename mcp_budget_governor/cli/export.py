@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..money import format_usd
+from ..money import format_dollars
 from ..windows import parse_period
 from .ledger_args import add_ledger_options, setting
 
@@ -137,17 +137,17 @@ def run(args: argparse.Namespace) -> int:
 
         print_table(
             f"FOCUS 1.2 export of {start:%Y-%m-%dT%H:%MZ} .. {end:%Y-%m-%dT%H:%MZ}",
-            ["file", "format", "rows", "costed events", "BilledCost (USD)", "seconds"],
+            ["file", "format", "rows", "costed events", "BilledCost", "seconds"],
             [
                 [
                     str(result.path),
                     result.format,
                     f"{result.rows:,}",
                     f"{result.events:,}",
-                    format_usd(result.billed_micros),
+                    format_dollars(result.billed_micros),
                     f"{result.seconds:.2f}",
                 ]
             ],
-            numeric=["rows", "costed events", "BilledCost (USD)", "seconds"],
+            numeric=["rows", "costed events", "BilledCost", "seconds"],
         )
     return 0
