@@ -50,19 +50,20 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
-        parser.exit(0, f"{parser.prog} {version()}\n")
+        print(f"{parser.prog} {version()}")
+        parser.exit(0)
 
 
 def version() -> str:
-    """The version of the distribution that installed this package (pyproject's ``name``)."""
+    """The installed distribution's version (``render.DISTRIBUTION``, pyproject's ``name``)."""
     from importlib import metadata
 
-    for dist in metadata.packages_distributions().get(__package__.split(".")[0], []):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:  # pragma: no cover - a half-removed install
-            continue
-    return "unknown (not installed)"
+    from .render import DISTRIBUTION
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from .ledger_args import add_redis_option, required
+from .render import install_hint
 
 if TYPE_CHECKING:
     from ..counters import Backend
@@ -65,9 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ..projections.redis_counters import RedisBackend
     except ImportError as exc:  # pragma: no cover - the redis extra is missing
-        return fail(
-            "budgets", f"{exc}; install the redis extra: pip install 'mcp-budget-governor[redis]'"
-        )
+        return fail("budgets", f"{exc}; install the redis extra: {install_hint('redis')}")
     backend = RedisBackend.from_url(args.redis_url, timeout=5.0, max_connections=2)
     report = asyncio.run(_report(policy, backend, filters, max_keys))
     if args.json:

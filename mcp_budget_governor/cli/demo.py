@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .render import install_hint
+
 
 def register(sub: Any) -> None:
     demo = sub.add_parser(
@@ -52,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
         from ..demo.runner import DEFAULT_OUT, DemoOptions, main_sync
     except ImportError as exc:
         print(
-            f"mcpbg demo: {exc}; install the demo's extras: "
-            "pip install 'mcp-budget-governor[demo]'",
+            f"mcpbg demo: {exc}; install the demo's extras: " + install_hint("demo"),
             file=sys.stderr,
         )
         return 2

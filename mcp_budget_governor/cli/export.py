@@ -12,6 +12,7 @@ from ..errors import InvalidInputError
 from ..money import format_dollars
 from ..windows import parse_period
 from .ledger_args import add_ledger_options, setting
+from .render import install_hint
 
 
 def register(sub: Any) -> None:
@@ -87,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
         from ..projections.ledger_view import open_ledger
     except ImportError as exc:
         print(
-            f"mcpbg export: {exc}; install the duckdb extra: "
-            "pip install 'mcp-budget-governor[duckdb]'",
+            f"mcpbg export: {exc}; install the duckdb extra: " + install_hint("duckdb"),
             file=sys.stderr,
         )
         return 2

@@ -12,11 +12,26 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:
+    # rich is imported where a table is drawn: errors, hints and ``mcpbg schema``
+    # work without the extras that bring it.
+    from rich.console import Console
+    from rich.table import Table
+
+#: The distribution that installs this package (pyproject's ``name``; the import
+#: package stays ``mcp_budget_governor``). ``tests/test_cli.py`` holds them together.
+DISTRIBUTION = "mcpbg"
+
+
+def install_hint(extra: str) -> str:
+    """How to add an extra's dependencies to this installation.
+
+    >>> install_hint("duckdb")
+    "pip install 'mcpbg[duckdb]'"
+    """
+    return f"pip install '{DISTRIBUTION}[{extra}]'"
 
 
 def printable(value: object) -> str:
@@ -44,8 +59,20 @@ def one_line(text: str) -> str:
 
 def console() -> Console:
     """The console for stdout; wide enough for our tables when piped, unless COLUMNS says."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich would exit 1 in silence; cli.main says it on one line instead.
+            self.quiet = True
+            raise BrokenPipeError
+
     wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").strip().isdigit()
-    return Console(width=None if wide else 200, highlight=False)
+    return _Console(width=None if wide else 200, highlight=False)
+
+
+#: The narrowest a text column gets before a table is printed one record per block.
+MIN_TEXT_WIDTH = 8
 
 
 def table(
@@ -54,26 +81,78 @@ def table(
     rows: Iterable[Sequence[Any]],
     *,
     numeric: Iterable[str] = (),
+    width: int | None = None,
 ) -> Table:
     """A table with ``headers``; columns named in ``numeric`` are right-aligned.
+
+    An amount is never split over two lines. Given the ``width`` it must fit
+    (the terminal's), numeric headers wrap at ``_``, text columns fold, and a
+    table that still cannot fit is printed as one block of ``field value``
+    lines per record instead.
 
     >>> t = table("spend", ["user", "usd"], [["u1", "$1.50"]], numeric=["usd"])
     >>> t.row_count
     1
     """
+    from rich.table import Table
+    from rich.text import Text
+
     right = set(numeric)
+    names = [printable(h) for h in headers]
+    # Text, not str: a cell holding a caller's id like "[red]x" must print as written,
+    # never as rich markup.
+    cells = [[printable(cell) for cell in row] for row in rows]
+    widths = _plan(names, [h in right for h in headers], cells, width)
     out = Table(title=None if title is None else Text(printable(title)), title_justify="left")
-    for name in headers:
-        if name in right:
-            # An amount is never split over two lines: the text columns fold instead.
-            out.add_column(Text(printable(name)), justify="right", no_wrap=True)
+    if widths is None:  # too narrow for the columns side by side: one block per record
+        out.add_column("field", overflow="fold")
+        out.add_column("value", justify="right", overflow="fold")
+        for i, row in enumerate(cells):
+            if i:
+                out.add_section()
+            for name, cell in zip(names, row, strict=True):
+                out.add_row(Text(name), Text(cell))
+        return out
+    for name, is_number, w in zip(names, [h in right for h in headers], widths, strict=True):
+        header = Text(name.replace("_", "_\n") if w is not None and len(name) > w else name)
+        if is_number:
+            out.add_column(header, justify="right", no_wrap=True, width=w)
         else:
-            out.add_column(Text(printable(name)), justify="left", overflow="fold")
-    for row in rows:
-        # Text, not str: a cell holding a caller's id like "[red]x" must print as written,
-        # never as rich markup.
-        out.add_row(*(Text(printable(cell)) for cell in row))
+            out.add_column(header, justify="left", overflow="fold", width=w)
+    for row in cells:
+        out.add_row(*(Text(cell) for cell in row))
     return out
+
+
+def _plan(
+    names: Sequence[str], numbers: Sequence[bool], cells: Sequence[Sequence[str]], width: int | None
+) -> list[int | None] | None:
+    """Column widths that fit ``width``: None each (natural), or None if nothing fits."""
+    natural = [max([len(n), *(len(r[i]) for r in cells)]) for i, n in enumerate(names)]
+    frame = 3 * len(names) + 1  # "│ " before each column, " │" at the end
+    if width is None or sum(natural) + frame <= width:
+        return [None] * len(names)
+    planned: list[int] = []
+    for i, name in enumerate(names):
+        if numbers[i]:  # the longest cell, and the longest piece of its header split at "_"
+            word = max(len(piece) for piece in name.replace("_", "_\n").splitlines())
+            planned.append(max([word, *(len(r[i]) for r in cells)]))
+        else:
+            planned.append(0)
+    texts = [i for i, is_number in enumerate(numbers) if not is_number]
+    room = width - frame - sum(planned)
+    if texts:
+        share = room // len(texts)
+        if share < MIN_TEXT_WIDTH:
+            return None
+        # Text columns narrower than their share keep their width; the rest share what is left.
+        wide = sorted(texts, key=lambda i: natural[i])
+        for k, i in enumerate(wide):
+            planned[i] = min(natural[i], room // (len(wide) - k))
+            room -= planned[i]
+    elif room < 0:
+        return None
+    return list(planned)
 
 
 def print_table(
@@ -83,8 +162,9 @@ def print_table(
     *,
     numeric: Iterable[str] = (),
 ) -> None:
-    """Render :func:`table` to stdout."""
-    console().print(table(title, headers, rows, numeric=numeric))
+    """Render :func:`table` to stdout, fitted to its width."""
+    out = console()
+    out.print(table(title, headers, rows, numeric=numeric, width=out.width))
 
 
 def fail(command: str, message: str, code: int = 2) -> int:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from .render import install_hint
+
 
 def register(sub: Any) -> None:
     worker = sub.add_parser(
@@ -28,8 +30,7 @@ def run(args: argparse.Namespace) -> int:
         from ..stream.worker import run as run_worker
     except ImportError as exc:
         print(
-            f"mcpbg worker: {exc}; install the stream extra: "
-            "pip install 'mcp-budget-governor[stream]'",
+            f"mcpbg worker: {exc}; install the stream extra: " + install_hint("stream"),
             file=sys.stderr,
         )
         return 2
