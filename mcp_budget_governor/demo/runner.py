@@ -256,12 +256,14 @@ async def _reachable(options: DemoOptions, backend: Backend) -> None:
         try:
             bootstrap = parse_bootstrap(options.kafka_url)
         except InvalidInputError as exc:
-            raise InvalidInputError("--kafka", options.kafka_url, exc.problem) from None
+            raise InvalidInputError("--kafka", redact_url(options.kafka_url), exc.problem) from None
         host, _, port = bootstrap.split(",")[0].rpartition(":")
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
         except (OSError, ValueError, TimeoutError) as exc:
-            raise InvalidInputError("--kafka", options.kafka_url, f"no answer ({exc})") from None
+            raise InvalidInputError(
+                "--kafka", redact_url(options.kafka_url), f"no answer ({exc})"
+            ) from None
         writer.close()
         await writer.wait_closed()
 
@@ -292,7 +294,7 @@ def _intro(
         f"Redis at {redact_url(options.redis_url)}" if options.redis_url else "in-process counters"
     )
     ledger = (
-        f"Kafka topic {topic} at {options.kafka_url}"
+        f"Kafka topic {topic} at {redact_url(options.kafka_url)}"
         if options.kafka_url
         else f"a file ledger in {out / 'ledger'}"
     )
