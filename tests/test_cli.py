@@ -164,6 +164,10 @@ def test_bad_input_is_one_line_and_exit_code_2(
 ) -> None:
     err = assert_one_line(mcpbg(*_fill(argv, ledger, redis_url, deep_policy, tmp_path)))
     assert not (tmp_path / "out.csv").exists()
+    # Each has its own message naming what was wrong, not the last-resort "SomeError: ...".
+    assert not re.match(r"mcpbg [a-z]+: [A-Za-z]+(Error|Exception): ", err), err
+    if "{D}" in argv:
+        assert "--redis" in err and "DB index is out of range" in err, err
     print(err, end="")
 
 

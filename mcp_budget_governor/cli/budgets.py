@@ -67,8 +67,16 @@ def run(args: argparse.Namespace) -> int:
         from ..projections.redis_counters import RedisBackend
     except ImportError as exc:  # pragma: no cover - the redis extra is missing
         return fail("budgets", f"{exc}; install the redis extra: {install_hint('redis')}")
+    from redis.exceptions import ResponseError
+
+    from ..errors import InvalidInputError
+    from ..urls import redact
+
     backend = RedisBackend.from_url(args.redis_url, timeout=5.0, max_connections=2)
-    report = asyncio.run(_report(policy, backend, filters, max_keys))
+    try:
+        report = asyncio.run(_report(policy, backend, filters, max_keys))
+    except ResponseError as exc:  # e.g. a database index the server does not have
+        raise InvalidInputError("--redis-url", redact(args.redis_url), f"refused: {exc}") from None
     if args.json:
         json.dump(report.as_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
