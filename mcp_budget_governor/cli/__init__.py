@@ -5,12 +5,15 @@ through a ``register(subparsers)`` function; :data:`COMMANDS` lists them in
 the order ``mcpbg --help`` shows them.
 
 Exit codes: 0 success, 1 a check found a problem (drift, exceeded budgets),
-2 bad input (the message names the field and the value).
+2 bad input (the message names the field and the value) or any other
+failure. Whatever fails is one line on stderr, never a traceback: :func:`main`
+is the one handler.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -86,9 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the handler
     except BrokenPipeError:
         # The reader (``| head``) left: stop quietly on stdout, say so once.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        with contextlib.suppress(OSError, ValueError):  # stdout may have no file (tests)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         return fail(command, "output closed before the end (broken pipe)")
     except KeyboardInterrupt:
         return fail(command, "interrupted", 130)
