@@ -141,17 +141,13 @@ def _plan(
             planned.append(0)
     texts = [i for i, is_number in enumerate(numbers) if not is_number]
     room = width - frame - sum(planned)
-    if texts:
-        share = room // len(texts)
-        if share < MIN_TEXT_WIDTH:
-            return None
-        # Text columns narrower than their share keep their width; the rest share what is left.
-        wide = sorted(texts, key=lambda i: natural[i])
-        for k, i in enumerate(wide):
-            planned[i] = min(natural[i], room // (len(wide) - k))
-            room -= planned[i]
-    elif room < 0:
+    # Each text column needs its natural width or MIN_TEXT_WIDTH, whichever is less.
+    if room < sum(min(natural[i], MIN_TEXT_WIDTH) for i in texts):
         return None
+    # Narrow text columns keep their width; the wider ones share what is left.
+    for k, i in enumerate(sorted(texts, key=lambda i: natural[i])):
+        planned[i] = max(1, min(natural[i], room // (len(texts) - k)))
+        room -= planned[i]
     return list(planned)
 
 

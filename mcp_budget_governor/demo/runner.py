@@ -523,6 +523,7 @@ async def _report_budgets(
             ["user", "tenant", "admitted", "refused", "refused by", "spent today"],
             rows,
             numeric=["admitted", "refused", "spent today"],
+            width=console.width,
         )
     )
     await _budgets_table(console, governor, now)
@@ -535,7 +536,13 @@ async def _budgets_table(console: Console, governor: Governor, now: float) -> No
     # Every counter of the current periods, as `mcpbg budgets` lists them.
     report = await budget_report(governor.policy, governor.backend, now=now)
     console.print(
-        table("Budgets now (mcpbg budgets)", HEADERS, table_rows(report), numeric=NUMERIC)
+        table(
+            "Budgets now (mcpbg budgets)",
+            HEADERS,
+            table_rows(report),
+            numeric=NUMERIC,
+            width=console.width,
+        )
     )
 
 
@@ -565,6 +572,7 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
             [*shown, "cost"],
             rows,
             numeric=[*shown[3:], "cost"],
+            width=console.width,
         )
     )
     console.print(
@@ -573,6 +581,7 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
             trips.headers,
             [[_cell(v) for v in row] for row in trips.rows],
             numeric=["trips"],
+            width=console.width,
         )
     )
     total = sum(n for _, n in kinds)
