@@ -14,17 +14,15 @@ as Python ints of USD micros; nothing here goes through a float.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import datetime
 from typing import Any
 
 import duckdb
 
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.limits import NAME_PATTERN
-from mcp_budget_governor.windows import Window, utc_bounds
 
 from .ledger_view import query_error
 from .sql_quote import quote_ident
@@ -34,7 +32,6 @@ __all__ = [
     "Filter",
     "Report",
     "breaker_trips",
-    "parse_period",
     "spend",
     "summary",
 ]
@@ -51,8 +48,6 @@ DIMENSIONS: dict[str, str] = {
     "month": "strftime(\"time\", '%Y-%m')",
     "type": "type",
 }
-_MONTH = re.compile(r"^\d{4}-\d{2}$")
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 #: Sum columns of a spend report, after the dimensions.
 METRICS = (
     "events",
@@ -65,20 +60,6 @@ METRICS = (
     "cache_write_tokens",
     "usd_micros",
 )
-
-
-def parse_period(field_name: str, text: str) -> tuple[datetime, datetime]:
-    """``YYYY-MM`` (a month) or ``YYYY-MM-DD`` (a day) as a UTC half-open interval."""
-    try:
-        if _MONTH.match(text):
-            year, month = int(text[:4]), int(text[5:])
-            return utc_bounds(Window.MONTH, datetime(year, month, 1, tzinfo=UTC))
-        if _DAY.match(text):
-            day = date.fromisoformat(text)
-            return utc_bounds(Window.DAY, datetime(day.year, day.month, day.day, tzinfo=UTC))
-    except ValueError:
-        pass
-    raise InvalidInputError(field_name, text, "expected a month YYYY-MM or a day YYYY-MM-DD")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ printable-ASCII strings), checks the rows against the rules focus-validator
 does not enforce, and writes CSV or Parquet through a temporary file in the
 target folder renamed at the end: a failure leaves no partial file.
 
->>> options = ExportOptions(*parse_period("2026-11"))  # doctest: +SKIP
+>>> options = ExportOptions(*windows.parse_period("2026-11"))  # doctest: +SKIP
 >>> # only the period's date folders are read:
 >>> con = open_ledger(archive, since=options.start, until=options.end)  # doctest: +SKIP
 >>> export_focus(con, "focus-2026-11.csv", options)  # doctest: +SKIP
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import duckdb
 
+from mcp_budget_governor.csv_safety import neutralise_sql
 from mcp_budget_governor.errors import GovernorError, InvalidInputError, UnknownModelError
 from mcp_budget_governor.focus import (
     FOCUS_1_2,
@@ -39,6 +40,7 @@ from mcp_budget_governor.focus import (
     TOKEN_METERS,
     FocusVersion,
     Granularity,
+    Kind,
     Meter,
     ascii_text,
     check_columns,
@@ -477,6 +479,12 @@ def _render_sql(
     missing = [n for n in options.version.names if n not in columns]
     if missing:
         raise ExportError(f"FOCUS {options.version.version}: no mapping for {missing}")
+    if not typed:
+        # CSV text is read by spreadsheets: string cells that would start a formula
+        # (a user id "=HYPERLINK(...)") get a leading quote; numbers and Parquet stay.
+        for c in options.version.columns:
+            if c.kind is Kind.STRING:
+                columns[c.name] = neutralise_sql(f"({columns[c.name]})")
     select = ",\n".join(f"{columns[n]} AS {_ident(n)}" for n in options.version.names)
     dims = (("x_tenant", "tenant"), ("x_user", "user"), ("x_tool", "tool"), ("x_model", "model"))
     if escaped:  # rare: only then pay for the joins

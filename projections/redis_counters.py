@@ -27,6 +27,7 @@ from mcp_budget_governor.counters import (
 from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
 from mcp_budget_governor.keys import EPOCH_KEY, PREFIX, SEEN_PREFIX, WATERMARK_KEY, op_key
 from mcp_budget_governor.lua import source
+from mcp_budget_governor.urls import check_redis_url
 
 _UNAVAILABLE = (
     redis_errors.ConnectionError,
@@ -89,6 +90,7 @@ class RedisBackend:
         the backend being unreachable, so each limit's fail mode applies and
         nothing is admitted from empty counters.
         """
+        check_redis_url(url, "url")
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,

@@ -361,7 +361,12 @@ async def replay_kafka(
         )
         try:
             outcome = await rebuild(
-                backend, bootstrap, topic, idle_timeout=idle_timeout, **client_options
+                backend,
+                bootstrap,
+                topic,
+                idle_timeout=idle_timeout,
+                dry_run=dry_run,
+                **client_options,
             )
             result.events = outcome.read
             result.counters = len(backend.keys)
