@@ -20,9 +20,19 @@ from pathlib import Path
 import pytest
 import redis
 
-from mcp_budget_governor import Context, Governor, Limit, MemoryBackend, Policy, Scope, Unit, Window
+from mcp_budget_governor import (
+    DISTRIBUTION,
+    Context,
+    Governor,
+    Limit,
+    MemoryBackend,
+    Policy,
+    Scope,
+    Unit,
+    Window,
+)
 from mcp_budget_governor.cli import version
-from mcp_budget_governor.cli.render import DISTRIBUTION, install_hint, print_table, printable
+from mcp_budget_governor.cli.render import install_hint, print_table, printable
 from mcp_budget_governor.money import format_dollars
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger

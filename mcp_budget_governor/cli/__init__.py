@@ -58,15 +58,10 @@ class _Version(argparse.Action):
 
 
 def version() -> str:
-    """The installed distribution's version (``render.DISTRIBUTION``, pyproject's ``name``)."""
-    from importlib import metadata
+    """The installed distribution's version (``mcp_budget_governor.__version__``)."""
+    import mcp_budget_governor
 
-    from .render import DISTRIBUTION
-
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
+    return str(mcp_budget_governor.__version__)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -14,15 +14,14 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mcp_budget_governor import DISTRIBUTION
+
 if TYPE_CHECKING:
     # rich is imported where a table is drawn: errors, hints and ``mcpbg schema``
     # work without the extras that bring it.
     from rich.console import Console
     from rich.table import Table
 
-#: The distribution that installs this package (pyproject's ``name``; the import
-#: package stays ``mcp_budget_governor``). ``tests/test_cli.py`` holds them together.
-DISTRIBUTION = "mcpbg"
 
 
 def install_hint(extra: str) -> str:
@@ -88,11 +87,7 @@ def table(
     An amount is never split over two lines. Given the ``width`` it must fit
     (the terminal's), numeric headers wrap at ``_``, text columns fold, and a
     table that still cannot fit is printed as one block of ``field value``
-    lines per record instead.
-
-    >>> t = table("spend", ["user", "usd"], [["u1", "$1.50"]], numeric=["usd"])
-    >>> t.row_count
-    1
+    lines per record instead (rich draws it: the ``duckdb`` and ``demo`` extras).
     """
     from rich.table import Table
     from rich.text import Text
