@@ -383,7 +383,7 @@ class RecordLog:
             if self._end.offset and self._end.offset + len(buf) > self.segment_bytes:
                 self._rotate(self._end.seq)
             first = self._end
-            _write_all(self._fd, buf)
+            _write_all(self._fd, buf, first.offset)
             self._end = Position(first.segment, first.offset + len(buf), first.index + len(records))
             self._sizes[first.segment] += len(buf)
             self._written += len(buf)
@@ -603,10 +603,10 @@ class RecordLog:
         )
 
 
-def _write_all(fd: int, buf: bytes) -> None:
+def _write_all(fd: int, buf: bytes, start: int) -> None:
     """Write all of ``buf`` or nothing: a failure (a full disk) truncates back
-    to where the batch started, so no half record is left for the next one to extend."""
-    start = os.lseek(fd, 0, os.SEEK_END)
+    to ``start``, where the batch started (the writer knows its end: no lseek on
+    the hot path), so no half record is left for the next one to extend."""
     view = memoryview(buf)
     try:
         while view:
