@@ -316,8 +316,8 @@ class KafkaLedger:
         if now - self._drop_logged_at >= DROP_LOG_INTERVAL:
             log.warning(
                 "ledger: outbox %s is full (%d bytes not shipped, outbox_max_bytes=%d): "
-                "%d refusal events dropped since the last report (%d in all); "
-                "refusals charge nothing, so counters are unaffected",
+                "dropped %d refusal event(s) since the last report, %d in all "
+                "(refusals charge nothing: counters are unaffected)",
                 self.outbox.directory,
                 self._pending_bytes,
                 self.outbox.max_bytes,

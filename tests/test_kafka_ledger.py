@@ -935,3 +935,60 @@ async def test_filling_outbox_check_answers_503_and_never_raises(
         await asyncio.to_thread(durable.restart)
         await ledger.flush(30)
         await gov.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_full", ["refuse", "admit"])
+async def test_full_outbox_drops_refusals_of_unidentified_callers(
+    durable: KafkaService, outbox_dir: Path, caplog: pytest.LogCaptureFixture, on_full: str
+) -> None:
+    """A flood of unidentified callers (each refusal an event, free to produce) while the
+    broker is down: the outbox stops growing at ``outbox_max_bytes`` whatever
+    ``on_full`` says; the refusals past it are dropped with a counted WARNING; a cost
+    metered afterwards is still written; everything written ships exactly once."""
+    topic = fresh_topic(f"refusals-{on_full}")
+    await asyncio.to_thread(durable.kill)
+    limit = 8192
+    ledger = KafkaLedger(
+        durable.bootstrap,
+        topic=topic,
+        outbox_dir=outbox_dir,
+        partitions=PARTITIONS,
+        outbox_max_bytes=limit,
+        on_full=on_full,  # type: ignore[arg-type]
+        **FAST,
+    )
+    spy = LedgerSpy(ledger)
+    gov = Governor(calls_policy(), MemoryBackend(), ledger=spy)  # anonymous callers refused
+    refused = 0
+    with caplog.at_level(logging.WARNING, logger="mcp_budget_governor.producers.kafka_ledger"):
+        for i in range(200):
+            with pytest.raises(BudgetExceeded, match="caller_unidentified"):
+                await gov.identified(Context(tool=f"t{i}"))
+            refused += 1
+    assert ledger.outbox.pending_bytes <= limit
+    written = len(ledger.outbox)
+    assert 0 < written < refused  # some refusals recorded, the rest dropped
+    assert ledger.snapshot().dropped_refusals == refused - written
+    drops = [m for m in caplog.messages if "refusal event(s)" in m]
+    assert len(drops) == 1 and str(outbox_dir) in drops[0]  # rate-limited, with the count
+    assert "dropped 1 refusal event(s) since the last report, 1 in all" in drops[0]
+
+    # Costs of completed work are never dropped, past the limit too.
+    assert await gov.meter("spend", 5, Context(user="u1")) == 5
+    assert len(ledger.outbox) == written + 1
+    # A new admission at the limit: refused with 503 under "refuse", written under "admit".
+    decision = await gov.check(Context(user="u1"))
+    assert decision.admitted == (on_full == "admit")
+    if on_full == "refuse":
+        assert (decision.status, decision.reason) == (503, "ledger_unavailable")
+
+    await asyncio.to_thread(durable.restart)
+    assert await ledger.flush(30)
+    await gov.aclose()
+    on_topic = Counter(r.event.id for r in await read_topic(durable.bootstrap, topic))
+    refusals = [e.id for e in spy.entries if e.type is EntryType.REJECTED]
+    others = [e.id for e in spy.entries if e.type is not EntryType.REJECTED]
+    assert len(refusals) == refused
+    # The refusals written are the first ones, until the limit; the rest never reach disk.
+    assert on_topic == Counter(others + refusals[:written])
