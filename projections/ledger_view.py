@@ -10,7 +10,11 @@ views exist (the session time zone is set to UTC, so ``date_trunc`` and
     ``(id, charge_index)``, the first by ``source, "partition", "offset"``
     (the archive's rule, ``stream/archiver.py``): a redelivered batch, an
     overlapping segment or a producer retry at a second offset is read once,
-    exactly as the projector's watermarks and seen-id sets count it.
+    exactly as the projector's watermarks and seen-id sets count it. A
+    ``mcpbg.recovered.v1`` event (``mcpbg reconcile --fix``) shares the id of
+    the event it stands in for: should the original turn up too, its rows win
+    (the recovery's charges are the original's non-zero ones, so neither the
+    counters nor the sums change).
 
     Columns (quote the SQL keywords: ``"user"``, ``"limit"``, ``"window"``,
     ``"partition"``, ``"offset"``):
@@ -463,7 +467,8 @@ def open_ledger(
         CREATE OR REPLACE TEMP VIEW ledger AS
         SELECT * FROM ledger_raw
         QUALIFY row_number() OVER (
-            PARTITION BY id, charge_index ORDER BY source, "partition", "offset") = 1
+            PARTITION BY id, charge_index
+            ORDER BY ("type" = 'mcpbg.recovered.v1'), source, "partition", "offset") = 1
         """
     )
     event_columns = ", ".join(f"any_value({_q(c)}) AS {_q(c)}" for c in _EVENT_COLUMNS if c != "id")
