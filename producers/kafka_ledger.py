@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -440,10 +441,12 @@ class KafkaLedger:
             batch = [(raw, key) for raw, key, _ in taken]
             cursor = taken[-1][2]
         await self._send(batch)
-        # The shipped position is recorded durably (fsync of the log, then of the
-        # cursor file): a restart resumes after it. A crash before this line
-        # completes sends the batch again (module docstring: at least once).
-        self._acking = asyncio.ensure_future(asyncio.to_thread(self.outbox.ack, cursor))
+        # The shipped position is recorded (the cursor file replaced, no fsync: the
+        # broker has these records, so a cursor ahead of the disk after a machine
+        # crash loses nothing, and one behind re-ships): a restart resumes after
+        # it. A crash before this completes sends the batch again (at least once).
+        ack = functools.partial(self.outbox.ack, cursor, sync=False)
+        self._acking = asyncio.ensure_future(asyncio.to_thread(ack))
         try:
             await asyncio.shield(self._acking)
         finally:

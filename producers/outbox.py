@@ -214,18 +214,18 @@ class Outbox:
                 return Position(later, 0, 0)
         return cursor
 
-    def _store_cursor(self, cursor: Position) -> None:
+    def _store_cursor(self, cursor: Position, sync: bool) -> None:
         tmp = self._cursor_path.with_name(self._cursor_path.name + ".tmp")
         data = json.dumps(cursor.to_json()).encode()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, data)
-            if self.log.fsync != "never":
+            if sync:
                 os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, self._cursor_path)
-        if self.log.fsync != "never":
+        if sync:
             fsync_dir(self.directory)
 
     # -- the API -------------------------------------------------------------
@@ -285,10 +285,18 @@ class Outbox:
                 out.append((record.next, record.data))
         return out
 
-    def ack(self, cursor: Position) -> None:
+    def ack(self, cursor: Position, *, sync: bool = True) -> None:
         """Everything before ``cursor`` (from :meth:`peek`) was shipped: persist
         that and delete the segments it covers entirely. Acknowledging an older
-        cursor again does nothing."""
+        cursor again does nothing.
+
+        ``sync=False`` (for a shipper that acknowledges only what a broker has
+        acknowledged) writes the cursor file without any fsync: it survives a
+        crash of the process (the kernel has it); after a crash of the machine
+        the cursor may be older (those records ship again: at least once) or,
+        if the log's unsynced tail was lost, past the end of the log, which
+        the next opening handles (the lost records were shipped).
+        """
         if cursor <= self._acked:
             return
         end = self.log.end
@@ -299,10 +307,11 @@ class Outbox:
         cursor = self._normalize(cursor)
         if cursor <= self._acked:
             return
+        sync = sync and self.log.fsync != "never"
         # The records must be durable before a cursor that points past them.
-        if self.log.fsync != "never":
+        if sync:
             self.log.sync()
-        self._store_cursor(cursor)
+        self._store_cursor(cursor, sync)
         self._acked = cursor
         self.log.delete_before(cursor.segment)
 

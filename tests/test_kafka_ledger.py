@@ -500,9 +500,9 @@ CHILD = textwrap.dedent(
                 note("resent", [json.loads(raw)["id"] for raw, _ in batch])
                 die()
 
-        def ack(cursor):  # runs in a thread; the kill is sent from the event loop
+        def ack(cursor, **options):  # runs in a thread; the kill is sent from the event loop
             nonlocal acks
-            real_ack(cursor)
+            real_ack(cursor, **options)
             acks += 1
             if acks == KILL_AT and point == "after_ack":
                 loop.call_soon_threadsafe(die)
