@@ -19,9 +19,12 @@ from a memory copy of what this process appended (``queue_size`` records),
 so the steady state never reads the files back; leftovers of a previous
 process, a broker outage and a backlog past ``queue_size`` ship from the
 files, oldest first. After each batch the broker acknowledges, the outbox's
-cursor (the position just past the batch) is replaced atomically on disk:
-the cursor is the durable record of what was shipped, so a restart ships
-from there and never re-sends what was acknowledged before it.
+cursor (the position just past the batch) is replaced (a new file renamed
+over the old one): the cursor is the record of what was shipped, so a
+restart ships from there and never re-sends what was acknowledged before
+it. It needs no fsync: it survives a killed process as the events do, and
+after a machine crash an older cursor only re-ships, while one ahead of the
+log's surviving end only names events the broker already has.
 
 **Exactly once and at least once.** The test broker (tansu), and many
 managed ones, have no idempotent producer, so shipping is deduplicated by
