@@ -658,6 +658,11 @@ class Flusher:
         # (bytes to cover, future, its loop), guarded by _cv
         self._waiters: list[tuple[int, asyncio.Future[None], asyncio.AbstractEventLoop]] = []
         self._last = 0.0
+        #: group commits done, and their total and longest duration (seconds): the
+        #: window a machine crash can lose is ``interval`` plus one fsync's duration
+        self.fsyncs = 0
+        self.fsync_seconds = 0.0
+        self.longest_fsync = 0.0
 
     def _start(self) -> None:
         thread = self._thread
@@ -707,6 +712,7 @@ class Flusher:
                 if self._stop:
                     return
                 self._due = False
+            started = time.monotonic()
             try:
                 self.log.sync()
             except Exception as exc:  # a failed fsync: every waiter must hear of it
@@ -714,6 +720,10 @@ class Flusher:
                 self._release(exc)
                 continue
             self._last = time.monotonic()
+            took = self._last - started
+            self.fsyncs += 1
+            self.fsync_seconds += took
+            self.longest_fsync = max(self.longest_fsync, took)
             self._release(None)
             if self.log.written_bytes > self.log.synced_bytes:
                 with self._cv:
