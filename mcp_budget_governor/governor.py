@@ -171,13 +171,6 @@ class Governor(Metering):
         if self.ledger is not None and not getattr(self.ledger, "accepting", True):
             return planning.ledger_full(self._retry_interval), None
         event_id = new_id() if self.ledger is not None else None
-        likely: LedgerEntry | None = None
-        prepare = getattr(self.ledger, "prepare", None)
-        if event_id is not None and prepare is not None:
-            # The event of the usual outcome, handed over before the round trip so
-            # the ledger can encode it while Redis works (an optional ledger hook).
-            likely = LedgerEntry(event_id, kind, now, ctx, plan.charges)
-            prepare(likely)
         try:
             result = await self._charge(plan.ops, event_id, want_used=plan.shadow)
         except BackendUnavailableError:
@@ -187,10 +180,7 @@ class Governor(Metering):
                 decision = ADMITTED
             else:
                 decision = self._decide(plan.slots, result, now)
-        if likely is not None and decision is ADMITTED:
-            assert self.ledger is not None
-            await self.ledger.append(likely)  # the same event, field for field
-        elif event_id is not None:
+        if event_id is not None:
             await self._append(
                 event_id,
                 kind if decision.admitted else EntryType.REJECTED,

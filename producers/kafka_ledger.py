@@ -93,8 +93,6 @@ log = logging.getLogger(__name__)
 _SEND_ERRORS = (KafkaError, OSError, asyncio.TimeoutError)
 #: At most one "refusals dropped" warning per this many seconds.
 DROP_LOG_INTERVAL = 10.0
-_PENDING = object()  # a prepare() hint not encoded yet
-_MAX_AHEAD = 100_000
 
 
 class LedgerTimeoutError(GovernorError, TimeoutError):
@@ -251,8 +249,6 @@ class KafkaLedger:
         self._wake: asyncio.Event | None = None
         self._closing = False
         self._closed = False
-        # prepare(): event id -> (the entry, its encoding), or _PENDING until encoded
-        self._ahead: dict[str, Any] = {}
         self._drop_logged_at = float("-inf")
         self._dropped_since_log = 0
         self.stats = LedgerStats()
@@ -269,29 +265,12 @@ class KafkaLedger:
         """False while a full outbox refuses new admissions (the governor answers 503)."""
         return self._pending_bytes < self.outbox.max_bytes or self.outbox.on_full != "refuse"
 
-    def prepare(self, entry: LedgerEntry) -> None:
-        """The governor's hint, before its Redis round trip, of the event it will most
-        likely append: encoded while the event loop would otherwise wait on Redis, so
-        the append after the reply is only the write."""
-        if len(self._ahead) >= _MAX_AHEAD:
-            self._ahead.clear()  # hints of appends that never came (a raised call)
-        asyncio.get_running_loop().call_soon(self._encode_ahead, entry)
-        self._ahead[entry.id] = _PENDING
-
-    def _encode_ahead(self, entry: LedgerEntry) -> None:
-        if self._ahead.get(entry.id) is _PENDING:
-            self._ahead[entry.id] = (entry, encode(entry, self.source))
-
     async def append(self, entry: LedgerEntry) -> None:
         """Commit one event to the outbox (written to the OS before this returns) for
         shipping; waits on the broker only with ``durability="acked"``."""
         if self._closing:
             raise GovernorError("ledger: append after aclose()")
-        ahead = self._ahead.pop(entry.id, None) if self._ahead else None
-        if ahead is not None and ahead is not _PENDING and ahead[0] is entry:
-            raw = ahead[1]
-        else:
-            raw = encode(entry, self.source)
+        raw = encode(entry, self.source)
         size = len(raw) + 1
         box = self.outbox
         if self._pending_bytes + size > box.max_bytes:

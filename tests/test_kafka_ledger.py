@@ -992,36 +992,3 @@ async def test_full_outbox_drops_refusals_of_unidentified_callers(
     assert len(refusals) == refused
     # The refusals written are the first ones, until the limit; the rest never reach disk.
     assert on_topic == Counter(others + refusals[:written])
-
-
-async def test_prepared_events_are_the_decided_ones(
-    kafka: KafkaService, redis_url: str, outbox_dir: Path
-) -> None:
-    """The governor hands the likely event to ``prepare`` before its Redis round trip:
-    an admission ships that very event, a refusal its own rejected event, never the
-    prepared admission; no hint is left behind."""
-    topic = fresh_topic("prepared")
-    ledger = KafkaLedger(kafka.bootstrap, topic=topic, outbox_dir=outbox_dir, partitions=3)
-    encoded_ahead: list[str] = []
-    real = ledger._encode_ahead
-
-    def spy(entry: LedgerEntry) -> None:
-        real(entry)
-        encoded_ahead.append(entry.id)
-
-    ledger._encode_ahead = spy  # type: ignore[method-assign]
-    cap = Policy.of(Limit("burst", cap=2, window=Window.MINUTE, scope=Scope.USER))
-    async with Governor(cap, RedisBackend.from_url(redis_url, timeout=5.0), ledger=ledger) as gov:
-        decisions = [await gov.check(Context(user="u1")) for _ in range(3)]
-        assert [d.admitted for d in decisions] == [True, True, False]
-        assert ledger._ahead == {}
-    records = await read_topic(kafka.bootstrap, topic)
-    assert sorted(r.event.type for r in records) == [
-        "mcpbg.admitted.v1",
-        "mcpbg.admitted.v1",
-        "mcpbg.rejected.v1",
-    ]
-    assert len(encoded_ahead) == 3  # each check's likely event was encoded ahead
-    rejected = next(r for r in records if r.event.type == "mcpbg.rejected.v1")
-    assert rejected.event.id == encoded_ahead[2] and not rejected.event.data.charges
-    assert rejected.event.data.decision.status == 429
