@@ -26,7 +26,11 @@ past it; ``ack(cursor)`` means "everything before this was shipped". The
 acknowledged cursor is kept in ``<prefix>.cursor``, replaced atomically
 (temporary file, fsync, rename, fsync of the directory) *after* the log is
 fsync'd, so it never points past records that a machine crash could take
-back. After a restart ``peek`` starts right after the last acknowledged
+back. ``ack(cursor, sync=False)`` (the Kafka ledger, which acknowledges only
+what the broker has) rewrites it in place without any fsync: cheap enough
+for every shipped batch, safe against a killed process, and after a machine
+crash at worst older (records ship again) or past the surviving log (whose
+lost tail was shipped). After a restart ``peek`` starts right after the last acknowledged
 record. Delivery is at least once: a crash between sending and ``ack`` sends
 those records again, which is harmless (the event id is the idempotency key
 of the projection). An unreadable cursor file makes the outbox start from its
