@@ -162,6 +162,23 @@ class ReleasedEvent(_Event):
     type: Literal["mcpbg.released.v1"]
 
 
+class RecoveredEvent(_Event):
+    """An operation Redis charged in flight whose own event never reached the ledger (its
+    process died between the charge and the append), settled by ``mcpbg reconcile --fix``.
+
+    It carries the lost event's ``id`` and time (from the UUIDv7) and the charges Redis
+    holds in flight under that id, so the projection commits them exactly once: if the
+    original turns up later it is a duplicate id, skipped like any redelivery (and the
+    ledger view prefers the original's rows). The context is what the counter keys name.
+    """
+
+    type: Literal["mcpbg.recovered.v1"]
+
+    def model_post_init(self, _: Any) -> None:
+        if not self.data.charges:
+            raise ValueError("a recovered event carries the charges it settles")
+
+
 EVENT_TYPES: tuple[type[_Event], ...] = (
     AdmittedEvent,
     RejectedEvent,
@@ -169,9 +186,16 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     ReservedEvent,
     SettledEvent,
     ReleasedEvent,
+    RecoveredEvent,
 )
 LedgerEvent = Annotated[
-    AdmittedEvent | RejectedEvent | MeteredEvent | ReservedEvent | SettledEvent | ReleasedEvent,
+    AdmittedEvent
+    | RejectedEvent
+    | MeteredEvent
+    | ReservedEvent
+    | SettledEvent
+    | ReleasedEvent
+    | RecoveredEvent,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[LedgerEvent] = TypeAdapter(LedgerEvent)

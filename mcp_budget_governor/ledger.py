@@ -20,7 +20,8 @@ from .windows import Window
 
 
 class EntryType(StrEnum):
-    """One entry per admission, rejection, metered cost, reservation, settlement, release."""
+    """One entry per admission, rejection, metered cost, reservation, settlement, release;
+    and a recovery (``mcpbg reconcile --fix``) for an operation whose event was lost."""
 
     ADMITTED = "admitted"
     REJECTED = "rejected"
@@ -28,6 +29,7 @@ class EntryType(StrEnum):
     RESERVED = "reserved"
     SETTLED = "settled"
     RELEASED = "released"
+    RECOVERED = "recovered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,22 @@ class LedgerEntry:
 def new_id() -> str:
     """A time-ordered UUIDv7."""
     return str(uuid_utils.uuid7())
+
+
+def id_time(event_id: str) -> float | None:
+    """When a UUIDv7 event id was made (epoch seconds, to the millisecond); None if
+    ``event_id`` is not a UUIDv7.
+
+    >>> id_time("01938f5e-0000-7000-8000-000000000000")
+    1733277122.56
+    """
+    digits = event_id.replace("-", "")
+    if len(digits) != 32 or digits[12] != "7":
+        return None
+    try:
+        return int(digits[:12], 16) / 1000
+    except ValueError:
+        return None
 
 
 @runtime_checkable

@@ -26,6 +26,12 @@ the event loop:
   that arrive while an fsync runs share the next one (group commit).
 - ``"never"``: no fsync until ``aclose``.
 
+The append is the commit point, as for the Kafka ledger's outbox: a process
+killed right after ``check()`` / ``meter()`` returned has its event in the
+files. A ledger garbage-collected without ``aclose()`` (a script that just
+returns) logs a WARNING (and a ``ResourceWarning``) naming the bytes not yet
+fsync'd: close the governor (``async with governor:``).
+
 Each opening of a :class:`FileLedger` continues in a new segment (unless the
 newest is empty), so a tail lost in a machine crash is never overwritten by
 new records at offsets a projector has already applied. The files are the
@@ -35,9 +41,11 @@ source of truth: nothing here deletes segments.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -126,6 +134,23 @@ class FileLedger:
                 await self._flusher.aclose()
         finally:
             self.log.close()
+
+    def __del__(self) -> None:
+        log_ = getattr(self, "log", None)
+        if log_ is None or log_.closed or not log_.writable:
+            return
+        unsynced = log_.unsynced_bytes
+        if not unsynced:
+            return
+        message = (
+            f"FileLedger({log_.directory}) was garbage-collected unclosed with {unsynced} "
+            "bytes of events written but not yet fsync'd (safe if only the process dies, "
+            "not the machine); close it: `async with governor:` or `await governor.aclose()`"
+        )
+        with contextlib.suppress(Exception):
+            warnings.warn(message, ResourceWarning, stacklevel=2)
+        with contextlib.suppress(Exception):
+            log.warning("%s", message)
 
 
 class FileProjector:

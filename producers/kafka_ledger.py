@@ -1,46 +1,74 @@
-"""The Kafka ledger: every event to an append-only topic, never blocking the hot path.
+"""The Kafka ledger: every event to an append-only topic, through a durable local outbox.
 
-``append()`` encodes the event and puts it on an in-memory queue; a shipper
-task hands the queue to the Kafka client in batches (linger, batch size,
-compression, ``acks="all"``), keyed by tenant (else user) so one scope's events
-stay in order on one partition.
+**The commit point is the outbox.** ``append()`` encodes the event and
+writes it to the local :class:`~mcp_budget_governor.producers.outbox.Outbox`
+(one ``write()`` of one JSON line, so the bytes are in the kernel) before it
+returns: a process killed at any instant after ``check()`` / ``meter()``
+returned (SIGKILL, OOM, a script that ends without ``aclose()``) has lost
+nothing, and its events ship at the next start on the same outbox folder.
+A :class:`~mcp_budget_governor.producers.record_log.Flusher` fsyncs in group
+commits, in a thread, at most every ``batch_interval`` (5 ms by default) after
+the previous one: a crash of the *machine* loses at most the events appended
+in the last group-commit window (the interval plus the one fsync in
+progress).
 
-When Kafka cannot be reached, or the queue is full, events spill to a durable
-local :class:`~mcp_budget_governor.producers.outbox.Outbox` (fsync'd in group
-commits) and are shipped from there, in order, once Kafka answers again; on
-start, leftovers from a previous process ship first. The order rule that
-keeps events in sequence: the batch being retried is oldest, then the memory
-queue, then the outbox. When spilling starts the whole queue moves to the
-outbox first, and new events follow it there until the outbox has drained.
+**Shipping.** A task on the same event loop ships the outbox to Kafka in
+per-partition batches (linger, batch size, ``acks="all"``), keyed by tenant
+(else user) so one scope's events stay in order on one partition. It ships
+from a memory copy of what this process appended (``queue_size`` records),
+so the steady state never reads the files back; leftovers of a previous
+process, a broker outage and a backlog past ``queue_size`` ship from the
+files, oldest first. After each batch the broker acknowledges, the outbox's
+cursor (the position just past the batch) is replaced (a new file renamed
+over the old one): the cursor is the record of what was shipped, so a
+restart ships from there and never re-sends what was acknowledged before
+it. It needs no fsync: it survives a killed process as the events do, and
+after a machine crash an older cursor only re-ships, while one ahead of the
+log's surviving end only names events the broker already has.
 
-Durability: events in the memory queue, and the one batch in the client's
-hands, live in memory until the broker acknowledges them or spilling starts
-(Kafka down, slow for ``spill_after``, or the queue full); from then on they
-head the outbox on disk, and a batch the broker acknowledges after all is
-not sent again. With ``durability="acked"`` each ``append`` waits for the broker's
-acknowledgement (bounded by ``ack_timeout``). Delivery is at least once: a
-batch that reached the broker but whose acknowledgement was lost is sent
-again, and the projection counts each event id once.
+**Exactly once and at least once.** The test broker (tansu), and many
+managed ones, have no idempotent producer, so shipping is deduplicated by
+the cursor, not by the broker. One window remains: a crash after the broker
+acknowledged a batch and before its cursor reached the disk sends that batch
+again at the next start (at least once on the topic, at most ``batch_size``
+events, once per crash). Consumers count each event ``id`` once: the
+projection skips ids in its seen-id sets, and the DuckDB ``ledger`` view and
+the FOCUS export deduplicate on ``id``, so counters and exports stay exact.
 
-A full outbox (``outbox_max_bytes``) refuses new *admissions* when
-``on_full="refuse"``: :attr:`KafkaLedger.accepting` turns false and the
-governor answers 503 before charging anything. ``append`` itself always
-writes, so an event whose charge was made is never lost (the overshoot past
-``max_bytes`` is bounded by the calls already under way).
+With ``durability="acked"`` each ``append`` also waits for the broker's
+acknowledgement of its event (bounded by ``ack_timeout``); the event is
+committed to the outbox whatever the outcome.
 
->>> ledger = KafkaLedger.from_url("kafka://127.0.0.1:9092", topic="mcpbg.ledger")  # doctest: +SKIP
->>> governor = Governor(policy, RedisBackend.from_url(url), ledger=ledger)  # doctest: +SKIP
+**A full outbox** (``outbox_max_bytes`` of unshipped events, during a long
+outage) refuses new *admissions* when ``on_full="refuse"`` (default):
+:attr:`KafkaLedger.accepting` turns false and the governor answers 503
+before charging anything. Events whose charge was already made (costs of
+completed calls, settlements) are always written: dropping them would make
+spent money vanish (the overshoot is bounded by the calls under way).
+Refusals carry no charge, and anyone (an unidentified caller) can produce
+them for free: past the limit they are dropped, in both modes, counted in
+:attr:`LedgerStats.dropped_refusals` and logged (a WARNING with the count,
+at most every 10 s), so a flood of refused callers cannot grow the disk.
+``on_full="admit"`` writes admissions past the limit with an ERROR log.
+
+Usage (close the governor, which closes its ledger)::
+
+    ledger = KafkaLedger.from_url("kafka://127.0.0.1:9092", topic="mcpbg.ledger")
+    async with Governor(policy, RedisBackend.from_url(url), ledger=ledger) as governor:
+        decision = await governor.check(ctx)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
 import tempfile
 import time
+import warnings
 import zlib
 from collections import deque
 from collections.abc import Sequence
@@ -55,28 +83,20 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import encode
-from mcp_budget_governor.ledger import LedgerEntry
+from mcp_budget_governor.ledger import EntryType, LedgerEntry
 
 from .outbox import Outbox
-from .record_log import Flusher
+from .record_log import DEFAULT_BATCH_INTERVAL, Flusher, Position
 
 log = logging.getLogger(__name__)
 
 _SEND_ERRORS = (KafkaError, OSError, asyncio.TimeoutError)
+#: At most one "refusals dropped" warning per this many seconds.
+DROP_LOG_INTERVAL = 10.0
 
 
 class LedgerTimeoutError(GovernorError, TimeoutError):
     """``durability="acked"``: the broker did not acknowledge in time (the event is kept)."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    """An event on its way: encoded lazily (by the shipper, off the caller's path)."""
-
-    entry: LedgerEntry | None
-    raw: bytes
-    key: bytes
-    waiter: asyncio.Future[None] | None = None
 
 
 @dataclass(slots=True)
@@ -85,8 +105,11 @@ class LedgerStats:
 
     appended: int = 0
     shipped: int = 0
+    #: appended while shipping went through the files (Kafka down, a backlog, leftovers)
     spilled: int = 0
     send_failures: int = 0
+    #: refusals not written because the outbox was full (see the module docstring)
+    dropped_refusals: int = 0
     queued: int = 0
     outbox_pending: int = 0
     kafka_up: bool = False
@@ -121,20 +144,23 @@ def _partition_key(entry: LedgerEntry) -> bytes:
 
 
 class KafkaLedger:
-    """Appends ledger events to a Kafka topic through a memory queue and a durable outbox.
+    """Appends ledger events to a durable local outbox and ships them to a Kafka topic.
 
     - ``bootstrap``: ``host:port[,host:port]``.
     - ``topic``: created with ``partitions`` and ``replication_factor`` when missing.
-    - ``outbox_dir``: where events spill (default: a folder per topic under the
-      system temp dir; give a persistent volume in production).
-    - ``queue_size``: events held in memory before spilling to the outbox.
+    - ``outbox_dir``: the commit point (default: a folder per topic under the
+      system temp dir; give a persistent volume in production, and the same
+      folder again after a restart: its unshipped events ship first).
+    - ``outbox_max_bytes``, ``on_full``: the disk budget of unshipped events
+      (module docstring).
+    - ``batch_interval``: the group-commit window (seconds between fsyncs).
+    - ``queue_size``: appended events kept in memory for shipping; past it
+      (a backlog) the shipper reads them back from the files.
     - ``linger_ms``: how long the shipper lets a batch form; ``batch_size``
       (events) and ``max_batch_bytes`` bound it; ``compression`` goes to the client.
-    - ``durability``: ``"async"`` (default) returns at once; ``"acked"`` waits
-      for the broker's acknowledgement, at most ``ack_timeout`` seconds.
+    - ``durability``: ``"async"`` (default) returns once the event is in the
+      outbox; ``"acked"`` also waits for the broker, at most ``ack_timeout`` s.
     - ``request_timeout``: how long a send may take before Kafka counts as down.
-    - ``spill_after``: once the broker has not acknowledged a batch for this
-      long, new events spill to the outbox instead of waiting in memory.
     - ``client_options``: passed through to aiokafka (``security_protocol``,
       ``ssl_context``, ``sasl_mechanism``, ``sasl_plain_username``, ...).
     """
@@ -148,6 +174,7 @@ class KafkaLedger:
         outbox_dir: str | os.PathLike[str] | None = None,
         outbox_max_bytes: int = 1 << 30,
         on_full: Literal["refuse", "admit"] = "refuse",
+        batch_interval: float = DEFAULT_BATCH_INTERVAL,
         partitions: int = 6,
         replication_factor: int = 1,
         queue_size: int = 10_000,
@@ -159,7 +186,6 @@ class KafkaLedger:
         ack_timeout: float = 10.0,
         request_timeout: float = 5.0,
         retry_interval: float = 1.0,
-        spill_after: float = 1.0,
         create_topic: bool = True,
         client_options: dict[str, Any] | None = None,
     ) -> None:
@@ -169,9 +195,12 @@ class KafkaLedger:
             ("partitions", partitions),
             ("queue_size", queue_size),
             ("batch_size", batch_size),
+            ("outbox_max_bytes", outbox_max_bytes),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(name, value, "expected a positive integer")
+        if on_full not in ("refuse", "admit"):
+            raise InvalidInputError("on_full", on_full, "expected 'refuse' or 'admit'")
         self.bootstrap = parse_bootstrap(bootstrap)
         self.topic = topic
         self.source = source or f"/mcpbg/{socket.gethostname()}"
@@ -183,17 +212,14 @@ class KafkaLedger:
         self.ack_timeout = ack_timeout
         self.retry_interval = retry_interval
         self._send_timeout = 2 * request_timeout
-        self.spill_after = spill_after
         self.linger = linger_ms / 1000
-        # monotonic time the batch now in the client's hands was sent (0: none)
-        self._sending_since = 0.0
         self._pending_sends: list[Any] = []
         self.create_topic = create_topic
         self._producer_options: dict[str, Any] = {
             "bootstrap_servers": self.bootstrap,
             "acks": "all",
             # The test broker, and many managed ones, have no idempotent producer;
-            # the projection deduplicates by event id instead.
+            # the outbox cursor and the consumers' dedupe by event id replace it.
             "enable_idempotence": False,
             "linger_ms": linger_ms,
             "max_batch_size": max_batch_bytes,
@@ -203,21 +229,28 @@ class KafkaLedger:
         }
         self._client_options = dict(client_options or {})
         directory = outbox_dir or Path(tempfile.gettempdir()) / f"mcpbg-outbox-{topic}"
-        self.outbox = Outbox(directory, max_bytes=outbox_max_bytes, on_full=on_full)
+        self.outbox = Outbox(
+            directory, max_bytes=outbox_max_bytes, on_full=on_full, batch_interval=batch_interval
+        )
         self._flusher = Flusher(self.outbox.log)
-        self._queue: deque[_Pending] = deque()
-        self._retry: list[_Pending] = []
-        # How many records at the head of the outbox are copies of ``_retry``
-        # (spilling began while that batch was in the client's hands).
-        self._retry_spilled = 0
-        # Waiters of spilled events ("acked" durability), in outbox order.
-        self._spilled_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        # Leftovers from a previous process ship before anything new.
-        self._spilling = not self.outbox.empty
+        self._log = self.outbox.log
+        # Memory copies of appended, unshipped events: (line, partition key,
+        # outbox cursor just past it). Valid only while ``_from_disk`` is false.
+        self._queue: deque[tuple[bytes, bytes, Position]] = deque()
+        # True while the memory copy is incomplete (leftovers of a previous
+        # process, Kafka down, a backlog past queue_size): ship from the files.
+        self._from_disk = not self.outbox.empty
+        self._pending_bytes = self.outbox.pending_bytes
+        # "acked" durability: (sequence number, waiter), in outbox order.
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._acking: asyncio.Future[None] | None = None
         self._producer: AIOKafkaProducer | None = None
         self._shipper: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closing = False
+        self._closed = False
+        self._drop_logged_at = float("-inf")
+        self._dropped_since_log = 0
         self.stats = LedgerStats()
 
     @classmethod
@@ -230,81 +263,73 @@ class KafkaLedger:
     @property
     def accepting(self) -> bool:
         """False while a full outbox refuses new admissions (the governor answers 503)."""
-        if not self._spilling:
-            return True  # nothing waits on disk: the common case costs one attribute read
-        box = self.outbox
-        return box.on_full != "refuse" or box.pending_bytes < box.max_bytes
+        return self._pending_bytes < self.outbox.max_bytes or self.outbox.on_full != "refuse"
 
     async def append(self, entry: LedgerEntry) -> None:
-        """Queue one event for Kafka (spilling to the outbox when needed); never waits on
-        the broker unless ``durability="acked"``."""
+        """Commit one event to the outbox (written to the OS before this returns) for
+        shipping; waits on the broker only with ``durability="acked"``."""
         if self._closing:
             raise GovernorError("ledger: append after aclose()")
-        waiter = asyncio.get_running_loop().create_future() if self.durability == "acked" else None
-        self.stats.appended += 1
-        if (
-            self._spilling
-            or len(self._queue) >= self.queue_size
-            or (self._sending_since and time.monotonic() - self._sending_since > self.spill_after)
-        ):
-            # Kafka is down, slow to acknowledge, or behind: new events go to disk
-            # rather than pile up in memory while the client retries.
-            item = _Pending(None, encode(entry, self.source), _partition_key(entry), waiter)
-            # A full outbox refuses new work through ``accepting``, which the
-            # governor asks before it charges anything. Once here, the charge is
-            # made: the event must be written, or it would stay in flight forever.
-            self._spill([item])
+        raw = encode(entry, self.source)
+        size = len(raw) + 1
+        box = self.outbox
+        if self._pending_bytes + size > box.max_bytes:
+            if entry.type is EntryType.REJECTED and not entry.charges:
+                self._drop_refusal()
+                return
+            if box.on_full == "admit":
+                first = box.append([raw])  # past the limit, with a rate-limited ERROR
+            else:
+                # Admissions were refused through ``accepting`` before anything was
+                # charged; an event that gets here was charged and must be kept.
+                first = self._log.append((raw,), sync=False)
         else:
-            # Encoding waits for the shipper, which runs while callers await Redis.
-            self._queue.append(_Pending(entry, b"", b"", waiter))
+            first = self._log.append((raw,), sync=False)
+        end = Position(first.segment, first.offset + size, first.index + 1)
+        self._pending_bytes += size
+        self.stats.appended += 1
+        if not self._from_disk:
+            if len(self._queue) < self.queue_size:
+                self._queue.append((raw, _partition_key(entry), end))
+            else:
+                self._fall_back_to_disk()
+        if self._from_disk:
+            self.stats.spilled += 1
+        self._flusher.notify()
         self._kick()
-        if waiter is not None:
+        if self.durability == "acked":
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append((first.seq, waiter))
             try:
                 await asyncio.wait_for(asyncio.shield(waiter), self.ack_timeout)
             except TimeoutError:
                 raise LedgerTimeoutError(
                     f"ledger: no broker acknowledgement within {self.ack_timeout}s; "
-                    f"event {entry.id} is kept and will be shipped"
+                    f"event {entry.id} is kept in the outbox and will be shipped"
                 ) from None
 
-    def _spill(self, items: Sequence[_Pending]) -> None:
-        """Move the queue, then ``items``, to the outbox: all older events go first."""
-        head: list[_Pending] = []
-        if not self._spilling:
-            self._spilling = True
-            log.warning(
-                "ledger: spilling to the outbox %s (Kafka unreachable or queue full)",
-                self.outbox.directory,
-            )
-            # The batch in the client's hands is older still, and an outage may
-            # last: it heads the (empty until now) outbox, so that a crash cannot
-            # lose it. If its send succeeds after all, the shipper acknowledges
-            # those records without sending them again.
-            head = self._retry
-            self._retry_spilled = len(head)
-        moving = [*head, *self._queue, *items]
+    def _fall_back_to_disk(self) -> None:
+        """Drop the memory copy: the shipper reads from the outbox's cursor instead."""
+        self._from_disk = True
         self._queue.clear()
-        if not moving:
-            return
-        records = [self._encoded(p).raw for p in moving]
-        if self.outbox.on_full == "admit":
-            first = self.outbox.append(records)  # writes past the limit, logging loudly
-        else:
-            # A full outbox refuses earlier, through `accepting`, before anything
-            # is charged; an event that gets here was charged and must be kept.
-            first = self.outbox.log.append(records)
-        self._flusher.notify()
-        self.stats.spilled += len(moving)
-        for i, pending in enumerate(moving):
-            if pending.waiter is not None:
-                self._spilled_waiters.append((first.seq + i, pending.waiter))
 
-    def _encoded(self, pending: _Pending) -> _Pending:
-        if pending.entry is not None:
-            pending.raw = encode(pending.entry, self.source)
-            pending.key = _partition_key(pending.entry)
-            pending.entry = None
-        return pending
+    def _drop_refusal(self) -> None:
+        self.stats.dropped_refusals += 1
+        self._dropped_since_log += 1
+        now = time.monotonic()
+        if now - self._drop_logged_at >= DROP_LOG_INTERVAL:
+            log.warning(
+                "ledger: outbox %s is full (%d bytes not shipped, outbox_max_bytes=%d): "
+                "dropped %d refusal event(s) since the last report, %d in all "
+                "(refusals charge nothing: counters are unaffected)",
+                self.outbox.directory,
+                self._pending_bytes,
+                self.outbox.max_bytes,
+                self._dropped_since_log,
+                self.stats.dropped_refusals,
+            )
+            self._drop_logged_at = now
+            self._dropped_since_log = 0
 
     # -- the shipper --------------------------------------------------------
 
@@ -362,7 +387,6 @@ class KafkaLedger:
         per-message path (a future, a partitioner and an accumulator per
         record) cost about 20 us an event, this a few.
         """
-        self._sending_since = time.monotonic()
         try:
             producer = await self._connect()
             partitions = sorted(await producer.partitions_for(self.topic))
@@ -381,7 +405,6 @@ class KafkaLedger:
             await asyncio.wait_for(asyncio.gather(*self._pending_sends), self._send_timeout)
         finally:
             self._pending_sends.clear()
-            self._sending_since = 0.0
 
     async def _send_batch(self, producer: AIOKafkaProducer, builder: Any, partition: int) -> None:
         future = await producer.send_batch(builder, self.topic, partition=partition)
@@ -390,7 +413,7 @@ class KafkaLedger:
     async def _ship_forever(self) -> None:
         assert self._wake is not None
         while True:
-            if not (self._retry or self._queue or self._spilling):
+            if not (self._queue or self._from_disk):
                 if self._closing:
                     return
                 self._wake.clear()
@@ -401,67 +424,46 @@ class KafkaLedger:
                     await asyncio.sleep(self.linger)
                 continue
             try:
-                progressed = await self._ship_once()
+                await self._ship_once()
             except _SEND_ERRORS as exc:
                 self._down(exc)
                 await asyncio.sleep(self.retry_interval)
-                continue
-            if not progressed:
-                await asyncio.sleep(0)
 
-    async def _ship_once(self) -> bool:
-        if self._retry:
-            batch = self._retry
-            await self._send([(p.raw, p.key) for p in map(self._encoded, batch)])
-            await self._sent(batch)
-            return True
-        if self._queue:
-            batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
-            self._retry = batch  # kept for a retry, oldest of all, should the send fail
-            encoded: list[tuple[bytes, bytes]] = []
-            for i, pending in enumerate(batch):
-                if i and i % 64 == 0:
-                    await asyncio.sleep(0)  # let callers' replies in between
-                self._encoded(pending)
-                encoded.append((pending.raw, pending.key))
-            await self._send(encoded)
-            await self._sent(batch)
-            return True
-        # Spilling: the outbox, oldest first, until it is empty.
-        await self._flusher.wait_synced()
-        records = self.outbox.peek(self.batch_size)
-        if not records:
-            self._spilling = False
-            log.warning("ledger: outbox drained; shipping from memory again")
-            return True
-        await self._send([(raw, _key_of(raw)) for _, raw in records])
-        cursor = records[-1][0]
-        await asyncio.to_thread(self.outbox.ack, cursor)
-        self.stats.shipped += len(records)
-        self._up()
-        while self._spilled_waiters and self._spilled_waiters[0][0] < cursor.seq:
-            _, waiter = self._spilled_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-        return True
-
-    async def _sent(self, batch: Sequence[_Pending]) -> None:
-        self._retry = []
-        if self._retry_spilled:
-            # Spilling began while this batch was in flight: its copies head the
-            # outbox; acknowledge them there rather than ship them twice.
-            head = self.outbox.peek(self._retry_spilled)
-            self._retry_spilled = 0
-            if head:
-                await asyncio.to_thread(self.outbox.ack, head[-1][0])
-        self._shipped(batch)
-
-    def _shipped(self, batch: Sequence[_Pending]) -> None:
+    async def _ship_once(self) -> None:
+        """Ship the oldest unshipped batch, then record its cursor on disk."""
+        if self._from_disk:
+            records = self.outbox.peek(self.batch_size)
+            if not records:
+                self._from_disk = False
+                return
+            batch = [(raw, _key_of(raw)) for _, raw in records]
+            cursor = records[-1][0]
+        else:
+            n = min(self.batch_size, len(self._queue))
+            taken = [self._queue.popleft() for _ in range(n)]
+            batch = [(raw, key) for raw, key, _ in taken]
+            cursor = taken[-1][2]
+        await self._send(batch)
+        # The shipped position is recorded (the cursor file replaced, no fsync: the
+        # broker has these records, so a cursor ahead of the disk after a machine
+        # crash loses nothing, and one behind re-ships): a restart resumes after
+        # it. A crash before this completes sends the batch again (at least once).
+        ack = functools.partial(self.outbox.ack, cursor, sync=False)
+        self._acking = asyncio.ensure_future(asyncio.to_thread(ack))
+        try:
+            await asyncio.shield(self._acking)
+        finally:
+            self._acking = None
+        self._pending_bytes = self.outbox.pending_bytes
         self.stats.shipped += len(batch)
         self._up()
-        for pending in batch:
-            if pending.waiter is not None and not pending.waiter.done():
-                pending.waiter.set_result(None)
+        while self._waiters and self._waiters[0][0] < cursor.seq:
+            _, waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+        if self._from_disk and self.outbox.empty:
+            self._from_disk = False
+            log.info("ledger: outbox caught up; shipping from memory again")
 
     def _up(self) -> None:
         if not self.stats.kafka_up:
@@ -472,28 +474,37 @@ class KafkaLedger:
         self.stats.send_failures += 1
         self.stats.last_error = f"{type(exc).__name__}: {exc}"
         if self.stats.kafka_up or self.stats.send_failures == 1:
-            log.warning("ledger: Kafka unreachable (%s); events go to the outbox", exc)
+            log.warning(
+                "ledger: Kafka unreachable (%s); events wait in the outbox %s",
+                exc,
+                self.outbox.directory,
+            )
         self.stats.kafka_up = False
-        # Everything in memory goes to disk, the batch being retried first.
-        self._spill(())
-        if self._retry_spilled:
-            self._retry, self._retry_spilled = [], 0  # it heads the outbox now
+        # The failed batch is still after the cursor: it is read back from disk
+        # and sent again first, then everything after it, in order.
+        self._fall_back_to_disk()
         if self._producer is not None:
             producer, self._producer = self._producer, None
             asyncio.get_running_loop().create_task(_stop_quietly(producer))
 
     # -- lifecycle ----------------------------------------------------------
 
+    @property
+    def unshipped(self) -> int:
+        """Events in the outbox that the broker has not acknowledged yet."""
+        return len(self.outbox)
+
     def snapshot(self) -> LedgerStats:
         """Current counts, with the queue and outbox depths filled in."""
-        self.stats.queued = len(self._queue) + len(self._retry)
+        self.stats.queued = len(self._queue)
         self.stats.outbox_pending = len(self.outbox)
         return self.stats
 
     async def flush(self, within: float = 30.0) -> bool:
         """Wait until everything appended so far is acknowledged; False after ``within`` s."""
         deadline = time.monotonic() + within
-        while self._retry or self._queue or self._spilling:
+        # The cursor moves inside the acknowledging thread: wait for that step too.
+        while not self.outbox.empty or self._acking is not None:
             if time.monotonic() > deadline:
                 return False
             self._kick()
@@ -501,7 +512,8 @@ class KafkaLedger:
         return True
 
     async def aclose(self, within: float = 10.0) -> None:
-        """Ship what can be shipped within ``within`` s; keep the rest in the outbox."""
+        """Ship what can be shipped within ``within`` s; keep the rest in the outbox
+        (fsync'd), to ship first at the next start on the same folder."""
         if self._closing:
             return
         drained = await self.flush(within)
@@ -510,21 +522,52 @@ class KafkaLedger:
             self._shipper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._shipper
+        if self._acking is not None:  # let a cursor update finish before closing
+            with contextlib.suppress(Exception):
+                await self._acking
         if not drained:
-            # The unsent stay on disk and ship first at the next start (the batch
-            # being retried first, unless it already heads the outbox).
-            self._spill(())
-            self._retry, self._retry_spilled = [], 0
-            log.warning("ledger: closing with %d events kept in the outbox", len(self.outbox))
-        await self._flusher.aclose()
-        self.outbox.close()
-        if self._producer is not None:
-            await _stop_quietly(self._producer)
-            self._producer = None
+            log.warning(
+                "ledger: closing with %d events kept in the outbox %s (they ship at the next "
+                "start on that folder)",
+                len(self.outbox),
+                self.outbox.directory,
+            )
+        try:
+            await self._flusher.aclose()
+        finally:
+            self.outbox.close()
+            self._closed = True
+            if self._producer is not None:
+                await _stop_quietly(self._producer)
+                self._producer = None
+
+    def __del__(self) -> None:
+        # A governor dropped without ``aclose()`` (a script that just returns):
+        # its events are safe on disk, but say so loudly, with the count.
+        if getattr(self, "_closed", True):
+            return
+        try:
+            left = len(self.outbox)
+            directory = self.outbox.directory
+        except Exception:  # pragma: no cover - half-built or torn down at exit
+            return
+        if not left:
+            return
+        message = (
+            f"KafkaLedger(topic={self.topic!r}) was garbage-collected unclosed with {left} "
+            f"events not yet shipped; they are kept in the outbox {directory} and ship at the "
+            "next start on that folder (close it: `async with governor:` or "
+            "`await governor.aclose()`)"
+        )
+        with contextlib.suppress(Exception):
+            warnings.warn(message, ResourceWarning, stacklevel=2)
+        with contextlib.suppress(Exception):
+            log.warning("%s", message)
 
 
 def _key_of(raw: bytes) -> bytes:
-    # Spilled records are plain CloudEvents; their key is recomputed from the context.
+    # Records read back from the outbox are plain CloudEvents; their key is
+    # recomputed from the context.
     try:
         ctx = orjson.loads(raw)["data"]["context"]
         return scope_key(ctx.get("tenant"), ctx.get("user"))

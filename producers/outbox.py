@@ -26,7 +26,11 @@ past it; ``ack(cursor)`` means "everything before this was shipped". The
 acknowledged cursor is kept in ``<prefix>.cursor``, replaced atomically
 (temporary file, fsync, rename, fsync of the directory) *after* the log is
 fsync'd, so it never points past records that a machine crash could take
-back. After a restart ``peek`` starts right after the last acknowledged
+back. ``ack(cursor, sync=False)`` (the Kafka ledger, which acknowledges only
+what the broker has) rewrites it in place without any fsync: cheap enough
+for every shipped batch, safe against a killed process, and after a machine
+crash at worst older (records ship again) or past the surviving log (whose
+lost tail was shipped). After a restart ``peek`` starts right after the last acknowledged
 record. Delivery is at least once: a crash between sending and ``ack`` sends
 those records again, which is harmless (the event id is the idempotency key
 of the projection). An unreadable cursor file makes the outbox start from its
@@ -86,6 +90,9 @@ from .record_log import (
 log = logging.getLogger(__name__)
 
 MalformedHandler = Callable[[Path, Position, bytes, str], None]
+# A cursor is JSON of three integers (under 100 bytes); rewritten in place, it is
+# padded with spaces (which JSON ignores) so a shorter one leaves nothing behind.
+_CURSOR_BYTES = 128
 
 
 class OutboxFullError(GovernorError):
@@ -147,6 +154,7 @@ class Outbox:
         self._full_since_log = 0
         self.directory.mkdir(parents=True, exist_ok=True)
         self._cursor_path = self.directory / f"{prefix}.cursor"
+        self._cursor_fd = -1
         cursor = self._load_cursor()
         if segment_bytes is None:
             segment_bytes = min(16 << 20, max(64 << 10, max_bytes // 4))
@@ -214,19 +222,32 @@ class Outbox:
                 return Position(later, 0, 0)
         return cursor
 
-    def _store_cursor(self, cursor: Position) -> None:
-        tmp = self._cursor_path.with_name(self._cursor_path.name + ".tmp")
+    def _store_cursor(self, cursor: Position, sync: bool) -> None:
         data = json.dumps(cursor.to_json()).encode()
+        if not sync:
+            self._overwrite_cursor(data)
+            return
+        if self._cursor_fd >= 0:  # the rename below replaces the file it writes
+            os.close(self._cursor_fd)
+            self._cursor_fd = -1
+        tmp = self._cursor_path.with_name(self._cursor_path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, data)
-            if self.log.fsync != "never":
-                os.fsync(fd)
+            os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, self._cursor_path)
-        if self.log.fsync != "never":
-            fsync_dir(self.directory)
+        fsync_dir(self.directory)
+
+    def _overwrite_cursor(self, data: bytes) -> None:
+        """Rewrite the cursor in place, padded to a fixed size: one small ``pwrite``,
+        no new file, no rename (the shipper acknowledges every batch). A crash of the
+        process cannot tear it; a torn write in a machine crash makes the cursor
+        unreadable, which ships again from the oldest segment: never a loss."""
+        if self._cursor_fd < 0:
+            self._cursor_fd = os.open(self._cursor_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        os.pwrite(self._cursor_fd, data.ljust(_CURSOR_BYTES), 0)
 
     # -- the API -------------------------------------------------------------
 
@@ -285,10 +306,18 @@ class Outbox:
                 out.append((record.next, record.data))
         return out
 
-    def ack(self, cursor: Position) -> None:
+    def ack(self, cursor: Position, *, sync: bool = True) -> None:
         """Everything before ``cursor`` (from :meth:`peek`) was shipped: persist
         that and delete the segments it covers entirely. Acknowledging an older
-        cursor again does nothing."""
+        cursor again does nothing.
+
+        ``sync=False`` (for a shipper that acknowledges only what a broker has
+        acknowledged) writes the cursor file without any fsync: it survives a
+        crash of the process (the kernel has it); after a crash of the machine
+        the cursor may be older (those records ship again: at least once) or,
+        if the log's unsynced tail was lost, past the end of the log, which
+        the next opening handles (the lost records were shipped).
+        """
         if cursor <= self._acked:
             return
         end = self.log.end
@@ -299,10 +328,11 @@ class Outbox:
         cursor = self._normalize(cursor)
         if cursor <= self._acked:
             return
+        sync = sync and self.log.fsync != "never"
         # The records must be durable before a cursor that points past them.
-        if self.log.fsync != "never":
+        if sync:
             self.log.sync()
-        self._store_cursor(cursor)
+        self._store_cursor(cursor, sync)
         self._acked = cursor
         self.log.delete_before(cursor.segment)
 
@@ -336,6 +366,12 @@ class Outbox:
 
     def close(self) -> None:
         """fsync and release the directory."""
+        if self._cursor_fd >= 0:
+            if self.log.fsync != "never":
+                with contextlib.suppress(OSError):
+                    os.fsync(self._cursor_fd)
+            os.close(self._cursor_fd)
+            self._cursor_fd = -1
         self.log.close()
 
     def __enter__(self) -> Outbox:

@@ -383,7 +383,7 @@ class RecordLog:
             if self._end.offset and self._end.offset + len(buf) > self.segment_bytes:
                 self._rotate(self._end.seq)
             first = self._end
-            _write_all(self._fd, buf)
+            _write_all(self._fd, buf, first.offset)
             self._end = Position(first.segment, first.offset + len(buf), first.index + len(records))
             self._sizes[first.segment] += len(buf)
             self._written += len(buf)
@@ -603,10 +603,10 @@ class RecordLog:
         )
 
 
-def _write_all(fd: int, buf: bytes) -> None:
+def _write_all(fd: int, buf: bytes, start: int) -> None:
     """Write all of ``buf`` or nothing: a failure (a full disk) truncates back
-    to where the batch started, so no half record is left for the next one to extend."""
-    start = os.lseek(fd, 0, os.SEEK_END)
+    to ``start``, where the batch started (the writer knows its end: no lseek on
+    the hot path), so no half record is left for the next one to extend."""
     view = memoryview(buf)
     try:
         while view:
@@ -632,93 +632,122 @@ def _scan_lines(path: Path) -> tuple[int, int]:
 
 
 class Flusher:
-    """Group commit on an event loop: one fsync, in a thread, for every append since the last.
+    """Group commit: one fsync, in a background thread, for every append since the last.
 
     The log stops syncing inline once a flusher is attached. ``notify()``
-    after an append schedules an fsync no sooner than ``interval`` after the
+    after an append asks for an fsync no sooner than ``interval`` after the
     previous one ("batch"); ``await wait_synced()`` returns once an fsync
     covers everything appended before the call ("always" with ``interval=0``:
     callers that arrive while an fsync runs share the next one).
+
+    The fsyncs run in one long-lived thread that the event loop never waits
+    for: ``notify()`` costs an attribute read when an fsync is already due,
+    and the loop is woken only for callers of ``wait_synced`` (one wake-up
+    per fsync that releases any), so the hot path's cost does not grow with
+    the fsync rate.
     """
 
     def __init__(self, record_log: RecordLog, interval: float | None = None) -> None:
         self.log = record_log
         self.interval = record_log.batch_interval if interval is None else interval
         record_log.flusher_attached = True
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wake: asyncio.Event | None = None
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._cv = threading.Condition()
+        self._due = False  # an fsync was asked for and has not started yet
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # (bytes to cover, future, its loop), guarded by _cv
+        self._waiters: list[tuple[int, asyncio.Future[None], asyncio.AbstractEventLoop]] = []
         self._last = 0.0
+        #: group commits done, and their total and longest duration (seconds): the
+        #: window a machine crash can lose is ``interval`` plus one fsync's duration
+        self.fsyncs = 0
+        self.fsync_seconds = 0.0
+        self.longest_fsync = 0.0
 
-    def _ensure(self) -> asyncio.Event:
-        loop = asyncio.get_running_loop()
-        if self._wake is None or self._loop is not loop:
-            # First use, or a new event loop (the old one's task died with it).
-            self._loop = loop
-            self._wake = asyncio.Event()
-            self._task = None
-            self._waiters = []
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run())
-        return self._wake
+    def _start(self) -> None:
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            self._stop = False
+            self._thread = threading.Thread(
+                target=self._run, name=f"mcpbg-fsync:{self.log.directory.name}", daemon=True
+            )
+            self._thread.start()
 
     def notify(self) -> None:
         """Something was appended: fsync it within ``interval``."""
-        self._ensure().set()
+        if self._due:
+            return  # already asked; the fsync it starts covers this append too
+        with self._cv:
+            self._due = True
+            self._cv.notify()
+        self._start()
 
     async def wait_synced(self) -> None:
         """Return once everything appended so far is fsync'd (raises if the fsync failed)."""
         target = self.log.written_bytes
         if target <= self.log.synced_bytes:
             return
-        wake = self._ensure()
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((target, future))
-        wake.set()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._cv:
+            self._waiters.append((target, future, loop))
+            self._due = True
+            self._cv.notify()
+        self._start()
         await future
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        wake = self._wake
-        assert wake is not None
+    def _run(self) -> None:
         while True:
-            await wake.wait()
-            wake.clear()
-            delay = self._last + self.interval - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            with self._cv:
+                while not self._due and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                # Group commit: no sooner than `interval` after the previous fsync
+                # (an interruptible wait, so that closing does not wait it out).
+                delay = self._last + self.interval - time.monotonic()
+                while delay > 0 and not self._stop:
+                    self._cv.wait(delay)
+                    delay = self._last + self.interval - time.monotonic()
+                if self._stop:
+                    return
+                self._due = False
+            started = time.monotonic()
             try:
-                await asyncio.to_thread(self.log.sync)
+                self.log.sync()
             except Exception as exc:  # a failed fsync: every waiter must hear of it
+                # and so must later ones: the thread stays, and the log refuses again.
                 self._release(exc)
-                return
-            self._last = loop.time()
+                continue
+            self._last = time.monotonic()
+            took = self._last - started
+            self.fsyncs += 1
+            self.fsync_seconds += took
+            self.longest_fsync = max(self.longest_fsync, took)
             self._release(None)
             if self.log.written_bytes > self.log.synced_bytes:
-                wake.set()
+                with self._cv:
+                    self._due = True
 
     def _release(self, exc: BaseException | None) -> None:
+        """Settle the waiters an fsync covered (or all of them, on an error); any thread."""
         synced = self.log.synced_bytes
-        keep = []
-        for target, future in self._waiters:
-            if future.done():
-                continue
-            if exc is not None:
-                future.set_exception(exc)
-            elif target <= synced:
-                future.set_result(None)
-            else:
-                keep.append((target, future))
-        self._waiters = keep
+        with self._cv:
+            done = [w for w in self._waiters if exc is not None or w[0] <= synced]
+            self._waiters = [w for w in self._waiters if exc is None and w[0] > synced]
+        for _, future, loop in done:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, exc)
 
     async def aclose(self) -> None:
-        """Stop the task and fsync what is left."""
-        if self._task is not None and self._loop is asyncio.get_running_loop():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stop the thread and fsync what is left."""
+        thread = self._thread
+        if thread is not None:
+            with self._cv:
+                self._stop = True
+                self._cv.notify()
+            await asyncio.to_thread(thread.join)
+            self._thread = None
         error: BaseException | None = None
         try:
             if not self.log.closed:
@@ -726,9 +755,21 @@ class Flusher:
         except RecordLogError as exc:
             error = exc
         self._release(error)
-        for _, future in self._waiters:
-            if not future.done():
-                future.set_exception(RecordLogError("the flusher was closed"))
-        self._waiters = []
+        closed = RecordLogError("the flusher was closed")
+        with self._cv:
+            left, self._waiters = self._waiters, []
+        for _, future, loop in left:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, closed)
+        await asyncio.sleep(0)  # let this loop's settled waiters run
         if error is not None:
             raise error
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return  # cancelled meanwhile
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

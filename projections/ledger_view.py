@@ -390,7 +390,8 @@ def open_ledger(
         CREATE OR REPLACE TEMP VIEW ledger AS
         SELECT * FROM ledger_raw
         QUALIFY row_number() OVER (
-            PARTITION BY id, charge_index ORDER BY source, "partition", "offset") = 1
+            PARTITION BY id, charge_index
+            ORDER BY ("type" = 'mcpbg.recovered.v1'), source, "partition", "offset") = 1
         """
     )
     event_columns = ", ".join(

@@ -30,28 +30,65 @@ committed by the projection (no ledger-less governor writing the same keys).
 (``HINCRBY``, ``lua/rewrite.lua`` in ``add`` mode) and drops its stale
 in-flight entries: a correction, not an overwrite, so it stays right even if
 the worker applies more events meanwhile.
+
+**Orphans.** An in-flight entry (``e:<event id>`` in a counter hash, written
+by the hot path in the same script that admits or meters) whose event id the
+ledger does not hold at all, made more than ``older_than`` seconds ago (the
+time is the UUIDv7's), is an *orphan*: its process died between the Redis
+charge and the ledger append (or its outbox was lost), so no projection will
+ever move it, and it holds budget forever without being billed. They are
+listed per unit, never summed across units. They are not settled here:
+:func:`recovery_entries` builds one ``recovered`` event per orphaned id, with
+that id, its time and the in-flight charges as Redis holds them, and the
+caller (``mcpbg reconcile --fix``) appends those to the ledger; the
+projection then commits the amounts and drops the entries exactly once, so
+counters, ledger and FOCUS export agree, and the charge is billed rather than
+dropped. The bound must exceed the longest time an event may take to reach
+the ledger view (outbox backlog during a broker outage, worker and archive
+lag); a too-small bound is still safe, since a late original is a duplicate
+id the projection skips.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import duckdb
 import redis
 
+from mcp_budget_governor.context import Context
 from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.keys import parse_key
+from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, id_time
+from mcp_budget_governor.money import Unit
+from mcp_budget_governor.windows import Window
 
 from .counter_sync import (
+    Snapshot,
     ledger_ids,
     ledger_totals,
     scan_counter_keys,
     snapshot,
     write_counters,
 )
+from .ledger_view import query_error
 
-__all__ = ["Drift", "ReconcileResult", "reconcile"]
+__all__ = [
+    "DEFAULT_ORPHAN_AGE",
+    "Drift",
+    "LimitMeta",
+    "Orphan",
+    "ReconcileResult",
+    "limit_meta",
+    "reconcile",
+    "recovery_entries",
+]
 
 _ATTEMPTS = 5
+#: Seconds an in-flight entry must have existed, without its event in the ledger,
+#: before reconcile calls it orphaned (``--older-than``).
+DEFAULT_ORPHAN_AGE = 600
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +107,27 @@ class Drift:
         return self.redis - self.ledger
 
 
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """An in-flight amount no ledger event explains, older than the bound."""
+
+    key: str
+    event_id: str
+    amount: int
+    limit: str
+    unit: str | None  # None: no ledger event names this limit, so its unit is unknown
+    age: int  # seconds since the event id was made
+    expire_at: int  # the counter's expiry (Redis clock + TTL)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitMeta:
+    """What the ledger says of a limit: its unit and window (from its newest charge)."""
+
+    unit: Unit
+    window: Window
+
+
 @dataclass(slots=True)
 class ReconcileResult:
     """What a reconciliation compared and found (and, with ``fix``, repaired)."""
@@ -80,6 +138,14 @@ class ReconcileResult:
     in_flight: int = 0
     drifts: list[Drift] = field(default_factory=list)
     fixed: int = 0
+    orphans: list[Orphan] = field(default_factory=list)
+
+    def orphaned_by_unit(self) -> dict[str, int]:
+        """Orphaned in-flight amounts summed per unit (``?`` when unknown), never across."""
+        out: dict[str, int] = {}
+        for o in self.orphans:
+            out[o.unit or "?"] = out.get(o.unit or "?", 0) + o.amount
+        return out
 
 
 class ReconcileRaceError(GovernorError):
@@ -87,9 +153,14 @@ class ReconcileRaceError(GovernorError):
 
 
 def reconcile(
-    con: duckdb.DuckDBPyConnection, client: redis.Redis, *, fix: bool = False
+    con: duckdb.DuckDBPyConnection,
+    client: redis.Redis,
+    *,
+    fix: bool = False,
+    older_than: int = DEFAULT_ORPHAN_AGE,
 ) -> ReconcileResult:
-    """Compare every live counter in ``client``'s Redis with the ``ledger`` view on ``con``."""
+    """Compare every live counter in ``client``'s Redis with the ``ledger`` view on ``con``,
+    and list the orphaned in-flight entries older than ``older_than`` seconds."""
     keys = scan_counter_keys(client)
     for _ in range(_ATTEMPTS):
         snap = snapshot(client, keys, atomic=True)
@@ -119,6 +190,7 @@ def reconcile(
             )
             if stale:
                 stale_by_key[key] = stale
+    result.orphans = _orphans(con, snap, older_than)
     if fix and result.drifts:
         corrections = []
         for d in result.drifts:
@@ -128,3 +200,94 @@ def reconcile(
         write_counters(client, corrections, watermarks=None, add=True, drop=stale_by_key)
         result.fixed = len(corrections)
     return result
+
+
+def _orphans(con: duckdb.DuckDBPyConnection, snap: Snapshot, older_than: int) -> list[Orphan]:
+    """In-flight entries whose event id is nowhere in the ledger, older than the bound."""
+    pending = {i for c in snap.counters.values() for i in c.pending}
+    known = ledger_ids(con, pending)  # at any offset: applied or still to be projected
+    meta = limit_meta(con)
+    out = []
+    for key in sorted(snap.counters):
+        counter = snap.counters[key]
+        parsed = parse_key(key)
+        for event_id, amount in sorted(counter.pending.items()):
+            made = id_time(event_id)
+            if event_id in known or made is None:
+                continue
+            age = max(0, int(snap.now - made))  # Redis's clock is in whole seconds
+            if age < older_than:
+                continue
+            limit = parsed.limit if parsed is not None else "?"
+            unit = meta.get(limit)
+            expire_at = snap.now + counter.ttl if counter.ttl > 0 else 0
+            out.append(
+                Orphan(
+                    key,
+                    event_id,
+                    amount,
+                    limit,
+                    None if unit is None else unit.unit.value,
+                    age,
+                    expire_at,
+                )
+            )
+    return out
+
+
+def limit_meta(con: duckdb.DuckDBPyConnection) -> dict[str, LimitMeta]:
+    """Each limit's unit and window, as its newest charge in the ledger records them."""
+    sql = """
+        SELECT "limit", arg_max(unit, "time"), arg_max("window", "time")
+        FROM ledger WHERE "limit" IS NOT NULL AND unit IS NOT NULL GROUP BY "limit"
+    """
+    try:
+        rows = con.execute(sql).fetchall()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    out = {}
+    for limit, unit, window in rows:
+        try:
+            out[limit] = LimitMeta(Unit(unit), Window(window))
+        except ValueError:
+            continue  # not a unit or window this version knows: left unfixable
+    return out
+
+
+def recovery_entries(
+    orphans: Sequence[Orphan], meta: Mapping[str, LimitMeta]
+) -> tuple[list[LedgerEntry], list[Orphan]]:
+    """One ``recovered`` entry per orphaned event id, and the orphans that cannot be
+    settled (their limit's unit is unknown: no ledger event ever named it, or the
+    counter has no expiry to give the charge).
+
+    Each entry has the orphan's id and time (its UUIDv7), one charge per counter
+    with that id in flight (the amount Redis holds, the key's bucket, the
+    counter's expiry), and the context the keys name (hashed values left out).
+    """
+    by_id: dict[str, list[Orphan]] = {}
+    for o in orphans:
+        by_id.setdefault(o.event_id, []).append(o)
+    entries: list[LedgerEntry] = []
+    unfixable: list[Orphan] = []
+    for event_id, group in sorted(by_id.items()):
+        parsed = [(o, parse_key(o.key)) for o in group]
+        if any(p is None or o.limit not in meta or o.expire_at <= 0 for o, p in parsed):
+            unfixable += group
+            continue
+        charges = []
+        context: dict[str, str] = {}
+        for o, p in parsed:
+            assert p is not None
+            m = meta[o.limit]
+            charges.append(LedgerCharge(o.limit, m.unit, o.amount, m.window, p.bucket, o.key,
+                                        o.expire_at))  # fmt: skip
+            for dim, value, hashed in zip(p.dims, p.values, p.hashed, strict=True):
+                if not hashed:
+                    context.setdefault(dim.value, value)
+        made = id_time(event_id)
+        assert made is not None
+        entries.append(
+            LedgerEntry(event_id, EntryType.RECOVERED, made, Context(**context), tuple(charges))
+        )
+    return entries, unfixable

@@ -68,6 +68,7 @@ class Decoded(NamedTuple):
 
 _TYPES = frozenset(type_name(kind) for kind in EntryType)
 _REJECTED = type_name(EntryType.REJECTED)
+_RECOVERED = type_name(EntryType.RECOVERED)
 # The field sets come from the pydantic models, the one definition of the schema:
 # a field added there reaches this decoder's "exact shape" check too.
 _TOP = frozenset(MeteredEvent.model_fields)
@@ -226,6 +227,8 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
         return None
     if raw_charges and kind == _REJECTED:
         return None  # the model refuses a rejection with charges
+    if not raw_charges and kind == _RECOVERED:
+        return None  # and a recovery without any
     decoded: list[DecodedCharge] = []
     applied: list[AppliedCharge] = []
     for charge in raw_charges:

@@ -281,3 +281,64 @@ async def test_records_after_a_lost_tail_are_not_mistaken_for_applied_ones(
     assert await projector.catch_up() == 2
     assert await FileProjector(tmp_path, backend).catch_up() == 0
     assert await gov.usage("spend") == 514
+
+
+FILE_CHILD = """
+import asyncio, os, signal, sys
+from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope, Window
+from mcp_budget_governor.producers.file_ledger import FileLedger
+
+folder, redis_url, report_path, point = sys.argv[1:5]
+report = os.open(report_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+class Spy:
+    def __init__(self, inner):
+        self.inner = inner
+    async def append(self, entry):
+        await self.inner.append(entry)
+        os.write(report, (entry.id + "\\n").encode())
+    async def aclose(self):
+        await self.inner.aclose()
+
+async def main():
+    # fsync="never": nothing reaches the disk before the kill but the write() itself.
+    ledger = FileLedger(folder, fsync=sys.argv[5])
+    policy = Policy.of(Limit("burst", cap=10**6, window=Window.MINUTE, scope=Scope.USER))
+    gov = Governor(policy, RedisBackend.from_url(redis_url, timeout=5.0), ledger=Spy(ledger))
+    for i in range(300):
+        await gov.check(Context(user=f"u{i % 7}"))
+    if point == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    # "unclosed": the script ends without closing; the ledger warns when collected
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("point", "fsync"), [("kill", "never"), ("kill", "batch"), ("unclosed", "never")]
+)
+def test_killed_or_unclosed_process_loses_no_file_ledger_event(
+    redis_url: str, tmp_path: Path, point: str, fsync: str
+) -> None:
+    """Every event whose append returned is in the files after SIGKILL (or an unclosed
+    exit, which warns with the byte count), exactly once, through a real Redis."""
+    import subprocess
+    import sys
+
+    folder, report = tmp_path / "ledger", tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-c", FILE_CHILD, str(folder), redis_url, str(report), point, fsync],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    stderr = proc.stderr.decode(errors="replace")
+    assert proc.returncode == (-9 if point == "kill" else 0), stderr[-2000:]
+    appended = report.read_text().split()
+    assert len(appended) == 300
+    if point == "unclosed":
+        assert "garbage-collected unclosed with" in stderr and str(folder) in stderr, stderr
+    ids = [json.loads(line)["id"] for f in sorted(folder.glob("*.jsonl")) for line in f.open()]
+    assert sorted(ids) == sorted(appended)

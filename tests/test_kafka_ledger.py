@@ -38,6 +38,7 @@ from typing import Any
 
 import orjson
 import pytest
+import redis as redis_sync
 from aiokafka import AIOKafkaProducer
 from services import KafkaService, start_kafka
 
@@ -48,6 +49,7 @@ from mcp_budget_governor import (
     Limit,
     MemoryBackend,
     Policy,
+    RedisBackend,
     Scope,
     Unit,
     Window,
@@ -58,6 +60,7 @@ from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, new
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger, LedgerTimeoutError
 from mcp_budget_governor.producers.outbox import Outbox
 from mcp_budget_governor.producers.record_log import Position, segment_name
+from mcp_budget_governor.stream.projector import to_applied
 from mcp_budget_governor.stream.topic_reader import (
     TopicNotFoundError,
     TopicRecord,
@@ -67,7 +70,7 @@ from mcp_budget_governor.stream.topic_reader import (
 
 PARTITIONS = 3
 # Fast failure detection, so outages show within the test's time budget.
-FAST = {"request_timeout": 1.0, "retry_interval": 0.2, "spill_after": 0.5}
+FAST = {"request_timeout": 1.0, "retry_interval": 0.2}
 
 # Half the callers belong to a tenant: their partition key is the tenant.
 USERS = [Context(user=f"u{i}", tenant=f"t{i % 4}" if i % 2 else None) for i in range(40)]
@@ -395,9 +398,9 @@ async def test_broker_outage_mid_run_loses_nothing(durable: KafkaService, outbox
 async def test_broker_stall_spill_while_a_batch_is_in_flight(
     durable: KafkaService, outbox_dir: Path
 ) -> None:
-    """The broker frozen (SIGSTOP) longer than ``spill_after`` but shorter than the
-    request timeout: new events spill while a batch waits for its acknowledgement,
-    which then arrives. The batch goes first, the outbox after it, nothing twice."""
+    """The broker frozen (SIGSTOP) for less than the request timeout: events pile up in
+    the outbox while a batch waits for its acknowledgement, which then arrives. The
+    batch goes first, the rest after it, nothing twice, nothing counted as a failure."""
     assert durable.pid is not None
     topic = fresh_topic("stall")
     ledger = KafkaLedger(
@@ -407,7 +410,6 @@ async def test_broker_stall_spill_while_a_batch_is_in_flight(
         partitions=PARTITIONS,
         request_timeout=3.0,
         retry_interval=0.2,
-        spill_after=0.3,
     )
     spy = LedgerSpy(ledger)
     gov = Governor(policy(), MemoryBackend(), ledger=spy)
@@ -425,7 +427,7 @@ async def test_broker_stall_spill_while_a_batch_is_in_flight(
     os.kill(durable.pid, signal.SIGSTOP)
     try:
         await asyncio.sleep(1.5)
-        spilled = ledger.snapshot().spilled
+        waiting = ledger.snapshot().outbox_pending
     finally:
         os.kill(durable.pid, signal.SIGCONT)
     await asyncio.sleep(1.0)
@@ -434,7 +436,7 @@ async def test_broker_stall_spill_while_a_batch_is_in_flight(
     assert await ledger.flush(30)
     snap = ledger.snapshot()
     await gov.aclose()
-    assert spilled > 0 and snap.send_failures == 0, snap  # slow, never down
+    assert waiting > 0 and snap.send_failures == 0, snap  # slow, never down
 
     records = await read_topic(durable.bootstrap, topic)
     assert Counter(r.event.id for r in records) == Counter(e.id for e in spy.entries)
@@ -442,72 +444,118 @@ async def test_broker_stall_spill_while_a_batch_is_in_flight(
 
 
 # --------------------------------------------------------------------------- #
-# d: SIGKILL of the producing process while the broker is down
+# d: the producing process dies (SIGKILL at several points, or returns unclosed)
 # --------------------------------------------------------------------------- #
 
 CHILD = textwrap.dedent(
     """
-    import asyncio, json, os, signal, sys, time
-    from mcp_budget_governor import Context, Governor, Limit, MemoryBackend, Policy, Scope
+    import asyncio, json, os, signal, sys
+    from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope
     from mcp_budget_governor import Unit, Window, usd
     from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
-    from mcp_budget_governor.producers.record_log import RecordLog
 
-    bootstrap, topic, outbox, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    bootstrap, topic, outbox, redis_url, point, report_path = sys.argv[1:7]
+    n = int(sys.argv[7])
+    KILL_AT = 3  # the batch (send or cursor record) at which the shipper's kill points fire
+    # One line per event whose append returned, written straight to the file:
+    # what this process knew to be admitted survives its SIGKILL.
+    report = os.open(report_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def note(kind, value):
+        os.write(report, (json.dumps([kind, value]) + "\\n").encode())
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
 
     class Spy:
         def __init__(self, inner):
-            self.inner, self.ids = inner, []
+            self.inner = inner
         @property
         def accepting(self):
             return self.inner.accepting
         async def append(self, entry):
             await self.inner.append(entry)
-            self.ids.append(entry.id)
+            note("appended", entry.id)
         async def aclose(self):
             await self.inner.aclose()
 
     async def main():
+        loop = asyncio.get_running_loop()
         ledger = KafkaLedger(bootstrap, topic=topic, outbox_dir=outbox, partitions=3,
-                             request_timeout=0.5, retry_interval=0.1)
-        spy = Spy(ledger)
+                             batch_size=40, linger_ms=2, request_timeout=1.0,
+                             retry_interval=0.1)
+        sends = acks = 0
+        stall = asyncio.Event()  # never set: shipping stops after the first batch
+        real_send, real_ack = ledger._send, ledger.outbox.ack
+
+        async def send(batch):
+            nonlocal sends
+            sends += 1
+            if sends == KILL_AT and point == "before_send":
+                die()
+            if sends >= 2 and point in ("appended", "unclosed"):
+                await stall.wait()
+            await real_send(batch)
+            if sends == KILL_AT and point == "after_send":  # acknowledged, cursor not recorded
+                note("resent", [json.loads(raw)["id"] for raw, _ in batch])
+                die()
+
+        def ack(cursor, **options):  # runs in a thread; the kill is sent from the event loop
+            nonlocal acks
+            real_ack(cursor, **options)
+            acks += 1
+            if acks == KILL_AT and point == "after_ack":
+                loop.call_soon_threadsafe(die)
+
+        ledger._send, ledger.outbox.ack = send, ack
         gov = Governor(Policy.of(
             Limit("burst", cap=10**6, window=Window.MINUTE, scope=Scope.USER),
             Limit("spend", cap=usd(10**6), window=Window.DAY, unit=Unit.USD_MICROS,
                   scope=Scope.USER, gated=False),
-        ), MemoryBackend(), ledger=spy)
+        ), RedisBackend.from_url(redis_url, timeout=5.0), ledger=Spy(ledger))
         for i in range(n // 2):
             ctx = Context(user=f"u{i % 9}", tenant=f"t{i % 2}" if i % 3 == 0 else None)
             await gov.check(ctx)
             await gov.meter("spend", 1 + i, ctx)
-        # Wait until the broker is known down and the memory queue has moved to disk.
-        deadline = time.monotonic() + 10
-        while (ledger._queue or not ledger.snapshot().spilled) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        await ledger._flusher.wait_synced()
-        durable = [json.loads(r.data)["id"] for r in
-                   RecordLog(outbox, prefix="outbox", writable=False).read()]
-        report = {"appended": spy.ids, "durable": durable,
-                  "in_memory": len(ledger._queue) + len(ledger._retry)}
-        sys.stdout.write(json.dumps(report) + "\\n")
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        if point == "appended":
+            die()
+        if point == "unclosed":
+            return  # a script that ends without aclose(): the ledger warns when collected
+        await asyncio.sleep(10)  # the kill point is in the shipper: give it time
+        sys.exit(3)
 
     asyncio.run(main())
     """
 )
 
+KILL_POINTS = ("before_send", "after_send", "after_ack", "appended", "unclosed")
 
-def run_child(bootstrap: str, topic: str, outbox: Path, n: int) -> dict[str, Any]:
+
+@dataclass
+class ChildRun:
+    appended: list[str]
+    resent: list[str]
+    stderr: str
+
+
+def run_child(
+    bootstrap: str, topic: str, outbox: Path, redis_url: str, point: str, n: int, tmp: Path
+) -> ChildRun:
+    report = tmp / f"report-{point}.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, bootstrap, topic, str(outbox), str(n)],
+        [sys.executable, "-c", CHILD, bootstrap, topic, str(outbox), redis_url, point,
+         str(report), str(n)],
         capture_output=True,
-        timeout=60,
+        timeout=120,
         check=False,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    report: dict[str, Any] = json.loads(proc.stdout.decode().splitlines()[-1])
-    return report
+    )  # fmt: skip
+    stderr = proc.stderr.decode(errors="replace")
+    expected = 0 if point == "unclosed" else -signal.SIGKILL
+    assert proc.returncode == expected, (proc.returncode, stderr[-3000:])
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    appended = [v for kind, v in lines if kind == "appended"]
+    resent = [i for kind, v in lines if kind == "resent" for i in v]
+    return ChildRun(appended, resent, stderr)
 
 
 def tear_tail(outbox: Path) -> Path:
@@ -526,48 +574,108 @@ async def ship_leftovers(bootstrap: str, topic: str, outbox: Path) -> KafkaLedge
     return ledger
 
 
+async def project_topic(bootstrap: str, topic: str, redis_url: str) -> TopicRecords:
+    """Apply the whole topic to the Redis counters as the worker does (per partition)."""
+    records = await read_topic(bootstrap, topic)
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    try:
+        by_partition: dict[int, list[TopicRecord]] = defaultdict(list)
+        for r in records:
+            by_partition[r.partition].append(r)
+        for partition, rows in by_partition.items():
+            events = [to_applied(r.event, r.offset) for r in rows]
+            await backend.apply(f"{topic}:{partition}", events)
+    finally:
+        await backend.aclose()
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", KILL_POINTS)
+async def test_killed_producer_loses_no_admitted_event(
+    kafka: KafkaService, redis_url: str, tmp_path: Path, point: str
+) -> None:
+    """A process checking and metering through KafkaLedger (real Redis, real broker) dies:
+
+    - ``before_send``: SIGKILL while the shipper is about to send its 3rd batch;
+    - ``after_send``: SIGKILL after the broker acknowledged the 3rd batch, before its
+      cursor was recorded (the at-least-once window: that batch ships again);
+    - ``after_ack``: SIGKILL right after the 3rd cursor reached the disk;
+    - ``appended``: SIGKILL once every operation returned, shipping stalled;
+    - ``unclosed``: the script returns without ``aclose()`` (shipping stalled).
+
+    After a restart on the same outbox folder, the topic holds every event whose
+    append returned, exactly once (``after_send``: the resent batch twice, and only
+    it); projected by the worker's ``apply``, the counters equal the deduplicated
+    ledger, and what is left in flight belongs only to the one operation the kill
+    interrupted between its Redis charge and its append (``mcpbg reconcile`` finds it).
+    """
+    topic = fresh_topic(f"crash-{point}")
+    outbox = tmp_path / "outbox"
+    child = await asyncio.to_thread(
+        run_child, kafka.bootstrap, topic, outbox, redis_url, point, 600, tmp_path
+    )
+    assert len(child.appended) > 20, len(child.appended)
+    if point == "unclosed":
+        assert "garbage-collected unclosed with" in child.stderr, child.stderr[-2000:]
+        assert "events not yet shipped" in child.stderr and str(outbox) in child.stderr
+    assert any(outbox.glob("outbox-*.jsonl"))
+
+    await ship_leftovers(kafka.bootstrap, topic, outbox)
+    records = await project_topic(kafka.bootstrap, topic, redis_url)
+    assert records.caught_up and records.malformed == 0
+    on_topic = Counter(r.event.id for r in records)
+    expected = Counter(child.appended)
+    if point == "after_send":
+        assert child.resent and set(child.resent) <= set(child.appended)
+        expected.update(child.resent)  # shipped again after the crash: at least once
+    else:
+        assert not child.resent
+    missing, extra = expected - on_topic, on_topic - expected
+    assert not missing and not extra, f"missing {missing.total()}, extra {extra.total()}"
+
+    # Counters: committed == the ledger deduplicated by id; in flight only an orphan.
+    ledger_sum: Counter[str] = Counter()
+    for r in first_occurrences(records):
+        for c in r.event.data.charges:
+            ledger_sum[c.key] += c.amount
+    client = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+    orphans: set[str] = set()
+    try:
+        for key in client.scan_iter(match="mcpbg:v1:[^_]*"):
+            fields = client.hgetall(key)
+            assert int(fields.get("c", 0)) == ledger_sum[key], key
+            pending = {f[2:]: int(v) for f, v in fields.items() if f.startswith("e:")}
+            assert int(fields.get("f", 0)) == sum(pending.values()), key
+            orphans |= set(pending)
+    finally:
+        client.close()
+    assert not orphans & set(on_topic), "an event on the topic was left in flight"
+    assert len(orphans) <= 1, orphans
+
+
 @pytest.mark.slow
 async def test_sigkilled_producer_leftovers_ship_after_restart(
-    durable: KafkaService, outbox_dir: Path, caplog: pytest.LogCaptureFixture
+    durable: KafkaService, redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Every id the dead process knew to be fsync'd in its outbox reaches the topic."""
+    """Broker down the whole time, SIGKILL, then a torn tail on top: every event the
+    dead process appended ships after the restart, once; the torn half record never."""
     topic = fresh_topic("sigkill")
+    outbox = tmp_path / "outbox"
     await asyncio.to_thread(durable.kill)
-    report = await asyncio.to_thread(run_child, durable.bootstrap, topic, outbox_dir, 2000)
-    durable_ids = report["durable"]
-    assert len(report["appended"]) == 2000
-    assert len(durable_ids) >= 1000 and set(durable_ids) <= set(report["appended"])
-    torn = tear_tail(outbox_dir)
+    child = await asyncio.to_thread(
+        run_child, durable.bootstrap, topic, outbox, redis_url, "appended", 400, tmp_path
+    )
+    assert len(child.appended) == 400
+    torn = tear_tail(outbox)
 
     await asyncio.to_thread(durable.restart)
     with caplog.at_level(logging.WARNING, logger="mcp_budget_governor.producers.record_log"):
-        await ship_leftovers(durable.bootstrap, topic, outbox_dir)
+        await ship_leftovers(durable.bootstrap, topic, outbox)
     assert any("torn tail" in m and torn.name in m for m in caplog.messages)
-
     records = await read_topic(durable.bootstrap, topic)
     assert records.caught_up and records.malformed == 0  # the torn half record never shipped
-    on_topic = Counter(r.event.id for r in records)
-    assert not set(durable_ids) - set(on_topic), "fsync'd events lost"
-    assert max(on_topic.values()) == 1
-    assert set(on_topic) <= set(report["appended"])
-
-
-@pytest.mark.slow
-async def test_sigkilled_producer_loses_nothing_appended_during_an_outage(
-    durable: KafkaService, outbox_dir: Path
-) -> None:
-    """Once the ledger knows Kafka is down, everything appended should be on disk."""
-    topic = fresh_topic("sigkill-all")
-    await asyncio.to_thread(durable.kill)
-    report = await asyncio.to_thread(run_child, durable.bootstrap, topic, outbox_dir, 2000)
-    await asyncio.to_thread(durable.restart)
-    await ship_leftovers(durable.bootstrap, topic, outbox_dir)
-    records = await read_topic(durable.bootstrap, topic)
-    lost = set(report["appended"]) - {r.event.id for r in records}
-    assert report["in_memory"] == 0 and not lost, (
-        f"{len(lost)} of {len(report['appended'])} appended events lost "
-        f"({report['in_memory']} were held only in memory)"
-    )
+    assert Counter(r.event.id for r in records) == Counter(child.appended)
 
 
 # --------------------------------------------------------------------------- #
@@ -827,3 +935,60 @@ async def test_filling_outbox_check_answers_503_and_never_raises(
         await asyncio.to_thread(durable.restart)
         await ledger.flush(30)
         await gov.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_full", ["refuse", "admit"])
+async def test_full_outbox_drops_refusals_of_unidentified_callers(
+    durable: KafkaService, outbox_dir: Path, caplog: pytest.LogCaptureFixture, on_full: str
+) -> None:
+    """A flood of unidentified callers (each refusal an event, free to produce) while the
+    broker is down: the outbox stops growing at ``outbox_max_bytes`` whatever
+    ``on_full`` says; the refusals past it are dropped with a counted WARNING; a cost
+    metered afterwards is still written; everything written ships exactly once."""
+    topic = fresh_topic(f"refusals-{on_full}")
+    await asyncio.to_thread(durable.kill)
+    limit = 8192
+    ledger = KafkaLedger(
+        durable.bootstrap,
+        topic=topic,
+        outbox_dir=outbox_dir,
+        partitions=PARTITIONS,
+        outbox_max_bytes=limit,
+        on_full=on_full,  # type: ignore[arg-type]
+        **FAST,
+    )
+    spy = LedgerSpy(ledger)
+    gov = Governor(calls_policy(), MemoryBackend(), ledger=spy)  # anonymous callers refused
+    refused = 0
+    with caplog.at_level(logging.WARNING, logger="mcp_budget_governor.producers.kafka_ledger"):
+        for i in range(200):
+            with pytest.raises(BudgetExceeded, match="caller_unidentified"):
+                await gov.identified(Context(tool=f"t{i}"))
+            refused += 1
+    assert ledger.outbox.pending_bytes <= limit
+    written = len(ledger.outbox)
+    assert 0 < written < refused  # some refusals recorded, the rest dropped
+    assert ledger.snapshot().dropped_refusals == refused - written
+    drops = [m for m in caplog.messages if "refusal event(s)" in m]
+    assert len(drops) == 1 and str(outbox_dir) in drops[0]  # rate-limited, with the count
+    assert "dropped 1 refusal event(s) since the last report, 1 in all" in drops[0]
+
+    # Costs of completed work are never dropped, past the limit too.
+    assert await gov.meter("spend", 5, Context(user="u1")) == 5
+    assert len(ledger.outbox) == written + 1
+    # A new admission at the limit: refused with 503 under "refuse", written under "admit".
+    decision = await gov.check(Context(user="u1"))
+    assert decision.admitted == (on_full == "admit")
+    if on_full == "refuse":
+        assert (decision.status, decision.reason) == (503, "ledger_unavailable")
+
+    await asyncio.to_thread(durable.restart)
+    assert await ledger.flush(30)
+    await gov.aclose()
+    on_topic = Counter(r.event.id for r in await read_topic(durable.bootstrap, topic))
+    refusals = [e.id for e in spy.entries if e.type is EntryType.REJECTED]
+    others = [e.id for e in spy.entries if e.type is not EntryType.REJECTED]
+    assert len(refusals) == refused
+    # The refusals written are the first ones, until the limit; the rest never reach disk.
+    assert on_topic == Counter(others + refusals[:written])

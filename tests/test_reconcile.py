@@ -4,11 +4,15 @@ is no drift."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as redis_sync
+from services import KafkaService, start_kafka
 from test_ledger_view import TOPIC, live_counters, mixed_run
 from test_replay import extend
 
@@ -142,3 +146,201 @@ async def test_file_ledger_reconcile(
     code, out, _ = reconcile(capsys, *args)
     assert code == 1 and key in out and "-1" in out
     client.close()
+
+
+# --------------------------------------------------------------------------- #
+# orphaned in-flight amounts: a process died between its Redis charge and its append
+# --------------------------------------------------------------------------- #
+
+
+class LostLedger:
+    """The ledger of a process killed right after each Redis charge: nothing is appended
+    (the entries are kept here only to play the late original later)."""
+
+    accepting = True
+
+    def __init__(self) -> None:
+        self.entries: list[Any] = []
+
+    async def append(self, entry: Any) -> None:
+        self.entries.append(entry)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def orphan_ops(redis_url: str) -> LostLedger:
+    """A check (calls) and a meter (USD micros) whose events never reach the ledger."""
+    from test_ledger_view import TENANTS, policy
+
+    from mcp_budget_governor import Context, Governor, RedisBackend
+
+    lost = LostLedger()
+    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=5.0), ledger=lost)
+    ctx = Context(user="orphan-user", tenant=TENANTS[0], tool="search")  # a fresh burst budget
+    assert (await gov.check(ctx)).admitted
+    assert await gov.meter("spend", 12_345, ctx) == 12_345
+    await gov.aclose()
+    return lost
+
+
+def per_unit(entries: list[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in entries:
+        for c in e.charges:
+            out[c.unit.value] = out.get(c.unit.value, 0) + c.amount
+    return out
+
+
+@pytest.fixture(scope="module")
+def kafka() -> Iterator[KafkaService]:
+    svc = start_kafka()
+    yield svc
+    svc.stop()
+
+
+async def test_orphaned_in_flight_is_listed_per_unit_and_settled_through_the_topic(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], kafka: KafkaService
+) -> None:
+    """Orphans are listed per unit once older than the bound; ``--fix`` appends one
+    ``recovered`` event per operation to the topic (the lost ids and charges); the worker's
+    projection settles them, so counters, ledger and the costs view agree; a late
+    original changes nothing; a limit the ledger never named is listed, not settled."""
+    from mcp_budget_governor import RedisBackend
+    from mcp_budget_governor.ledger import EntryType, new_id
+    from mcp_budget_governor.projections.ledger_view import open_ledger
+    from mcp_budget_governor.stream.projector import Projector
+    from mcp_budget_governor.stream.topic_reader import read_topic
+
+    run = await mixed_run(redis_url, tmp_path)
+    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    assert reconcile(capsys, *args)[0] == 0
+    lost = await orphan_ops(redis_url)
+    expected = per_unit(lost.entries)
+    assert set(expected) == {"calls", "usd_micros"}
+
+    # Young orphans are not listed (their events may still be on their way).
+    code, out, _ = reconcile(capsys, "--json", "--older-than", "3600", *args)
+    assert code == 0 and json.loads(out)["orphans"] == []
+    code, out, _ = reconcile(capsys, "--json", "--older-than", "0", *args)
+    report = json.loads(out)
+    assert code == 1 and report["drift"] == []
+    assert report["orphaned_by_unit"] == expected  # one number per unit, never mixed
+    assert {o["event_id"] for o in report["orphans"]} == {e.id for e in lost.entries}
+    code, out, _ = reconcile(capsys, "--older-than", "0", *args)
+    assert code == 1 and "orphaned in flight" in out and "usd_micros" in out
+
+    # An orphan of a limit no ledger event names: its unit is unknown.
+    client = redis_sync.Redis.from_url(redis_url)
+    ghost, ghost_id = "mcpbg:v1:ghost:user=u9:20261201", new_id()
+    client.hset(ghost, mapping={"f": 5, f"e:{ghost_id}": 5})
+    client.expire(ghost, 3600)
+    topic = f"mcpbg.recovery.{new_id()[-8:]}"
+    fix = ["--fix", "--older-than", "0", "--kafka-url", kafka.bootstrap, "--topic", topic]
+    # The command runs its own event loop (asyncio.run), as from a shell.
+    code, out, err = await asyncio.to_thread(reconcile, capsys, *fix, *args)
+    assert code == 1, err
+    assert "settled: 2 recovery events appended to the ledger; not settled: 1 entries" in out
+    assert "orphaned per unit: 3 calls, 5 of unknown unit, 12,345 usd_micros" in out, out
+
+    records = await read_topic(kafka.bootstrap, topic)
+    assert sorted(r.event.id for r in records) == sorted(e.id for e in lost.entries)
+    by_id = {e.id: e for e in lost.entries}
+    for r in records:
+        assert r.event.type == "mcpbg.recovered.v1"
+        mine = {(c.key, c.amount, c.unit) for c in r.event.data.charges}
+        theirs = {(c.key, c.amount, c.unit) for c in by_id[r.event.id].charges if c.amount}
+        assert mine == theirs
+        # The context is what the keys name (here the tenant; the user where a key has it).
+        named = {k: v for k, v in r.event.data.context.model_dump().items() if v is not None}
+        original = by_id[r.event.id].context
+        assert named and all(getattr(original, k) == v for k, v in named.items()), named
+
+    # The worker projects (and archives) the topic: the orphans are settled, once.
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    archiver = Archiver(run.archive, topic=topic)
+    projector = Projector(backend, topic, dlq=lambda letter: None, archive=archiver.write_batch)
+
+    async def project(rows: list[Any]) -> None:
+        by_p: dict[int, list[tuple[int, bytes]]] = {}
+        for r in rows:
+            by_p.setdefault(r.partition, []).append((r.offset, r.event.model_dump_json().encode()))
+        for p, batch in by_p.items():
+            await projector.apply_batch(p, batch)
+
+    await project(list(records))
+    client.delete(ghost)
+    code, out, _ = reconcile(capsys, "--json", "--older-than", "0", *args)
+    assert code == 0, out
+    con = open_ledger(run.archive)
+    (usd,) = con.execute(
+        "SELECT sum(usd_micros) FROM costs WHERE type = 'mcpbg.recovered.v1'"
+    ).fetchone() or (None,)
+    con.close()
+    assert usd == expected["usd_micros"]
+
+    # The late original (an outbox shipped after all): a duplicate id, skipped.
+    before = live_counters(redis_url)
+    from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+
+    late = KafkaLedger(kafka.bootstrap, topic=topic, outbox_dir=tmp_path / "late", partitions=3)
+    for entry in lost.entries:
+        assert entry.type in (EntryType.ADMITTED, EntryType.METERED)
+        await late.append(entry)
+    assert await late.flush(30)
+    await late.aclose()
+    seen = {(r.partition, r.offset) for r in records}
+    await project([r for r in await read_topic(kafka.bootstrap, topic)
+                   if (r.partition, r.offset) not in seen])  # fmt: skip
+    await backend.aclose()
+    assert live_counters(redis_url) == before
+    assert reconcile(capsys, "--older-than", "0", *args)[0] == 0
+    client.close()
+
+
+async def test_orphans_of_the_file_ledger_are_settled_in_it(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The embedded mode: ``--fix`` appends the recovery events to the file ledger itself,
+    and the FileProjector settles them; no --kafka-url needed."""
+    import random
+
+    from test_ledger_view import policy, workload
+
+    from mcp_budget_governor import Governor, RedisBackend
+    from mcp_budget_governor.prices import PriceTable
+    from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+
+    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    folder = tmp_path / "ledger"
+    ledger = FileLedger(folder, fsync="never")
+    gov = Governor(policy(), backend, ledger=ledger, prices=PriceTable.builtin())
+    await workload(gov, 80, random.Random(5))
+    await ledger.aclose()
+    lost = await orphan_ops(redis_url)
+    args = ["--ledger-dir", str(folder), "--redis-url", redis_url, "--older-than", "0"]
+    code, out, _ = reconcile(capsys, "--json", *args)
+    assert code == 1 and json.loads(out)["orphaned_by_unit"] == per_unit(lost.entries)
+    code, out, err = await asyncio.to_thread(reconcile, capsys, "--fix", *args)
+    assert code == 1 and "settled: 2 recovery events appended to the ledger" in out, err
+    await FileProjector(folder, backend).catch_up()
+    await backend.aclose()
+    assert all(f == 0 for _, f in live_counters(redis_url).values())
+    code, out, _ = reconcile(capsys, *args)
+    assert code == 0 and "no orphaned in-flight amounts" in out, out
+
+
+def test_fix_without_a_ledger_to_append_to_is_one_line(
+    redis_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MCPBG_KAFKA_URL", raising=False)
+    run = asyncio.run(mixed_run(redis_url, tmp_path))
+    asyncio.run(orphan_ops(redis_url))
+    argv = ["--archive-dir", str(run.archive), "--redis-url", redis_url, "--older-than", "0"]
+    code, _, err = reconcile(capsys, "--fix", *argv)
+    assert code == 2 and err.count("\n") == 1 and "--kafka-url" in err, err
+    code, _, err = reconcile(capsys, *argv[:-2], "--older-than", "-1")
+    assert code == 2 and err.count("\n") == 1 and "--older-than" in err, err

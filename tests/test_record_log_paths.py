@@ -515,7 +515,13 @@ async def test_a_failed_group_fsync_reaches_every_waiter_and_later_ones(
         failing_fsync(mp)
         waiters = [asyncio.create_task(flusher.wait_synced()) for _ in range(3)]
         results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), 5)
-    assert all(isinstance(r, RecordLogError) and "fsync of" in str(r) for r in results), results
+    # The fsync thread may start before the last waiter arrives: that one then hears
+    # of the earlier failure rather than sharing it; none is told its bytes are safe.
+    assert all(
+        isinstance(r, RecordLogError) and ("fsync of" in str(r) or "earlier fsync failed" in str(r))
+        for r in results
+    ), results
+    assert any("fsync of" in str(r) for r in results), results
 
     # fsync works again; a caller arriving later is not told its bytes are safe.
     with pytest.raises(RecordLogError, match="an earlier fsync failed"):
@@ -772,7 +778,8 @@ def test_ack_makes_the_records_durable_before_the_cursor(
             f"fsync {tmp_path.name}",
         ]
     else:
-        assert events == ["replace outbox.cursor"]  # "never" means never, until close
+        # "never" means never, until close: the cursor is rewritten in place.
+        assert events == []
     outbox.close()
     with Outbox(tmp_path, max_bytes=1 << 20) as again:
         assert again.empty and again.acked == Position(0, 24, 2)

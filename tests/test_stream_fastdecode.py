@@ -79,7 +79,10 @@ def entries(draw: st.DrawFn) -> LedgerEntry:
         # Up to 2096: the whole range producers can stamp, fractions of a second included.
         time=draw(st.floats(0, 4e9, allow_nan=False)),
         context=draw(contexts),
-        charges=() if kind is EntryType.REJECTED else tuple(draw(st.lists(charges, max_size=3))),
+        charges=()
+        if kind is EntryType.REJECTED
+        # a recovery carries the charges it settles
+        else tuple(draw(st.lists(charges, min_size=kind is EntryType.RECOVERED, max_size=3))),
         limit=draw(st.none() | names),
         status=draw(st.integers(100, 599)),
         over=tuple(draw(st.lists(names, max_size=2))),

@@ -1,9 +1,13 @@
 """``mcpbg reconcile``: compare every live counter with the ledger; ``--fix`` repairs drift.
 
-Exit code 0 when every counter equals the ledger's total for it, 1 when any
-drifts (the table names each key; also with ``--fix``, which repairs them: a
-second run then exits 0), 2 for bad input, an unreachable Redis, an
-empty or corrupt ledger. Exact while a worker runs (``projections/reconcile.py``).
+Exit code 0 when every counter equals the ledger's total for it and no
+in-flight amount is orphaned, 1 when any counter drifts or any in-flight
+entry older than ``--older-than`` has no event in the ledger (the tables name
+each key; also with ``--fix``, which repairs drift in Redis and settles
+orphans by appending ``recovered`` events to the ledger, projected by the
+worker: a later run then exits 0), 2 for bad input, an unreachable Redis or
+broker, an empty or corrupt ledger. Exact while a worker runs
+(``projections/reconcile.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,14 @@ import json
 import sys
 from typing import Any
 
-from .ledger_args import add_ledger_options, add_redis_option, open_ledger_from, required
+from .ledger_args import (
+    DEFAULT_TOPIC,
+    add_ledger_options,
+    add_redis_option,
+    open_ledger_from,
+    required,
+    setting,
+)
 
 
 def register(sub: Any) -> None:
@@ -29,8 +40,23 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--fix",
         action="store_true",
-        help="add the difference to each drifting counter (and drop stale in-flight entries)",
+        help="add the difference to each drifting counter (and drop stale in-flight entries); "
+        "settle orphaned in-flight amounts with recovery events appended to the ledger",
     )
+    p.add_argument(
+        "--older-than",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="an in-flight entry with no ledger event is orphaned past this age "
+        "(default 600; longer than any outbox backlog or worker lag you expect)",
+    )
+    p.add_argument(
+        "--kafka-url",
+        help="with --fix: the broker to append recovery events to, kafka://host:port "
+        "(env MCPBG_KAFKA_URL); without it, --ledger-dir's file ledger is appended to",
+    )
+    p.add_argument("--topic", help=f"the ledger topic (default {DEFAULT_TOPIC}; env MCPBG_TOPIC)")
     p.add_argument("--show", type=int, default=100, help="drifting keys listed (default 100)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
@@ -39,11 +65,14 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
     from ..projections.counter_sync import redis_client
-    from ..projections.reconcile import reconcile
+    from ..projections.reconcile import DEFAULT_ORPHAN_AGE, limit_meta, reconcile
     from .render import console, print_table
 
     if args.show < 0:
         raise InvalidInputError("--show", args.show, "0 or more")
+    older_than = DEFAULT_ORPHAN_AGE if args.older_than is None else args.older_than
+    if older_than < 0:
+        raise InvalidInputError("--older-than", older_than, "seconds, 0 or more")
     redis_url = required(args, "redis_url", "the counters' Redis, redis://host:port/db")
     client = redis_client(redis_url)  # first: a bad URL is the error to see
     try:
@@ -51,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         client.close()
         raise
+    unfixable: list[Any] = []
+    recovered = 0
     try:
-        result = reconcile(con, client, fix=args.fix)
+        result = reconcile(con, client, fix=args.fix, older_than=older_than)
+        if args.fix and result.orphans:
+            recovered, unfixable = _settle(args, result.orphans, limit_meta(con))
     finally:
         client.close()
         con.close()
@@ -63,6 +96,19 @@ def run(args: argparse.Namespace) -> int:
                 "in_flight": result.in_flight,
                 "watermarks": result.watermarks,
                 "fixed": result.fixed,
+                "orphaned_by_unit": result.orphaned_by_unit(),
+                "recovered": recovered,
+                "orphans": [
+                    {
+                        "key": o.key,
+                        "event_id": o.event_id,
+                        "amount": o.amount,
+                        "unit": o.unit,
+                        "age_seconds": o.age,
+                        "settled": args.fix and o not in unfixable,
+                    }
+                    for o in result.orphans
+                ],
                 "drift": [
                     {
                         "key": d.key,
@@ -98,4 +144,93 @@ def run(args: argparse.Namespace) -> int:
                 f"no drift: {result.compared:,} counters equal the ledger "
                 f"(in flight: {result.in_flight:,})"
             )
-    return 1 if result.drifts else 0
+        _print_orphans(args, result, recovered, unfixable, older_than)
+    return 1 if result.drifts or result.orphans else 0
+
+
+def _print_orphans(
+    args: argparse.Namespace, result: Any, recovered: int, unfixable: list[Any], older_than: int
+) -> None:
+    from .render import console, print_table
+
+    if not result.orphans:
+        console().print(f"no orphaned in-flight amounts (older than {older_than:,} s)")
+        return
+    ids = {o.event_id for o in result.orphans}
+    print_table(
+        f"orphaned in flight: {len(result.orphans):,} entries of {len(ids):,} operations "
+        f"older than {older_than:,} s, with no ledger event",
+        ["key", "event id", "age s", "amount", "unit"],
+        [
+            [o.key, o.event_id, o.age, o.amount, o.unit or "? (unknown)"]
+            for o in result.orphans[: args.show]
+        ],
+        numeric=["age s", "amount"],
+    )
+    if len(result.orphans) > args.show:
+        console().print(f"... and {len(result.orphans) - args.show:,} more (--show N)")
+    totals = ", ".join(
+        f"{amount:,} {unit}" if unit != "?" else f"{amount:,} of unknown unit"
+        for unit, amount in result.orphaned_by_unit().items()
+    )
+    console().print(f"orphaned per unit: {totals}")
+    if args.fix:
+        line = f"settled: {recovered:,} recovery events appended to the ledger"
+        if unfixable:
+            line += f"; not settled: {len(unfixable):,} entries (no ledger event names the limit)"
+        console().print(line)
+
+
+def _settle(args: argparse.Namespace, orphans: list[Any], meta: Any) -> tuple[int, list[Any]]:
+    """Append one recovery event per orphaned id to the ledger; (appended, unfixable)."""
+    import asyncio
+
+    from ..errors import InvalidInputError
+    from ..projections.reconcile import recovery_entries
+
+    entries, unfixable = recovery_entries(orphans, meta)
+    if not entries:
+        return 0, unfixable
+    kafka_url, ledger_dir = setting(args, "kafka_url"), setting(args, "ledger_dir")
+    if kafka_url is None and ledger_dir is None:
+        raise InvalidInputError(
+            "--kafka-url",
+            None,
+            "required by --fix to settle orphans: the ledger to append recovery events to "
+            "(or set MCPBG_KAFKA_URL, or give --ledger-dir for the file ledger)",
+        )
+    asyncio.run(_append(kafka_url, setting(args, "topic"), ledger_dir, entries))
+    return len(entries), unfixable
+
+
+async def _append(
+    kafka_url: str | None, topic: str | None, ledger_dir: str | None, entries: list[Any]
+) -> None:
+    import tempfile
+
+    from ..ledger import Ledger
+
+    ledger: Ledger
+    if kafka_url is not None:
+        from ..producers.kafka_ledger import KafkaLedger
+
+        # Its own outbox, and each event acknowledged by the broker before this returns:
+        # "settled" means on the topic, not in a folder nobody ships.
+        ledger = KafkaLedger.from_url(
+            kafka_url,
+            topic=topic or DEFAULT_TOPIC,
+            source="/mcpbg/reconcile",
+            outbox_dir=tempfile.mkdtemp(prefix="mcpbg-reconcile-outbox-"),
+            durability="acked",
+            create_topic=False,
+        )
+    else:
+        from ..producers.file_ledger import FileLedger
+
+        assert ledger_dir is not None
+        ledger = FileLedger(ledger_dir, source="/mcpbg/reconcile", fsync="always")
+    try:
+        for entry in entries:
+            await ledger.append(entry)
+    finally:
+        await ledger.aclose()
