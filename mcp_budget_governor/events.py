@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError
 
 from .context import Context
 from .errors import GovernorError
@@ -36,6 +37,7 @@ from .keys import PREFIX
 from .ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage
 from .limits import NAME_PATTERN
 from .money import MAX_AMOUNT, Unit
+from .provenance import event_problem
 from .windows import Window
 
 SPECVERSION = "1.0"
@@ -120,6 +122,19 @@ class _Event(_Model):
     datacontenttype: Literal["application/json"] = "application/json"
     data: EventData
 
+    def model_post_init(self, _: Any) -> None:
+        # The topic is input: only charges a governor could have written (see provenance).
+        charges = self.data.charges
+        problem = event_problem(
+            _KINDS[self.type],  # type: ignore[attr-defined]
+            self.time.timestamp(),
+            self.data.context.__dict__,
+            [(c.limit, c.window.value, c.bucket, c.key, c.amount, c.expire_at) for c in charges],
+        )
+        if problem is not None:
+            # A custom error: the reason reads as is, without pydantic's "Value error, ".
+            raise PydanticCustomError("charge", "{problem}", {"problem": problem})
+
 
 class AdmittedEvent(_Event):
     """A check admitted the call; its gated charges (calls) are here."""
@@ -131,10 +146,6 @@ class RejectedEvent(_Event):
     """A check or reservation refused the call; it charged nothing."""
 
     type: Literal["mcpbg.rejected.v1"]
-
-    def model_post_init(self, _: Any) -> None:
-        if self.data.charges:
-            raise ValueError("a rejected event carries no charges")
 
 
 class MeteredEvent(_Event):
@@ -182,6 +193,7 @@ def type_name(kind: EntryType) -> str:
 
 
 _TYPE_NAMES = {kind: type_name(kind) for kind in EntryType}
+_KINDS = {name: kind for kind, name in _TYPE_NAMES.items()}
 
 
 def _rfc3339(epoch: float) -> str:
@@ -287,8 +299,10 @@ def parse(raw: bytes | str) -> LedgerEvent:
         return _ADAPTER.validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "event"
-        raise MalformedEventError(f"{where}: {first['msg']}", raw) from None
+        where = ".".join(str(p) for p in first["loc"])
+        # A charge problem names its place itself (data.charges.N: ...).
+        reason = f"{where}: {first['msg']}" if where else first["msg"]
+        raise MalformedEventError(reason, raw) from None
 
 
 def to_entry(event: LedgerEvent) -> LedgerEntry:
