@@ -97,6 +97,9 @@ WATERMARK_KEY = f"{PREFIX}:_applied"
 SEEN_PREFIX = f"{PREFIX}:_seen"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"
+#: What the epoch marker holds (a rebuild's id): a string of this shape, nothing else.
+#: ``epoch_ok`` in lua/lib.lua checks the same (a test holds the two together).
+EPOCH_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 @dataclass(frozen=True, slots=True)

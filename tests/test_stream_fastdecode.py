@@ -373,7 +373,12 @@ class Recorder:
         self.letters: list[DeadLetter] = []
 
     async def apply(
-        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
     ) -> int:
         self.applied += events
         return len(events)
