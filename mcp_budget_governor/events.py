@@ -31,7 +31,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 
-from .context import Context
+from .context import Context, cacheable
 from .errors import GovernorError
 from .keys import PREFIX
 from .ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage
@@ -220,8 +220,17 @@ def _subject(ctx: Context) -> str | None:
 # The context and the charges of a hot caller repeat call after call (the
 # governor reuses one plan per context and minute), so their JSON is made once
 # and embedded as a pre-serialised fragment.
-@lru_cache(maxsize=4096)
 def _context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
+    # Only contexts short enough are kept: the cache stays small in bytes.
+    return _cached_context_json(ctx) if cacheable(ctx) else _make_context_json(ctx)
+
+
+@lru_cache(maxsize=4096)
+def _cached_context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
+    return _make_context_json(ctx)
+
+
+def _make_context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
     fields = {
         "user": ctx.user,
         "tenant": ctx.tenant,

@@ -30,7 +30,8 @@ from .scopes import Dimensions, Scope
 PREFIX = "mcpbg:v1"
 GLOBAL_SCOPE = "global"
 MAX_VALUE_CHARS = 192
-_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+_SAFE_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"
+_SAFE = frozenset(_SAFE_BYTES)
 #: The longest bucket label a key may end with (the ledger schema's bound).
 MAX_BUCKET_CHARS = 64
 #: The longest counter key: a 64-character limit name, every dimension at its
@@ -67,6 +68,10 @@ def escape(value: str) -> str:
 
 def _escape(value: str) -> str:
     raw = value.encode("utf-8")
+    if len(value) > MAX_VALUE_CHARS:  # every character encodes to one or more: hashed
+        return "#" + hashlib.sha256(raw).hexdigest()
+    if not raw.translate(None, _SAFE_BYTES):  # nothing to encode (most ids): at C speed
+        return value
     out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     if len(out) > MAX_VALUE_CHARS:
         return "#" + hashlib.sha256(raw).hexdigest()
