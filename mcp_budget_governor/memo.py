@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -25,40 +25,36 @@ def text_bytes(*parts: object) -> int:
     return ENTRY_OVERHEAD + sum(sys.getsizeof(p) for p in parts)
 
 
-class BytesCache(Generic[K, V]):
+class BytesCache(dict[K, V]):
     """A dict holding at most ``max_bytes`` (as :meth:`put` is told), emptied when full.
+
+    A dict itself, so ``get`` is the dict's own (the hot paths look up far more
+    often than they store).
 
     >>> cache: BytesCache[str, int] = BytesCache(1 << 20)
     >>> cache.put("a", 1, text_bytes("a")); cache.get("a"), cache.get("b")
     (1, None)
     """
 
-    __slots__ = ("_data", "max_bytes", "max_entry", "size")
+    __slots__ = ("max_bytes", "max_entry", "size")
 
     def __init__(self, max_bytes: int, *, max_entry: int | None = None) -> None:
-        self._data: dict[K, V] = {}
+        super().__init__()
         self.max_bytes = max_bytes
         #: The largest entry kept (default: 1/64 of the budget); larger ones are not cached.
         self.max_entry = max_bytes // 64 if max_entry is None else max_entry
         #: Bytes held now, as told to :meth:`put`.
         self.size = 0
 
-    def get(self, key: K) -> V | None:
-        return self._data.get(key)
-
     def put(self, key: K, value: V, size: int) -> None:
         """Keep ``value`` under ``key``, ``size`` bytes; nothing if larger than ``max_entry``."""
-        if size > self.max_entry or key in self._data:
+        if size > self.max_entry or key in self:
             return
         if self.size + size > self.max_bytes:
-            self._data.clear()
-            self.size = 0
-        self._data[key] = value
+            self.clear()
+        self[key] = value
         self.size += size
 
-    def __len__(self) -> int:
-        return len(self._data)
-
     def clear(self) -> None:
-        self._data.clear()
+        super().clear()
         self.size = 0

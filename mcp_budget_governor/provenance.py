@@ -66,10 +66,15 @@ _PLANNED_NOW = frozenset({EntryType.ADMITTED, EntryType.METERED, EntryType.RESER
 
 @dataclass(frozen=True, slots=True)
 class CounterShape:
-    """What a charge's key and bucket say, independent of the event carrying it."""
+    """What a charge's key and bucket say, independent of the event carrying it.
+
+    ``scope`` holds ``(dimension name, value, hashed)`` per scope dimension of
+    the key, ready for the per-event check (which runs for every charge).
+    """
 
     key: ParsedKey
     bucket: Bucket
+    scope: tuple[tuple[str, str, bool], ...]
 
 
 # Shapes of recent charges; keys are bounded (MAX_KEY_CHARS) before they are kept.
@@ -113,7 +118,10 @@ def _counter_shape(
         want = period.expire_at(0)
         if expire_at != want:
             return f"expire_at {expire_at} is not its bucket's end plus grace ({want})"
-    return CounterShape(parsed, period)
+    scope = tuple(
+        (d.value, v, h) for d, v, h in zip(parsed.dims, parsed.values, parsed.hashed, strict=True)
+    )
+    return CounterShape(parsed, period, scope)
 
 
 def charge_problem(
@@ -137,11 +145,10 @@ def charge_problem(
         or (sign is Sign.NEGATIVE and amount > 0)
     ):
         return f"amount {amount}: the charges of {kind.value} events are {sign.value}"
-    parsed = shape.key
-    for dim, value, hashed in zip(parsed.dims, parsed.values, parsed.hashed, strict=True):
-        mine = context.get(dim.value)
+    for dim, value, hashed in shape.scope:
+        mine = context.get(dim)
         if mine is None or (escape(mine) != value if hashed else mine != value):
-            return f"key {_show(parsed.key)} is not the counter of this event's {dim.value}"
+            return f"key {_show(shape.key.key)} is not the counter of this event's {dim}"
     period = shape.bucket
     if period.start is None:  # a session: its counter lives on after each write
         latest = math.ceil(time) + SESSION_TTL_SECONDS + 1  # +1: the time's microseconds
