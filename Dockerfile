@@ -9,8 +9,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# The architecture folders sit at the top level and are linked into the
-# package (mcp_budget_governor/producers -> ../producers): copy both sides.
+# The architecture folders sit at the top level and install as subpackages
+# (mcp_budget_governor.producers from producers/, see pyproject's package-dir).
 COPY pyproject.toml README.md ./
 COPY mcp_budget_governor ./mcp_budget_governor
 COPY producers ./producers

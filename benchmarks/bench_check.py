@@ -210,7 +210,7 @@ def report(results: dict[str, Any]) -> str:
 def _area(filename: str, func: str) -> str:
     """Which layer a profiled function belongs to."""
     repo = str(_common.REPO)
-    if filename.endswith("/projections/redis_counters.py"):  # also via a symlinked path
+    if filename.endswith("/projections/redis_counters.py"):
         return "RedisBackend (projections/redis_counters.py)"
     if filename.startswith(f"{repo}/mcp_budget_governor/"):
         return "mcp_budget_governor (governor, planning, keys, windows)"
@@ -323,7 +323,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
     class InstantBackend:
         """Answers charge() at once with the real reply: Governor.check's own Python cost."""
 
-        async def charge(self, ops: Any, *, event_id: str | None = None) -> Any:
+        async def charge(self, ops: Any, **_: Any) -> Any:
             return result
 
     instant = Governor(policy, cast(Any, InstantBackend()))

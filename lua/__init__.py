@@ -9,6 +9,9 @@ from __future__ import annotations
 from functools import cache
 from importlib.resources import files
 
+if __name__ != "mcp_budget_governor.lua":  # one name per module (README, Layout)
+    raise ImportError("import mcp_budget_governor.lua, not lua")
+
 SCRIPTS = ("charge", "apply", "usage", "noop", "rewrite")
 
 

@@ -1,17 +1,28 @@
 -- Atomic, all-or-nothing charge over every counter a call touches: check(),
 -- reserve, meter and settle all come here, in one round trip.
 --
--- ARGV[1]      event id ('' commits inline: no ledger)
+-- ARGV[1]      event id ('' commits inline: no ledger); flagged 'o', the
+--              operation id of an inline charge
 -- ARGV[2]      flags: 'e' when KEYS[1] is the epoch marker and must exist
 --              (ledger mode: a Redis that restarted empty must not admit from
---              empty counters); 'u' to reply with every counter's total
+--              empty counters); 'u' to reply with every counter's total;
+--              'o' when the next key is the marker of operation ARGV[1]
 -- ARGV[3..]    per counter: amount, cap, enforce ('1' may refuse), expire_at
--- KEYS         the epoch marker first when flagged 'e', then the counters
+-- KEYS         the epoch marker first when flagged 'e', then the operation
+--              marker when flagged 'o', then the counters
 --
 -- Returns {refused} or, flagged 'u', {refused, used...}: refused is 0 when
 -- admitted, else the 1-based position of the first refusing counter (nothing
--- was written); -1 when the epoch marker is missing. used holds each
--- counter's total before the charge.
+-- was written); -1 when the epoch marker is missing; {-2, i} when counter i
+-- is outside the exact range, or an admitted charge would take it out
+-- (stays_exact; nothing was written). used holds
+-- each counter's total before the charge.
+--
+-- An operation marker makes an inline charge idempotent: a charge replayed
+-- after its reply came too late finds the marker and changes nothing ({0}).
+-- The marker lives OP_HORIZON seconds (keys.OP_HORIZON_SECONDS): long enough
+-- for the replay that follows an outage, short of holding a bucket's every id.
+local OP_HORIZON = 900
 
 local event_id = ARGV[1]
 local flags = ARGV[2]
@@ -22,13 +33,31 @@ if string.find(flags, 'e', 1, true) then
   end
   first = 2
 end
+local op_key = nil
+if string.find(flags, 'o', 1, true) then
+  op_key = KEYS[first]
+  first = first + 1
+  if redis.call('EXISTS', op_key) == 1 then
+    return {0}
+  end
+  event_id = ''
+end
+local inline = event_id == ''
 
+-- Exactness first (a counter read inexactly cannot be compared), then the
+-- refusal, then whether the admitted amounts keep every counter exact.
 local n = #KEYS - first + 1
 local result = {0}
 local refused = 0
+local cs, fs = {}, {}
 for i = 1, n do
   local base = 3 + (i - 1) * 4
-  local used = used_of(KEYS[first + i - 1])
+  local c, f = parts_of(KEYS[first + i - 1])
+  if not stays_exact(c, f, 0, inline) then
+    return {-2, i}
+  end
+  cs[i], fs[i] = c, f
+  local used = c + f
   result[i + 1] = used
   if refused == 0 and ARGV[base + 2] == '1'
       and not fits(used, tonumber(ARGV[base]), tonumber(ARGV[base + 1])) then
@@ -42,12 +71,22 @@ if refused > 0 then
   result[1] = refused
   return result
 end
+for i = 1, n do
+  if not stays_exact(cs[i], fs[i], tonumber(ARGV[3 + (i - 1) * 4]), inline) then
+    return {-2, i}
+  end
+end
 
+local wrote = false
 for i = 1, n do
   local base = 3 + (i - 1) * 4
   local amount = ARGV[base]
   if amount ~= '0' then
     add(KEYS[first + i - 1], amount, event_id, ARGV[base + 3])
+    wrote = true
   end
+end
+if op_key and wrote then
+  redis.call('SET', op_key, '1', 'EX', OP_HORIZON)
 end
 return result

@@ -34,6 +34,29 @@ local function add(key, amount, event_id, expire_at)
   redis.call('EXPIREAT', key, expire_at)
 end
 
+-- The exact range (counters.MAX_COUNTER, counters.stays_exact): a counter's
+-- committed and in-flight parts and its total stay within +-(2^53 - 1), where
+-- Lua's doubles count exactly. A stored part outside it still compares as
+-- outside (doubles round monotonically; the bound is representable), so the
+-- test itself is exact.
+local MAX_EXACT = 9007199254740991
+
+local function exact(v)
+  return v >= -MAX_EXACT and v <= MAX_EXACT
+end
+
+-- A counter's committed and in-flight parts, as numbers (0 when absent).
+local function parts_of(key)
+  local v = redis.call('HMGET', key, 'c', 'f')
+  return tonumber(v[1]) or 0, tonumber(v[2]) or 0
+end
+
+-- Whether the parts are exact and stay so with amount added (to committed when inline).
+local function stays_exact(c, f, amount, inline)
+  if inline then c = c + amount else f = f + amount end
+  return exact(c) and exact(f) and exact(c + f)
+end
+
 -- The epoch marker is whole only as a string of the shape keys.EPOCH_VALUE
 -- gives it (a test holds the two together): a hash or a set left at its name
 -- by a stray write is no proof that the counters are complete.

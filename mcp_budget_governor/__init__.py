@@ -16,14 +16,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .context import ANONYMOUS_USER, Context
-from .counters import Backend
-from .decision import Decision
+from .counters import Backend, ChargeResult
+from .decision import Decision, MeterResult
 from .errors import (
+    BackendUnavailable,
     BackendUnavailableError,
     BudgetExceeded,
+    BudgetGovernorError,
+    BudgetUnavailable,
+    CounterOverflowError,
     GovernorError,
     InvalidInputError,
+    LimitExceeded,
     PolicyError,
+    UnknownModel,
     UnknownModelError,
 )
 from .governor import Governor, Reservation
@@ -36,17 +42,32 @@ from .scopes import Scope
 from .windows import Window
 
 if TYPE_CHECKING:
+    from mcp_budget_governor.prices import BUILTIN_AS_OF
     from mcp_budget_governor.projections.memory_counters import MemoryBackend
     from mcp_budget_governor.projections.redis_counters import RedisBackend
 
+    __version__: str
+
+# Result types under the names mcp-budget-governor 0.1.0 gave its backend's
+# answers: a gated consume is our atomic charge, an ungated add a meter.
+ConsumeResult = ChargeResult
+AccumulateResult = MeterResult
+
 __all__ = [
     "ANONYMOUS_USER",
+    "BUILTIN_AS_OF",
     "MAX_AMOUNT",
+    "AccumulateResult",
     "Anonymous",
     "Backend",
+    "BackendUnavailable",
     "BackendUnavailableError",
     "BudgetExceeded",
+    "BudgetGovernorError",
+    "BudgetUnavailable",
+    "ConsumeResult",
     "Context",
+    "CounterOverflowError",
     "Decision",
     "FailMode",
     "Governor",
@@ -55,7 +76,9 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "Limit",
+    "LimitExceeded",
     "MemoryBackend",
+    "MeterResult",
     "ModelPrice",
     "OnExceed",
     "Policy",
@@ -65,8 +88,10 @@ __all__ = [
     "Reservation",
     "Scope",
     "Unit",
+    "UnknownModel",
     "UnknownModelError",
     "Window",
+    "__version__",
     "format_usd",
     "usd",
 ]
@@ -74,10 +99,16 @@ __all__ = [
 _LAZY = {
     "MemoryBackend": "mcp_budget_governor.projections.memory_counters",
     "RedisBackend": "mcp_budget_governor.projections.redis_counters",
+    "BUILTIN_AS_OF": "mcp_budget_governor.prices",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        # One source: the installed distribution's metadata (pyproject's version).
+        from importlib.metadata import version
+
+        return version("mcp-budget-governor")
     if name in _LAZY:
         import importlib
 

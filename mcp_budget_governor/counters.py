@@ -7,6 +7,14 @@ event id so that projecting an event moves each amount exactly once.
 
 The Lua scripts in ``lua/`` and :class:`MemoryBackend` implement this same
 model; a property test drives both and requires identical answers.
+
+Counters are counted exactly: every part (committed, in-flight) and every
+total stays within ``MAX_COUNTER`` (2**53 - 1) in magnitude, the integers
+Lua's doubles hold exactly, and a charge that would leave that range is
+refused (:func:`stays_exact`, :class:`CounterOverflowError`). Caps and single
+amounts have the same bound (``money.MAX_AMOUNT``), so inside the range every
+sum the scripts compare is exact, and outside it the comparison with the
+bound still is (doubles round monotonically and the bound is representable).
 """
 
 from __future__ import annotations
@@ -16,7 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .errors import CounterOverflowError
+from .keys import parse_key
+from .money import MAX_AMOUNT
+
 SECONDS_PER_DAY = 86_400
+
+#: The largest magnitude of a counter's parts and total (lua/lib.lua: MAX_EXACT).
+MAX_COUNTER = MAX_AMOUNT
 
 
 def fits(used: int, amount: int, cap: int) -> bool:
@@ -29,6 +44,39 @@ def fits(used: int, amount: int, cap: int) -> bool:
     (True, False, True, False)
     """
     return used + max(amount, 1) <= cap
+
+
+def stays_exact(committed: int, in_flight: int, amount: int, *, inline: bool) -> bool:
+    """Whether a counter's parts are in the exact range and stay there with ``amount`` added.
+
+    ``inline`` adds to committed, else to in-flight. A charge first requires
+    every counter's parts to be exact (``amount=0``: :func:`fits` needs an
+    exact total), then refuses by :func:`fits`, then requires each admitted
+    amount to keep its counter exact; any failure refuses the whole charge
+    with :class:`CounterOverflowError`.
+
+    >>> stays_exact(MAX_COUNTER - 1, 0, 1, inline=True), stays_exact(MAX_COUNTER, 0, 1, inline=True)
+    (True, False)
+    >>> stays_exact(MAX_COUNTER, 1, -1, inline=False)
+    True
+    >>> stays_exact(MAX_COUNTER + 1, -2, 0, inline=True)  # the total fits, a part does not
+    False
+    """
+    if inline:
+        committed += amount
+    else:
+        in_flight += amount
+    return (
+        -MAX_COUNTER <= committed <= MAX_COUNTER
+        and -MAX_COUNTER <= in_flight <= MAX_COUNTER
+        and -MAX_COUNTER <= committed + in_flight <= MAX_COUNTER
+    )
+
+
+def overflow(key: str, amount: int) -> CounterOverflowError:
+    """The error refusing ``amount`` on counter ``key``, naming the key's limit."""
+    parsed = parse_key(key)
+    return CounterOverflowError(parsed.limit if parsed else key, amount, key, MAX_COUNTER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +154,24 @@ class Backend(Protocol):
     """Shared counter storage. Every method is one atomic step (one round trip)."""
 
     async def charge(
-        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
     ) -> ChargeResult:
         """All or nothing: refuse (writing nothing) if any enforcing op does not fit,
         else add every non-zero amount, committed inline when ``event_id`` is None,
         in-flight under ``event_id`` otherwise. ``want_used=False`` lets a backend
-        skip returning the totals (``used`` may then be empty)."""
+        skip returning the totals (``used`` may then be empty).
+
+        ``op_id`` (inline charges): a charge that wrote something remembers it
+        for ``keys.OP_HORIZON_SECONDS``, and a charge whose ``op_id`` is
+        remembered changes nothing and is admitted (a replay of a charge
+        that landed although its reply came too late). Raises
+        :class:`CounterOverflowError`, writing nothing, when an op fails
+        :func:`stays_exact`."""
         ...
 
     async def usage(self, keys: Sequence[str]) -> list[int]:

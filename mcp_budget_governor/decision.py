@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import MappingProxyType
 
-from .errors import BudgetExceeded
+from .errors import BudgetExceeded, BudgetUnavailable, LimitExceeded
+
+#: Reason prefixes: a limit's counter refused, or could not be read (fail-closed).
+EXCEEDED = "budget_exceeded"
+UNAVAILABLE = "budget_unavailable"
+#: The reason when the ledger cannot record new work.
+LEDGER_UNAVAILABLE = "ledger_unavailable"
+
+_NO_HEADROOM: Mapping[str, int] = MappingProxyType({})
+
+
+def _no_headroom() -> Mapping[str, int]:
+    return _NO_HEADROOM
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +36,9 @@ class Decision:
     - ``over``: shadow-mode (``OnExceed.ALERT``) limits this call went over.
     - ``degraded``: the shared counters were unreachable and process-local
       fallback counters decided.
+    - ``remaining``: per limit the check read (gated limits and breakers),
+      what can still be charged before it is exhausted, after this call's
+      charge; empty when no counter answered. Not part of equality.
     """
 
     admitted: bool
@@ -32,6 +49,28 @@ class Decision:
     reason: str = "ok"
     over: tuple[str, ...] = field(default=())
     degraded: bool = False
+    remaining: Mapping[str, int] = field(default_factory=_no_headroom, compare=False)
+
+    @property
+    def allowed(self) -> bool:
+        """``admitted``, under the name mcp-budget-governor 0.1.0 used."""
+        return self.admitted
+
+    def refusal_type(self) -> type[BudgetExceeded]:
+        """The exception class a refusal with this decision raises.
+
+        A refusal by a limit's counter is a quota refusal
+        (:class:`LimitExceeded`) unless its status is 503, which sheds
+        everyone (a breaker); unreachable fail-closed counters or ledger raise
+        :class:`BudgetUnavailable`; anything else (an unnamed caller, 403)
+        plain :class:`BudgetExceeded`.
+        """
+        reason = self.reason
+        if reason.startswith(EXCEEDED):
+            return BudgetExceeded if self.status == 503 else LimitExceeded
+        if reason.startswith(UNAVAILABLE) or reason == LEDGER_UNAVAILABLE:
+            return BudgetUnavailable
+        return BudgetExceeded
 
     def raise_for_status(self) -> Decision:
         """Raise :class:`BudgetExceeded` if refused; return self otherwise."""
@@ -52,6 +91,34 @@ class Decision:
 
 
 ADMITTED = Decision(admitted=True)
+
+
+@dataclass(frozen=True, slots=True)
+class MeterResult:
+    """What a ``meter()`` (or an explicit ``settle()``) did to the first named limit
+    that applies to the context.
+
+    - ``total``: that limit's total after the charge (0 when no counter
+      answered: unreachable, and no local fallback).
+    - ``within``: whether it still has room, i.e. ``total`` is below the cap;
+      False once the cap is reached, when the next check is refused.
+    - ``crossed``: True only for the charge that took it from room to none,
+      so an alert fires once per window.
+    - ``charged``: the amount charged on it (a settle: the difference from
+      the estimate); ``limit`` its name (None, and nothing charged, when the
+      context lacks the scope of every named limit).
+    - ``degraded``: the shared counters were unreachable.
+    """
+
+    within: bool
+    total: int
+    crossed: bool
+    charged: int = 0
+    limit: str | None = None
+    degraded: bool = False
+
+
+NOTHING_METERED = MeterResult(within=True, total=0, crossed=False)
 
 
 def at(epoch: float | None) -> datetime | None:

@@ -60,9 +60,72 @@ class EpochMissingError(BackendUnavailableError):
     before anything is applied to, or admitted from, them."""
 
 
+class CounterOverflowError(GovernorError, OverflowError):
+    """A charge would leave the range a counter is counted exactly in: refused, nothing written.
+
+    ``limit`` names the limit (the counter ``key`` belongs to it), ``amount``
+    the charge; ``bound`` is the largest magnitude a counter's parts and total
+    may reach (``counters.MAX_COUNTER``).
+    """
+
+    def __init__(self, limit: str, amount: int, key: str, bound: int) -> None:
+        self.limit = limit
+        self.amount = amount
+        self.key = key
+        self.bound = bound
+        super().__init__(
+            f"limit {limit!r}: charging {amount} would take counter {_show(key)} past "
+            f"+-{bound}, the largest total counted exactly; nothing was charged"
+        )
+
+
 class BudgetExceeded(GovernorError):
-    """A call was refused by a limit; ``decision`` says which and until when."""
+    """A call was refused; ``decision`` says by which limit and until when.
+
+    ``BudgetExceeded(decision)`` builds the subclass the decision calls for
+    (:meth:`Decision.refusal_type`), wherever a refusal is raised:
+    :class:`LimitExceeded` for a caller over its quota (429, 402),
+    :class:`BudgetUnavailable` when fail-closed counters or the ledger cannot
+    be reached, this class itself for a tripped breaker (503) or an unnamed
+    caller (403). ``except BudgetExceeded`` catches every refusal.
+    """
+
+    def __new__(cls, decision: Decision) -> BudgetExceeded:
+        if cls is BudgetExceeded:
+            cls = decision.refusal_type()
+        return super().__new__(cls, decision.reason)
 
     def __init__(self, decision: Decision) -> None:
         self.decision = decision
         super().__init__(decision.reason)
+
+    @property
+    def status_code(self) -> int:
+        """The HTTP status of the refusal (``decision.status``)."""
+        return self.decision.status
+
+    @property
+    def limit_name(self) -> str | None:
+        """The refusing limit's name (``decision.limit``)."""
+        return self.decision.limit
+
+    @property
+    def retry_after(self) -> int | None:
+        """Seconds until retrying can succeed; None on a 402 (``decision.retry_after``)."""
+        return self.decision.retry_after
+
+
+class LimitExceeded(BudgetExceeded):
+    """A caller is over its own quota or spend limit (429, 402): the service is fine."""
+
+
+class BudgetUnavailable(BudgetExceeded, BackendUnavailableError):
+    """Refused because a fail-closed limit's counters (or the ledger) cannot be
+    reached (503, retry soon); also a :class:`BackendUnavailableError`."""
+
+
+# The names of mcp-budget-governor 0.1.0 (the reference package), on our classes;
+# README "Migrating from mcp-budget-governor 0.1.0" lists where they differ.
+BudgetGovernorError = GovernorError
+BackendUnavailable = BackendUnavailableError
+UnknownModel = UnknownModelError

@@ -24,9 +24,14 @@ from typing import Any
 
 from . import planning
 from .context import EMPTY, Context, cacheable
-from .counters import Backend, ChargeResult, CounterOp
-from .decision import ADMITTED, Decision
-from .errors import BackendUnavailableError, BudgetExceeded, InvalidInputError
+from .counters import Backend, ChargeResult, CounterOp, fits
+from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
+from .errors import (
+    BackendUnavailableError,
+    BudgetExceeded,
+    CounterOverflowError,
+    InvalidInputError,
+)
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from .limits import FailMode, Limit, OnExceed
 from .metering import Metering
@@ -38,11 +43,11 @@ from .prices import PriceTable
 log = logging.getLogger("mcp_budget_governor")
 
 
-class Governor(Metering):
+class Governor(Metering[MeterResult]):
     """Enforces a :class:`Policy` on shared counters.
 
     - ``backend``: :class:`RedisBackend` (shared by every replica) or
-      :class:`MemoryBackend` (one process).
+      :class:`MemoryBackend` (one process, the default).
     - ``ledger``: None commits every charge inline, in the same script that
       checks it. With a ledger, the hot path writes in-flight amounts and
       appends one entry per operation; the stream projection commits them.
@@ -54,7 +59,7 @@ class Governor(Metering):
     def __init__(
         self,
         policy: Policy,
-        backend: Backend,
+        backend: Backend | None = None,
         *,
         ledger: Ledger | None = None,
         prices: PriceTable | None = None,
@@ -67,7 +72,7 @@ class Governor(Metering):
         from mcp_budget_governor.projections.memory_counters import MemoryBackend
 
         self.policy = policy
-        self.backend = backend
+        self.backend: Backend = MemoryBackend(clock=clock) if backend is None else backend
         self.ledger = ledger
         self.prices = prices
         self._clock = clock
@@ -75,23 +80,28 @@ class Governor(Metering):
         # Process-local counters for fail-open limits while the backend is down.
         self._fallback = MemoryBackend(clock=clock)
         # Inline mode only: charges made while the backend was down, replayed
-        # when it answers again so outage spend is not lost.
-        self._pending: deque[tuple[CounterOp, ...]] = deque()
+        # when it answers again so outage spend is not lost. Each keeps the
+        # operation id it was first sent with: a charge whose reply came too
+        # late had landed, and its replay then changes nothing (lua/charge.lua).
+        self._pending: deque[tuple[str, tuple[CounterOp, ...]]] = deque()
         self._max_pending = max_pending
         self._down_until = 0.0
-        self._plans: dict[tuple[Context, int], planning.Plan] = {}
+        self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
 
     # -- the hot path -------------------------------------------------------
 
-    async def check(self, ctx: Context | None = None) -> Decision:
+    async def check(self, ctx: Context | None = None, *, amount: int = 1) -> Decision:
         """Admit or refuse a call, charging every gated limit all or nothing.
 
         A refusal charges nothing anywhere. One backend round trip, however
-        many limits apply.
+        many limits apply. ``amount`` is how many calls this one counts as on
+        gated CALLS limits (spend and token limits are read, whatever it is).
         """
+        if amount.__class__ is not int or amount != 1:
+            check_amount(amount, "amount")
         ctx = ctx or EMPTY
         now = self._clock()
-        plan = self._plan(ctx, now)
+        plan = self._plan(ctx, now, amount)
         if self.ledger is None and not plan.slots:
             return ADMITTED
         decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
@@ -126,17 +136,92 @@ class Governor(Metering):
             self, self.policy[limit], check_amount(estimate, "estimate"), ctx or EMPTY
         )
 
+    async def reserve(self, limit: str, estimate: int, ctx: Context | None = None) -> Reservation:
+        """Hold ``estimate`` on ``limit`` until :meth:`settle`: :meth:`reserved` without
+        the block. Raises :class:`BudgetExceeded` when the estimate does not fit."""
+        reservation = self.reserved(limit, estimate, ctx)
+        await reservation.__aenter__()
+        return reservation
+
+    async def settle(self, reservation: Reservation, actual: int) -> MeterResult:
+        """Settle ``reservation`` to the real cost ``actual`` (never refused: the money is
+        spent). A reservation settles once; settling it again changes nothing."""
+        return await reservation.settle(actual)
+
     async def usage(self, limit: str, ctx: Context | None = None) -> int:
         """What ``limit`` has counted in the current window for ``ctx`` (committed + in-flight)."""
-        lim = self.policy[limit]
+        s = self._read_slot(limit, ctx or EMPTY)
+        await self._flush_pending()
+        (total,) = await self.backend.usage([s.key])
+        return total
+
+    async def is_tripped(self, limit: str, ctx: Context | None = None) -> bool:
+        """Whether ``limit`` is exhausted for ``ctx`` (its total has reached the cap), so
+        ``check()`` refuses; read only, one round trip.
+
+        With the counters unreachable, a fail-closed limit raises
+        :class:`BackendUnavailableError`; a fail-open one reads its local
+        fallback (not tripped without one).
+        """
+        s = self._read_slot(limit, ctx or EMPTY)
+        (total,) = await self._read((s,))
+        return total is not None and not fits(total, 0, s.limit.cap)
+
+    async def status(self, ctx: Context | None = None) -> dict[str, dict[str, int | bool | None]]:
+        """Usage of every limit whose scope ``ctx`` supplies, in one read-only round trip.
+
+        Per limit name: ``total``, ``cap``, ``remaining`` (before exhausted),
+        ``exceeded`` (the cap is reached) and ``resets_in`` (seconds; None for
+        a session window). Writes nothing and appends no ledger event. With the
+        counters unreachable, fail modes apply as in :meth:`is_tripped`; a
+        limit without an answer is left out.
+        """
         ctx = ctx or EMPTY
+        now = self._clock()
+        tz = self.policy.tz
+        slots = [
+            s
+            for lim in self.policy.limits
+            if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False)) is not None
+        ]
+        totals = await self._read(slots) if slots else []
+        report: dict[str, dict[str, int | bool | None]] = {}
+        for s, total in zip(slots, totals, strict=True):
+            if total is None:
+                continue
+            cap = s.limit.cap
+            report[s.limit.name] = {
+                "total": total,
+                "cap": cap,
+                "remaining": max(cap - total, 0),
+                "exceeded": not fits(total, 0, cap),
+                "resets_in": s.bucket.seconds_left(now),
+            }
+        return report
+
+    def _read_slot(self, limit: str, ctx: Context) -> Slot:
+        lim = self.policy[limit]
         s = planning.slot(lim, ctx, self._clock(), self.policy.tz, 0, enforce=False)
         if s is None:
             missing = [d.value for d in lim.dimensions if getattr(ctx, d.value) is None]
             raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
-        await self._flush_pending()
-        (total,) = await self.backend.usage([s.key])
-        return total
+        return s
+
+    async def _read(self, slots: Sequence[Slot]) -> list[int | None]:
+        """The totals of ``slots``, writing nothing (outage charges not yet replayed
+        are left for the next charge); unreachable counters: each limit's fail mode."""
+        if not self._down_until or self._clock() >= self._down_until:
+            try:
+                return list(await self.backend.usage([s.key for s in slots]))
+            except BackendUnavailableError:
+                self._mark_down()
+        for s in slots:
+            if s.limit.fail_mode is FailMode.CLOSED:
+                raise BackendUnavailableError(
+                    f"limit {s.limit.name!r} fails closed and its counters cannot be reached"
+                )
+        local = await self._fallback.usage([s.key for s in slots])
+        return [t if _local(s.limit) else None for s, t in zip(slots, local, strict=True)]
 
     async def aclose(self) -> None:
         """Flush what can be flushed and close the backend and ledger."""
@@ -149,6 +234,10 @@ class Governor(Metering):
         if self.ledger is not None:
             await self.ledger.aclose()
         await self.backend.aclose()
+
+    async def close(self) -> None:
+        """:meth:`aclose`, under the name mcp-budget-governor 0.1.0 used."""
+        await self.aclose()
 
     async def __aenter__(self) -> Governor:
         return self
@@ -171,13 +260,15 @@ class Governor(Metering):
         if self.ledger is not None and not getattr(self.ledger, "accepting", True):
             return planning.ledger_full(self._retry_interval), None
         event_id = new_id() if self.ledger is not None else None
+        op_id = None if event_id is not None else new_id()
         try:
-            result = await self._charge(plan.ops, event_id, want_used=plan.shadow)
+            # The totals come back in the same reply: they give Decision.remaining.
+            result = await self._charge(plan.ops, event_id, want_used=True, op_id=op_id)
         except BackendUnavailableError:
-            decision = await self._degraded_check(plan.slots, now)
+            decision = await self._degraded_check(plan.slots, now, op_id)
         else:
-            if result.admitted and not plan.shadow:
-                decision = ADMITTED
+            if result.admitted:
+                decision = planning.admitted_by(plan, result.used)
             else:
                 decision = self._decide(plan.slots, result, now)
         if event_id is not None:
@@ -197,16 +288,17 @@ class Governor(Metering):
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
             return planning.admitted(slots, result.used)
-        return planning.refused(slots[result.refused], now)
+        remaining = planning.headroom(slots, result.used, charged=False) if result.used else None
+        return planning.refused(slots[result.refused], now, remaining=remaining)
 
-    def _plan(self, ctx: Context, now: float) -> planning.Plan:
+    def _plan(self, ctx: Context, now: float, calls: int = 1) -> planning.Plan:
         # Planning (buckets, escaped keys, ops) is pure and the same for a whole
         # minute: cache it per context, so a hot caller pays for it once a minute.
         # A context of long ids is planned afresh: the cache stays small in bytes.
-        cache_key = (ctx, int(now // 60))
+        cache_key = (ctx, int(now // 60), calls)
         plan = self._plans.get(cache_key)
         if plan is None:
-            plan = planning.check_plan(self.policy, ctx, now)
+            plan = planning.check_plan(self.policy, ctx, now, calls)
             if cacheable(ctx):
                 if len(self._plans) >= 4096:
                     self._plans.clear()
@@ -214,14 +306,23 @@ class Governor(Metering):
         return plan
 
     async def _charge(
-        self, ops: Sequence[CounterOp], event_id: str | None, *, want_used: bool = True
+        self,
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        *,
+        want_used: bool = True,
+        op_id: str | None = None,
     ) -> ChargeResult:
         if self._down_until:
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
             await self._flush_pending()
         try:
-            return await self.backend.charge(ops, event_id=event_id, want_used=want_used)
+            if op_id is None:  # ledger mode: a Backend predating op_id works as before
+                return await self.backend.charge(ops, event_id=event_id, want_used=want_used)
+            return await self.backend.charge(
+                ops, event_id=event_id, want_used=want_used, op_id=op_id
+            )
         except BackendUnavailableError:
             self._mark_down()
             raise
@@ -234,20 +335,23 @@ class Governor(Metering):
     async def _flush_pending(self) -> None:
         """Replay outage charges, then resume normal enforcement."""
         while self._pending:
-            ops = self._pending[0]
+            op_id, ops = self._pending[0]
             try:
-                await self.backend.charge(ops, want_used=False)
+                await self.backend.charge(ops, want_used=False, op_id=op_id)
             except BackendUnavailableError:
                 self._mark_down()
                 raise
+            except CounterOverflowError as exc:
+                log.error("outage charge dropped: %s", exc)  # it can never be counted
             self._pending.popleft()
         if self._down_until:
             log.warning("budget counters reachable again: normal enforcement resumed")
             self._down_until = 0.0
 
-    def _keep_for_later(self, slots: Sequence[Slot]) -> None:
-        """Inline mode: remember charges made during an outage for the backend."""
-        if self.ledger is not None:
+    def _keep_for_later(self, slots: Sequence[Slot], op_id: str | None) -> None:
+        """Inline mode: remember charges made during an outage (under their operation
+        id) for the backend."""
+        if self.ledger is not None or op_id is None:
             return  # the ledger carries them; the projection will count them
         ops = tuple(
             CounterOp(s.key, s.amount, s.limit.cap, False, s.expire_at) for s in slots if s.amount
@@ -257,28 +361,33 @@ class Governor(Metering):
         if len(self._pending) >= self._max_pending:
             log.error("outage buffer full (%d charges): the oldest is dropped", self._max_pending)
             self._pending.popleft()
-        self._pending.append(ops)
+        self._pending.append((op_id, ops))
 
-    async def _degraded_check(self, slots: Sequence[Slot], now: float) -> Decision:
+    async def _degraded_check(
+        self, slots: Sequence[Slot], now: float, op_id: str | None
+    ) -> Decision:
         for s in slots:
             if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
                 return planning.unavailable(s, self._retry_interval)
         local = [s for s in slots if _local(s.limit)]
         result = await self._fallback.charge([s.op for s in local])
         if not result.admitted:
-            return planning.refused(local[result.refused], now, degraded=True)
-        self._keep_for_later(slots)
+            remaining = planning.headroom(local, result.used, charged=False)
+            return planning.refused(local[result.refused], now, degraded=True, remaining=remaining)
+        self._keep_for_later(slots, op_id)
         return planning.admitted(local, result.used, degraded=True)
 
     async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
-    ) -> int:
+    ) -> MeterResult:
         now = self._clock()
         slots = planning.meter_slots(charges, ctx, now, self.policy.tz)
         if not slots:
-            return 0
-        await self._record(slots, ctx, EntryType.METERED, usage, now)
-        return slots[0].amount
+            return NOTHING_METERED
+        before, degraded = await self._record(
+            slots, ctx, EntryType.METERED, usage, now, want_used=True
+        )
+        return planning.metered(slots[0], before, degraded=degraded)
 
     async def _record(
         self,
@@ -289,18 +398,32 @@ class Governor(Metering):
         now: float,
         *,
         reservation: str | None = None,
-    ) -> None:
-        """Charge ``slots`` in one call and append them as one ledger event."""
+        want_used: bool = False,
+    ) -> tuple[int | None, bool]:
+        """Charge ``slots`` in one call and append them as one ledger event.
+
+        Returns the first slot's total before the charge (with ``want_used``,
+        when a counter answered, else None) and whether the shared counters
+        were unreachable.
+        """
         event_id = new_id() if self.ledger is not None else None
+        op_id = None if event_id is not None else new_id()
         degraded = False
+        before: int | None = None
         try:
-            await self._charge([s.op for s in slots], event_id, want_used=False)
+            result = await self._charge(
+                [s.op for s in slots], event_id, want_used=want_used, op_id=op_id
+            )
+            if want_used and result.used:
+                before = result.used[0]
         except BackendUnavailableError:
             degraded = True
             local = [s.op for s in slots if _local(s.limit)]
             if local:
-                await self._fallback.charge(local)
-            self._keep_for_later(slots)
+                fallback = await self._fallback.charge(local)
+                if _local(slots[0].limit):
+                    before = fallback.used[0]
+            self._keep_for_later(slots, op_id)
         if event_id is not None:
             await self._append(
                 event_id,
@@ -312,6 +435,7 @@ class Governor(Metering):
                 degraded=degraded,
                 reservation=reservation,
             )
+        return before, degraded
 
     async def _append(
         self,
@@ -336,6 +460,8 @@ class Reservation:
     Set ``actual`` to the real cost before the block ends; left unset, the
     estimate stands (the safe direction: an unknown cost is not assumed zero).
     ``release()`` returns the whole estimate, for work that never started.
+    Outside a block, :meth:`Governor.reserve` enters and :meth:`settle` exits;
+    a reservation settles once, so an explicit settle inside a block wins.
     """
 
     def __init__(self, gov: Governor, limit: Limit, estimate: int, ctx: Context) -> None:
@@ -348,6 +474,25 @@ class Reservation:
         self.id: str | None = None
         self._slot: Slot | None = None
         self._released = False
+        self._settled = False
+
+    @property
+    def settled(self) -> bool:
+        """Whether the reservation has been settled (or released)."""
+        return self._settled
+
+    @property
+    def limit_name(self) -> str:
+        return self.limit.name
+
+    @property
+    def amount(self) -> int:
+        """The estimate held."""
+        return self.estimate
+
+    @property
+    def context(self) -> Context:
+        return self.ctx
 
     def release(self) -> None:
         """Return the whole reservation on exit (the work did not happen)."""
@@ -377,22 +522,30 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._slot is None:
-            return
+        await self._finish(report=False)
+
+    async def settle(self, actual: int) -> MeterResult:
+        """Settle to ``actual`` now (see :meth:`Governor.settle`); reports the limit's total."""
+        if not self._settled:
+            self.actual = check_amount(actual, "actual")
+        return await self._finish(report=True)
+
+    async def _finish(self, *, report: bool) -> MeterResult:
+        """Settle or release once; ``report``: read the total even when nothing changes."""
+        if self._slot is None or self._settled:
+            return NOTHING_METERED
         if self._released:
             final, kind = 0, EntryType.RELEASED
         elif self.actual is None:
-            return  # the estimate stands as the charge
+            self._settled = True
+            return NOTHING_METERED  # the estimate stands as the charge
         else:
             final, kind = check_amount(self.actual, "actual"), EntryType.SETTLED
-        delta = final - self.estimate
-        if delta == 0 and self._gov.ledger is None:
-            return
-        await self._gov._record(
-            (self._slot.with_amount(delta),),
-            self.ctx,
-            kind,
-            None,
-            self._gov._clock(),
-            reservation=self.id,
+        self._settled = True
+        s = self._slot.with_amount(final - self.estimate)
+        if s.amount == 0 and self._gov.ledger is None and not report:
+            return NOTHING_METERED
+        before, degraded = await self._gov._record(
+            (s,), self.ctx, kind, None, self._gov._clock(), reservation=self.id, want_used=report
         )
+        return planning.metered(s, before, degraded=degraded)

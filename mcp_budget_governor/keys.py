@@ -105,6 +105,19 @@ EPOCH_KEY = f"{PREFIX}:_epoch"
 #: What the epoch marker holds (a rebuild's id): a string of this shape, nothing else.
 #: ``epoch_ok`` in lua/lib.lua checks the same (a test holds the two together).
 EPOCH_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+#: Prefix of the markers of applied inline charges (``<prefix>:<operation id>``).
+OP_PREFIX = f"{PREFIX}:_op"
+#: How long an inline charge's operation marker lives (mirrored in ``lua/charge.lua``).
+#: The marker only has to outlive the charge's replay, which follows an outage within a
+#: second of Redis answering again; a marker kept for its bucket's life would hold a
+#: month bucket's every charge. A replay after a longer outage may count a charge whose
+#: reply was lost a second time: the safe direction for a budget.
+OP_HORIZON_SECONDS = 900
+
+
+def op_key(op_id: str) -> str:
+    """The marker key of an inline charge's operation id (see ``lua/charge.lua``)."""
+    return f"{OP_PREFIX}:{op_id}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ only appends it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from . import planning
 from .context import EMPTY, Context
@@ -23,22 +23,25 @@ from .policy import Policy
 if TYPE_CHECKING:
     from .prices import PriceTable
 
+#: What ``meter`` returns: a ``MeterResult`` on a Governor, the amount on a Recorder.
+R = TypeVar("R")
 
-class Metering:
+
+class Metering(Generic[R]):
     """``meter``/``meter_charges``/``meter_tokens`` over ``policy`` and ``prices``."""
 
     policy: Policy
     prices: PriceTable | None
 
-    async def meter(
-        self, limit: str | Sequence[str], amount: int, ctx: Context | None = None
-    ) -> int:
+    async def meter(self, limit: str | Sequence[str], amount: int, ctx: Context | None = None) -> R:
         """Record what a completed call cost on ``limit``; always charged, even past the cap.
 
         ``limit`` may name several limits (``("user_spend", "global_spend")``):
         one ledger event then charges each of them (one round trip on a Governor), so the
-        cost is one cost in every spend query. Returns the amount charged: 0
-        when the context lacks the scope of every named limit.
+        cost is one cost in every spend query. A Governor returns a
+        :class:`MeterResult` for the first named limit that applies (``charged``
+        is 0 when the context lacks the scope of every named limit); a Recorder
+        returns the amount charged.
         """
         limits = planning.named_limits(self.policy, limit)
         amount = check_amount(amount, "amount")
@@ -63,14 +66,14 @@ class Metering:
         cache_read_tokens: int = 0,
         cache_write_tokens: int = 0,
         ctx: Context | None = None,
-    ) -> int:
+    ) -> R:
         """Meter a model call by its token usage.
 
         On a USD limit the cost comes from the price table (an unknown model
         raises :class:`UnknownModelError`); on a TOKENS limit the tokens are
         counted (``input_tokens`` already includes the cache tokens). Several
         limits (say a USD budget and a token quota) are charged by one event.
-        Returns the amount charged on the first named limit that applies.
+        Returns what :meth:`meter` returns, for the first named limit that applies.
         """
         pairs, usage = planning.token_charges(
             self.policy,
@@ -86,6 +89,6 @@ class Metering:
 
     async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
-    ) -> int:
-        """Record ``charges`` as one ``metered`` event; the amount on the first that applies."""
+    ) -> R:
+        """Record ``charges`` as one ``metered`` event; report on the first that applies."""
         raise NotImplementedError

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 
 from .context import Context
 from .counters import CounterOp, fits
-from .decision import Decision, at
+from .decision import (
+    EXCEEDED,
+    LEDGER_UNAVAILABLE,
+    UNAVAILABLE,
+    Decision,
+    MeterResult,
+    at,
+)
 from .errors import GovernorError, InvalidInputError
 from .keys import counter_key, scope_segment
 from .ledger import LedgerCharge, TokenUsage
@@ -93,6 +100,17 @@ def meter_slots(
     return tuple(out)
 
 
+def metered(s: Slot, before: int | None, *, degraded: bool = False) -> MeterResult:
+    """The result of charging ``s``, given its total before (None: no counter answered)."""
+    if before is None:
+        return MeterResult(True, 0, False, s.amount, s.limit.name, degraded)
+    cap = s.limit.cap
+    total = before + s.amount
+    within = fits(total, 0, cap)
+    crossed = not within and fits(before, 0, cap)
+    return MeterResult(within, total, crossed, s.amount, s.limit.name, degraded)
+
+
 def charge_pairs(policy: Policy, charges: Mapping[str, int]) -> list[tuple[Limit, int]]:
     """Validate a mapping of limit name -> amount whole, before anything is charged."""
     if not isinstance(charges, Mapping):
@@ -164,13 +182,16 @@ class Plan:
     """What a check does for one context within one minute: its slots and their ops.
 
     ``shadow`` is true when a slot never refuses (``OnExceed.ALERT``): only then
-    does the decision need the totals, to report what went over.
+    does the decision report what went over. ``room`` is per slot its limit's
+    name and what is left of the cap after the call's amount, so an admitted
+    check's headroom is one subtraction per limit.
     """
 
     slots: tuple[Slot, ...]
     ops: tuple[CounterOp, ...]
     shadow: bool
     charges: tuple[LedgerCharge, ...]
+    room: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, slots: Sequence[Slot]) -> Plan:
@@ -181,13 +202,14 @@ class Plan:
             tuple(s.op for s in slots),
             any(not s.enforce for s in slots),
             ledger_charges(slots),
+            tuple((s.limit.name, s.limit.cap - s.amount) for s in slots),
         )
 
 
-def check_plan(policy: Policy, ctx: Context, now: float) -> Plan:
-    """The plan of a check at ``now``. Valid for the whole minute: every bucket
-    boundary (UTC or zoned) falls on a whole minute."""
-    return Plan.of(check_slots(policy, ctx, now))
+def check_plan(policy: Policy, ctx: Context, now: float, calls: int = 1) -> Plan:
+    """The plan of a check at ``now`` counting ``calls`` calls. Valid for the whole
+    minute: every bucket boundary (UTC or zoned) falls on a whole minute."""
+    return Plan.of(check_slots(policy, ctx, now, calls))
 
 
 def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:
@@ -195,27 +217,42 @@ def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:
     return tuple(s.ledger_charge() for s in slots if s.amount)
 
 
-def check_slots(policy: Policy, ctx: Context, now: float) -> list[Slot]:
-    """Every counter a check consults: gated limits (charged) and breakers (read)."""
+def check_slots(policy: Policy, ctx: Context, now: float, calls: int = 1) -> list[Slot]:
+    """Every counter a check consults: gated limits (charged) and breakers (read).
+
+    ``calls`` is how many calls the check counts on gated CALLS limits; other
+    limits are read whatever it is (spend is charged by meter and reserve).
+    """
     out: list[Slot] = []
     tz = policy.tz
     for limit in policy.limits:
         if not (limit.gated or limit.breaker):
             continue
         enforce = limit.on_exceed is OnExceed.DENY
-        s = slot(limit, ctx, now, tz, limit.check_charge, enforce=enforce)
+        s = slot(limit, ctx, now, tz, limit.check_charge * calls, enforce=enforce)
         if s is not None:
             out.append(s)
     return out
 
 
-def reason(limit: Limit, prefix: str = "budget_exceeded") -> str:
+def reason(limit: Limit, prefix: str = EXCEEDED) -> str:
     """``budget_exceeded:user/day``: what an agent reads in a refusal."""
     return f"{prefix}:{limit.scope_label}/{limit.window.value}"
 
 
-def refused(s: Slot, now: float, *, degraded: bool = False) -> Decision:
-    """The decision when ``s`` refuses a call."""
+def headroom(slots: Sequence[Slot], used: Sequence[int], *, charged: bool) -> dict[str, int]:
+    """Per slot, what can still be charged before its limit is exhausted (its cap
+    reached), from the totals read before the call (``charged``: after its amounts)."""
+    return {
+        s.limit.name: max(s.limit.cap - total - (s.amount if charged else 0), 0)
+        for s, total in zip(slots, used, strict=True)
+    }
+
+
+def refused(
+    s: Slot, now: float, *, degraded: bool = False, remaining: Mapping[str, int] | None = None
+) -> Decision:
+    """The decision when ``s`` refuses a call; ``remaining``: :func:`headroom` of the check."""
     status = s.limit.refusal_status
     left = s.bucket.seconds_left(now)
     return Decision(
@@ -226,6 +263,7 @@ def refused(s: Slot, now: float, *, degraded: bool = False) -> Decision:
         resets_at=at(s.bucket.end),
         reason=reason(s.limit),
         degraded=degraded,
+        remaining={} if remaining is None else remaining,
     )
 
 
@@ -237,7 +275,7 @@ def unavailable(s: Slot, retry_after: float) -> Decision:
         status=503,
         retry_after=max(1, math.ceil(retry_after)),
         resets_at=None,
-        reason=reason(s.limit, "budget_unavailable"),
+        reason=reason(s.limit, UNAVAILABLE),
         degraded=True,
     )
 
@@ -248,15 +286,30 @@ def ledger_full(retry_after: float) -> Decision:
         admitted=False,
         status=503,
         retry_after=max(1, math.ceil(retry_after)),
-        reason="ledger_unavailable",
+        reason=LEDGER_UNAVAILABLE,
         degraded=True,
     )
 
 
-def admitted(slots: Sequence[Slot], used: Sequence[int], *, degraded: bool = False) -> Decision:
-    """The decision for an admitted call, naming shadow limits it went over.
+def admitted_by(plan: Plan, used: Sequence[int]) -> Decision:
+    """:func:`admitted` for a whole plan, on the hot path: no shadow limit to report
+    means the headroom is all there is to compute."""
+    if plan.shadow or not used:
+        return admitted(plan.slots, used)
+    return Decision(
+        admitted=True,
+        remaining={
+            name: room - u if room > u else 0
+            for (name, room), u in zip(plan.room, used, strict=True)
+        },
+    )
 
-    ``used`` may be empty when the backend was not asked for totals (no shadow limit).
+
+def admitted(slots: Sequence[Slot], used: Sequence[int], *, degraded: bool = False) -> Decision:
+    """The decision for an admitted call, naming shadow limits it went over, with
+    each limit's :func:`headroom` after the call.
+
+    ``used`` may be empty when the backend was not asked for totals.
     """
     if not used:
         return Decision(admitted=True, degraded=degraded)
@@ -265,4 +318,5 @@ def admitted(slots: Sequence[Slot], used: Sequence[int], *, degraded: bool = Fal
         for s, total in zip(slots, used, strict=True)
         if not s.enforce and not fits(total, s.amount, s.limit.cap)
     )
-    return Decision(admitted=True, over=over, degraded=degraded)
+    remaining = headroom(slots, used, charged=True)
+    return Decision(admitted=True, over=over, degraded=degraded, remaining=remaining)

@@ -63,7 +63,9 @@ if TYPE_CHECKING:
     from genai_prices import types as gp
     from genai_prices.data_snapshot import DataSnapshot
 
-__all__ = ["ModelPrice", "PriceTable", "PriceTier"]
+    BUILTIN_AS_OF: str  # module __getattr__ below
+
+__all__ = ["BUILTIN_AS_OF", "ModelPrice", "PriceTable", "PriceTier"]
 
 PriceInput: TypeAlias = int | float | str | Decimal
 """What a price argument may be; floats are read through their shortest repr."""
@@ -229,6 +231,12 @@ class PriceTable:
         """Where the prices come from, e.g. ``"custom"`` or ``"genai-prices 0.2.3"``."""
         return self._version
 
+    @property
+    def as_of(self) -> str | None:
+        """For a builtin table (and tables derived from it), the UTC date (ISO) whose
+        prices it holds: :data:`BUILTIN_AS_OF`. None for a table built by hand."""
+        return _builtin_data().as_of if self._builtin else None
+
     def with_price(
         self,
         model: str,
@@ -357,6 +365,7 @@ class _BuiltinData:
     sources: dict[str, str]  # model id -> id of the provider whose listing priced it
     snapshot: DataSnapshot
     version: str
+    as_of: str  # the UTC date whose prices were taken (see the module docstring)
 
 
 @functools.cache
@@ -368,9 +377,19 @@ def _builtin_data() -> _BuiltinData:
     # Our own snapshot of the bundled data: genai-prices' global one may have
     # been replaced by its network updater, which would make prices drift.
     snapshot = DataSnapshot(providers=providers, from_auto_update=False)
-    prices, aliases, sources = _parse(providers, snapshot, datetime.now(UTC).date())
+    today = datetime.now(UTC).date()
+    prices, aliases, sources = _parse(providers, snapshot, today)
     version = f"genai-prices {genai_prices.__version__}"
-    return _BuiltinData(prices, aliases, sources, snapshot, version)
+    return _BuiltinData(prices, aliases, sources, snapshot, version, today.isoformat())
+
+
+def __getattr__(name: str) -> Any:
+    # BUILTIN_AS_OF: the date PriceTable.builtin() takes its prices for (in force
+    # that day, plus rises already scheduled), e.g. "2026-12-01". Computed with the
+    # table on first use, so importing this module still loads no genai-prices.
+    if name == "BUILTIN_AS_OF":
+        return _builtin_data().as_of
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache

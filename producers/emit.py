@@ -53,12 +53,14 @@ from mcp_budget_governor.prices import PriceTable
 __all__ = ["Recorder", "emit"]
 
 
-class Recorder(Metering):
+class Recorder(Metering[int]):
     """Appends ``metered`` events for a policy to a ledger; keeps no counters.
 
-    ``meter`` and ``meter_tokens`` take the same arguments, validate them the
-    same way and return the same amount as the :class:`Governor` methods of
-    the same name; invalid input raises before anything is appended.
+    ``meter`` and ``meter_tokens`` take the same arguments and validate them the
+    same way as the :class:`Governor` methods of the same name, and return the
+    amount charged (the ``charged`` of the Governor's ``MeterResult``: a
+    Recorder reads no counter, so knows no total); invalid input raises before
+    anything is appended.
     ``prices`` is needed by ``meter_tokens`` on USD limits; ``clock`` gives
     the event time, which picks the window bucket.
 

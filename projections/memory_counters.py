@@ -3,10 +3,16 @@
 Correct for one replica and in tests, and the per-replica fallback a fail-open
 limit uses while Redis is unreachable. Operations never await, so under
 asyncio each one is atomic just as a Lua script is in Redis.
+
+Expired entries (counters, operation markers, seen-id sets) are evicted as
+Redis expires keys: each write first drops whatever a heap of expiry times
+says has ended, so memory follows the live buckets, never every bucket ever
+written, without a background task (amortised O(log n) per entry).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,9 +23,14 @@ from mcp_budget_governor.counters import (
     CounterOp,
     CounterState,
     fits,
+    overflow,
+    stays_exact,
 )
 from mcp_budget_governor.errors import EpochMissingError
-from mcp_budget_governor.keys import INTERNAL_PREFIX, pattern_regex
+from mcp_budget_governor.keys import INTERNAL_PREFIX, OP_HORIZON_SECONDS, pattern_regex
+
+# What an expiry-heap entry names.
+_COUNTER, _OP, _SEEN = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -46,7 +57,28 @@ class MemoryBackend:
         self._watermarks: dict[str, int] = {}
         # day -> (applied event ids, expire_at): the seen-id sets of apply.lua
         self._seen: dict[str, tuple[set[str], int]] = {}
+        # operation id -> expire_at: the markers of applied inline charges (lua/charge.lua)
+        self._ops: dict[str, float] = {}
+        # (expire_at, kind, key) min-heap: what may be evicted when. An entry whose
+        # target has since moved its expiry is stale and skipped when popped.
+        self._expiry: list[tuple[float, int, str]] = []
         self._epoch: str | None = None
+
+    def _evict(self, now: float) -> None:
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, kind, key = heapq.heappop(heap)
+            if kind == _COUNTER:
+                counter = self._counters.get(key)
+                if counter is not None and counter.expire_at <= now:
+                    del self._counters[key]
+            elif kind == _OP:
+                if self._ops.get(key, now) <= now:
+                    self._ops.pop(key, None)
+            else:
+                entry = self._seen.get(key)
+                if entry is not None and entry[1] <= now:
+                    del self._seen[key]
 
     def _get(self, key: str, now: float) -> _Counter | None:
         counter = self._counters.get(key)
@@ -68,19 +100,50 @@ class MemoryBackend:
         else:
             counter.in_flight += amount
             counter.pending[event_id] = counter.pending.get(event_id, 0) + amount
-        counter.expire_at = expire_at
+        if counter.expire_at != expire_at:
+            counter.expire_at = expire_at
+            heapq.heappush(self._expiry, (expire_at, _COUNTER, key))
 
     async def charge(
-        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
     ) -> ChargeResult:
         now = self._clock()
-        used = tuple(self._used(op.key, now) for op in ops)
+        self._evict(now)
+        if op_id is not None and event_id is None:
+            if self._ops.get(op_id, now) > now:
+                return ChargeResult(-1, ())  # applied before: a replay changes nothing
+        else:
+            op_id = None
+        # As lua/charge.lua: exactness first, then the refusal, then the admitted amounts.
+        inline = event_id is None
+        parts = []
+        for op in ops:
+            counter = self._get(op.key, now)
+            c, f = (0, 0) if counter is None else (counter.committed, counter.in_flight)
+            if not stays_exact(c, f, 0, inline=inline):
+                raise overflow(op.key, op.amount)
+            parts.append((c, f))
+        used = tuple(c + f for c, f in parts)
         for i, (op, total) in enumerate(zip(ops, used, strict=True)):
             if op.enforce and not fits(total, op.amount, op.cap):
                 return ChargeResult(i, used)
+        for op, (c, f) in zip(ops, parts, strict=True):
+            if not stays_exact(c, f, op.amount, inline=inline):
+                raise overflow(op.key, op.amount)
+        wrote = False
         for op in ops:
             if op.amount:
                 self._add(op.key, op.amount, event_id, op.expire_at, now)
+                wrote = True
+        if op_id is not None and wrote:
+            until = now + OP_HORIZON_SECONDS
+            self._ops[op_id] = until
+            heapq.heappush(self._expiry, (until, _OP, op_id))
         return ChargeResult(-1, used)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
@@ -98,6 +161,7 @@ class MemoryBackend:
         if require_epoch and self._epoch is None:
             raise EpochMissingError("the counters were reset (no epoch marker): rebuild first")
         now = self._clock()
+        self._evict(now)
         mark = self._watermarks.get(partition, -1)
         applied = 0
         for event in events:
@@ -122,6 +186,7 @@ class MemoryBackend:
         entry = self._seen.get(day)
         if entry is None or entry[1] <= now:
             entry = self._seen[day] = (set(), event.seen_expire_at)
+            heapq.heappush(self._expiry, (entry[1], _SEEN, day))
         if event.event_id in entry[0]:
             return False
         entry[0].add(event.event_id)

@@ -22,13 +22,21 @@ from mcp_budget_governor.counters import (
     ChargeResult,
     CounterOp,
     CounterState,
+    overflow,
 )
 from mcp_budget_governor.errors import (
     BackendUnavailableError,
     EpochMissingError,
     InvalidInputError,
 )
-from mcp_budget_governor.keys import EPOCH_KEY, EPOCH_VALUE, PREFIX, SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.keys import (
+    EPOCH_KEY,
+    EPOCH_VALUE,
+    PREFIX,
+    SEEN_PREFIX,
+    WATERMARK_KEY,
+    op_key,
+)
 from mcp_budget_governor.lua import source
 
 _UNAVAILABLE = (
@@ -66,7 +74,9 @@ class RedisBackend:
         self._noop = client.register_script(source("noop"))
         # One command, no per-call wrapper: the hot path's only round trip.
         self._execute: Any = client.execute_command
-        self._prepared: dict[tuple[int, bool], tuple[object, list[Any], list[Any]]] = {}
+        self._prepared: dict[
+            tuple[int, bool, bool], tuple[object, list[Any], list[Any], list[Any]]
+        ] = {}
 
     @classmethod
     def from_url(
@@ -108,40 +118,61 @@ class RedisBackend:
             raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
 
     def _charge_args(
-        self, ops: Sequence[CounterOp], want_used: bool
-    ) -> tuple[list[Any], list[Any]]:
-        """The EVALSHA arguments around the event id, encoded once per op list.
+        self, ops: Sequence[CounterOp], want_used: bool, with_op: bool
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """The EVALSHA arguments around the event id, encoded once per op list:
+        ``(head, counter keys, tail)``; ``counter keys`` is empty unless
+        ``with_op``, when the operation marker goes between head and them.
 
         The governor reuses one ops tuple per context and minute, so the cache
         is keyed by its identity (the entry keeps the tuple alive, so the id
         cannot be reused while cached) and checked with ``is``.
         """
-        hit = self._prepared.get((id(ops), want_used))
+        cache_key = (id(ops), want_used, with_op)
+        hit = self._prepared.get(cache_key)
         if hit is not None and hit[0] is ops:
-            return hit[1], hit[2]
+            return hit[1], hit[2], hit[3]
         keys: list[Any] = [EPOCH_KEY.encode()] if self.require_epoch else []
+        counters: list[Any] = []
         tail: list[Any] = []
         for op in ops:
-            keys.append(op.key.encode())
+            counters.append(op.key.encode())
             tail += (
                 str(op.amount).encode(),
                 str(op.cap).encode(),
                 b"1" if op.enforce else b"0",
                 str(op.expire_at).encode(),
             )
-        flags = ("e" if self.require_epoch else "") + ("u" if want_used else "")
-        head = [self._charge.sha, len(keys), *keys]
+        flags = (
+            ("e" if self.require_epoch else "")
+            + ("u" if want_used else "")
+            + ("o" if with_op else "")
+        )
+        numkeys = len(keys) + len(counters) + (1 if with_op else 0)
+        if with_op:
+            head = [self._charge.sha, numkeys, *keys]
+        else:
+            head, counters = [self._charge.sha, numkeys, *keys, *counters], []
         tail.insert(0, flags.encode() or b"-")
         if len(self._prepared) >= 8192:
             self._prepared.clear()
-        self._prepared[(id(ops), want_used)] = (ops, head, tail)
-        return head, tail
+        self._prepared[cache_key] = (ops, head, counters, tail)
+        return head, counters, tail
 
     async def charge(
-        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
     ) -> ChargeResult:
-        head, tail = self._charge_args(ops, want_used)
-        args = [*head, event_id or "", *tail]
+        if op_id is not None and event_id is None:
+            head, counters, tail = self._charge_args(ops, want_used, True)
+            args = [*head, op_key(op_id).encode(), *counters, op_id, *tail]
+        else:
+            head, _, tail = self._charge_args(ops, want_used, False)
+            args = [*head, event_id or "", *tail]
         try:
             try:
                 reply = await self._execute("EVALSHA", *args)
@@ -153,9 +184,12 @@ class RedisBackend:
         head_value = int(reply[0])
         if head_value == 0 and len(reply) == 1:
             return _ADMITTED
+        if head_value == -2:
+            op = ops[int(reply[1]) - 1]
+            raise overflow(op.key, op.amount)
         if head_value < 0:
             raise BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding")
-        return ChargeResult(head_value - 1, tuple(int(v) for v in reply[1:]))
+        return ChargeResult(head_value - 1, tuple(map(int, reply[1:])))
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:

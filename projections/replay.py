@@ -300,7 +300,12 @@ class _CurrentOnly:
         return applied
 
     async def charge(
-        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
     ) -> ChargeResult:
         raise NotImplementedError("replay only applies")
 

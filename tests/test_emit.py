@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -27,6 +27,7 @@ from mcp_budget_governor import (
     InvalidInputError,
     Limit,
     MemoryBackend,
+    MeterResult,
     Policy,
     PolicyError,
     PriceTable,
@@ -81,8 +82,13 @@ def without_id(entry: LedgerEntry) -> LedgerEntry:
 Meterer = Governor | Recorder
 
 
+def charged(got: int | MeterResult) -> int:
+    """The amount charged: what a Recorder returns, a Governor's MeterResult.charged."""
+    return got.charged if isinstance(got, MeterResult) else got
+
+
 async def every_kind_of_charge(m: Meterer, ctx: Context) -> list[int]:
-    return [
+    got: list[int | MeterResult] = [
         await m.meter("daily", 7, ctx),
         await m.meter("per_session", 1, ctx),
         await m.meter("spend", usd("0.125"), ctx),
@@ -93,6 +99,7 @@ async def every_kind_of_charge(m: Meterer, ctx: Context) -> list[int]:
         ),
         await m.meter_tokens("spend", "M", input_tokens=10, output_tokens=0, ctx=ctx),
     ]
+    return [charged(g) for g in got]
 
 
 # -- Recorder: the same events a Governor appends ---------------------------
@@ -160,7 +167,8 @@ async def test_a_context_without_the_scope_is_not_charged() -> None:
     rec = Recorder(policy(), ledger, prices=PRICES)
     gov = Governor(policy(), MemoryBackend(), ledger=MemoryLedger(), prices=PRICES)
     no_tenant = Context(user="u_42", tool="search")
-    assert await rec.meter("daily", 5, no_tenant) == await gov.meter("daily", 5, no_tenant) == 0
+    got = await gov.meter("daily", 5, no_tenant)
+    assert await rec.meter("daily", 5, no_tenant) == got.charged == 0 and got.limit is None
     assert await rec.meter_tokens("monthly", "m", input_tokens=9, output_tokens=9) == 0
     assert ledger.entries == []
 
@@ -407,34 +415,134 @@ async def test_a_failing_call_keeps_its_admission_and_pays_a_fixed_cost_only() -
     assert await gov.usage("burst", Context(user="u2")) == 1
 
 
-async def test_a_cancelled_call_is_not_metered() -> None:
-    gov = Governor(policy(), MemoryBackend())
-    started = asyncio.Event()
+def blocking(gov: Governor, started: asyncio.Event) -> Callable[[], Awaitable[None]]:
+    """A governed tool with a fixed price that starts, then waits until cancelled."""
 
-    @governed(gov, limit="spend", cost=100)
+    @governed(gov, limit="spend", cost=100, context=Context(user="u1"))
     async def slow() -> None:
         started.set()
         await asyncio.Event().wait()
 
-    task = asyncio.create_task(slow())
+    return slow
+
+
+async def test_a_cancelled_call_pays_its_fixed_price(backend: Backend) -> None:
+    gov = Governor(policy(), backend)
+    started = asyncio.Event()
+    task = asyncio.create_task(blocking(gov, started)())
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await gov.usage("spend") == 0
+    assert task.cancelled()  # the cancellation propagated, after the charge
+    assert await gov.usage("spend") == 100
+    assert await gov.usage("burst", Context(user="u1")) == 1
 
 
-async def test_a_bad_cost_from_the_callable_raises() -> None:
+async def test_a_timed_out_call_pays_and_still_times_out(backend: Backend) -> None:
+    gov = Governor(policy(), backend)
+    started = asyncio.Event()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await blocking(gov, started)()
+    assert started.is_set()
+    assert await gov.usage("spend") == 100
+
+
+async def test_a_call_cancelled_by_an_anyio_scope_pays_to_the_end(backend: Backend) -> None:
+    """As the MCP SDK cancels a request: an anyio scope, which cancels again at every
+    await inside it. The charge (a Redis round trip) still completes, shielded."""
+    import anyio
+
+    gov = Governor(policy(), backend)
+    started = asyncio.Event()
+    with anyio.CancelScope() as scope:
+
+        async def cancel_once_started() -> None:
+            await started.wait()
+            scope.cancel()
+
+        watcher = asyncio.ensure_future(cancel_once_started())
+        await blocking(gov, started)()
+    await watcher
+    assert scope.cancelled_caught
+    assert await gov.usage("spend") == 100
+
+
+async def test_a_cancelled_call_whose_charge_fails_is_still_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    edge = Policy.of(
+        Limit("spend", cap=MAX_AMOUNT, window=Window.DAY, unit=Unit.USD_MICROS, gated=False)
+    )
+    gov = Governor(edge, MemoryBackend())
+    await gov.meter("spend", MAX_AMOUNT)  # no room left in the exact range
+    started = asyncio.Event()
+    task = asyncio.create_task(blocking(gov, started)())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "tool 'slow': charging the cancelled call failed" in caplog.text
+    assert "CounterOverflowError" in caplog.text
+
+
+class SlowCharges:
+    """A backend whose charges take a while (as over a network): time to cancel again."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.charging = asyncio.Event()
+
+    async def charge(self, ops: Any, **kw: Any) -> Any:
+        if any(op.amount > 1 for op in ops):  # the fixed price, not the admission
+            self.charging.set()
+            await asyncio.sleep(0.05)
+        return await self.inner.charge(ops, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_second_cancellation_during_the_charge_does_not_abandon_it(
+    backend: Backend,
+) -> None:
+    slow = SlowCharges(backend)
+    gov = Governor(policy(), cast(Backend, slow))
+    started = asyncio.Event()
+    task = asyncio.create_task(blocking(gov, started)())
+    await started.wait()
+    task.cancel()
+    await slow.charging.wait()
+    task.cancel()  # again, while the fixed price is being charged
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await gov.usage("spend") == 100
+
+
+async def test_a_bad_cost_from_the_callable_is_logged_and_the_result_returned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     gov = Governor(policy(), MemoryBackend())
 
     @governed(gov, limit="spend", cost=lambda r: r)
     async def returns(value: object) -> object:
         return value
 
-    with pytest.raises(InvalidInputError, match="amount"):
-        await returns(-5)
-    with pytest.raises(InvalidInputError, match="amount"):
-        await returns(0.5)
+    def broken(result: object) -> int:
+        raise KeyError("usage")
+
+    @governed(gov, limit="spend", cost=broken, tool="lookup")
+    async def raises_in_cost() -> str:
+        return "found"
+
+    for bad in (-5, 0.5, True, 2**53):
+        assert await returns(bad) == bad
+    assert caplog.text.count("tool 'returns': its cost callback failed") == 4
+    assert "amount for 'spend'" in caplog.text
+    assert await raises_in_cost() == "found"
+    assert "tool 'lookup': its cost callback failed" in caplog.text and "'usage'" in caplog.text
+    assert await gov.usage("spend") == 0  # no fixed price: the admission only
     assert await returns(7) == 7
     assert await gov.usage("spend") == 7
 

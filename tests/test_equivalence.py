@@ -32,6 +32,7 @@ from mcp_budget_governor import (
     MAX_AMOUNT,
     BudgetExceeded,
     Context,
+    CounterOverflowError,
     Governor,
     InvalidInputError,
     Limit,
@@ -44,6 +45,14 @@ from mcp_budget_governor import (
     Unit,
     Window,
 )
+from mcp_budget_governor.counters import (
+    AppliedCharge,
+    AppliedEvent,
+    Backend,
+    ChargeResult,
+    CounterOp,
+)
+from mcp_budget_governor.decision import Decision, MeterResult
 from mcp_budget_governor.ledger import LedgerEntry
 from mcp_budget_governor.planning import slot
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
@@ -77,6 +86,8 @@ POLICY = Policy.of(
     Limit(
         "tool_tokens", cap=100, window=Window.MONTH, scope=Scope.TOOL, unit=Unit.TOKENS, gated=False
     ),
+    # The exact range's edge: the largest cap, filled to it and past it (meter_to_the_edge).
+    Limit("edge", cap=MAX_AMOUNT, window=Window.DAY, scope=Scope.TENANT, unit=Unit.TOKENS),
 )
 LIMITS = tuple(lim.name for lim in POLICY)
 TOKEN_LIMITS = tuple(lim.name for lim in POLICY if lim.unit is Unit.TOKENS)
@@ -152,6 +163,8 @@ class BackendsAgree(RuleBasedStateMachine):
             return ("BudgetExceeded", exc.decision)
         except InvalidInputError as exc:
             return ("InvalidInputError", str(exc))
+        except CounterOverflowError as exc:
+            return ("CounterOverflowError", str(exc))
 
     def same(self, call: Callable[[Governor], Awaitable[Any]]) -> Any:
         mem = self.outcome(call, self.mem)
@@ -205,6 +218,28 @@ class BackendsAgree(RuleBasedStateMachine):
         # The next caller: a zero-charge limit (spend, tokens, breaker) is spent at its cap.
         decision = self.same(lambda gov: gov.check(ctx))
         event(f"check after filling {limit}{offset:+d}: {decision.status} {decision.limit or ''}")
+
+    @rule(ctx=contexts, offset=st.sampled_from((-2, -1, 0, 1)), settle=st.booleans())
+    def meter_to_the_edge(self, ctx: Context, offset: int, settle: bool) -> None:
+        """Fill the largest cap to the exact range's edge (or one unit either side):
+        at the edge a check still fits or not exactly, past it the charge is refused
+        with CounterOverflowError alike; a negative settlement takes it back."""
+        if ctx.tenant is None:
+            return
+        used = self.same(lambda gov: gov.usage("edge", ctx))
+        amount = MAX_AMOUNT - used + offset
+        if 0 <= amount <= MAX_AMOUNT:
+            outcome = self.same(lambda gov: gov.meter("edge", amount, ctx))
+            event(f"meter to the edge{offset:+d}: {type(outcome).__name__}")
+        decision = self.same(lambda gov: gov.check(ctx))
+        event(f"check at the edge{offset:+d}: {decision.status} {decision.limit or ''}")
+        if settle:
+            self.same(lambda gov: self._settle_down(gov, ctx))
+
+    async def _settle_down(self, gov: Governor, ctx: Context) -> int | None:
+        async with gov.reserved("edge", 5, ctx) as r:
+            r.actual = 0
+        return await gov.usage("edge", ctx)
 
     @precondition(lambda self: len(self.open) < 4)
     @rule(limit=limits, estimate=st.integers(0, 40), ctx=contexts)
@@ -336,17 +371,85 @@ def test_memory_and_redis_backends_agree_with_a_ledger(redis_url: str) -> None:
     run_state_machine_as_test(machine(LedgerBackendsAgree, redis_url), settings=SETTINGS)
 
 
-def test_totals_beyond_2_pow_53_read_alike(redis_url: str) -> None:
-    async def totals() -> list[int]:
-        out = []
-        policy = Policy.of(
-            Limit("spend", cap=10, window=Window.DAY, unit=Unit.USD_MICROS, gated=False)
-        )
-        for backend in (MemoryBackend(), RedisBackend.from_url(redis_url, timeout=2.0)):
-            async with Governor(policy, backend) as gov:
-                await gov.meter("spend", MAX_AMOUNT)
-                await gov.meter("spend", 2)
-                out.append(await gov.usage("spend"))
-        return out
+EDGE_POLICY = Policy.of(
+    Limit("spend", cap=MAX_AMOUNT, window=Window.DAY, unit=Unit.USD_MICROS),
+    Limit("calls", cap=MAX_AMOUNT, window=Window.DAY),
+)
 
-    assert asyncio.run(totals()) == [MAX_AMOUNT + 2] * 2
+
+async def edge_cases(backend: Backend) -> list[Any]:
+    """The same edge cases on one backend: what each step answered, refusals included."""
+    out: list[Any] = []
+
+    async def step(coro: Awaitable[Any]) -> None:
+        try:
+            got = await coro
+            if isinstance(got, Decision):
+                got = got.status
+            out.append(got.charged if isinstance(got, MeterResult) else got)
+        except CounterOverflowError as exc:
+            out.append(("overflow", exc.limit, exc.amount))
+
+    gov = Governor(EDGE_POLICY, backend)
+    now = time.time()
+    spend, calls = (
+        slot(EDGE_POLICY[name], Context(), now, EDGE_POLICY.tz, 0, enforce=False)
+        for name in ("spend", "calls")
+    )
+    assert spend is not None and calls is not None
+    # Spend one unit short of the largest cap: a check fits exactly (the sum equals
+    # the cap); at the cap none does; a charge past the range is refused, writing nothing.
+    await step(gov.meter("spend", MAX_AMOUNT - 1))
+    await step(gov.check())
+    await step(gov.meter("spend", 1))
+    await step(gov.check())
+    await step(gov.meter("spend", 1))
+    await step(gov.usage("spend"))
+    # A negative in-flight part (a settlement under an event id) brings the total back in.
+    await step(backend.charge([CounterOp(spend.key, -2, 0, False, spend.expire_at)], event_id="s"))
+    await step(gov.usage("spend"))
+    # Calls charged inline to one short of the cap: the last check that fits, then none.
+    await step(backend.charge([CounterOp(calls.key, MAX_AMOUNT - 2, 0, False, calls.expire_at)]))
+    await step(gov.check())
+    await step(gov.check())
+    # The projection (the ledger's truth) may commit past the range; every later charge
+    # on that counter is refused alike (never a raw Redis error nearing 2**63), and
+    # usage still reads the total exactly.
+    events = [
+        AppliedEvent(i, f"e{i}", now, (AppliedCharge(calls.key, MAX_AMOUNT, calls.expire_at),))
+        for i in range(1000)
+    ]
+    await step(backend.apply("edge:0", events))
+    await step(gov.check())
+    await step(gov.meter("calls", 1))
+    await step(gov.usage("calls"))
+    await gov.aclose()
+    return out
+
+
+def test_both_backends_agree_at_the_numeric_edge(redis_url: str) -> None:
+    async def both() -> list[list[Any]]:
+        return [
+            await edge_cases(MemoryBackend()),
+            await edge_cases(RedisBackend.from_url(redis_url, timeout=5.0)),
+        ]
+
+    mem, red = asyncio.run(both())
+    assert mem == red
+    assert mem == [
+        MAX_AMOUNT - 1,
+        200,
+        1,
+        402,
+        ("overflow", "spend", 1),
+        MAX_AMOUNT,
+        ChargeResult(-1, (MAX_AMOUNT,)),
+        MAX_AMOUNT - 2,
+        ChargeResult(-1, (1,)),
+        200,
+        429,
+        1000,
+        ("overflow", "calls", 1),
+        ("overflow", "calls", 1),
+        1001 * MAX_AMOUNT,
+    ]

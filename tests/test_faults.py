@@ -1,14 +1,21 @@
-"""Redis killed mid-run: fail modes apply, then enforcement recovers by itself."""
+"""Redis killed mid-run: fail modes apply, then enforcement recovers by itself.
+Redis answering after the timeout: the charge had landed, its replay counts nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from urllib.parse import urlsplit
 
+import pytest
+import redis
 from services import RedisService
 
 from mcp_budget_governor import (
+    MAX_AMOUNT,
     Context,
+    CounterOverflowError,
     FailMode,
     Governor,
     Limit,
@@ -18,6 +25,7 @@ from mcp_budget_governor import (
     Unit,
     Window,
 )
+from mcp_budget_governor.planning import slot
 
 RETRY = 0.3
 
@@ -96,7 +104,8 @@ async def test_meter_during_outage_is_kept_and_replayed(own_redis: RedisService)
     own_redis.kill()
     own_redis.restart()  # comes back empty
     own_redis.kill()
-    assert await gov.meter("tenant_spend", 250, acme) == 250  # a completed call is always charged
+    got = await gov.meter("tenant_spend", 250, acme)
+    assert got.charged == 250  # a completed call is always charged
     own_redis.restart()
     await asyncio.sleep(RETRY + 0.1)
     assert await gov.usage("tenant_spend", acme) == 250
@@ -126,4 +135,152 @@ async def test_timeout_bounds_a_hung_redis(own_redis: RedisService) -> None:
         os.kill(own_redis.pid, signal.SIGCONT)
     await asyncio.sleep(RETRY + 0.1)
     assert (await gov.check(paying)).admitted
+    await gov.aclose()
+
+
+class SlowReplies:
+    """A TCP proxy on loopback in front of Redis that holds each reply back ``delay``
+    seconds: commands reach Redis and run at once, their answers come too late."""
+
+    def __init__(self, target_url: str) -> None:
+        parts = urlsplit(target_url)
+        self._target = (parts.hostname or "127.0.0.1", parts.port or 6379)
+        self.delay = 0.0
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._links: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> SlowReplies:
+        self._server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"redis://127.0.0.1:{port}/0"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._links:
+            task.cancel()
+        await asyncio.gather(*self._links, return_exceptions=True)
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self._target)
+        link = asyncio.gather(
+            self._pipe(reader, up_writer, delayed=False),
+            self._pipe(up_reader, writer, delayed=True),
+        )
+        task = asyncio.ensure_future(link)
+        self._links.add(task)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, delayed: bool
+    ) -> None:
+        try:
+            while data := await src.read(65536):
+                if delayed and self.delay:
+                    await asyncio.sleep(self.delay)
+                dst.write(data)
+                await dst.drain()
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.close()
+
+
+def usage_in(url: str, key: str) -> int:
+    client = redis.Redis.from_url(url)
+    try:
+        c, f = client.hmget(key, "c", "f")
+        return int(c or 0) + int(f or 0)
+    finally:
+        client.close()
+
+
+async def test_a_reply_after_the_timeout_counts_the_charge_once(redis_url: str) -> None:
+    """The script ran, its reply came after the client's timeout: the client retried
+    it once, the governor fell back to its fail mode and kept the charge for later,
+    and replaying it when Redis answers again changes nothing (operation id)."""
+    alice, acme = Context(user="alice"), Context(user="alice", tenant="acme")
+    async with SlowReplies(redis_url) as slow:
+        gov = Governor(
+            policy(), RedisBackend.from_url(slow.url, timeout=0.25), retry_interval=RETRY
+        )
+        assert (await gov.check(alice)).admitted
+        assert (await gov.meter("tenant_spend", 100, acme)).charged == 100
+        key = planned_key(gov, "per_user", alice)
+        spend_key = planned_key(gov, "tenant_spend", acme)
+        assert usage_in(redis_url, key) == 1
+
+        slow.delay = 1.0
+        d = await gov.check(alice)
+        assert d.admitted and d.degraded  # looked unreachable: the fail mode decided
+        slow.delay = 0.0
+        await asyncio.sleep(RETRY + 0.1)
+        assert (
+            await gov.meter("tenant_spend", 250, acme)
+        ).charged == 250  # degraded: kept, replayed
+        # The late script did land (the timed-out send and redis-py's one retry, under
+        # the same operation id): counted once in Redis before any replay.
+        assert usage_in(redis_url, key) == 2
+
+        # The next call flushes the outage buffer: the replayed check changes nothing.
+        assert (await gov.check(alice)).admitted
+        assert await gov.usage("per_user", alice) == 3
+        assert usage_in(redis_url, key) == 3
+        assert await gov.usage("tenant_spend", acme) == 350
+        assert usage_in(redis_url, spend_key) == 350
+        await gov.aclose()
+
+
+async def test_a_late_metered_charge_counts_once(redis_url: str) -> None:
+    """The same for meter(): the charge landed, its reply was late, its replay is a no-op."""
+    acme = Context(user="u", tenant="acme")
+    async with SlowReplies(redis_url) as slow:
+        gov = Governor(
+            policy(), RedisBackend.from_url(slow.url, timeout=0.25), retry_interval=RETRY
+        )
+        assert (await gov.meter("tenant_spend", 100, acme)).charged == 100
+        slow.delay = 1.0
+        assert (await gov.meter("tenant_spend", 40, acme)).charged == 40
+        slow.delay = 0.0
+        await asyncio.sleep(RETRY + 0.1)
+        assert await gov.usage("tenant_spend", acme) == 140  # flushed first: once
+        assert usage_in(redis_url, planned_key(gov, "tenant_spend", acme)) == 140
+        await gov.aclose()
+
+
+def planned_key(gov: Governor, limit: str, ctx: Context) -> str:
+    s = slot(gov.policy[limit], ctx, time.time(), gov.policy.tz, 0, enforce=False)
+    assert s is not None
+    return s.key
+
+
+async def test_an_outage_charge_past_the_exact_range_is_dropped_not_stuck(
+    own_redis: RedisService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replayed charge refused as out of the exact range is logged and dropped:
+    the charges buffered after it are still replayed."""
+    import os
+    import signal
+
+    gov = replica(own_redis.url)
+    acme = Context(user="u", tenant="acme")
+    await gov.meter("tenant_spend", MAX_AMOUNT, acme)
+    assert own_redis.pid is not None
+    os.kill(own_redis.pid, signal.SIGSTOP)  # hung: sends time out, Redis keeps its data
+    try:
+        assert (await gov.meter("tenant_spend", 5, acme)).charged == 5
+        assert (await gov.meter("per_user", 2, acme)).charged == 2
+    finally:
+        os.kill(own_redis.pid, signal.SIGCONT)
+    await asyncio.sleep(RETRY + 0.1)
+    assert await gov.usage("per_user", acme) == 2
+    assert await gov.usage("tenant_spend", acme) == MAX_AMOUNT
+    assert "outage charge dropped" in caplog.text and "'tenant_spend'" in caplog.text
+    with pytest.raises(CounterOverflowError) as info:
+        await gov.meter("tenant_spend", 1, acme)
+    assert (info.value.limit, info.value.amount) == ("tenant_spend", 1)
     await gov.aclose()

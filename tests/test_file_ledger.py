@@ -149,9 +149,14 @@ class NoWatermark:
         self.applied_calls = 0
 
     async def charge(
-        self, ops: Sequence[CounterOp], *, event_id: str | None = None, want_used: bool = True
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
     ) -> ChargeResult:
-        return await self.inner.charge(ops, event_id=event_id, want_used=want_used)
+        return await self.inner.charge(ops, event_id=event_id, want_used=want_used, op_id=op_id)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         return await self.inner.usage(keys)

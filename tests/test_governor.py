@@ -97,7 +97,7 @@ async def test_spend_limit_refuses_with_402_and_no_retry_after(backend: Backend)
     )
     assert (await gov.check(U42)).admitted  # a spend limit reads at check, charges nothing
     assert await gov.usage("spend", U42) == 0
-    assert await gov.meter("spend", usd(0.6), U42) == usd(0.6)
+    assert (await gov.meter("spend", usd(0.6), U42)).charged == usd(0.6)
     assert (await gov.check(U42)).admitted
     await gov.meter("spend", usd(0.6), U42)  # completed call: charged past the cap
     assert await gov.usage("spend", U42) == usd(1.2)
@@ -170,13 +170,13 @@ async def test_meter_tokens_prices_and_counts(backend: Backend) -> None:
         Limit("calls", cap=10, window=Window.DAY),
         prices=prices,
     )
-    cost = await gov.meter_tokens("spend", "m", input_tokens=3_200, output_tokens=850)
+    cost = (await gov.meter_tokens("spend", "m", input_tokens=3_200, output_tokens=850)).charged
     assert cost == 3_200 * 3 + 850 * 15 == await gov.usage("spend")
     cached = await gov.meter_tokens(
         "spend", "m", input_tokens=1_000, output_tokens=0, cache_read_tokens=1_000
     )
-    assert cached == 300  # cache reads at their own price, not also at the input price
-    assert await gov.meter_tokens("tokens", "m", input_tokens=10, output_tokens=5) == 15
+    assert cached.charged == 300  # cache reads at their own price, not also at the input price
+    assert (await gov.meter_tokens("tokens", "m", input_tokens=10, output_tokens=5)).charged == 15
     with pytest.raises(UnknownModelError, match="gpt-typo"):
         await gov.meter_tokens("spend", "gpt-typo", input_tokens=1, output_tokens=1)
     with pytest.raises(InvalidInputError, match="CALLS"):

@@ -31,6 +31,7 @@ from mcp_budget_governor import (
     BudgetExceeded,
     Context,
     Governor,
+    InvalidInputError,
     Limit,
     MemoryBackend,
     Policy,
@@ -69,11 +70,23 @@ async def boom(request: Request) -> PlainTextResponse:
     raise RuntimeError("handler failed")
 
 
+async def upload(request: Request) -> PlainTextResponse:
+    # Reading a body the client stops sending: Starlette raises ClientDisconnect.
+    return PlainTextResponse(f"{len(await request.body())} bytes")
+
+
+async def slow(request: Request) -> PlainTextResponse:
+    await asyncio.Event().wait()  # until cancelled
+    return PlainTextResponse("never")
+
+
 def starlette_app() -> Starlette:
     return Starlette(
         routes=[
             Route("/hello", hello),
             Route("/boom", boom),
+            Route("/upload", upload, methods=["POST"]),
+            Route("/slow", slow),
             Route("/health", hello),
         ]
     )
@@ -221,6 +234,89 @@ async def test_a_failing_handler_keeps_its_admission_and_is_not_priced(
         assert await usage("user_spend", me) == 0  # a 500 is priced at nothing here
 
 
+FIXED = {"user_spend": usd("0.02")}
+
+
+async def test_a_dropped_connection_pays_the_fixed_price(backend_url: str | None) -> None:
+    """A real client on a real uvicorn server sends half a request body and hangs up:
+    the app fails reading it, the admitted request pays ``fixed``."""
+    import socket
+
+    async def build() -> tuple[Any, Governor]:
+        backend = (
+            RedisBackend.from_url(backend_url, timeout=2.0) if backend_url else MemoryBackend()
+        )
+        gov = Governor(policy(), backend, clock=lambda: NOW)
+        app = BudgetASGIMiddleware(starlette_app(), gov, identify=identify, fixed=FIXED)
+        return app, gov
+
+    host = await asyncio.to_thread(ThreadServer(build).start)
+    try:
+        me = Context(user="u_1")
+
+        async def usage(limit: str) -> int:
+            return await host.run(host.state.usage(limit, me))
+
+        with socket.create_connection(("127.0.0.1", host.port)) as sock:
+            sock.sendall(
+                b"POST /upload HTTP/1.1\r\nHost: t\r\nx-user: u_1\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b"x" * 10
+            )
+            for _ in range(400):  # admitted: the app is waiting for the rest of the body
+                if await usage("burst") == 1:
+                    break
+                await asyncio.sleep(0.025)
+        for _ in range(400):  # the server notices the hang-up on its own time
+            if await usage("user_spend") == FIXED["user_spend"]:
+                break
+            await asyncio.sleep(0.025)
+        assert await usage("user_spend") == FIXED["user_spend"]
+        assert await usage("burst") == 1
+    finally:
+        await asyncio.to_thread(host.stop)
+
+
+async def test_a_request_cancelled_mid_way_pays_the_fixed_price(backend_url: str | None) -> None:
+    """The app task is cancelled (its client gave up, in process): charged, then cancelled."""
+    async with governed("", backend_url, "asgi", policy(), fixed=FIXED) as (c, usage):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await c.get("/slow", headers=U1)
+        assert await usage("user_spend", Context(user="u_1")) == FIXED["user_spend"]
+        # A completed request without a cost callback pays the fixed price too.
+        assert (await c.get("/hello", headers=U1)).status_code == 200
+        assert await usage("user_spend", Context(user="u_1")) == 2 * FIXED["user_spend"]
+
+
+async def test_a_failing_cost_callback_charges_the_fixed_price(
+    backend_url: str | None, transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(scope: Any, status: int) -> dict[str, int]:
+        return {"user_spend": -1}
+
+    async with governed("", backend_url, transport, policy(), cost=broken, fixed=FIXED) as (
+        c,
+        usage,
+    ):
+        r = await c.get("/hello", headers=U1)
+        assert (r.status_code, r.text) == (200, "hello")
+        assert await usage("user_spend", Context(user="u_1")) == FIXED["user_spend"]
+    assert "tool '/hello': its cost callback failed" in caplog.text
+
+
+def test_a_bad_fixed_price_fails_when_the_middleware_is_built() -> None:
+    gov = Governor(policy(), MemoryBackend())
+    for bad in ({"nope": 1}, {"user_spend": -1}, {"user_spend": 0.5}):
+        with pytest.raises(InvalidInputError, match=r"^fixed"):
+            BudgetASGIMiddleware(starlette_app(), gov, fixed=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidInputError, match=r"^fixed"):
+            governed_call_tool(gov, hello_tool, fixed=bad)  # type: ignore[arg-type]
+
+
+async def hello_tool(ctx: Any, params: mt.CallToolRequestParams) -> mt.CallToolResult:
+    return mt.CallToolResult(content=[mt.TextContent(type="text", text="ok")])
+
+
 async def test_a_refusal_a_bare_asgi_app_raises_is_answered_the_same_way() -> None:
     from mcp_budget_governor.decision import Decision
 
@@ -299,3 +395,30 @@ async def test_the_low_level_server_hook_refuses_with_an_error_result() -> None:
     assert anonymous.is_error and "caller_unidentified" in anonymous.content[0].text  # type: ignore[union-attr]
     assert ran == ["search", "search"]
     assert await gov.usage("user_spend", Context(user="u_1")) == 2 * usd("0.01")
+
+
+async def test_the_low_level_hook_charges_fixed_when_the_cost_callback_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    gov = Governor(policy(), MemoryBackend(), clock=lambda: NOW)
+
+    async def list_tools(ctx: Any, params: Any) -> mt.ListToolsResult:
+        schema = {"type": "object", "properties": {}}
+        return mt.ListToolsResult(tools=[mt.Tool(name="search", input_schema=schema)])
+
+    server = Server(
+        "low",
+        on_list_tools=list_tools,
+        on_call_tool=governed_call_tool(
+            gov,
+            hello_tool,
+            identify=lambda ctx, params: Context(user="u_1"),
+            cost=lambda params, result: 1 / 0,
+            fixed=FIXED,
+        ),
+    )
+    async with SdkClient(server) as client:
+        result = await client.call_tool("search", {})
+    assert not result.is_error and result.content[0].text == "ok"  # type: ignore[union-attr]
+    assert await gov.usage("user_spend", Context(user="u_1")) == FIXED["user_spend"]
+    assert "tool 'search': its cost callback failed" in caplog.text

@@ -49,6 +49,8 @@ T = TypeVar("T")
 NOW = time.time()
 MINUTE_LEFT = max(1, math.ceil((NOW // 60 + 1) * 60 - NOW))
 USD = Unit.USD_MICROS
+#: Tools that saw their call cancelled (appended in the server's loop, read by the test).
+CANCELLED: list[str] = []
 
 
 def policy(anonymous: Anonymous = Anonymous.REFUSE) -> Policy:
@@ -93,6 +95,16 @@ def build_server(governor: Governor, **middleware: Any) -> FastMCP:
     @mcp.tool(meta={"mcpbg": {"cost_usd": "0.01", "limit": "nope"}})
     async def misconfigured() -> str:
         return "never runs"
+
+    @mcp.tool(meta={"mcpbg": {"cost_usd": "0.03", "limit": "user_spend"}})
+    async def stuck() -> str:
+        # Runs until the client gives up and cancels the call.
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            CANCELLED.append("stuck")
+            raise
+        return "never"
 
     @mcp.tool
     async def self_metering(micros: int) -> str:
@@ -280,6 +292,72 @@ async def test_a_tool_that_raises_keeps_its_admission_and_pays_its_fixed_price(
         assert await s.usage("burst", me) == 1
         assert await s.usage("user_spend", me) == usd("0.02")
         assert priced_calls == []  # no result to price
+
+
+async def eventually(read: Callable[[], Awaitable[T]], want: T) -> T:
+    """Poll ``read`` until it returns ``want`` (the server finishes a cancelled call on its own
+    time); the last value read otherwise, for the assertion to show."""
+    got = await read()
+    for _ in range(200):
+        if got == want:
+            break
+        await asyncio.sleep(0.025)
+        got = await read()
+    return got
+
+
+async def test_a_call_the_client_cancels_pays_its_fixed_price(serve: Serve) -> None:
+    """The client gives up on an admitted call: it sends ``notifications/cancelled``, the
+    server cancels the tool, and the call is charged its meta price all the same."""
+    CANCELLED.clear()
+    async with serve(policy(), identify=user_from_meta) as s, s.client() as client:
+        me = Context(user="u_1", tenant="acme")
+        pending = asyncio.ensure_future(call(client, "stuck"))
+        assert await eventually(lambda: s.usage("burst", me), 1) == 1  # admitted, running
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        assert await eventually(lambda: s.usage("user_spend", me), usd("0.03")) == usd("0.03")
+        assert CANCELLED == ["stuck"]  # the tool was cancelled, not left to finish
+        assert await s.usage("burst", me) == 1
+        # The session goes on: the next call is served and charged as usual.
+        assert await call(client, "echo", text="after") == "after"
+        assert await s.usage("user_spend", me) == usd("0.03") + usd("0.01")
+
+
+async def test_a_call_that_times_out_on_the_client_pays_its_fixed_price(serve: Serve) -> None:
+    CANCELLED.clear()
+    async with serve(policy(), identify=user_from_meta) as s, s.client() as client:
+        with pytest.raises(Exception, match=r"(?i)time"):
+            await client.call_tool("stuck", {}, meta={"user": "u_2"}, timeout=0.5)
+        me = Context(user="u_2", tenant="acme")
+        assert await eventually(lambda: s.usage("user_spend", me), usd("0.03")) == usd("0.03")
+        assert await eventually(lambda: asyncio.sleep(0, CANCELLED), ["stuck"]) == ["stuck"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda r: 1 / 0, id="raises"),
+        pytest.param(lambda r: {"user_spend": -1}, id="negative"),
+        pytest.param(lambda r: {"user_spend": 2**60}, id="too-large"),
+        pytest.param(lambda r: {"nope": 1}, id="unknown-limit"),
+        pytest.param(lambda r: {"user_spend": "0.01"}, id="wrong-type"),
+        pytest.param(lambda r: [("user_spend", 1)], id="not-a-mapping"),
+    ],
+)
+async def test_a_failing_cost_callback_charges_the_meta_price_and_returns_the_result(
+    serve: Serve, bad: Callable[[Any], Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    def cost(context: MiddlewareContext[Any], result: Any) -> Any:
+        return bad(result)
+
+    async with serve(policy(), identify=user_from_meta, cost=cost) as s, s.client() as client:
+        assert await call(client, "echo", text="still here") == "still here"
+        me = Context(user="u_1", tenant="acme")
+        assert await s.usage("user_spend", me) == usd("0.01")  # echo's meta price
+        assert await s.usage("spend") == usd("0.01")
+    assert "tool 'echo': its cost callback failed" in caplog.text
 
 
 async def test_cost_from_the_callback_replaces_the_meta_price(serve: Serve) -> None:

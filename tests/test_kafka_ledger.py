@@ -781,7 +781,7 @@ async def test_full_outbox_refuses_admissions_but_records_costs(
     assert await usages(gov, ctx) == before  # nothing charged
     assert len(ledger.outbox) == pending  # and nothing written for the refusals
 
-    assert await gov.meter("spend", 7, ctx) == 7
+    assert (await gov.meter("spend", 7, ctx)).charged == 7
     assert await usages(gov, ctx) == (before[0], before[1] + 7)
     assert len(ledger.outbox) == pending + 1
 

@@ -48,7 +48,7 @@ async def test_meter_on_two_limits_is_one_event_charging_both(backend: Backend) 
     gov = Governor(policy(), backend, ledger=ledger)
     ctx = Context(user="u1")  # no tenant: tenant_spend does not apply
     got = await gov.meter(("user_spend", "tenant_spend", "global_spend"), usd("0.25"), ctx)
-    assert got == usd("0.25")
+    assert got.charged == usd("0.25") and got.limit == "user_spend"
     (entry,) = ledger.entries
     assert entry.type is EntryType.METERED
     assert [(c.limit, c.amount) for c in entry.charges] == [
@@ -66,7 +66,7 @@ async def test_meter_tokens_prices_usd_limits_and_counts_token_limits(backend: B
     cost = await gov.meter_tokens(
         ["user_tokens", "global_spend"], "m", input_tokens=1_000, output_tokens=100, ctx=ctx
     )
-    assert cost == 1_100  # the first named limit counts tokens
+    assert cost.charged == 1_100  # the first named limit counts tokens
     (entry,) = ledger.entries
     assert [(c.limit, c.amount) for c in entry.charges] == [
         ("user_tokens", 1_100),

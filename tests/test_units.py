@@ -8,7 +8,7 @@ from decimal import Decimal
 import pytest
 
 from mcp_budget_governor import InvalidInputError, Window, format_usd, usd
-from mcp_budget_governor.counters import fits
+from mcp_budget_governor.counters import MAX_COUNTER, fits, overflow, stays_exact
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.windows import GRACE_SECONDS, SESSION_TTL_SECONDS, bucket_for, zone
 
@@ -42,6 +42,19 @@ def test_fits_rule() -> None:
     assert fits(0, 1, 1) and not fits(1, 1, 1)
     assert fits(0, 0, 1) and not fits(1, 0, 1) and not fits(0, 0, 0)
     assert fits(10, 5, 15) and not fits(11, 5, 15)
+
+
+def test_the_exact_range_rule() -> None:
+    top = MAX_COUNTER
+    assert stays_exact(top - 5, 0, 5, inline=True) and not stays_exact(top - 5, 0, 6, inline=True)
+    assert stays_exact(0, top - 5, 5, inline=False) and not stays_exact(0, top, 1, inline=False)
+    # Each part and the total: a total in range with a part outside is refused.
+    assert not stays_exact(top + 1, -2, 0, inline=True)
+    assert not stays_exact(top, top, 0, inline=False)
+    assert stays_exact(-top, 0, 0, inline=True) and not stays_exact(-top, 0, -1, inline=True)
+    err = overflow("mcpbg:v1:spend:user=a:20261129", 7)
+    assert (err.limit, err.amount, err.bound) == ("spend", 7, MAX_COUNTER)
+    assert "limit 'spend': charging 7" in str(err) and str(MAX_COUNTER) in str(err)
 
 
 def test_utc_buckets_and_bounds() -> None:

@@ -25,8 +25,12 @@ Per HTTP request (``lifespan`` and ``websocket`` pass through untouched):
    reason, the limit and the hint (``retry_after``, ``resets_at``, ``message``).
 4. Otherwise the app answers, and after its response is sent,
    ``cost(scope, status)`` (sync or async, ``{limit: amount}`` or None) is
-   metered. An app that raises is charged nothing beyond its admission (the
+   metered; None, or a callback that fails, charges ``fixed`` instead.
+   ``fixed`` (``{limit: amount}``) is what every admitted request costs when
+   nothing better is known: it is also charged when the app raises or is
+   cancelled, such as when the client drops the connection mid-request (the
    rules of :func:`~mcp_budget_governor.integrations.flow.governed_call`).
+   Without ``fixed``, such a request pays its admission only.
 
 A :class:`~mcp_budget_governor.BudgetExceeded` that a bare ASGI app raises
 before starting its response is answered the same way (frameworks such as
@@ -45,6 +49,7 @@ from mcp_budget_governor.errors import BudgetExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
+    fixed_charges,
     governed_call,
     identify_with,
     refusal_body,
@@ -71,6 +76,8 @@ class BudgetASGIMiddleware:
     - ``identify``: ``scope -> Context | None`` (sync or async).
     - ``route``: ``scope -> name | None``; the path by default, None skips.
     - ``cost``: ``(scope, status) -> {limit: amount} | None`` after the response.
+    - ``fixed``: ``{limit: amount}`` charged per admitted request that ``cost`` does
+      not price (failed, cancelled, dropped, or priced None).
     """
 
     def __init__(
@@ -81,9 +88,11 @@ class BudgetASGIMiddleware:
         identify: Identify | None = None,
         route: Route | None = None,
         cost: Cost | None = None,
+        fixed: Charges | None = None,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetASGIMiddleware needs a Governor, not {type(governor).__name__}")
+        self.fixed = fixed_charges(governor, fixed)
         for name, fn in (("identify", identify), ("route", route), ("cost", cost)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"BudgetASGIMiddleware: {name}= must be callable")
@@ -122,7 +131,7 @@ class BudgetASGIMiddleware:
         try:
             ctx = (await self._caller(scope)).with_tool(name)
             ctx = await self.governor.identified(ctx)
-            await governed_call(self.governor, ctx, respond, priced=priced)
+            await governed_call(self.governor, ctx, respond, fixed=self.fixed, priced=priced)
         except BudgetExceeded as exc:
             if status:
                 raise  # the app already answered: too late to refuse

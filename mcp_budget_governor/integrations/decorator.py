@@ -21,12 +21,14 @@ integration):
 - a callable cost is not metered: there is no result to price. A tool whose
   failures can still cost money should meter what it spent itself, or hold a
   reservation (``Governor.reserved``), whose estimate stands if not settled;
-- cancellation (``asyncio.CancelledError`` and other ``BaseException``) is
-  never metered: nothing may be awaited on the way out of a cancelled scope.
+- a cancelled call (``asyncio.CancelledError``: a timeout, a client that gave
+  up) is charged the same way as one that raised; the charge completes even
+  though the task is being cancelled, then the cancellation propagates.
 
-The exception then propagates unchanged. A callable cost that returns
-something other than a non-negative ``int`` raises ``InvalidInputError``
-after the call: a bug to fix, never a silent zero.
+The exception then propagates unchanged. A callable cost that raises, or
+returns something other than a non-negative ``int``, is logged as an error
+naming the tool and the caller still gets the result: the call is charged
+its admission, never a silent zero for a bug in the callable.
 
 Async functions only: a sync function raises :class:`TypeError` when it is
 decorated (budget checks await the counters; run blocking work inside an

@@ -28,7 +28,8 @@ Per ``tools/call``:
 
 A tool's cost comes from two places:
 
-- its own ``meta``, a fixed price per call, charged also when the tool raises::
+- its own ``meta``, a fixed price per call, charged also when the tool raises
+  or the client cancels the call (``notifications/cancelled``)::
 
       @mcp.tool(meta={"mcpbg": {"cost_usd": "0.01", "limit": ["user_spend", "spend"]}})
 
@@ -38,7 +39,9 @@ A tool's cost comes from two places:
   so an agent can see it before calling.
 - the ``cost`` callback, ``cost(context, result) -> {limit: amount} | None``
   (sync or async), called after a tool completes with its ``ToolResult``; its
-  charges replace the ``meta`` price for that call, and None keeps it.
+  charges replace the ``meta`` price for that call, and None keeps it. A
+  callback that raises or returns invalid charges is logged with the tool's
+  name and the ``meta`` price is charged; the agent still gets the result.
 
 Inside the tool and the callback,
 :func:`~mcp_budget_governor.integrations.flow.governed_context` is the

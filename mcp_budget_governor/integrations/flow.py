@@ -2,7 +2,7 @@
 
 ``@governed``, the FastMCP middleware, the ASGI middleware and the low-level
 MCP hook all run a call through :func:`governed_call`, so what a refused, a
-failed or a completed call is charged is decided in one place:
+failed, a cancelled or a completed call is charged is decided in one place:
 
 - the call is checked first; a refusal raises :class:`BudgetExceeded` and the
   work never runs (a refused call is charged nothing, and the ledger records
@@ -10,14 +10,24 @@ failed or a completed call is charged is decided in one place:
   ``identify`` produced through :meth:`Governor.identified` before (an
   unnamed caller is refused or shared, as the policy says); ``@governed``
   takes the context the developer gives it;
-- when the work raises an ``Exception``, the admission stands (a failing call
-  still used its quota, so retrying a failing tool is not free) and the
+- every admitted call is paid for. When the work raises an ``Exception``, or
+  is cancelled (``asyncio.CancelledError``: an MCP client's
+  ``notifications/cancelled``, an HTTP client that went away, a timeout), the
+  admission stands (retrying a failing or abandoned call is not free) and the
   ``fixed`` charges are metered: they are prices known without a result, and
   work that started may have spent them. ``priced`` is not called: there is
-  no result to price. Cancellation and other ``BaseException`` are never
-  metered (nothing may be awaited on the way out of a cancelled scope);
+  no result to price. The exception or the cancellation then propagates
+  unchanged;
 - when the work completes, ``priced(result)`` is metered if it returns charges,
-  else ``fixed``: a completed call is always charged, even past a cap.
+  else ``fixed``: a completed call is always charged, even past a cap. A
+  ``priced`` callback that raises, or returns something that is not valid
+  charges (not a mapping, an unknown limit, an amount that is not an integer,
+  negative or too large), is logged as an error naming the tool, the call is
+  charged ``fixed`` instead, and the caller still gets the result;
+- the charging runs to its end even when the caller's task is cancelled
+  meanwhile (shielded, for asyncio and for anyio cancel scopes alike); the
+  cancellation is raised once it is done. Other ``BaseException`` (process
+  exit) is not metered.
 
 Charges map a limit name to an amount in that limit's unit (integer USD micros
 for money). All of them are validated before any is metered, so a bad amount
@@ -30,7 +40,11 @@ This module also renders a refusal for people and agents (:func:`refusal_text`,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
+import logging
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from datetime import UTC
@@ -45,6 +59,7 @@ from mcp_budget_governor.producers.emit import Recorder
 
 __all__ = [
     "Charges",
+    "fixed_charges",
     "governed_call",
     "governed_context",
     "identify_with",
@@ -52,6 +67,8 @@ __all__ = [
     "refusal_text",
     "user_of_token",
 ]
+
+log = logging.getLogger("mcp_budget_governor")
 
 R = TypeVar("R")
 
@@ -83,22 +100,80 @@ async def governed_call(
     try:
         try:
             result = await work()
+        except asyncio.CancelledError:
+            if fixed:
+                try:
+                    await _to_the_end(meter_all(governor, fixed, ctx))
+                except Exception:  # the cancellation goes on, whatever the charge met
+                    log.exception("tool %r: charging the cancelled call failed", ctx.tool)
+            raise
         except Exception:
             if fixed:
-                await meter_all(governor, fixed, ctx)
+                await _to_the_end(meter_all(governor, fixed, ctx))
             raise
-        charges = fixed
-        if priced is not None:
+        await _to_the_end(_settle(governor, ctx, result, fixed, priced))
+        return result
+    finally:
+        _current.reset(token)
+
+
+async def _settle(
+    governor: Governor | Recorder,
+    ctx: Context,
+    result: Any,
+    fixed: Charges | None,
+    priced: PricedCost | None,
+) -> None:
+    """Meter a completed call: ``priced(result)`` when it gives valid charges, else ``fixed``."""
+    charges = fixed
+    if priced is not None:
+        try:
             got = priced(result)
             if inspect.isawaitable(got):
                 got = await got
             if got is not None:
+                _validated(governor, got)
                 charges = got
-        if charges:
-            await meter_all(governor, charges, ctx)
-        return result
-    finally:
-        _current.reset(token)
+        except Exception as exc:
+            price = f"its fixed price {dict(fixed)}" if fixed else "nothing beyond its admission"
+            log.error(
+                "tool %r: its cost callback failed, so the call is charged %s: %s",
+                ctx.tool, price, exc,
+            )  # fmt: skip
+    if charges:
+        await meter_all(governor, charges, ctx)
+
+
+async def _to_the_end(step: Awaitable[None]) -> None:
+    """Await ``step`` to its end even if the calling task is cancelled meanwhile, then
+    raise the cancellation: a charge under way is never abandoned half-made.
+
+    The step runs as its own task that a cancellation does not reach
+    (``asyncio.shield``); under anyio (the MCP SDK cancels a request's scope,
+    and redelivers the cancellation at every await) a shielded cancel scope
+    also keeps this task from being woken again and again while it waits.
+    """
+    task = asyncio.ensure_future(step)
+    cancelled: asyncio.CancelledError | None = None
+    with _anyio_shield():
+        while True:
+            try:
+                await asyncio.shield(task)
+                break
+            except asyncio.CancelledError as exc:
+                if task.done():
+                    raise  # the step itself was cancelled (the loop is closing)
+                cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+
+
+def _anyio_shield() -> contextlib.AbstractContextManager[Any]:
+    # Only a caller already running under anyio can be in one of its cancel scopes.
+    anyio = sys.modules.get("anyio")
+    if anyio is None:
+        return contextlib.nullcontext()
+    return anyio.CancelScope(shield=True)  # type: ignore[no-any-return]
 
 
 def governed_context() -> Context | None:
@@ -113,14 +188,32 @@ def governed_context() -> Context | None:
     return _current.get()
 
 
-async def meter_all(governor: Governor | Recorder, charges: Charges, ctx: Context) -> None:
-    """Meter every charge as one ledger event, after validating them all (nothing partial)."""
+def _validated(governor: Governor | Recorder, charges: Any) -> dict[str, int]:
+    """The non-zero charges of a ``{limit: amount}`` mapping, after validating all of them."""
     if not isinstance(charges, Mapping):
         raise InvalidInputError("cost", charges, "expected a mapping of limit name -> amount")
-    nonzero = {limit: amount for limit, amount in charges.items() if amount != 0}
     for limit, amount in charges.items():
         governor.policy[limit]  # an unknown limit raises PolicyError here
         check_amount(amount, f"amount for {limit!r}")
+    return {limit: amount for limit, amount in charges.items() if amount != 0}
+
+
+def fixed_charges(
+    governor: Governor | Recorder, charges: Charges | None, field: str = "fixed"
+) -> dict[str, int] | None:
+    """Validate a fixed price given to an integration when it is built (None: no price)."""
+    if charges is None:
+        return None
+    try:
+        _validated(governor, charges)
+    except InvalidInputError as exc:
+        raise InvalidInputError(field, exc.value, f"{exc.field}: {exc.problem}") from None
+    return dict(charges)
+
+
+async def meter_all(governor: Governor | Recorder, charges: Charges, ctx: Context) -> None:
+    """Meter every charge as one ledger event, after validating them all (nothing partial)."""
+    nonzero = _validated(governor, charges)
     if nonzero:
         await governor.meter_charges(nonzero, ctx)
 

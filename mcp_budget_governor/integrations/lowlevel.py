@@ -19,8 +19,10 @@ else its client id), the tool's name becomes ``Context.tool``, the policy's
 as an error result (``is_error=True``) whose text is
 :func:`~mcp_budget_governor.integrations.flow.refusal_text`, and
 ``cost(params, result) -> {limit: amount} | None`` is metered after the
-handler returns (the rules of
-:func:`~mcp_budget_governor.integrations.flow.governed_call`).
+handler returns; ``fixed`` (``{limit: amount}``) is charged when ``cost`` gives
+nothing or fails, and when the handler raises or is cancelled (a client's
+``notifications/cancelled``): the rules of
+:func:`~mcp_budget_governor.integrations.flow.governed_call`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mcp_budget_governor.errors import BudgetExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
+    fixed_charges,
     governed_call,
     identify_with,
     refusal_body,
@@ -61,10 +64,12 @@ def governed_call_tool(
     *,
     identify: Identify | None = None,
     cost: Cost | None = None,
+    fixed: Charges | None = None,
 ) -> Handler:
-    """Wrap a low-level ``on_call_tool`` handler: check, run it, meter ``cost``."""
+    """Wrap a low-level ``on_call_tool`` handler: check, run it, meter ``cost`` (else ``fixed``)."""
     if not isinstance(governor, Governor):
         raise TypeError(f"governed_call_tool needs a Governor, not {type(governor).__name__}")
+    price = fixed_charges(governor, fixed)
 
     async def on_call_tool(ctx: Any, params: mt.CallToolRequestParams) -> Result:
         priced = None
@@ -77,7 +82,9 @@ def governed_call_tool(
         try:
             who = (await _caller(identify, ctx, params)).with_tool(params.name)
             who = await governor.identified(who)
-            return await governed_call(governor, who, lambda: handler(ctx, params), priced=priced)
+            return await governed_call(
+                governor, who, lambda: handler(ctx, params), fixed=price, priced=priced
+            )
         except BudgetExceeded as exc:
             return mt.CallToolResult(
                 content=[mt.TextContent(type="text", text=refusal_text(exc.decision))],
