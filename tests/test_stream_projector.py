@@ -28,7 +28,7 @@ from mcp_budget_governor import (
     Window,
     usd,
 )
-from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, CounterOp
 from mcp_budget_governor.errors import EpochMissingError
 from mcp_budget_governor.events import encode
 from mcp_budget_governor.keys import (
@@ -423,6 +423,18 @@ async def test_the_epoch_guard_checks_the_markers_type_and_value(
                 await backend.apply("epoch:0", [event], require_epoch=True)
         with pytest.raises(InvalidInputError, match="epoch"):
             await backend.mark_ready("not an epoch")
+        # ... and so does the hot path's charge script.
+        hot = RedisBackend.from_url(redis_url, timeout=2.0, require_epoch=True)
+        op = CounterOp("mcpbg:v1:calls:global:20261129", 1, 10, True, int(time.time()) + 60)
+        try:
+            if whole:
+                assert (await hot.charge([op], event_id=new_id())).admitted
+            else:
+                with pytest.raises(BackendUnavailableError):
+                    await hot.charge([op], event_id=new_id())
+        finally:
+            await hot.client.delete(op.key)
+            await hot.aclose()
     finally:
         await backend.client.delete(EPOCH_KEY)
         await backend.aclose()
