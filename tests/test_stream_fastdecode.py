@@ -280,7 +280,7 @@ def hostile_charge(charge: LedgerCharge, kind: EntryType, time: float) -> list[d
         f"mcpbg:v1:_{charge.limit}:{scope}:{bucket}",
         f"mcpbg:v1:other:{scope}:{bucket}",  # another limit's counter
         f"{head}:{other_scope}:{bucket}",  # another caller's counter
-        f"{head}:{scope}:19700101",  # another bucket
+        f"{head}:{scope}:19700101",  # another bucket (unless it is this one: left out below)
         f"{head}:{scope}:{bucket}:x",
         charge.key + "x" * 2000,
     ]
@@ -293,10 +293,14 @@ def hostile_charge(charge: LedgerCharge, kind: EntryType, time: float) -> list[d
             expiries.append(math.floor(time / 60) * 60 + SESSION_TTL_SECONDS - 1)
     else:  # exactly the bucket's end plus grace
         expiries += [charge.expire_at + 1, charge.expire_at - 3600]
-    out = [{**base, "key": k} for k in keys]
+    out = [{**base, "key": k} for k in keys if k != charge.key]
     out += [{**base, "amount": a} for a in amounts]
     out += [{**base, "expire_at": e} for e in expiries if e != charge.expire_at]
-    out += [{**base, "bucket": b} for b in ("19700101", "session", charge.bucket + "@UTC")]
+    out += [
+        {**base, "bucket": b}
+        for b in ("19700101", "20000101", "session", charge.bucket + "@UTC")
+        if b != charge.bucket
+    ]
     out += [{**base, "window": w.value} for w in Window if w is not charge.window]
     return out
 
