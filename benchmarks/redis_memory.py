@@ -4,7 +4,8 @@ A governor with a ledger charges 2,000 users (a calls limit and a spend limit
 per user and day), the ``Projector`` applies the events, and each kind of key
 is measured: a counter with an event in flight, the same counter once
 projected, a seen-id set (per id, also over 200,000 UUIDv7 ids), the
-watermark hash. Then the figures at a given rate (default 5,000 events/s):
+watermark hash, an inline charge's operation marker. Then the figures at a
+given rate (default 5,000 events/s):
 
     .venv/bin/python benchmarks/redis_memory.py [--rate 5000] [--redis URL]
 
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 import redis
 import uuid_utils
 from _common import redis_server
 
 from mcp_budget_governor import Context, Governor, Limit, Policy, Scope, Unit, Window, usd
+from mcp_budget_governor.counters import CounterOp
 from mcp_budget_governor.events import encode
-from mcp_budget_governor.keys import SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.keys import OP_HORIZON_SECONDS, SEEN_PREFIX, WATERMARK_KEY, op_key
+from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.redis_counters import RedisBackend
 from mcp_budget_governor.stream.projector import Projector
@@ -72,6 +76,14 @@ async def measure(url: str, rate: int) -> None:
     print(f"seen-id set {seen.decode()}: {small:.1f} B per id (4,000 ids), "
           f"{per_id:.1f} B per id (200,000 ids); TTL {sync.ttl(seen)} s")  # fmt: skip
     print(f"watermark hash (1 partition): {sync.memory_usage(WATERMARK_KEY, samples=0)} B")
+    # Inline mode (no ledger): each charge leaves its operation marker for a while.
+    op = new_id()
+    ops = [CounterOp(key, 1, 10**6, True, int(time.time()) + 3600)]
+    await backend.charge(ops, op_id=op)
+    marker = sync.memory_usage(op_key(op), samples=0)
+    horizon = sync.ttl(op_key(op))
+    print(f"inline charge marker {op_key(op)}: {marker} B, TTL {horizon} s; at {rate:,} "
+          f"charges/s: {rate * OP_HORIZON_SECONDS * marker / 2**30:.2f} GiB")  # fmt: skip
     day = rate * SECONDS_PER_DAY
     gib = day * per_id / 2**30
     print(f"at {rate:,} events/s: {day:,} event ids a UTC day, {gib:.1f} GiB; the sets "
