@@ -55,9 +55,10 @@ import duckdb
 from _common import loadavg, progress, table
 from ledger_gen import write_archive
 
-from mcp_budget_governor.focus import Granularity, parse_period
+from mcp_budget_governor.focus import Granularity
 from mcp_budget_governor.projections.focus_export import ExportOptions, export_focus
 from mcp_budget_governor.projections.ledger_view import open_ledger
+from mcp_budget_governor.windows import parse_period
 
 MONTH = "2026-11"
 

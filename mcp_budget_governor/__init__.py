@@ -103,12 +103,20 @@ _LAZY = {
 }
 
 
+#: The distribution that installs this package (pyproject's ``name``; the import
+#: package stays ``mcp_budget_governor``). ``tests/test_cli.py`` holds them together.
+DISTRIBUTION = "mcpbg"
+
+
 def __getattr__(name: str) -> Any:
     if name == "__version__":
         # One source: the installed distribution's metadata (pyproject's version).
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        return version("mcp-budget-governor")
+        try:
+            return version(DISTRIBUTION)
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            return "0+unknown"
     if name in _LAZY:
         import importlib
 

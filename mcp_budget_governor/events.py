@@ -22,6 +22,7 @@ plain :class:`LedgerEntry` with :func:`encode`, whose output the models accept
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -196,8 +197,15 @@ _TYPE_NAMES = {kind: type_name(kind) for kind in EntryType}
 _KINDS = {name: kind for kind, name in _TYPE_NAMES.items()}
 
 
-def _rfc3339(epoch: float) -> str:
-    whole = int(epoch)
+def rfc3339(epoch: float) -> str:
+    """Epoch seconds as the RFC 3339 UTC time of a CloudEvent, to the microsecond.
+
+    The one formatter of event times: ledger events and alerts.
+
+    >>> rfc3339(1764442477.25), rfc3339(-0.5)
+    ('2025-11-29T18:54:37.250000Z', '1969-12-31T23:59:59.500000Z')
+    """
+    whole = math.floor(epoch)  # not int(): before 1970 the fraction still counts forward
     micros = round((epoch - whole) * 1_000_000)
     if micros == 1_000_000:
         whole, micros = whole + 1, 0
@@ -274,7 +282,7 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
         "id": entry.id,
         "source": source,
         "type": _TYPE_NAMES[entry.type],
-        "time": _rfc3339(entry.time),
+        "time": rfc3339(entry.time),
         "subject": subject,
         "datacontenttype": CONTENT_TYPE,
         "data": {

@@ -47,7 +47,8 @@ from fractions import Fraction
 
 from .errors import InvalidInputError
 from .prices import ModelPrice, PriceTier
-from .windows import Window, utc_bounds
+from .windows import parse_bound
+from .windows import parse_range as _parse_range
 
 __all__ = [
     "ALLOWED_VALUES",
@@ -66,7 +67,6 @@ __all__ = [
     "check_formats",
     "check_row",
     "decimal_text",
-    "parse_period",
     "parse_range",
     "rate_text",
     "sku_id",
@@ -511,44 +511,21 @@ def tier_rates(price: ModelPrice) -> list[tuple[int, tuple[Decimal, Decimal, Dec
 
 # --- periods --------------------------------------------------------------------
 
-_MONTH = re.compile(r"^(\d{4})-(\d{2})$")
-
-
-def parse_period(text: str) -> tuple[datetime, datetime]:
-    """``"2026-11"`` -> (2026-11-01T00:00Z, 2026-12-01T00:00Z): a UTC calendar month."""
-    match = _MONTH.match(text.strip()) if isinstance(text, str) else None
-    if match is None or not 1 <= int(match.group(2)) <= 12 or int(match.group(1)) < 1970:
-        raise InvalidInputError("--period", text, "expected a month as YYYY-MM, e.g. 2026-11")
-    year, month = int(match.group(1)), int(match.group(2))
-    return utc_bounds(Window.MONTH, datetime(year, month, 1, tzinfo=UTC))
-
-
-def _instant(text: str, field: str) -> datetime:
-    raw = text.strip() if isinstance(text, str) else text
-    try:
-        value = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except (AttributeError, ValueError):
-        raise InvalidInputError(
-            field, text, "expected a UTC date or time, e.g. 2026-11-03 or 2026-11-03T10:00Z"
-        ) from None
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)
-
 
 def parse_range(start: str, end: str, granularity: Granularity) -> tuple[datetime, datetime]:
-    """``--from`` / ``--to`` (``--to`` exclusive), aligned to whole hours or days.
+    """``--from`` / ``--to`` (:func:`~mcp_budget_governor.windows.parse_range`: a day
+    ``--to`` is included, a time is the instant), aligned to whole hours or days.
 
     A bound inside an hour (or day) would make its row's charge period claim
     time that was not exported, so it is refused.
     """
-    lo, hi = _instant(start, "--from"), _instant(end, "--to")
     step = timedelta(hours=1) if granularity is Granularity.HOUR else timedelta(days=1)
-    for field, value, text in (("--from", lo, start), ("--to", hi, end)):
+    for field, text, is_end in (("--from", start, False), ("--to", end, True)):
+        value = parse_bound(text, field, end=is_end)
         if (value - datetime(1970, 1, 1, tzinfo=UTC)) % step:
             raise InvalidInputError(field, text, f"must fall on a whole {granularity.value} (UTC)")
-    if hi <= lo:
-        raise InvalidInputError("--to", end, f"must be after --from ({start})")
+    lo, hi = _parse_range(start, end)
+    assert lo is not None and hi is not None
     return lo, hi
 
 

@@ -128,6 +128,13 @@ class ParsedKey:
     value was too long and the key holds ``#`` and its SHA-256 instead:
     ``hashed[i]`` is then true and ``values[i]`` is that ``#<hex>`` token,
     since the original cannot be recovered from it.
+
+    >>> key = counter_key("per_tool", scope_segment((Scope.USER, Scope.TOOL), ("a:b", "search")),
+    ...                   "20261129")
+    >>> key
+    'mcpbg:v1:per_tool:user=a%3Ab,tool=search:20261129'
+    >>> parse_key(key).values, parse_key(key).key == key
+    (('a:b', 'search'), True)
     """
 
     limit: str
@@ -137,13 +144,21 @@ class ParsedKey:
     bucket: str
 
     @property
+    def scope(self) -> str:
+        """The key's scope segment: ``user=alice``, ``tenant=acme,tool=search``, ``global``.
+
+        >>> parse_key("mcpbg:v1:per_tool:user=a%3Ab,tool=search:20261129").scope
+        'user=a%3Ab,tool=search'
+        """
+        if not self.dims:
+            return GLOBAL_SCOPE
+        segments = (v if h else escape(v) for v, h in zip(self.values, self.hashed, strict=True))
+        return ",".join(f"{d.value}={s}" for d, s in zip(self.dims, segments, strict=True))
+
+    @property
     def key(self) -> str:
         """The key this was parsed from."""
-        segments = (v if h else escape(v) for v, h in zip(self.values, self.hashed, strict=True))
-        if not self.dims:
-            return counter_key(self.limit, GLOBAL_SCOPE, self.bucket)
-        scope = ",".join(f"{d.value}={s}" for d, s in zip(self.dims, segments, strict=True))
-        return counter_key(self.limit, scope, self.bucket)
+        return counter_key(self.limit, self.scope, self.bucket)
 
 
 _HASHED = re.compile(r"#[0-9a-f]{64}")

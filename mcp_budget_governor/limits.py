@@ -1,4 +1,14 @@
-"""Limits: one declarative ceiling each."""
+"""Limits: one declarative ceiling each; a bad value is refused when the limit is made.
+
+>>> from mcp_budget_governor import Scope, Window
+>>> burst = Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER)
+>>> burst.gated, burst.fail_mode, burst.on_exceed
+(True, <FailMode.OPEN: 'open'>, <OnExceed.DENY: 'deny'>)
+>>> Limit("spend", cap=-1, window=Window.DAY)
+Traceback (most recent call last):
+...
+mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must not be negative (got -1)
+"""
 
 from __future__ import annotations
 

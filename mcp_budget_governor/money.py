@@ -3,6 +3,11 @@
 Amounts are bounded by ``MAX_AMOUNT`` = 2**53 - 1, the largest integer that
 Redis's Lua (double-precision numbers) compares and adds exactly. In USD micros
 that is about nine billion dollars, in calls or tokens nine quadrillion.
+
+>>> usd("12.34"), format_usd(usd("12.34")), format_dollars(-usd("0.05"))
+(12340000, '12.340000', '-$0.050000')
+>>> usd(0.1) + usd(0.2) == usd("0.3")  # decimal text in, exact integers out
+True
 """
 
 from __future__ import annotations

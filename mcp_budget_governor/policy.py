@@ -1,4 +1,18 @@
-"""A policy: the list of limits a governor enforces."""
+"""A policy: the list of limits a governor enforces.
+
+>>> from mcp_budget_governor import Limit, PolicyError, Scope, Unit, Window, usd
+>>> policy = Policy.of(
+...     Limit("per_user", cap=100, window=Window.DAY, scope=Scope.USER),
+...     Limit("global_spend", cap=usd(25), window=Window.DAY, unit=Unit.USD_MICROS,
+...           breaker=True, gated=False),
+... )
+>>> [limit.name for limit in policy], policy["global_spend"].cap
+(['per_user', 'global_spend'], 25000000)
+>>> Policy.of(Limit("a", cap=1, window=Window.DAY), Limit("a", cap=2, window=Window.DAY))
+Traceback (most recent call last):
+...
+mcp_budget_governor.errors.PolicyError: Policy.limits[1].name: duplicate limit name (got 'a')
+"""
 
 from __future__ import annotations
 

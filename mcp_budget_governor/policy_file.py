@@ -91,6 +91,8 @@ def loads(text: str, *, source: str = "<policy>") -> Policy:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise _syntax_error(exc, text, source) from None
+    except RecursionError:  # tomllib recurses once per [ or { level
+        raise PolicyFileError(source, None, "file", source, "nested too deeply") from None
     try:
         lines = locate(text)
     except (IndexError, ValueError):  # pragma: no cover - tomllib accepted the text

@@ -1,17 +1,74 @@
-"""Service URLs as people may see them."""
+"""Service URLs: checked once before a client is made, and shown without their secrets."""
 
 from __future__ import annotations
 
+import re
+from urllib.parse import parse_qsl, urlsplit
+
+from .errors import InvalidInputError
+
+#: Schemes redis-py connects with.
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+_EXPECTED = "expected redis://host:port/db, rediss://host:port/db or unix:///path.sock"
+# A password in the query (redis-py reads ``?password=``), up to the next parameter.
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
 
 def redact(url: str) -> str:
-    """``url`` without its credentials, for logs and the screen.
+    """``url`` without its credentials (user info and ``?password=``), for logs and the screen.
 
     >>> redact("redis://:s3cret@cache:6379/15")
     'redis://***@cache:6379/15'
+    >>> redact("redis://cache:6379/0?password=s3cret&ssl_cert_reqs=none")
+    'redis://cache:6379/0?password=***&ssl_cert_reqs=none'
     >>> redact("redis://cache:6379/0")
     'redis://cache:6379/0'
     """
     scheme, sep, rest = url.partition("://")
     if "@" in rest:
         rest = "***@" + rest.rsplit("@", 1)[1]
+    rest = _QUERY_PASSWORD.sub(r"\1***", rest)
     return f"{scheme}{sep}{rest}"
+
+
+def check_redis_url(url: object, field: str = "--redis-url") -> str:
+    """``url`` if redis-py can connect with it, else an error naming ``field`` (URL redacted).
+
+    The one check of every command, the worker and the replay: scheme, port
+    (1-65535) and database index (a whole number, from the path or ``?db=``).
+    Whether the server has that many databases only the server can say.
+
+    >>> check_redis_url("redis://localhost:6379/0")
+    'redis://localhost:6379/0'
+    >>> check_redis_url("redis://:pw@localhost:99999/0")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: --redis-url: port 99999 is not 1-65535 \
+(got 'redis://***@localhost:99999/0')
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidInputError(field, url, _EXPECTED)
+    shown = redact(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed [ in an IPv6 host
+        raise InvalidInputError(field, shown, _EXPECTED) from None
+    if parts.scheme.lower() not in REDIS_SCHEMES:
+        raise InvalidInputError(field, shown, _EXPECTED)
+    try:
+        query = dict(parse_qsl(parts.query))
+    except ValueError:
+        raise InvalidInputError(field, shown, "the query is not name=value&...") from None
+    if parts.scheme.lower() == "unix":
+        if not parts.path:
+            raise InvalidInputError(field, shown, "expected unix:///path/to/redis.sock")
+        db = query.get("db", "0")
+    else:
+        port_text = parts.netloc.rsplit("@", 1)[-1].rpartition("]")[2].partition(":")[2]
+        if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+            raise InvalidInputError(field, shown, f"port {port_text} is not 1-65535")
+        path = parts.path.strip("/")
+        db = query.get("db", path or "0")
+    if not (db.isascii() and db.isdigit()):
+        raise InvalidInputError(field, shown, f"database {db!r} is not a whole number")
+    return url

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta, tzinfo
+from datetime import UTC, date, datetime, timedelta, tzinfo
 from enum import StrEnum
 from functools import lru_cache
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -44,6 +44,13 @@ class Bucket:
     """One period of a window: its key label and its bounds in epoch seconds.
 
     ``end`` is None for a SESSION bucket, which lasts as long as the session.
+
+    >>> at = 1764442477.0  # 2025-11-29T18:54:37Z
+    >>> bucket_for(Window.MINUTE, at).label, bucket_for(Window.DAY, at, zone("Europe/Paris")).label
+    ('20251129T1854', '20251129@Europe/Paris')
+    >>> day = bucket_for(Window.DAY, at)
+    >>> day.end - day.start, day.expire_at(at) - day.end  # a day, then the grace
+    (86400.0, 3600.0)
     """
 
     label: str
@@ -174,3 +181,97 @@ def _calendar_bucket(window: Window, minute: int, tz: tzinfo) -> Bucket:
         nxt = datetime(year, month, 1, tzinfo=tz)
         label = start.strftime("%Y%m")
     return Bucket(label + _tz_suffix(tz), start.timestamp(), nxt.timestamp())
+
+
+# --- periods named on the command line ---------------------------------------------
+
+_MONTH = re.compile(r"(\d{4})-(\d{2})")
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+#: The earliest year a period may name (epoch seconds are never negative).
+FIRST_YEAR = 1970
+_PERIOD = "expected a month YYYY-MM or a day YYYY-MM-DD"
+
+
+def parse_period(text: str, field: str = "--period") -> tuple[datetime, datetime]:
+    """A UTC month ``YYYY-MM`` or day ``YYYY-MM-DD`` as its bucket ``[start, end)``.
+
+    The one period rule of every command (``--period``, and the days of
+    ``--from`` / ``--to``); surrounding blanks are ignored. Bad text is an
+    :class:`InvalidInputError` naming ``field``, never a ``ValueError``.
+
+    >>> [d.isoformat()[:10] for d in parse_period(" 2026-12-31")]
+    ['2026-12-31', '2027-01-01']
+    >>> parse_period("1969-12")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: --period: from 1970 on (got '1969-12')
+    """
+    raw = text.strip() if isinstance(text, str) else ""
+    try:
+        if month := _MONTH.fullmatch(raw):
+            year, number = int(month.group(1)), int(month.group(2))
+            if not 1 <= number <= 12:
+                raise ValueError(raw)
+            at, window = datetime(year, number, 1, tzinfo=UTC), Window.MONTH
+        elif _DAY.fullmatch(raw):
+            day = date.fromisoformat(raw)
+            at, window = datetime(day.year, day.month, day.day, tzinfo=UTC), Window.DAY
+        else:
+            raise ValueError(raw)
+    except ValueError:
+        raise InvalidInputError(field, text, _PERIOD) from None
+    if at.year < FIRST_YEAR:
+        raise InvalidInputError(field, text, f"from {FIRST_YEAR} on")
+    try:
+        return utc_bounds(window, at)
+    except (ValueError, OverflowError):
+        # Its end (the next month or day) is past year 9999.
+        raise InvalidInputError(field, text, "ends past year 9999") from None
+
+
+def parse_instant(text: str, field: str) -> datetime:
+    """A UTC date-time (``2026-11-03T10:00Z``; no offset means UTC) as an aware datetime."""
+    raw = text.strip() if isinstance(text, str) else ""
+    try:
+        value = datetime.fromisoformat(raw.replace("Z", "+00:00").replace("z", "+00:00"))
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        value = value.astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise InvalidInputError(
+            field, text, "expected a UTC date or time, e.g. 2026-11-03 or 2026-11-03T10:00Z"
+        ) from None
+    if value.year < FIRST_YEAR:
+        raise InvalidInputError(field, text, f"from {FIRST_YEAR} on")
+    return value
+
+
+def parse_bound(text: str, field: str, *, end: bool) -> datetime:
+    """One end of ``--from`` / ``--to``: a month or day covers it whole, a time is the instant.
+
+    ``end=True`` (``--to``): a month or day is included, so the bound is its
+    end; ``--to 2026-11-03`` reads through the last second of that day.
+
+    >>> parse_bound("2026-11-03", "--to", end=True).isoformat()
+    '2026-11-04T00:00:00+00:00'
+    >>> parse_bound("2026-11-03T10:00Z", "--to", end=True).isoformat()
+    '2026-11-03T10:00:00+00:00'
+    """
+    raw = text.strip() if isinstance(text, str) else ""
+    if _MONTH.fullmatch(raw) or _DAY.fullmatch(raw):
+        return parse_period(text, field)[1 if end else 0]
+    return parse_instant(text, field)
+
+
+def parse_range(start: str | None, end: str | None) -> tuple[datetime | None, datetime | None]:
+    """``--from`` / ``--to`` (either may be missing), ``--to`` inclusive of its day.
+
+    >>> lo, hi = parse_range("2026-11-03", "2026-11-03")
+    >>> hi - lo
+    datetime.timedelta(days=1)
+    """
+    lo = None if start is None else parse_bound(start, "--from", end=False)
+    hi = None if end is None else parse_bound(end, "--to", end=True)
+    if lo is not None and hi is not None and hi <= lo:
+        raise InvalidInputError("--to", end, f"must be after --from ({start})")
+    return lo, hi

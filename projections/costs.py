@@ -14,26 +14,24 @@ as Python ints of USD micros; nothing here goes through a float.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import datetime
 from typing import Any
 
 import duckdb
 
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.limits import NAME_PATTERN
-from mcp_budget_governor.windows import Window, utc_bounds
 
 from .ledger_view import query_error
+from .sql_quote import quote_ident
 
 __all__ = [
     "DIMENSIONS",
     "Filter",
     "Report",
     "breaker_trips",
-    "parse_period",
     "spend",
     "summary",
 ]
@@ -50,8 +48,6 @@ DIMENSIONS: dict[str, str] = {
     "month": "strftime(\"time\", '%Y-%m')",
     "type": "type",
 }
-_MONTH = re.compile(r"^\d{4}-\d{2}$")
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 #: Sum columns of a spend report, after the dimensions.
 METRICS = (
     "events",
@@ -64,20 +60,6 @@ METRICS = (
     "cache_write_tokens",
     "usd_micros",
 )
-
-
-def parse_period(field_name: str, text: str) -> tuple[datetime, datetime]:
-    """``YYYY-MM`` (a month) or ``YYYY-MM-DD`` (a day) as a UTC half-open interval."""
-    try:
-        if _MONTH.match(text):
-            year, month = int(text[:4]), int(text[5:])
-            return utc_bounds(Window.MONTH, datetime(year, month, 1, tzinfo=UTC))
-        if _DAY.match(text):
-            day = date.fromisoformat(text)
-            return utc_bounds(Window.DAY, datetime(day.year, day.month, day.day, tzinfo=UTC))
-    except ValueError:
-        pass
-    raise InvalidInputError(field_name, text, "expected a month YYYY-MM or a day YYYY-MM-DD")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,18 +164,19 @@ def spend(
         raise InvalidInputError("top", top, "at least 1")
     relation, rel_params = flt.relation()
     where, params = flt.where()
-    dims = ", ".join(f"{DIMENSIONS[n]} AS {_q(n)}" for n in by)
+    dims = ", ".join(f"{DIMENSIONS[n]} AS {quote_ident(n)}" for n in by)
     timely = bool(by) and all(n in ("day", "hour", "month") for n in by)
-    order = ", ".join(_q(n) for n in by) if timely else "usd_micros DESC, events DESC"
+    order = ", ".join(quote_ident(n) for n in by) if timely else "usd_micros DESC, events DESC"
     group = f"GROUP BY {', '.join(str(i + 1) for i in range(len(by)))}" if by else ""
     sql = f"""
         SELECT {dims + "," if dims else ""} {_SUMS}
         FROM {relation} AS e WHERE {where} {group}
-        ORDER BY {order}{", " + ", ".join(_q(n) for n in by) if by and not timely else ""}
-        {f"LIMIT {int(top)}" if top else ""}
+        ORDER BY {order}{", " + ", ".join(quote_ident(n) for n in by) if by and not timely else ""}
+        {"LIMIT ?" if top else ""}
     """
     title = f"spend by {', '.join(by)}" if by else "total"
-    return Report(title, [*by, *METRICS], _run(con, sql, [*rel_params, *params]))
+    limit = [top] if top else []
+    return Report(title, [*by, *METRICS], _run(con, sql, [*rel_params, *params, *limit]))
 
 
 def summary(con: duckdb.DuckDBPyConnection, flt: Filter) -> Report:
@@ -219,15 +202,11 @@ def breaker_trips(con: duckdb.DuckDBPyConnection, flt: Filter, *, top: int | Non
         FROM costs
         WHERE type = 'mcpbg.rejected.v1' AND status = 503 AND NOT degraded AND {where}
         GROUP BY ALL ORDER BY trips DESC, breaker, tenant, "user"
-        {f"LIMIT {int(top)}" if top else ""}
+        {"LIMIT ?" if top else ""}
     """
     return Report(
         "breaker trips",
         ["breaker", "tenant", "user", "trips", "first", "last"],
-        _run(con, sql, params),
+        _run(con, sql, [*params, top] if top else params),
         money=(),
     )
-
-
-def _q(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'

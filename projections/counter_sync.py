@@ -37,9 +37,10 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import redis
 from redis import exceptions as redis_errors
 
-from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.keys import INTERNAL_PREFIX, PREFIX, WATERMARK_KEY
 from mcp_budget_governor.lua import source
+from mcp_budget_governor.urls import check_redis_url, redact
 from mcp_budget_governor.windows import GRACE_SECONDS, SESSION_BUCKET
 
 from .ledger_view import query_error
@@ -72,15 +73,14 @@ class RedisUnavailableError(GovernorError):
 
 def redis_client(url: str) -> redis.Redis:
     """A client for ``url``; a bad URL or an unreachable server is a one-line error."""
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        from mcp_budget_governor.errors import InvalidInputError
-
-        raise InvalidInputError("redis_url", url, "expected redis://host:port/db")
+    check_redis_url(url)
     try:
         client = redis.Redis.from_url(url, socket_timeout=30.0, socket_connect_timeout=5.0)
         client.ping()
+    except redis_errors.ResponseError as exc:  # e.g. a database index the server lacks
+        raise InvalidInputError("--redis-url", redact(url), f"refused: {exc}") from None
     except (ValueError, *_UNAVAILABLE) as exc:
-        raise RedisUnavailableError(f"redis {url}: {exc}") from None
+        raise RedisUnavailableError(f"redis {redact(url)}: {exc}") from None
     return client
 
 
@@ -113,21 +113,20 @@ def ledger_totals(
     if keys is not None:
         con.register("_mcpbg_keys", pa.table({"key": pa.array(sorted(set(keys)), pa.string())}))
         join += ' "key" IN (SELECT "key" FROM _mcpbg_keys) AND'
-    current = (
-        f"AND (max(expire_at) - {GRACE_SECONDS} > {int(now)} OR any_value(bucket) = "
-        f"'{SESSION_BUCKET}')"
-        if current_only
-        else ""
-    )
+    params: dict[str, object] = {"now": int(now)}
+    current = ""
+    if current_only:
+        current = "AND (max(expire_at) - $grace > $now OR any_value(bucket) = $session)"
+        params.update(grace=GRACE_SECONDS, session=SESSION_BUCKET)
     sql = f"""
         SELECT "key", CAST(sum(amount) AS BIGINT) AS amount, max(expire_at) AS expire_at
         FROM ledger {join} "key" IS NOT NULL
         GROUP BY "key"
-        HAVING max(expire_at) > {int(now)} {current}
+        HAVING max(expire_at) > $now {current}
     """
     try:
         # sum() of BIGINT is a HUGEINT, exact; the cast back raises rather than wraps.
-        table = con.sql(sql).to_arrow_table()
+        table = con.sql(sql, params=params).to_arrow_table()
     except duckdb.Error as exc:
         raise query_error(exc) from None
     pairs = zip(

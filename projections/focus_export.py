@@ -11,7 +11,7 @@ printable-ASCII strings), checks the rows against the rules focus-validator
 does not enforce, and writes CSV or Parquet through a temporary file in the
 target folder renamed at the end: a failure leaves no partial file.
 
->>> options = ExportOptions(*parse_period("2026-11"))  # doctest: +SKIP
+>>> options = ExportOptions(*windows.parse_period("2026-11"))  # doctest: +SKIP
 >>> # only the period's date folders are read:
 >>> con = open_ledger(archive, since=options.start, until=options.end)  # doctest: +SKIP
 >>> export_focus(con, "focus-2026-11.csv", options)  # doctest: +SKIP
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import duckdb
 
+from mcp_budget_governor.csv_safety import neutralise_sql
 from mcp_budget_governor.errors import GovernorError, InvalidInputError, UnknownModelError
 from mcp_budget_governor.focus import (
     FOCUS_1_2,
@@ -39,6 +40,7 @@ from mcp_budget_governor.focus import (
     TOKEN_METERS,
     FocusVersion,
     Granularity,
+    Kind,
     Meter,
     ascii_text,
     check_columns,
@@ -48,6 +50,8 @@ from mcp_budget_governor.focus import (
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.record_log import fsync_dir
 from mcp_budget_governor.projections.ledger_view import query_error
+from mcp_budget_governor.projections.sql_quote import quote_ident as _ident
+from mcp_budget_governor.projections.sql_quote import quote_string as _quote
 
 __all__ = ["ExportError", "ExportOptions", "ExportResult", "export_focus", "focus_table"]
 
@@ -118,14 +122,6 @@ def _dec_sql(expr: str, scale: int) -> str:
         return f"(CAST({expr} AS VARCHAR) || '.0')"
     text = f"rtrim(CAST({_scaled_sql(expr, scale)} AS VARCHAR), '0')"
     return f"(CASE WHEN ends_with({text}, '.') THEN {text} || '0' ELSE {text} END)"
-
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def _ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def _rates_table(con: duckdb.DuckDBPyConnection, models: list[str], prices: PriceTable) -> int:
@@ -483,6 +479,12 @@ def _render_sql(
     missing = [n for n in options.version.names if n not in columns]
     if missing:
         raise ExportError(f"FOCUS {options.version.version}: no mapping for {missing}")
+    if not typed:
+        # CSV text is read by spreadsheets: string cells that would start a formula
+        # (a user id "=HYPERLINK(...)") get a leading quote; numbers and Parquet stay.
+        for c in options.version.columns:
+            if c.kind is Kind.STRING:
+                columns[c.name] = neutralise_sql(f"({columns[c.name]})")
     select = ",\n".join(f"{columns[n]} AS {_ident(n)}" for n in options.version.names)
     dims = (("x_tenant", "tenant"), ("x_user", "user"), ("x_tool", "tool"), ("x_model", "model"))
     if escaped:  # rare: only then pay for the joins

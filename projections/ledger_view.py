@@ -1,91 +1,27 @@
 """The ledger as one typed DuckDB view: the Parquet archive and the embedded file ledger.
 
-:func:`open_ledger` returns a DuckDB connection on which these temporary
-views exist (the session time zone is set to UTC, so ``date_trunc`` and
-``::DATE`` group by UTC days):
+:func:`open_ledger` returns a DuckDB connection with the views ``ledger`` (one
+row per charge, deduplicated), ``ledger_raw``, ``ledger_dates`` and ``costs``
+(one row per event, the one rule for money). ``docs/ledger-format.md`` lists
+their columns and rules.
 
-``ledger`` — **one row per charge**, deduplicated
-    An event without charges (a rejection, an admission under no gated limit)
-    has one row whose charge columns are NULL. A row is kept once per
-    ``(id, charge_index)``, the first by ``source, "partition", "offset"``
-    (the archive's rule, ``stream/archiver.py``): a redelivered batch, an
-    overlapping segment or a producer retry at a second offset is read once,
-    exactly as the projector's watermarks and seen-id sets count it.
-
-    Columns (quote the SQL keywords: ``"user"``, ``"limit"``, ``"window"``,
-    ``"partition"``, ``"offset"``):
-
-    =======================  ============  ==============================================
-    column                   type          meaning
-    =======================  ============  ==============================================
-    time                     TIMESTAMPTZ   the event's time
-    date                     DATE          its UTC date (the archive's hive folder)
-    type                     VARCHAR       ``mcpbg.metered.v1``, ``mcpbg.admitted.v1`` ...
-    id                       VARCHAR       the event id (UUIDv7)
-    user, tenant, tool,      VARCHAR       the context
-    session, agent
-    model                    VARCHAR       usage of a metered model call, else NULL
-    input_tokens ...         BIGINT        input / output / cache_read / cache_write tokens
-    price_version            VARCHAR       the price table that priced it
-    charge_index             BIGINT        position in the event's charges (NULL: none)
-    limit, unit              VARCHAR       the charge's limit and unit (``calls``,
-                                           ``usd_micros``, ``tokens``: ``money.Unit``)
-    amount                   BIGINT        signed micros / calls / tokens
-    window, bucket, key      VARCHAR       the charge's window, bucket label, counter key
-    expire_at                BIGINT        the counter's expiry (epoch seconds)
-    status                   INTEGER       the decision's status (200, 429, 402, 503...)
-    decision_limit           VARCHAR       the refusing limit, if any
-    degraded                 BOOLEAN       decided by a fail mode (counters unreachable)
-    reservation              VARCHAR       the reservation a settlement/release closes
-    partition, offset        BIGINT        where the event sits: Kafka partition and
-                                           offset, or file-ledger segment and record index
-    source                   VARCHAR       ``archive`` or ``file``
-    topic                    VARCHAR       the Kafka topic (``file`` for the file ledger)
-    partition_name           VARCHAR       the projector's watermark field of that
-                                           partition: ``<topic>:<partition>`` or
-                                           ``file:<segment file name>``
-    event_source, subject    VARCHAR       CloudEvents ``source`` and ``subject``
-    over                     VARCHAR[]     shadow limits the call went over
-    =======================  ============  ==============================================
-
-``ledger_raw`` — the same rows *before* deduplication (to count redeliveries).
-
-``ledger_dates`` — the UTC dates holding events (one ``date DATE`` column), read
-    from the archive's folder names and the file ledger, never from the rows:
-    what the whole ledger covers, also outside a time range (below).
-
-``costs`` — **one row per event**: the one rule for money (read this, FOCUS export)
-    Every spend question (``mcpbg costs``, the FOCUS export) must read USD
-    from this view, or apply the same rule: **an event's USD is its first
-    ``usd_micros`` charge** (lowest ``charge_index``), so dollars charged to
-    two USD limits by one event (say a user's budget and a global one) are
-    counted once. Columns: every event column of ``ledger`` (not the charge
-    ones), plus ``usd_micros BIGINT`` (0 when the event has no USD charge),
-    ``usd_limit VARCHAR`` (the limit it was read from), ``charges BIGINT``.
-    Spend is the sum of ``usd_micros`` over *every* event type: a reservation
-    holds its estimate (``reserved``), and its settlement (``settled``, a
-    signed delta) or release (``released``, minus the estimate) corrects it,
-    so the sum is the real cost. ``metered`` events alone are costs measured
-    after the call; token counts are per event, so they too are summed here,
-    never over ``ledger`` (where they repeat on each charge row). Money is
-    summed as integers: ``sum(usd_micros)`` is a HUGEINT, exact; render it
-    with :func:`mcp_budget_governor.money.format_usd`, never through a float.
-    To read one limit's spend instead (``mcpbg costs --limit``), sum ``amount``
-    over ``ledger`` rows with that ``"limit"``.
-
-A time range (``since`` / ``until``) restricts the views to the events of
-the UTC days that ``[since, until)`` touches, so a question about one month
-reads that month's ``date=`` folders only and never opens the others (a
-year-long archive is not scanned to export November). The views still hold
-whole days: callers filter on ``"time"`` as before, and get the same answer
-as over the whole ledger.
-
-Errors are :class:`LedgerError` (a :class:`GovernorError`) with one line
-naming the path: no source given, a missing folder, an empty ledger, a
-Parquet file that is corrupt or is not an archive segment.
-
->>> con = open_ledger("/var/lib/mcpbg/archive")  # doctest: +SKIP
->>> con.sql('SELECT "user", sum(usd_micros) FROM costs GROUP BY ALL').fetchall()  # doctest: +SKIP
+>>> import asyncio, tempfile
+>>> from mcp_budget_governor import Context, Governor, Limit, MemoryBackend, Policy, Scope
+>>> from mcp_budget_governor import Unit, Window, usd
+>>> from mcp_budget_governor.producers.file_ledger import FileLedger
+>>> policy = Policy.of(Limit("spend", cap=usd(10), window=Window.DAY, scope=Scope.USER,
+...                          unit=Unit.USD_MICROS, gated=False))
+>>> async def two_calls(folder):
+...     gov = Governor(policy, MemoryBackend(), ledger=FileLedger(folder, fsync="never"))
+...     await gov.meter("spend", usd("0.25"), Context(user="alice"))
+...     await gov.meter("spend", usd(1), Context(user="bob"))
+...     await gov.ledger.aclose()
+>>> with tempfile.TemporaryDirectory() as folder:
+...     asyncio.run(two_calls(folder))
+...     con = open_ledger(ledger_dir=folder)
+...     con.sql('SELECT "user", sum(usd_micros) FROM costs GROUP BY 1 ORDER BY 1').fetchall()
+...     con.close()
+[('alice', 250000), ('bob', 1000000)]
 """
 
 from __future__ import annotations
@@ -105,6 +41,7 @@ from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
 from mcp_budget_governor.producers.record_log import RecordLog
+from mcp_budget_governor.projections.sql_quote import quote_ident, quote_string
 from mcp_budget_governor.stream.archiver import CHARGE_COLUMNS, SCHEMA, ledger_table
 
 __all__ = [
@@ -115,7 +52,6 @@ __all__ = [
     "open_ledger",
     "query_error",
     "range_days",
-    "sql_string",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,15 +108,6 @@ _EVENT_COLUMNS = tuple(c for c in COLUMNS if c not in CHARGE_COLUMNS)
 
 class LedgerError(GovernorError):
     """The ledger cannot be read: no source, a missing folder, no data, a corrupt file."""
-
-
-def sql_string(value: str | os.PathLike[str]) -> str:
-    """``value`` as a SQL string literal (single quotes doubled)."""
-    return "'" + str(value).replace("'", "''") + "'"
-
-
-def _q(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
 
 
 def archive_glob(archive_dir: str | os.PathLike[str]) -> str:
@@ -308,7 +235,7 @@ def _select(
                model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
                price_version, charge_index, "limit", unit, amount, "window", bucket, "key",
                expire_at, CAST(status AS INTEGER) AS status, decision_limit, degraded,
-               reservation, "partition", "offset", '{source}' AS source, topic,
+               reservation, "partition", "offset", {quote_string(source)} AS source, topic,
                {partition_name} AS partition_name, "source" AS event_source, subject, "over"
         FROM {relation} {where}"""
 
@@ -347,7 +274,7 @@ def _archive_relation(
     if not ranged:
         return (
             (
-                f"read_parquet({sql_string(archive_glob(folder))}, {_READ_OPTIONS})"
+                f"read_parquet({quote_string(archive_glob(folder))}, {_READ_OPTIONS})"
                 if total
                 else None
             ),
@@ -359,7 +286,7 @@ def _archive_relation(
     globs += [str(path) for path in undated]
     relation = None
     if globs:
-        relation = f"read_parquet([{', '.join(map(sql_string, globs))}], {_READ_OPTIONS})"
+        relation = f"read_parquet([{', '.join(map(quote_string, globs))}], {_READ_OPTIONS})"
     return relation, sorted(dates), total
 
 
@@ -436,7 +363,7 @@ def open_ledger(
             db.register(_FILE_TABLE, table)
             dates.append(f'SELECT DISTINCT CAST("time" AS DATE) AS date FROM {_FILE_TABLE}')
             days_sql = [
-                f"CAST(\"time\" AS DATE) {op} DATE '{day.isoformat()}'"
+                f'CAST("time" AS DATE) {op} DATE {quote_string(day.isoformat())}'
                 for op, day in ((">=", first), ("<=", last))
                 if day is not None
             ]
@@ -466,7 +393,9 @@ def open_ledger(
             PARTITION BY id, charge_index ORDER BY source, "partition", "offset") = 1
         """
     )
-    event_columns = ", ".join(f"any_value({_q(c)}) AS {_q(c)}" for c in _EVENT_COLUMNS if c != "id")
+    event_columns = ", ".join(
+        f"any_value({quote_ident(c)}) AS {quote_ident(c)}" for c in _EVENT_COLUMNS if c != "id"
+    )
     db.execute(
         f"""
         CREATE OR REPLACE TEMP VIEW costs AS

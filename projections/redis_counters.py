@@ -38,6 +38,7 @@ from mcp_budget_governor.keys import (
     op_key,
 )
 from mcp_budget_governor.lua import source
+from mcp_budget_governor.urls import check_redis_url
 
 _UNAVAILABLE = (
     redis_errors.ConnectionError,
@@ -100,6 +101,7 @@ class RedisBackend:
         the backend being unreachable, so each limit's fail mode applies and
         nothing is admitted from empty counters.
         """
+        check_redis_url(url, "url")
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,

@@ -247,16 +247,16 @@ def replay_ledger(
 
 def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[str], int]]:
     """Event ids per seen-id day whose set is still alive at ``now`` (``AppliedEvent`` rules)."""
-    sql = f"""
+    sql = """
         SELECT strftime("time", '%Y%m%d') AS day,
                (CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400 AS expire_at,
                list(DISTINCT id) AS ids
         FROM ledger_raw
-        WHERE (CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400 > {int(now)}
+        WHERE (CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400 > ?
         GROUP BY ALL
     """
     try:
-        rows = con.execute(sql).fetchall()
+        rows = con.execute(sql, [int(now)]).fetchall()
     except duckdb.Error as exc:
         raise query_error(exc) from None
     return {day: (list(ids), int(expire_at)) for day, expire_at, ids in rows}
@@ -368,7 +368,12 @@ async def replay_kafka(
         )
         try:
             outcome = await rebuild(
-                backend, bootstrap, topic, idle_timeout=idle_timeout, **client_options
+                backend,
+                bootstrap,
+                topic,
+                idle_timeout=idle_timeout,
+                dry_run=dry_run,
+                **client_options,
             )
             result.events = outcome.read
             result.counters = len(backend.keys)

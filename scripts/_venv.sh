@@ -14,6 +14,9 @@ if [[ ! -f "$stamp" ]]; then
   echo "==> setting up $venv (Python: $("$python" --version 2>&1))" >&2
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
+  # The distribution was once called mcp-budget-governor (a name an unrelated project holds
+  # on the index): an older venv's install of it would shadow this one's.
+  "$venv/bin/python" -m pip uninstall --quiet --yes mcp-budget-governor >/dev/null 2>&1 || true
   "$venv/bin/python" -m pip install --quiet --editable ".[${MCPBG_EXTRAS:-dev}]"
   touch "$stamp"
 fi

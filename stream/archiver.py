@@ -1,125 +1,21 @@
 """The archiver: ledger events to Parquet segments that DuckDB reads as one table.
 
-:class:`Archiver` writes one batch of parsed events of one topic partition to
-Parquet, under a hive-style date folder, in a file named by the partition and
-the offset range it holds::
+One batch of parsed events of one partition becomes one file per UTC date,
+``<dir>/date=YYYY-MM-DD/<topic>-p<partition>-<first offset>-<last offset>.parquet``,
+written whole (temporary file, fsync, rename), one flat row per charge.
+Readers count each ``(id, charge_index)`` once. ``docs/ledger-format.md``
+describes the files, the columns and why.
 
-    <directory>/date=2025-11-29/mcpbg.ledger-p3-00000000000000001200-00000000000000001699.parquet
-
->>> archiver = Archiver("/var/lib/mcpbg/archive", topic="mcpbg.ledger")  # doctest: +SKIP
->>> archiver.write_batch(3, [(1200, event), (1201, event2), ...])  # doctest: +SKIP
-[PosixPath('/var/lib/mcpbg/archive/date=2025-11-29/mcpbg.ledger-p3-...-....parquet')]
-
-Input. ``write_batch`` takes ``(offset, event)`` pairs of *parsed* events
-(:data:`~mcp_budget_governor.events.LedgerEvent`), offsets strictly
-ascending, as the worker holds them once the projector has parsed the batch
-and sent the poison records to the dead-letter topic. Raw bytes are not
-accepted on purpose: parsing (pydantic validation) costs more than archiving,
-so it must happen once per record, and deciding what is poison is the
-projector's job, not a second, possibly different, judgement here.
-
-Files.
-
-- The date is the UTC date of the event's ``time`` (not of the bucket, which
-  may follow a policy's time zone). A batch whose events span two UTC dates
-  writes one file per date; each file is named after the first and last
-  offset of the events *it* holds (20 digits, zero-padded, so names sort in
-  offset order).
-- Every file is written whole to a temporary file in its own folder
-  (``.<name>.<random>.tmp``: hidden, and not matched by ``*.parquet``),
-  fsync'd, then renamed over the final name, and the folder is fsync'd. A
-  reader sees the old file or the new one, never half of one. An exception
-  removes the temporary file; one left by a killed process is removed by
-  :meth:`Archiver.remove_stale_temp_files` (for the worker to call at start).
-- A redelivered batch (same partition, same offsets) produces the same file
-  names and the same rows, and replaces the files: never a duplicate file.
-
-Overlapping segments. A redelivery that is *batched differently* (first
-0-99, then after a rebalance 50-149) writes a second file holding offsets
-50-99 again, and a producer retry can put one event at two offsets. Files are
-never rewritten to remove those rows (that would race with other workers);
-the reader removes them instead. **Every query over the archive must read
-each (event id, charge_index) once** — by event id, not by (partition,
-offset), so that a producer duplicate is counted once, exactly as the
-projector's seen-id sets count it, and counters rebuilt from the archive
-equal the live ones::
-
-    SELECT * FROM read_parquet('<directory>/**/*.parquet', hive_partitioning = true)
-    QUALIFY row_number() OVER (PARTITION BY id, charge_index
-                               ORDER BY "partition", "offset") = 1
-
-(``charge_index`` is NULL on the single row of an event without charges; a
-window partition groups NULLs together, which is what is wanted.) A later
-compaction may merge a day's segments into one deduplicated file; the
-reader's rule stays the same.
-
-Rows: one per charge, flat. An event with N charges makes N rows that repeat
-the event's columns; an event with no charges (a rejection, an admission
-under a policy with no gated limit) makes one row whose charge columns are
-NULL, so admissions and rejections stay countable. Why flat rather than one
-row per event with a nested list of charges:
-
-- the questions asked of the archive are sums over charges: "sum of amount
-  per key" (rebuild and reconcile), "spend per user per day", FOCUS rows (one
-  per charge of a metered event). Flat, they are a plain ``GROUP BY`` over
-  ``amount`` with column pruning and row-group statistics on ``key``,
-  ``limit``, ``unit``; nested, every one of them needs ``UNNEST`` first,
-  which DuckDB evaluates row by row and which defeats filter push-down on
-  the charge fields;
-- the repeated event columns cost little on disk: they repeat in runs, which
-  Parquet's dictionary + RLE encoding stores almost for free;
-- counting events stays easy: ``count(*) FILTER (WHERE coalesce(charge_index,
-  0) = 0)``, or ``count(DISTINCT id)``;
-- a sum is per limit: the same dollars metered on two USD limits (a user's
-  and a global one) are two charges, so spend queries filter on ``"limit"``.
-
-Columns (:data:`SCHEMA`; Parquet key-value metadata ``mcpbg.archive.schema``
-holds :data:`SCHEMA_VERSION`). The names are the event's own field names, so
-``limit``, ``window`` and ``offset``, which are SQL keywords, must be quoted
-in SQL (``"limit"``); ``decision_limit`` is the decision's refusing limit
-(``data.decision.limit``), distinct from the charge's ``limit``. The date is
-not a column of the file: the hive folder adds it (``hive_partitioning =
-true``; DuckDB types it DATE).
-
-=================  ========================  =======================================
-column             type                      from
-=================  ========================  =======================================
-topic              string                    the topic the record was read from
-partition          int64                     its partition
-offset             int64                     its offset
-id                 string                    CloudEvent ``id`` (UUIDv7)
-type               string                    CloudEvent ``type``, ``mcpbg.metered.v1``
-time               timestamp[us, UTC]        CloudEvent ``time``
-source, subject    string                    CloudEvent ``source``, ``subject``
-user ... agent     string                    ``data.context`` (user, tenant, tool,
-                                             session, agent)
-charge_index       int64                     position in ``data.charges``; NULL
-                                             when the event has no charge
-limit, unit        string                    the charge's limit name and unit
-amount             int64                     signed amount (USD micros, tokens, calls)
-window, bucket     string                    the charge's window and bucket label
-key                string                    the counter key
-expire_at          int64                     the counter's expiry, epoch seconds
-decision_limit     string                    ``data.decision.limit``
-status             int64                     ``data.decision.status``
-over               list<string>              ``data.decision.over``
-degraded           bool                      ``data.decision.degraded``
-model              string                    ``data.usage.model``
-input_tokens ...   int64                     ``data.usage`` input / output /
-                                             cache_read / cache_write tokens
-price_version      string                    ``data.usage.price_version``
-reservation        string                    ``data.reservation``
-=================  ========================  =======================================
-
-Every integer is int64 (DuckDB BIGINT): money is integer USD micros and never
-goes through a float. The rows hold everything an event carries except the
-constant ``specversion`` and ``datacontenttype``, so the event can be
-rebuilt from its rows.
-
-Throughput: the work is CPU (building the columns, Parquet encoding, which
-releases the GIL) plus one fsync per file and per folder. The worker should
-call ``write_batch`` in a thread (``await asyncio.to_thread(...)``) so the
-fsyncs do not stall its event loop.
+>>> import tempfile
+>>> from mcp_budget_governor.context import Context
+>>> from mcp_budget_governor.events import encode, parse
+>>> from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
+>>> entry = LedgerEntry(new_id(), EntryType.ADMITTED, 1764442477.0, Context(user="u_42"))
+>>> event = parse(encode(entry, "/mcpbg/doc"))
+>>> with tempfile.TemporaryDirectory() as folder:
+...     [path] = Archiver(folder, topic="mcpbg.ledger").write_batch(3, [(1200, event)])
+...     print(path.parent.name, path.name)
+date=2025-11-29 mcpbg.ledger-p3-00000000000000001200-00000000000000001200.parquet
 """
 
 from __future__ import annotations

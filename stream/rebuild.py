@@ -64,9 +64,13 @@ async def rebuild(
     *,
     batch: int = 2000,
     idle_timeout: float = 5.0,
+    dry_run: bool = False,
     **client_options: Any,
 ) -> RebuildResult:
     """Apply every retained event of ``topic`` to ``backend``, then set the epoch marker.
+
+    ``dry_run``: ``backend`` is a scratch copy (``mcpbg replay --dry-run``), so
+    nothing is announced as replayed or ready: the progress lines go to debug.
 
     Raises :class:`RebuildIncompleteError` (leaving the marker unset) when the
     read stopped without reaching every partition's highwater mark.
@@ -86,7 +90,9 @@ async def rebuild(
         # Dead-lettered when first projected; the live projection re-reads it.
         log.debug("rebuild: %s p%d offset %d skipped: %s", topic, partition, offset, reason)
 
-    log.warning("rebuild: the counters lost their state; replaying %s from its start", topic)
+    announce = log.debug if dry_run else log.warning
+    if not dry_run:
+        log.warning("rebuild: the counters lost their state; replaying %s from its start", topic)
     async with TopicReader(
         bootstrap, topic, idle_timeout=idle_timeout, on_malformed=skip, **client_options
     ) as reader:
@@ -107,7 +113,7 @@ async def rebuild(
     epoch = new_id()
     await backend.mark_ready(epoch)
     result = RebuildResult(read, applied, malformed, time.monotonic() - started, epoch)
-    log.warning(
+    announce(
         "rebuild: %s replayed: %d events read, %d applied, %d malformed skipped, in %.1f s; "
         "counters ready (epoch %s)",
         topic,

@@ -83,6 +83,7 @@ from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 from mcp_budget_governor.projections.redis_counters import RedisBackend
+from mcp_budget_governor.urls import check_redis_url
 from mcp_budget_governor.urls import redact as redact_url
 
 from . import metrics
@@ -187,8 +188,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bootstrap", parse_bootstrap(self.kafka_url))
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidInputError("redis_url", self.redis_url, "expected redis://host:port/db")
+        check_redis_url(self.redis_url, "redis_url")
         for name in ("topic", "group"):
             if not getattr(self, name):
                 raise InvalidInputError(name, getattr(self, name), "must not be empty")

@@ -361,12 +361,22 @@ async def test_a_session_counter_that_expired_and_came_back_fires_again() -> Non
     assert [(a.bucket, a.used) for a in await ev.evaluate([charge])] == [("session", 6)]
 
 
-async def test_a_key_of_another_layout_is_named_whole() -> None:
+@pytest.mark.parametrize(
+    "key",
+    [
+        "mcpbg:v1:odd",
+        # Five parts, but not keys.parse_key's grammar: no scope is guessed from it.
+        "mcpbg:v1:spend:weird:b",
+        "mcpbg:v1:spend:user=a:b:b",
+        "mcpbg:v1:other:user=alice:b",
+    ],
+)
+async def test_a_key_of_another_layout_is_named_whole(key: str) -> None:
     backend = MemoryBackend()
-    odd = LedgerCharge("spend", Unit.USD_MICROS, 700, Window.DAY, "b", "mcpbg:v1:odd", 2**40)
+    odd = LedgerCharge("spend", Unit.USD_MICROS, 700, Window.DAY, "b", key, 2**40)
     await backend.charge([CounterOp(odd.key, 700, 1000, False, odd.expire_at)])
     ev = AlertEvaluator(POLICY, backend, dedupe=MemoryDeduper())
-    assert [(a.scope, a.level) for a in await ev.evaluate([odd])] == [("mcpbg:v1:odd", 50)]
+    assert [(a.scope, a.level) for a in await ev.evaluate([odd])] == [(key, 50)]
 
 
 # -- the store ------------------------------------------------------------------

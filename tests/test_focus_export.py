@@ -179,7 +179,8 @@ def test_day_granularity_and_a_range(month: tuple[Path, GenStats], tmp_path: Pat
     out = tmp_path / "days.csv"
     code = main(
         [
-            *("export", "focus", "--from", "2026-11-02", "--to", "2026-11-04"),
+            # --to names the last day exported (inclusive, as in mcpbg costs).
+            *("export", "focus", "--from", "2026-11-02", "--to", "2026-11-03"),
             *("--granularity", "day", "--archive-dir", str(archive), "--out", str(out), "--quiet"),
         ]
     )
@@ -376,8 +377,9 @@ def test_an_unknown_period_is_refused(
     archive, _ = month
     out = tmp_path / "f.csv"
     err = run_bad(["--period", "2026-13", "--archive-dir", str(archive)], out, capsys)
-    assert (
-        err == "mcpbg export: --period: expected a month as YYYY-MM, e.g. 2026-11 (got '2026-13')"
+    # The one period rule of every command (windows.parse_period).
+    assert err == (
+        "mcpbg export: --period: expected a month YYYY-MM or a day YYYY-MM-DD (got '2026-13')"
     )
     err = run_bad(["--period", "2026-10", "--archive-dir", str(archive)], out, capsys)
     assert err == (

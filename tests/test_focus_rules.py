@@ -28,7 +28,6 @@ from mcp_budget_governor.focus import (
     check_row,
     decimal_text,
     list_cost_micros,
-    parse_period,
     parse_range,
     rate_text,
     sku_id,
@@ -37,6 +36,7 @@ from mcp_budget_governor.focus import (
     tier_rates,
 )
 from mcp_budget_governor.prices import ModelPrice, PriceTier
+from mcp_budget_governor.windows import parse_period
 
 # A row as the exporter renders it (a token meter row), which obeys every rule.
 GOOD: dict[str, str | None] = {

@@ -20,7 +20,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("producers", "stream", "projections", "lua")
-SKIP = {".git", ".venv", "node_modules", "build", "dist", ".mypy_cache", ".ruff_cache"}
+SKIP = {
+    ".git",
+    ".venv",
+    "node_modules",
+    "build",
+    "dist",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+}
 
 
 def test_the_repository_holds_no_symlink() -> None:
@@ -81,6 +90,7 @@ def _check_wheel(wheel: Path, target: Path) -> None:
         assert f"mcp_budget_governor/{folder}/__init__.py" in names
     assert "mcp_budget_governor/lua/apply.lua" in names
     assert "mcp_budget_governor/producers/outbox.py" in names
+    assert "mcp_budget_governor/stream/alerts/evaluator.py" in names  # a subpackage of a folder
     # The installed copy works on its own, away from the repository.
     subprocess.run(
         [

@@ -469,3 +469,21 @@ async def test_a_range_filters_the_file_ledger_to_the_same_days(tmp_path: Path) 
         "SELECT count(*), min(\"time\") >= TIMESTAMPTZ '2026-11-01' FROM costs"
     ).fetchall() == [(3, True)]
     assert nov.sql("SELECT count(*) FROM ledger_dates").fetchall() == [(2,)]
+
+
+@pytest.mark.parametrize("ranged", [False, True])
+async def test_folders_whose_names_hold_quotes_are_read(tmp_path: Path, ranged: bool) -> None:
+    # The paths reach DuckDB as SQL string literals inside the views (a view takes
+    # no parameters): sql_quote.quote_string must keep them whole.
+    base = tmp_path / "it's \"odd\" '' here"
+    records = _around_midnight(6)
+    Archiver(base / "archive", topic=TOPIC).write_batch(0, records)
+    ledger = FileLedger(base / "ledger", fsync="never", source=SOURCE)
+    for _, event in records:
+        await ledger.append(to_entry(event))
+    await ledger.aclose()
+    since = NOV if ranged else None
+    con = open_ledger(base / "archive", base / "ledger", since=since)
+    by_source = "SELECT source, count(*) FROM ledger_raw GROUP BY 1 ORDER BY 1"
+    expected = 3 if ranged else 6
+    assert con.sql(by_source).fetchall() == [("archive", 2 * expected), ("file", 2 * expected)]

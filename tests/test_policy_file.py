@@ -549,3 +549,9 @@ def test_locator_on_generated_layouts(doc: tuple[str, dict[tuple[Any, ...], int]
     tomllib.loads(text)  # the generator writes valid TOML
     lines = locate(text)
     assert {k: lines.get(k) for k in expected} == expected
+
+
+def test_a_deeply_nested_file_is_a_policy_error_not_a_recursion_error() -> None:
+    for text in ("x = " + "[" * 50_000 + "]" * 50_000, "x = " + "{a=" * 5_000 + "1" + "}" * 5_000):
+        with pytest.raises(PolicyFileError, match=r"^deep\.toml: file: nested too deeply"):
+            loads(text, source="deep.toml")

@@ -5,6 +5,7 @@ the real worker for ``--source kafka``)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from pathlib import Path
 
@@ -283,7 +284,7 @@ def test_a_projector_moving_meanwhile_makes_the_write_refuse(redis_url: str) -> 
     ("argv", "problem"),
     [
         (["--source", "tape"], "--source: one of archive, file, kafka (got 'tape')"),
-        (["--redis-url", "http://localhost"], "redis_url: expected redis://host:port/db"),
+        (["--redis-url", "http://localhost"], "--redis-url: expected redis://host:port/db"),
         (["--redis-url", "redis://127.0.0.1:1/0"], "redis redis://127.0.0.1:1/0"),
         (["--archive-dir", "{empty}"], "empty ledger"),
         (["--archive-dir", "{corrupt}"], "corrupt Parquet file"),
@@ -322,7 +323,10 @@ def test_bad_input_is_one_line_and_exit_code_2(
 
 @pytest.mark.slow
 async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    redis_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The real worker projects a Kafka ledger and archives it; after an outage both
     replay paths rebuild exactly its counters, and the worker resumes after a replay
@@ -371,15 +375,22 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
         flush(redis_url)
         kafka_args = ["--source", "kafka", "--kafka-url", f"kafka://{kafka.bootstrap}",
                       "--topic", names.topic, *common]  # fmt: skip
-        code, out, _ = await asyncio.to_thread(
+        caplog.set_level(logging.INFO)
+        caplog.clear()
+        code, out, err = await asyncio.to_thread(
             replay, capsys, "--dry-run", "--show", "100000", *kafka_args
         )
         assert code == 0 and "dry run: nothing written" in out
+        # A dry run neither says it replays nor that the counters are ready.
+        said = " ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
+        assert "replaying" not in said + err and "ready" not in said + err, said
         # every counter would change (from nothing), unless its total is zero
         assert all(key in out for key, (committed, _) in live.items() if committed)
         assert redis_sync.Redis.from_url(redis_url).dbsize() == 0
+        caplog.clear()
         code, out, _ = await asyncio.to_thread(replay, capsys, *kafka_args)
         assert code == 0, out
+        assert "counters ready" in caplog.text  # the real replay does say so
         assert (live_counters(redis_url), watermarks(redis_url)) == (live, marks)
         assert redis_sync.Redis.from_url(redis_url).exists(EPOCH_KEY)
     finally:

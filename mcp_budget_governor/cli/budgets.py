@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from .ledger_args import add_redis_option, required
+from .render import install_hint
 
 if TYPE_CHECKING:
     from ..counters import Backend
@@ -52,11 +53,12 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..policy_file import load_policy
     from ..projections.budgets import DEFAULT_MAX_KEYS
+    from ..urls import check_redis_url
     from .render import fail
 
     # The policy first: a bad policy file is the error to see.
     policy = load_policy(required(args, "policy", "a .toml file or module:attribute"))
-    args.redis_url = required(args, "redis_url", "redis://host:port/db")
+    args.redis_url = check_redis_url(required(args, "redis_url", "redis://host:port/db"))
     max_keys = DEFAULT_MAX_KEYS if args.max_keys is None else args.max_keys
     if max_keys < 1:
         return fail("budgets", f"--max-keys: expected a positive number (got {max_keys})")
@@ -64,11 +66,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ..projections.redis_counters import RedisBackend
     except ImportError as exc:  # pragma: no cover - the redis extra is missing
-        return fail(
-            "budgets", f"{exc}; install the redis extra: pip install 'mcp-budget-governor[redis]'"
-        )
+        return fail("budgets", f"{exc}; install the redis extra: {install_hint('redis')}")
+    from redis.exceptions import ResponseError
+
+    from ..errors import InvalidInputError
+    from ..urls import redact
+
     backend = RedisBackend.from_url(args.redis_url, timeout=5.0, max_connections=2)
-    report = asyncio.run(_report(policy, backend, filters, max_keys))
+    try:
+        report = asyncio.run(_report(policy, backend, filters, max_keys))
+    except ResponseError as exc:  # e.g. a database index the server does not have
+        raise InvalidInputError("--redis-url", redact(args.redis_url), f"refused: {exc}") from None
     if args.json:
         json.dump(report.as_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")

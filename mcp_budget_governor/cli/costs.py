@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .ledger_args import add_ledger_options, open_ledger_from
+
+if TYPE_CHECKING:
+    from datetime import datetime
 
 _DEFAULT_VIEWS = ("tenant", "user", "tool", "model", "day")
 _JSON_ONLY = ("cache_read_tokens", "cache_write_tokens")
@@ -28,8 +31,10 @@ def register(sub: Any) -> None:
     )
     add_ledger_options(p)
     p.add_argument("--period", help="a month YYYY-MM or a day YYYY-MM-DD (UTC)")
-    p.add_argument("--from", dest="start", help="from this day YYYY-MM-DD (UTC, inclusive)")
-    p.add_argument("--to", dest="end", help="to this day YYYY-MM-DD (UTC, inclusive)")
+    p.add_argument("--from", dest="start", help="from this day YYYY-MM-DD or time (UTC, inclusive)")
+    p.add_argument(
+        "--to", dest="end", help="through this day YYYY-MM-DD (inclusive), or to a time (UTC)"
+    )
     for name in ("user", "tenant", "tool", "model"):
         p.add_argument(f"--{name}", help=f"only this {name}")
     p.add_argument("--limit", help="USD of this limit's charges (instead of once per event)")
@@ -45,17 +50,17 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.costs import Filter, breaker_trips, parse_period, spend, summary
+    from ..projections.costs import Filter, breaker_trips, spend, summary
+    from ..windows import parse_period, parse_range
 
-    start = end = None
+    start: datetime | None
+    end: datetime | None
     if args.period is not None:
         if args.start is not None or args.end is not None:
             raise InvalidInputError("--period", args.period, "give --period or --from/--to")
-        start, end = parse_period("--period", args.period)
-    if args.start is not None:
-        start = parse_period("--from", _day(args.start, "--from"))[0]
-    if args.end is not None:
-        end = parse_period("--to", _day(args.end, "--to"))[1]
+        start, end = parse_period(args.period)
+    else:
+        start, end = parse_range(args.start, args.end)
     if args.top is not None and args.top < 1:
         raise InvalidInputError("--top", args.top, "at least 1")
     flt = Filter(start, end, args.user, args.tenant, args.tool, args.model, args.limit)
@@ -85,14 +90,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _day(text: str, option: str) -> str:
-    from ..errors import InvalidInputError
-
-    if len(text) != 10:
-        raise InvalidInputError(option, text, "expected a day YYYY-MM-DD")
-    return text
-
-
 def _json_rows(report: Any) -> list[dict[str, Any]]:
     from ..money import format_usd
 
@@ -106,7 +103,7 @@ def _json_rows(report: Any) -> list[dict[str, Any]]:
 
 
 def _print(report: Any) -> None:
-    from ..money import format_usd
+    from ..money import format_dollars
     from .render import print_table
 
     # Cache-token sums stay in --json: the table must fit a terminal.
@@ -136,7 +133,7 @@ def _print(report: Any) -> None:
         cells = []
         for h, v in ((report.headers[i], row[i]) for i in keep):
             if h == "usd_micros":
-                cells.append(format_usd(int(v)))
+                cells.append(format_dollars(int(v)))
             elif isinstance(v, int):
                 cells.append(f"{v:,}")
             else:

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .render import install_hint
+
 
 def register(sub: Any) -> None:
     demo = sub.add_parser(
@@ -52,13 +54,16 @@ def run(args: argparse.Namespace) -> int:
         from ..demo.runner import DEFAULT_OUT, DemoOptions, main_sync
     except ImportError as exc:
         print(
-            f"mcpbg demo: {exc}; install the demo's extras: "
-            "pip install 'mcp-budget-governor[demo]'",
+            f"mcpbg demo: {exc}; install the demo's extras: " + install_hint("demo"),
             file=sys.stderr,
         )
         return 2
     from .render import console, fail
 
+    if args.redis is not None:
+        from ..urls import check_redis_url
+
+        check_redis_url(args.redis, "--redis")
     if args.topic is not None and args.kafka is None:
         return fail("demo", f"--topic: only with --kafka (got {args.topic!r})")
     options = DemoOptions(

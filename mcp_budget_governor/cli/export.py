@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..money import format_usd
+from ..money import format_dollars
+from ..windows import parse_period
 from .ledger_args import add_ledger_options, setting
+from .render import install_hint
 
 
 def register(sub: Any) -> None:
@@ -24,9 +26,15 @@ def register(sub: Any) -> None:
         "or not at all. Exit 0 written, 2 bad input (the message names it).",
     )
     when = focus.add_mutually_exclusive_group(required=True)
-    when.add_argument("--period", help="a UTC calendar month, YYYY-MM (e.g. 2026-11)")
-    when.add_argument("--from", dest="start", help="start (UTC date or time, inclusive)")
-    focus.add_argument("--to", dest="end", help="end with --from (UTC date or time, exclusive)")
+    when.add_argument(
+        "--period", help="a UTC calendar month YYYY-MM (e.g. 2026-11) or day YYYY-MM-DD"
+    )
+    when.add_argument("--from", dest="start", help="start (UTC day or time, inclusive)")
+    focus.add_argument(
+        "--to",
+        dest="end",
+        help="end with --from: through this UTC day (inclusive), or up to this time",
+    )
     focus.add_argument("--out", required=True, help="the file to write: NAME.csv or NAME.parquet")
     focus.add_argument(
         "--granularity", choices=("hour", "day"), default="hour", help="row period (default hour)"
@@ -75,13 +83,12 @@ def _load_prices(spec: str) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from ..focus import Granularity, parse_period, parse_range
+        from ..focus import Granularity, parse_range
         from ..projections.focus_export import ExportOptions, export_focus
         from ..projections.ledger_view import open_ledger
     except ImportError as exc:
         print(
-            f"mcpbg export: {exc}; install the duckdb extra: "
-            "pip install 'mcp-budget-governor[duckdb]'",
+            f"mcpbg export: {exc}; install the duckdb extra: " + install_hint("duckdb"),
             file=sys.stderr,
         )
         return 2
@@ -130,17 +137,17 @@ def run(args: argparse.Namespace) -> int:
 
         print_table(
             f"FOCUS 1.2 export of {start:%Y-%m-%dT%H:%MZ} .. {end:%Y-%m-%dT%H:%MZ}",
-            ["file", "format", "rows", "costed events", "BilledCost (USD)", "seconds"],
+            ["file", "format", "rows", "costed events", "BilledCost", "seconds"],
             [
                 [
                     str(result.path),
                     result.format,
                     f"{result.rows:,}",
                     f"{result.events:,}",
-                    format_usd(result.billed_micros),
+                    format_dollars(result.billed_micros),
                     f"{result.seconds:.2f}",
                 ]
             ],
-            numeric=["rows", "costed events", "BilledCost (USD)", "seconds"],
+            numeric=["rows", "costed events", "BilledCost", "seconds"],
         )
     return 0

@@ -3,7 +3,8 @@
 Views: ``ledger`` (one row per charge, deduplicated), ``ledger_raw`` (before
 deduplication) and ``costs`` (one row per event, with the one USD rule);
 ``projections/ledger_view.py`` documents their columns. Output: a table, or
-``--csv`` / ``--json``. Integers stay integers (money is USD micros; render
+``--csv`` (string cells that would start a spreadsheet formula get a
+leading ``'``, ``csv_safety``) / ``--json``. Integers stay integers (money is USD micros; render
 it with ``format_usd`` or divide in SQL as a DECIMAL, never a float).
 The query is free SQL with no period option, so the whole ledger is opened
 (unlike ``mcpbg costs --period`` and ``mcpbg export focus``, which read only
@@ -58,9 +59,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         con.close()
     if args.csv:
+        from ..csv_safety import cell
+
+        # Spreadsheets open this: a string cell never starts a formula; numbers stay numbers.
         writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(headers)
-        writer.writerows(["" if v is None else v for v in row] for row in rows)
+        writer.writerow([cell(h) for h in headers])
+        writer.writerows(["" if v is None else cell(v) for v in row] for row in rows)
     elif args.json:
         json.dump(
             [dict(zip(headers, row, strict=True)) for row in rows],

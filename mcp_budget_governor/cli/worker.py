@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from .render import install_hint
+
 
 def register(sub: Any) -> None:
     worker = sub.add_parser(
@@ -28,13 +30,17 @@ def run(args: argparse.Namespace) -> int:
         from ..stream.worker import run as run_worker
     except ImportError as exc:
         print(
-            f"mcpbg worker: {exc}; install the stream extra: "
-            "pip install 'mcp-budget-governor[stream]'",
+            f"mcpbg worker: {exc}; install the stream extra: " + install_hint("stream"),
             file=sys.stderr,
         )
         return 2
+    from ..policy_file import load_policy
+
     overrides = {name: getattr(args, name) for name in OPTIONS}
-    return run_worker(WorkerConfig.from_env(**overrides))
+    config = WorkerConfig.from_env(**overrides)
+    if config.policy:
+        load_policy(config.policy)  # a bad policy is one line now, not a log after connecting
+    return run_worker(config)
 
 
 #: ``mcpbg worker`` options: name, type, help. Each also reads MCPBG_<NAME>.

@@ -256,12 +256,14 @@ async def _reachable(options: DemoOptions, backend: Backend) -> None:
         try:
             bootstrap = parse_bootstrap(options.kafka_url)
         except InvalidInputError as exc:
-            raise InvalidInputError("--kafka", options.kafka_url, exc.problem) from None
+            raise InvalidInputError("--kafka", redact_url(options.kafka_url), exc.problem) from None
         host, _, port = bootstrap.split(",")[0].rpartition(":")
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 5.0)
         except (OSError, ValueError, TimeoutError) as exc:
-            raise InvalidInputError("--kafka", options.kafka_url, f"no answer ({exc})") from None
+            raise InvalidInputError(
+                "--kafka", redact_url(options.kafka_url), f"no answer ({exc})"
+            ) from None
         writer.close()
         await writer.wait_closed()
 
@@ -292,7 +294,7 @@ def _intro(
         f"Redis at {redact_url(options.redis_url)}" if options.redis_url else "in-process counters"
     )
     ledger = (
-        f"Kafka topic {topic} at {options.kafka_url}"
+        f"Kafka topic {topic} at {redact_url(options.kafka_url)}"
         if options.kafka_url
         else f"a file ledger in {out / 'ledger'}"
     )
@@ -521,6 +523,7 @@ async def _report_budgets(
             ["user", "tenant", "admitted", "refused", "refused by", "spent today"],
             rows,
             numeric=["admitted", "refused", "spent today"],
+            width=console.width,
         )
     )
     await _budgets_table(console, governor, now)
@@ -533,7 +536,13 @@ async def _budgets_table(console: Console, governor: Governor, now: float) -> No
     # Every counter of the current periods, as `mcpbg budgets` lists them.
     report = await budget_report(governor.policy, governor.backend, now=now)
     console.print(
-        table("Budgets now (mcpbg budgets)", HEADERS, table_rows(report), numeric=NUMERIC)
+        table(
+            "Budgets now (mcpbg budgets)",
+            HEADERS,
+            table_rows(report),
+            numeric=NUMERIC,
+            width=console.width,
+        )
     )
 
 
@@ -563,6 +572,7 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
             [*shown, "cost"],
             rows,
             numeric=[*shown[3:], "cost"],
+            width=console.width,
         )
     )
     console.print(
@@ -571,6 +581,7 @@ def _report_costs(console: Console, options: DemoOptions, out: Path) -> None:
             trips.headers,
             [[_cell(v) for v in row] for row in trips.rows],
             numeric=["trips"],
+            width=console.width,
         )
     )
     total = sum(n for _, n in kinds)
