@@ -2,16 +2,20 @@
 --
 -- KEYS[1]    the watermark hash (partition -> last applied offset)
 -- KEYS[2]    the epoch marker
--- KEYS[3..]  the counters and seen-id sets the batch touches
+-- KEYS[3..]  the seen-id sets the batch touches (ARGV[5] of them), then its counters
 -- ARGV[1]    the partition field; ARGV[2] the number of events; ARGV[3] '1' when
---            the epoch marker must exist (a Redis that restarted empty has lost
+--            the epoch marker must be whole (a Redis that restarted empty has lost
 --            every counter: the worker must rebuild, not add to empty ones);
 -- ARGV[4]    the events, as one string of space-separated tokens, per event:
---            offset, event id, position in KEYS of the seen-id set of the
---            event's day, that set's expire_at, number of charges, and per
---            charge: key position in KEYS, amount, expire_at. One argument
---            rather than ~11 per event: packing thousands of arguments was
---            the client's largest cost per event (benchmarks/README.md).
+--            offset, event id, position of the seen-id set of the event's day
+--            among the seen sets, that set's expire_at, number of charges, and
+--            per charge: key position among the counters, amount, expire_at.
+--            One argument rather than ~11 per event: packing thousands of
+--            arguments was the client's largest cost per event (benchmarks/README.md).
+-- ARGV[5]    how many seen-id sets KEYS holds
+-- ARGV[6]    the batch's last offset: the watermark reaches it even when the
+--            records after the last event were dead letters (-1: none), so a
+--            restart does not read, and dead-letter, them again
 --
 -- Two guards make delivery at-least-once yet counting exactly-once:
 -- an offset at or below the watermark was applied before (redelivery), and an
@@ -21,11 +25,27 @@
 -- is removed and the ledger's amount committed; the watermark moves in the
 -- same script. A charge whose counter has already expired is dropped: its
 -- window is over. Returns the number of events applied, or -1 (nothing
--- applied) when the epoch marker is required and missing.
+-- applied) when the epoch marker is required and not whole (see epoch_ok).
+--
+-- Every key is checked before anything is written: the client validates each
+-- event (mcp_budget_governor.provenance), and a key that is neither a seen set
+-- nor of the counter shape mcpbg:v1:<limit>:<scope>:<bucket> (a limit never
+-- starts with '_', the mark of the projection's own keys) refuses the whole
+-- batch, so a client bug can never write to the watermarks or the marker.
 
-if ARGV[3] == '1' and redis.call('EXISTS', KEYS[2]) == 0 then
+if ARGV[3] == '1' and not epoch_ok(KEYS[2]) then
   return -1
 end
+local seen_sets = tonumber(ARGV[5])
+for i = 3, #KEYS do
+  local shape = '^mcpbg:v1:%w[%w_.%-]*:[^:]+:[^:]+$'
+  if i <= 2 + seen_sets then shape = '^mcpbg:v1:_seen:%d+$' end
+  if not string.find(KEYS[i], shape) then
+    return redis.error_reply('mcpbg apply: refused the batch: ' .. KEYS[i] .. ' is not a '
+      .. (i <= 2 + seen_sets and 'seen-id set' or 'counter key'))
+  end
+end
+local counters = 2 + seen_sets
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
 local wm = tonumber(wm_raw or '-1')
 local now = tonumber(redis.call('TIME')[1])
@@ -35,7 +55,7 @@ for _ = 1, tonumber(ARGV[2]) do
   local offset_raw = token()
   local offset = tonumber(offset_raw)
   local event_id = token()
-  local seen = KEYS[tonumber(token())]
+  local seen = KEYS[2 + tonumber(token())]
   local seen_expire_at = token()
   local charges = tonumber(token())
   local fresh = offset > wm
@@ -50,7 +70,7 @@ for _ = 1, tonumber(ARGV[2]) do
   for _ = 1, charges do
     local key_pos, amount, expire_at = token(), token(), token()
     if fresh then
-      local key = KEYS[tonumber(key_pos)]
+      local key = KEYS[counters + tonumber(key_pos)]
       local pending = redis.call('HGET', key, 'e:' .. event_id)
       if pending then
         if pending ~= '0' then redis.call('HINCRBY', key, 'f', negate(pending)) end
@@ -64,6 +84,9 @@ for _ = 1, tonumber(ARGV[2]) do
   if fresh then
     applied = applied + 1
   end
+end
+if tonumber(ARGV[6]) > wm then
+  wm_raw = ARGV[6]
 end
 if wm_raw then
   redis.call('HSET', KEYS[1], ARGV[1], wm_raw)

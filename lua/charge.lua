@@ -3,7 +3,7 @@
 --
 -- ARGV[1]      event id ('' commits inline: no ledger); flagged 'o', the
 --              operation id of an inline charge
--- ARGV[2]      flags: 'e' when KEYS[1] is the epoch marker and must exist
+-- ARGV[2]      flags: 'e' when KEYS[1] is the epoch marker and must be whole (epoch_ok)
 --              (ledger mode: a Redis that restarted empty must not admit from
 --              empty counters); 'u' to reply with every counter's total;
 --              'o' when the next key is the marker of operation ARGV[1]
@@ -13,8 +13,8 @@
 --
 -- Returns {refused} or, flagged 'u', {refused, used...}: refused is 0 when
 -- admitted, else the 1-based position of the first refusing counter (nothing
--- was written); -1 when the epoch marker is missing; {-2, i} when counter i
--- is outside the exact range, or an admitted charge would take it out
+-- was written); -1 when the epoch marker is missing or not whole (epoch_ok);
+-- {-2, i} when counter i is outside the exact range, or an admitted charge would take it out
 -- (stays_exact; nothing was written). used holds
 -- each counter's total before the charge.
 --
@@ -28,7 +28,7 @@ local event_id = ARGV[1]
 local flags = ARGV[2]
 local first = 1
 if string.find(flags, 'e', 1, true) then
-  if redis.call('EXISTS', KEYS[1]) == 0 then
+  if not epoch_ok(KEYS[1]) then
     return {-1}
   end
   first = 2

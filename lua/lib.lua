@@ -56,3 +56,12 @@ local function stays_exact(c, f, amount, inline)
   if inline then c = c + amount else f = f + amount end
   return exact(c) and exact(f) and exact(c + f)
 end
+
+-- The epoch marker is whole only as a string of the shape keys.EPOCH_VALUE
+-- gives it (a test holds the two together): a hash or a set left at its name
+-- by a stray write is no proof that the counters are complete.
+local function epoch_ok(key)
+  if redis.call('TYPE', key).ok ~= 'string' then return false end
+  local value = redis.call('GET', key)
+  return #value <= 64 and string.find(value, '^[%w][%w_.%-]*$') ~= nil
+end

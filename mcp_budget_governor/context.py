@@ -45,6 +45,21 @@ class Context:
         return dataclasses.replace(self, tool=tool)
 
 
+#: Caches keyed by a context (the governor's plans, the ledger's encoded
+#: contexts) keep it only if its values total at most this many characters:
+#: 4,096 entries of them stay within a few MiB, whatever callers send.
+CACHED_CONTEXT_CHARS = 512
+
+
+def cacheable(ctx: Context) -> bool:
+    """Whether caches may keep ``ctx`` (see :data:`CACHED_CONTEXT_CHARS`)."""
+    total = 0
+    for value in (ctx.user, ctx.tenant, ctx.tool, ctx.session, ctx.agent):
+        if value is not None:
+            total += len(value)
+    return total <= CACHED_CONTEXT_CHARS
+
+
 EMPTY = Context()
 """The caller nobody named: every scope unknown."""
 

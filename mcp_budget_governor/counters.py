@@ -179,12 +179,19 @@ class Backend(Protocol):
         ...
 
     async def apply(
-        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
     ) -> int:
         """Project events: move each one's amounts from in-flight to committed and
         advance the partition's applied-offset watermark, skipping offsets at or
         below it and event ids already applied (a producer retry delivered
-        twice). Returns how many events were applied. With ``require_epoch``,
+        twice). The watermark also reaches ``through`` (the batch's last offset,
+        when the records after its last event were dead-lettered), in the same
+        step. Returns how many events were applied. With ``require_epoch``,
         raises :class:`EpochMissingError` (applying nothing) when the store has
         lost its state."""
         ...

@@ -30,13 +30,15 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError
 
-from .context import Context
+from .context import Context, cacheable
 from .errors import GovernorError
 from .keys import PREFIX
 from .ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage
 from .limits import NAME_PATTERN
 from .money import MAX_AMOUNT, Unit
+from .provenance import event_problem
 from .windows import Window
 
 SPECVERSION = "1.0"
@@ -121,6 +123,19 @@ class _Event(_Model):
     datacontenttype: Literal["application/json"] = "application/json"
     data: EventData
 
+    def model_post_init(self, _: Any) -> None:
+        # The topic is input: only charges a governor could have written (see provenance).
+        charges = self.data.charges
+        problem = event_problem(
+            _KINDS[self.type],  # type: ignore[attr-defined]
+            self.time.timestamp(),
+            self.data.context.__dict__,
+            [(c.limit, c.window.value, c.bucket, c.key, c.amount, c.expire_at) for c in charges],
+        )
+        if problem is not None:
+            # A custom error: the reason reads as is, without pydantic's "Value error, ".
+            raise PydanticCustomError("charge", "{problem}", {"problem": problem})
+
 
 class AdmittedEvent(_Event):
     """A check admitted the call; its gated charges (calls) are here."""
@@ -132,10 +147,6 @@ class RejectedEvent(_Event):
     """A check or reservation refused the call; it charged nothing."""
 
     type: Literal["mcpbg.rejected.v1"]
-
-    def model_post_init(self, _: Any) -> None:
-        if self.data.charges:
-            raise ValueError("a rejected event carries no charges")
 
 
 class MeteredEvent(_Event):
@@ -174,9 +185,10 @@ class RecoveredEvent(_Event):
 
     type: Literal["mcpbg.recovered.v1"]
 
-    def model_post_init(self, _: Any) -> None:
+    def model_post_init(self, context: Any) -> None:
         if not self.data.charges:
             raise ValueError("a recovered event carries the charges it settles")
+        super().model_post_init(context)  # and only charges a governor could have written
 
 
 EVENT_TYPES: tuple[type[_Event], ...] = (
@@ -207,6 +219,7 @@ def type_name(kind: EntryType) -> str:
 
 
 _TYPE_NAMES = {kind: type_name(kind) for kind in EntryType}
+_KINDS = {name: kind for kind, name in _TYPE_NAMES.items()}
 
 
 def rfc3339(epoch: float) -> str:
@@ -240,8 +253,17 @@ def _subject(ctx: Context) -> str | None:
 # The context and the charges of a hot caller repeat call after call (the
 # governor reuses one plan per context and minute), so their JSON is made once
 # and embedded as a pre-serialised fragment.
-@lru_cache(maxsize=4096)
 def _context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
+    # Only contexts short enough are kept: the cache stays small in bytes.
+    return _cached_context_json(ctx) if cacheable(ctx) else _make_context_json(ctx)
+
+
+@lru_cache(maxsize=4096)
+def _cached_context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
+    return _make_context_json(ctx)
+
+
+def _make_context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
     fields = {
         "user": ctx.user,
         "tenant": ctx.tenant,
@@ -319,8 +341,10 @@ def parse(raw: bytes | str) -> LedgerEvent:
         return _ADAPTER.validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "event"
-        raise MalformedEventError(f"{where}: {first['msg']}", raw) from None
+        where = ".".join(str(p) for p in first["loc"])
+        # A charge problem names its place itself (data.charges.N: ...).
+        reason = f"{where}: {first['msg']}" if where else first["msg"]
+        raise MalformedEventError(reason, raw) from None
 
 
 def to_entry(event: LedgerEvent) -> LedgerEntry:

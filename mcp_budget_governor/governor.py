@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from . import planning
-from .context import EMPTY, Context
+from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
 from .errors import (
@@ -294,12 +294,15 @@ class Governor(Metering[MeterResult]):
     def _plan(self, ctx: Context, now: float, calls: int = 1) -> planning.Plan:
         # Planning (buckets, escaped keys, ops) is pure and the same for a whole
         # minute: cache it per context, so a hot caller pays for it once a minute.
+        # A context of long ids is planned afresh: the cache stays small in bytes.
         cache_key = (ctx, int(now // 60), calls)
         plan = self._plans.get(cache_key)
         if plan is None:
-            if len(self._plans) >= 4096:
-                self._plans.clear()
-            plan = self._plans[cache_key] = planning.check_plan(self.policy, ctx, now, calls)
+            plan = planning.check_plan(self.policy, ctx, now, calls)
+            if cacheable(ctx):
+                if len(self._plans) >= 4096:
+                    self._plans.clear()
+                self._plans[cache_key] = plan
         return plan
 
     async def _charge(

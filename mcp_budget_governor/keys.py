@@ -9,6 +9,10 @@ newlines, megabytes). Each value is percent-encoded (everything except
 and leaves no ``:``, ``=``, ``,``, ``{`` or ``}`` in the key. A value whose
 encoding would exceed ``MAX_VALUE_CHARS`` is replaced by ``#`` and its SHA-256:
 ``#`` never survives encoding, so the two forms cannot collide.
+
+A key is therefore at most :data:`MAX_KEY_CHARS` long, whatever the values;
+:func:`escape` remembers its recent answers in a cache bounded in bytes, and
+never keeps a value longer than ``MAX_VALUE_CHARS`` (those are hashed anyway).
 """
 
 from __future__ import annotations
@@ -17,26 +21,57 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from urllib.parse import unquote_to_bytes
 
 from .limits import NAME_PATTERN
+from .memo import BytesCache, text_bytes
 from .scopes import Dimensions, Scope
 
 PREFIX = "mcpbg:v1"
 GLOBAL_SCOPE = "global"
 MAX_VALUE_CHARS = 192
-_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+_SAFE_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-"
+_SAFE = frozenset(_SAFE_BYTES)
+#: The longest bucket label a key may end with (the ledger schema's bound).
+MAX_BUCKET_CHARS = 64
+#: The longest counter key: a 64-character limit name, every dimension at its
+#: longest escaped value, a 64-character bucket label.
+MAX_KEY_CHARS = (
+    len(PREFIX)
+    + 1
+    + 64
+    + 1
+    + sum(len(d.value) + 1 + MAX_VALUE_CHARS + 1 for d in Scope)
+    - 1
+    + 1
+    + MAX_BUCKET_CHARS
+)
+
+# Recent escapes: 8 MiB at most, whatever callers send (see memo.BytesCache).
+_ESCAPED: BytesCache[str, str] = BytesCache(8 << 20)
 
 
-@lru_cache(maxsize=65_536)
 def escape(value: str) -> str:
     """Encode one scope value for a key segment.
 
     >>> escape("a:b{c}")
     'a%3Ab%7Bc%7D'
     """
+    hit = _ESCAPED.get(value)
+    if hit is not None:
+        return hit
+    out = _escape(value)
+    if len(value) <= MAX_VALUE_CHARS:  # a longer one is hashed: never worth keeping
+        _ESCAPED.put(value, out, text_bytes(value, out))
+    return out
+
+
+def _escape(value: str) -> str:
     raw = value.encode("utf-8")
+    if len(value) > MAX_VALUE_CHARS:  # every character encodes to one or more: hashed
+        return "#" + hashlib.sha256(raw).hexdigest()
+    if not raw.translate(None, _SAFE_BYTES):  # nothing to encode (most ids): at C speed
+        return value
     out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     if len(out) > MAX_VALUE_CHARS:
         return "#" + hashlib.sha256(raw).hexdigest()
@@ -67,6 +102,9 @@ WATERMARK_KEY = f"{PREFIX}:_applied"
 SEEN_PREFIX = f"{PREFIX}:_seen"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"
+#: What the epoch marker holds (a rebuild's id): a string of this shape, nothing else.
+#: ``epoch_ok`` in lua/lib.lua checks the same (a test holds the two together).
+EPOCH_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 #: Prefix of the markers of applied inline charges (``<prefix>:<operation id>``).
 OP_PREFIX = f"{PREFIX}:_op"
 #: How long an inline charge's operation marker lives (mirrored in ``lua/charge.lua``).

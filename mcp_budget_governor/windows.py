@@ -122,6 +122,45 @@ def utc_bounds(window: Window, at: datetime) -> tuple[datetime, datetime]:
     return datetime.fromtimestamp(bucket.start, UTC), datetime.fromtimestamp(bucket.end, UTC)
 
 
+_LABEL_FORMS = {
+    Window.MINUTE: (re.compile(r"[0-9]{8}T[0-9]{4}"), "%Y%m%dT%H%M"),
+    Window.HOUR: (re.compile(r"[0-9]{8}T[0-9]{2}"), "%Y%m%dT%H"),
+    Window.DAY: (re.compile(r"[0-9]{8}"), "%Y%m%d"),
+    Window.MONTH: (re.compile(r"[0-9]{6}"), "%Y%m"),
+}
+
+
+@lru_cache(maxsize=4096)
+def bucket_of(window: Window, label: str) -> Bucket | None:
+    """The bucket of ``window`` whose label is ``label``; None when no instant has it.
+
+    The inverse of :func:`bucket_for`, for labels read from the ledger: the
+    bucket is recomputed by ``bucket_for`` and its label must come back
+    unchanged, so the two can never disagree.
+
+    >>> bucket_of(Window.DAY, "20251129").end, bucket_of(Window.DAY, "2025-11-29")
+    (1764460800.0, None)
+    """
+    if window is Window.SESSION:
+        return Bucket(SESSION_BUCKET, None, None) if label == SESSION_BUCKET else None
+    text, at_sign, zone_name = label.partition("@")
+    form, fmt = _LABEL_FORMS[window]
+    if not form.fullmatch(text) or (at_sign and window in (Window.MINUTE, Window.HOUR)):
+        return None
+    try:
+        tz = zone(zone_name) if at_sign else UTC
+        moment = datetime.strptime(text, fmt)
+        # Noon of the day (mid-month): inside the bucket whatever the zone's offset or DST.
+        if window is Window.DAY:
+            moment = moment.replace(hour=12)
+        elif window is Window.MONTH:
+            moment = moment.replace(day=15)
+        bucket = bucket_for(window, moment.replace(tzinfo=tz).timestamp(), tz)
+    except (PolicyError, ValueError, OverflowError):  # unknown zone; no such date; year 9999+1
+        return None
+    return bucket if bucket.label == label else None
+
+
 @lru_cache(maxsize=4096)
 def _utc_bucket(start: int, length: int, fmt: str) -> Bucket:
     label = datetime.fromtimestamp(start, UTC).strftime(fmt)

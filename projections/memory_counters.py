@@ -151,7 +151,12 @@ class MemoryBackend:
         return [self._used(key, now) for key in keys]
 
     async def apply(
-        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
     ) -> int:
         if require_epoch and self._epoch is None:
             raise EpochMissingError("the counters were reset (no epoch marker): rebuild first")
@@ -172,8 +177,8 @@ class MemoryBackend:
                 if charge.expire_at > now:
                     self._add(charge.key, charge.amount, None, charge.expire_at, now)
             applied += 1
-        if events:
-            self._watermarks[partition] = mark
+        if events or through >= 0:
+            self._watermarks[partition] = max(mark, through)
         return applied
 
     def _first_sight(self, event: AppliedEvent, now: float) -> bool:

@@ -62,7 +62,7 @@ from mcp_budget_governor.errors import GovernorError
 from mcp_budget_governor.keys import parse_key
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, id_time
 from mcp_budget_governor.money import Unit
-from mcp_budget_governor.windows import Window
+from mcp_budget_governor.windows import Window, bucket_of
 
 from .counter_sync import (
     Snapshot,
@@ -272,7 +272,13 @@ def recovery_entries(
     unfixable: list[Orphan] = []
     for event_id, group in sorted(by_id.items()):
         parsed = [(o, parse_key(o.key)) for o in group]
-        if any(p is None or o.limit not in meta or o.expire_at <= 0 for o, p in parsed):
+        if any(
+            p is None
+            or o.limit not in meta
+            or o.expire_at <= 0
+            or bucket_of(meta[o.limit].window, p.bucket) is None
+            for o, p in parsed
+        ):
             unfixable += group
             continue
         charges = []
@@ -281,7 +287,7 @@ def recovery_entries(
             assert p is not None
             m = meta[o.limit]
             charges.append(LedgerCharge(o.limit, m.unit, o.amount, m.window, p.bucket, o.key,
-                                        o.expire_at))  # fmt: skip
+                                        _expiry(m.window, p.bucket, o.expire_at)))  # fmt: skip
             for dim, value, hashed in zip(p.dims, p.values, p.hashed, strict=True):
                 if not hashed:
                     context.setdefault(dim.value, value)
@@ -291,3 +297,11 @@ def recovery_entries(
             LedgerEntry(event_id, EntryType.RECOVERED, made, Context(**context), tuple(charges))
         )
     return entries, unfixable
+
+
+def _expiry(window: Window, label: str, ttl_expiry: int) -> int:
+    """A recovered charge's expiry: its bucket's end plus grace, the rule every charge
+    follows (Redis's TTL reads a second short); a session's, the counter's own."""
+    bucket = bucket_of(window, label)
+    assert bucket is not None  # recovery_entries left the others unfixable
+    return ttl_expiry if bucket.end is None else bucket.expire_at(0)

@@ -24,8 +24,19 @@ from mcp_budget_governor.counters import (
     CounterState,
     overflow,
 )
-from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
-from mcp_budget_governor.keys import EPOCH_KEY, PREFIX, SEEN_PREFIX, WATERMARK_KEY, op_key
+from mcp_budget_governor.errors import (
+    BackendUnavailableError,
+    EpochMissingError,
+    InvalidInputError,
+)
+from mcp_budget_governor.keys import (
+    EPOCH_KEY,
+    EPOCH_VALUE,
+    PREFIX,
+    SEEN_PREFIX,
+    WATERMARK_KEY,
+    op_key,
+)
 from mcp_budget_governor.lua import source
 from mcp_budget_governor.urls import check_redis_url
 
@@ -189,14 +200,20 @@ class RedisBackend:
         return [int(reply[i]) + int(reply[i + 1]) for i in range(0, len(reply), 2)]
 
     async def apply(
-        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
     ) -> int:
-        if not events:
+        if not events and through < 0:
             return 0
-        keys = [WATERMARK_KEY, EPOCH_KEY]
+        counters: list[str] = []
         index: dict[str, int] = {}
+        seen_sets: list[str] = []
         # The events travel as one space-separated string (see lua/apply.lua): a
-        # batch of 500 events is 4 arguments for redis-py to pack, not ~5,500.
+        # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
         tokens: list[str] = []
         days: dict[float, str] = {}  # UTC day -> "<seen-set position> <its expire_at>"
 
@@ -208,29 +225,50 @@ class RedisBackend:
             day = event.time // SECONDS_PER_DAY if event.time >= 0 else event.time
             seen = days.get(day)
             if seen is None:
-                seen = days[day] = (
-                    f"{_position(keys, index, f'{SEEN_PREFIX}:{event.seen_day}')} "
-                    f"{event.seen_expire_at}"
-                )
+                seen_sets.append(f"{SEEN_PREFIX}:{event.seen_day}")
+                seen = days[day] = f"{len(seen_sets)} {event.seen_expire_at}"
             tokens.append(f"{event.offset} {event_id} {seen} {len(event.charges)}")
             for charge in event.charges:
-                pos = index.get(charge.key) or _position(keys, index, charge.key)
+                pos = index.get(charge.key) or _position(counters, index, charge.key)
                 tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
-        args = [partition, len(events), "1" if require_epoch else "0", " ".join(tokens)]
-        applied = int(await self._run(self._apply, keys, args))
+        keys = [WATERMARK_KEY, EPOCH_KEY, *seen_sets, *counters]
+        args = [
+            partition,
+            len(events),
+            "1" if require_epoch else "0",
+            " ".join(tokens),
+            len(seen_sets),
+            through,
+        ]
+        try:
+            applied = int(await self._run(self._apply, keys, args))
+        except redis_errors.ResponseError as exc:
+            if "mcpbg apply:" not in str(exc):
+                raise
+            raise ValueError(str(exc)) from None  # a key of no counter's shape: nothing written
         if applied < 0:
             raise EpochMissingError("redis lost its state (epoch marker missing): rebuild first")
         return applied
 
     async def has_epoch(self) -> bool:
-        """Whether Redis holds a complete projection (the marker the worker sets)."""
+        """Whether Redis holds a complete projection: the marker the worker sets, as a
+        string of its shape (``keys.EPOCH_VALUE``; the scripts check the same in ``epoch_ok``)."""
         try:
-            return bool(await self.client.exists(EPOCH_KEY))
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.type(EPOCH_KEY)
+                pipe.getrange(EPOCH_KEY, 0, 64)  # WRONGTYPE on a hash: returned, not raised
+                kind, value = await pipe.execute(raise_on_error=False)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+        if kind not in (b"string", "string") or isinstance(value, Exception):
+            return False
+        text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+        return EPOCH_VALUE.fullmatch(text) is not None
 
     async def mark_ready(self, epoch: str) -> None:
         """Declare the counters complete: the hot path may admit from them again."""
+        if not isinstance(epoch, str) or EPOCH_VALUE.fullmatch(epoch) is None:
+            raise InvalidInputError("epoch", epoch, f"expected {EPOCH_VALUE.pattern}")
         try:
             await self.client.set(EPOCH_KEY, epoch)
         except _UNAVAILABLE as exc:

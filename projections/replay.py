@@ -278,7 +278,12 @@ class _CurrentOnly:
         self.keys: set[str] = set()
 
     async def apply(
-        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
     ) -> int:
         kept = []
         for e in events:
@@ -289,7 +294,9 @@ class _CurrentOnly:
             kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges))
         self.events += len(events)
         self.progress("events", self.events, None)
-        applied: int = await self.inner.apply(partition, kept, require_epoch=require_epoch)
+        applied: int = await self.inner.apply(
+            partition, kept, require_epoch=require_epoch, through=through
+        )
         return applied
 
     async def charge(

@@ -19,6 +19,10 @@ mutated and corrupted records):
 
 Every check here is at least as strict as the model's; some are stricter
 (they only cost a fall back to the full parse, never a different verdict).
+Whether the charges are ones a governor could have produced is the one rule
+of :mod:`mcp_budget_governor.provenance`, which the models apply too. The
+caches here hold caller-chosen strings, so they are bounded in bytes
+(:class:`~mcp_budget_governor.memo.BytesCache`), never just in entries.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ from mcp_budget_governor.events import (
     Tokens,
     type_name,
 )
-from mcp_budget_governor.keys import PREFIX
+from mcp_budget_governor.keys import MAX_KEY_CHARS, PREFIX
 from mcp_budget_governor.ledger import EntryType
 from mcp_budget_governor.limits import NAME_PATTERN
+from mcp_budget_governor.memo import BytesCache, text_bytes
 from mcp_budget_governor.money import MAX_AMOUNT, Unit
+from mcp_budget_governor.provenance import CounterShape, charge_problem, counter_shape
 from mcp_budget_governor.windows import Window
 
 __all__ = ["Decoded", "DecodedCharge", "decode"]
@@ -67,6 +73,7 @@ class Decoded(NamedTuple):
 
 
 _TYPES = frozenset(type_name(kind) for kind in EntryType)
+_KINDS = {type_name(kind): kind for kind in EntryType}
 _REJECTED = type_name(EntryType.REJECTED)
 _RECOVERED = type_name(EntryType.RECOVERED)
 # The field sets come from the pydantic models, the one definition of the schema:
@@ -84,8 +91,13 @@ _KEY_PREFIX = f"{PREFIX}:"
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-@lru_cache(maxsize=4096)
 def _limit_ok(name: str) -> bool:
+    # Length first: the cache below must never keep a megabyte name.
+    return len(name) <= 64 and _name_ok(name)
+
+
+@lru_cache(maxsize=4096)
+def _name_ok(name: str) -> bool:
     return NAME_PATTERN.fullmatch(name) is not None
 
 
@@ -145,9 +157,11 @@ def _decision_ok(decision: Any) -> bool:
 
 
 # Charges repeat (the same counter, amount and expiry, call after call): the
-# objects built for one are reused, bounded by _CACHE_SIZE.
+# objects built for one are reused, 16 MiB of them at most.
 _CACHE_SIZE = 65_536
-_charges: dict[tuple[str, str, str, int, int], tuple[DecodedCharge, AppliedCharge]] = {}
+_charges: BytesCache[
+    tuple[str, str, str, str, int, int], tuple[DecodedCharge, AppliedCharge, CounterShape]
+] = BytesCache(16 << 20)
 
 
 def decode(raw: bytes, offset: int) -> Decoded | None:
@@ -231,6 +245,9 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
         return None  # and a recovery without any
     decoded: list[DecodedCharge] = []
     applied: list[AppliedCharge] = []
+    event_kind = _KINDS[kind]
+    when: float | None = None
+    limits: set[str] = set()
     for charge in raw_charges:
         if type(charge) is not dict or charge.keys() != _CHARGE:
             return None
@@ -251,7 +268,9 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
             or type(window) is not str
         ):
             return None
-        cache_key = (key, limit, bucket, amount, expire_at)
+        if unit not in _UNITS or window not in _WINDOWS:
+            return None
+        cache_key = (key, limit, window, bucket, amount, expire_at)
         hit = _charges.get(cache_key)
         if hit is None:
             if (
@@ -259,19 +278,27 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
                 or not -MAX_AMOUNT <= amount <= MAX_AMOUNT
                 or not 1 <= len(bucket) <= 64
                 or not key.startswith(_KEY_PREFIX)
+                or len(key) > MAX_KEY_CHARS
                 or expire_at <= 0
             ):
                 return None
-            if len(_charges) >= _CACHE_SIZE:
-                _charges.clear()
-            hit = _charges[cache_key] = (
+            shape = counter_shape(limit, window, bucket, key, expire_at)
+            if isinstance(shape, str):
+                return None  # not a governor's charge: the full parse says why
+            hit = (
                 DecodedCharge(limit, bucket, key, amount, expire_at),
                 AppliedCharge(key, amount, expire_at),
+                shape,
             )
-        if unit not in _UNITS or window not in _WINDOWS:
+            _charges.put(cache_key, hit, text_bytes(key, limit, window, bucket) + 200)
+        if when is None:
+            when = (second * 1_000_000 + int(micros)) / 1_000_000
+        if limit in limits or charge_problem(event_kind, when, context, hit[2], amount, expire_at):
             return None
+        limits.add(limit)
         decoded.append(hit[0])
         applied.append(hit[1])
     # What datetime.timestamp() computes for an aware time: the same float, bit for bit.
-    when = (second * 1_000_000 + int(micros)) / 1_000_000
+    if when is None:
+        when = (second * 1_000_000 + int(micros)) / 1_000_000
     return Decoded(AppliedEvent(offset, event_id, when, tuple(applied)), tuple(decoded))

@@ -22,12 +22,13 @@ Why this is exactly-once in effect on an at-least-once stream:
   counters hold and where reading resumes cannot drift apart, whatever
   happened to the consumer group.
 
-Dead letters go out *before* the valid events of the batch are applied: if
-the process dies in between, the batch is read again and the dead letters are
-sent twice (they carry partition and offset, so a reader can drop repeats),
-but a poison record is never skipped without a trace. A batch of only poison
-records does not move the watermark (``apply`` has no event to carry it), so
-those are reported again after a restart.
+Dead letters go out *before* the valid events of the batch are applied, and
+the apply that follows moves the watermark through the whole batch, dead
+letters included (``through``): a restart resumes after them and does not
+send them again, nor does a retry of the same batch in this process. Only a
+process that dies between the dead letter's acknowledgement and the apply
+sends it twice (it carries partition and offset, and the same key, so a reader
+can drop the repeat); a poison record is never skipped without a trace.
 
 >>> projector = Projector(backend, "mcpbg.ledger", dlq=send_to_dlq)  # doctest: +SKIP
 >>> start = await projector.resume_offset(0)  # doctest: +SKIP
@@ -198,6 +199,8 @@ class Projector:
         self.records = 0
         self.applied = 0
         self.dead = 0
+        # partition -> the last offset dead-lettered by this process
+        self._dead_lettered: dict[int, int] = {}
 
     def partition_name(self, partition: int) -> str:
         """The watermark field of a partition: ``<topic>:<partition>``.
@@ -260,26 +263,41 @@ class Projector:
                 except ValueError as exc:  # parse promises MalformedEventError; be safe
                     reason = f"{type(exc).__name__}: {exc}"
             dead.append(DeadLetter(self.topic, partition, offset, reason, raw))
-        for letter in dead:
-            outcome = self.dlq(letter)
-            if inspect.isawaitable(outcome):
-                await outcome
+        sent = 0
+        if dead:
+            # At or below the watermark, a record was dead-lettered when first read (the
+            # watermark passes dead letters only after they are sent); at or below
+            # _dead_lettered, by an earlier try of this batch whose apply failed.
+            done = max(await self.watermark(partition), self._dead_lettered.get(partition, -1))
+            for letter in dead:
+                if letter.offset <= done:
+                    continue
+                outcome = self.dlq(letter)
+                if inspect.isawaitable(outcome):
+                    await outcome
+                self._dead_lettered[partition] = letter.offset
+                sent += 1
         if self.archive is not None and parsed:
             archived = self.archive(partition, parsed)
             if inspect.isawaitable(archived):
                 await archived
+        # The watermark moves through the batch's dead letters too (``through``),
+        # in the same step as its events: they are not read, or sent, again.
         applied = (
             await self.backend.apply(
-                self.partition_name(partition), events, require_epoch=self.require_epoch
+                self.partition_name(partition),
+                events,
+                require_epoch=self.require_epoch,
+                through=previous if dead else -1,
             )
-            if events
+            if events or dead
             else 0
         )
         self.records += len(records)
         self.applied += applied
-        self.dead += len(dead)
+        self.dead += sent
         return ProjectorResult(
-            partition, len(records), len(events), applied, len(dead), previous, tuple(charges)
+            partition, len(records), len(events), applied, sent, previous, tuple(charges)
         )
 
 

@@ -41,7 +41,10 @@ exact (see also :mod:`.projector`):
 - **Dead letters** go to ``<topic>.dlq`` (created with the ledger topic's
   partition count when missing): value = JSON with the reason, source topic,
   partition, offset and the original bytes in base64; the same facts as
-  headers; key = ``<topic>:<partition>:<offset>``.
+  headers; key = ``<topic>:<partition>:<offset>``. A record is dead unless
+  it is a valid event whose every charge a governor could have written
+  (:mod:`mcp_budget_governor.provenance`). Each is sent once: the batch's
+  apply moves the watermark past it, so a restart does not send it again.
 - **Shutdown.** SIGTERM (or SIGINT) stops the loop after the batch in hand,
   commits the consumed offsets, leaves the group, and exits 0.
 - **Progress.** Every ``progress_interval`` seconds one INFO line: events/s

@@ -3,28 +3,29 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from mcp_budget_governor import MAX_AMOUNT, Context, Unit, Window
+from mcp_budget_governor import MAX_AMOUNT, Context, Limit, Scope, Unit, Window, planning
 from mcp_budget_governor.cli import main
 from mcp_budget_governor.events import MalformedEventError, encode, json_schemas, parse, to_entry
+from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from mcp_budget_governor.limits import NAME_PATTERN
+from mcp_budget_governor.provenance import SIGNS, Sign
 
 texts = st.one_of(st.none(), st.text(max_size=40))
-charges = st.builds(
-    LedgerCharge,
-    limit=st.from_regex(NAME_PATTERN, fullmatch=True),
+limits = st.builds(
+    Limit,
+    st.from_regex(NAME_PATTERN, fullmatch=True),
+    cap=st.just(10),
     unit=st.sampled_from(Unit),
-    amount=st.integers(-MAX_AMOUNT, MAX_AMOUNT),
     window=st.sampled_from(Window),
-    bucket=st.from_regex(r"[0-9T@A-Za-z/_]{1,40}", fullmatch=True),
-    key=st.text(max_size=50).map(lambda t: "mcpbg:v1:" + t),
-    expire_at=st.integers(1, 2**40),
+    scope=st.lists(st.sampled_from(Scope), unique=True, max_size=2).map(tuple),
 )
 usages = st.one_of(
     st.none(),
@@ -43,15 +44,24 @@ usages = st.one_of(
 @st.composite
 def entries(draw: Any) -> LedgerEntry:
     kind = draw(st.sampled_from(EntryType))
+    now = draw(st.floats(0, 4e9)).__round__(6)
+    ctx = Context(*(draw(texts) for _ in range(5)))
+    charges = []  # what the governor plans: the only charges an event may carry
+    sign = SIGNS[kind]
+    for limit in draw(st.lists(limits, max_size=4, unique_by=lambda lim: lim.name)):
+        if sign is Sign.NONE:
+            break
+        amount = draw(st.integers(1, MAX_AMOUNT)) * (-1 if sign is Sign.NEGATIVE else 1)
+        slot = planning.slot(limit, ctx, now, UTC, amount, enforce=False)
+        if slot is not None:
+            charges.append(slot.ledger_charge())
+    assume(charges or kind is not EntryType.RECOVERED)  # a recovery carries what it settles
     return LedgerEntry(
         id=new_id(),
         type=kind,
-        time=draw(st.floats(0, 4e9)).__round__(6),
-        context=Context(*(draw(texts) for _ in range(5))),
-        charges=()
-        if kind is EntryType.REJECTED
-        # a recovery carries the charges it settles
-        else tuple(draw(st.lists(charges, min_size=kind is EntryType.RECOVERED, max_size=4))),
+        time=now,
+        context=ctx,
+        charges=tuple(charges),
         limit=draw(st.one_of(st.none(), st.just("burst"))),
         status=draw(st.sampled_from([200, 402, 429, 503])),
         over=tuple(draw(st.lists(st.just("shadow"), max_size=1))),
@@ -87,8 +97,8 @@ def good() -> dict[str, Any]:
                 5,
                 Window.DAY,
                 "20251129",
-                "mcpbg:v1:spend:global:20251129",
-                1_764_500_000,
+                "mcpbg:v1:spend:user=u:20251129",
+                1_764_464_400,  # the day's end plus an hour of grace
             ),
         ),
     )
@@ -117,6 +127,69 @@ def test_malformed_events_name_the_problem(mutate: Any, where: str) -> None:
     with pytest.raises(MalformedEventError) as info:
         parse(json.dumps(event))
     assert where in info.value.reason
+
+
+def charged(**change: Any) -> dict[str, Any]:
+    event = good()
+    event["data"]["charges"][0].update(change)
+    return event
+
+
+@pytest.mark.parametrize(
+    ("event", "problem"),
+    [
+        (charged(key=WATERMARK_KEY), "is not a counter key"),
+        (charged(key=EPOCH_KEY), "is not a counter key"),
+        (charged(key=f"{SEEN_PREFIX}:20251129"), "is not a counter key"),
+        (charged(key="mcpbg:v1:_spend:user=u:20251129"), "is not a counter key"),
+        (charged(key="mcpbg:v1:spend:user=u:20251129:x"), "is not a counter key"),
+        (charged(key="mcpbg:v1:" + "a" * 2000), "longer than any counter key"),
+        (charged(key="mcpbg:v1:calls:user=u:20251129"), "limit 'calls', not of 'spend'"),
+        (charged(key="mcpbg:v1:spend:user=v:20251129"), "not the counter of this event's user"),
+        (charged(key="mcpbg:v1:spend:tenant=t:20251129"), "not the counter of this event's tenant"),
+        (charged(key="mcpbg:v1:spend:user=u:20251128"), "bucket '20251128', not in '20251129'"),
+        (charged(key="mcpbg:v1:spend:user=u:2025112", bucket="2025112"), "not a day bucket"),
+        (charged(window="month"), "not a month bucket"),
+        (charged(expire_at=2**62), "not its bucket's end plus grace (1764464400)"),
+        (charged(expire_at=1_764_464_399), "not its bucket's end plus grace"),
+        (charged(amount=-5), "amount -5: the charges of metered events are positive"),
+        (charged(amount=0), "amount 0"),
+        (
+            charged(key="mcpbg:v1:spend:user=u:20251130", bucket="20251130", expire_at=1764550800),
+            "does not hold the event's time",
+        ),
+    ],
+)
+def test_charges_no_governor_writes_are_malformed(event: dict[str, Any], problem: str) -> None:
+    """The ledger topic is input: schema-valid charges aimed at the wrong keys are refused."""
+    with pytest.raises(MalformedEventError) as info:
+        parse(json.dumps(event))
+    assert "data.charges.0: " in info.value.reason and problem in info.value.reason
+
+
+def test_each_kind_has_its_sign() -> None:
+    assert set(SIGNS) == set(EntryType)  # a new kind must say what its charges may be
+    for kind, amount, ok in [
+        (EntryType.RELEASED, -5, True),
+        (EntryType.RELEASED, 5, False),
+        (EntryType.SETTLED, -5, True),
+        (EntryType.SETTLED, 5, True),
+        (EntryType.ADMITTED, -1, False),
+        (EntryType.RESERVED, -1, False),
+    ]:
+        event = charged(amount=amount)
+        event["type"] = f"mcpbg.{kind.value}.v1"
+        if ok:
+            assert parse(json.dumps(event)).data.charges[0].amount == amount
+        else:
+            with pytest.raises(MalformedEventError, match="the charges of"):
+                parse(json.dumps(event))
+    twice = good()
+    twice["data"]["charges"].append(twice["data"]["charges"][0])
+    with pytest.raises(
+        MalformedEventError, match=r"data\.charges\.1: limit 'spend' is charged twice"
+    ):
+        parse(json.dumps(twice))
 
 
 def test_garbage_and_rejected_with_charges() -> None:

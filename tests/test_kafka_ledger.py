@@ -33,6 +33,7 @@ import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,11 @@ from mcp_budget_governor import (
     Scope,
     Unit,
     Window,
+    planning,
     usd,
 )
 from mcp_budget_governor.events import encode, to_entry
-from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, new_id
+from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger, LedgerTimeoutError
 from mcp_budget_governor.producers.outbox import Outbox
 from mcp_budget_governor.producers.record_log import Position, segment_name
@@ -214,15 +216,8 @@ def check_key_order(entries: list[LedgerEntry], records: list[TopicRecord]) -> i
 def metered(ctx: Context, amount: int = 1) -> LedgerEntry:
     """A metered entry with one charge, built by hand (for tests that bypass a governor)."""
     now = time.time()
-    charge = LedgerCharge(
-        "spend",
-        Unit.USD_MICROS,
-        amount,
-        Window.DAY,
-        "2025-01-01",
-        "mcpbg:v1:spend:x",
-        int(now) + 86_400,
-    )
+    spend = Limit("spend", cap=10**9, window=Window.DAY, unit=Unit.USD_MICROS)
+    (charge,) = planning.ledger_charges(planning.meter_slots([(spend, amount)], ctx, now, UTC))
     return LedgerEntry(new_id(), EntryType.METERED, now, ctx, (charge,))
 
 
@@ -975,7 +970,7 @@ async def test_full_outbox_drops_refusals_of_unidentified_callers(
     assert "dropped 1 refusal event(s) since the last report, 1 in all" in drops[0]
 
     # Costs of completed work are never dropped, past the limit too.
-    assert await gov.meter("spend", 5, Context(user="u1")) == 5
+    assert (await gov.meter("spend", 5, Context(user="u1"))).charged == 5
     assert len(ledger.outbox) == written + 1
     # A new admission at the limit: refused with 503 under "refuse", written under "admit".
     decision = await gov.check(Context(user="u1"))

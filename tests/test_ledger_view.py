@@ -11,6 +11,7 @@ archive segments and a producer duplicate.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import zlib
 from collections import defaultdict
@@ -32,12 +33,13 @@ from mcp_budget_governor import (
     Scope,
     Unit,
     Window,
+    planning,
     usd,
 )
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, encode, parse, to_entry
 from mcp_budget_governor.keys import WATERMARK_KEY
-from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, new_id
+from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
@@ -364,6 +366,10 @@ def test_range_days_are_the_utc_days_a_half_open_range_touches() -> None:
         range_days(datetime(2026, 11, 1), None)
 
 
+_SPEND = Limit("spend", cap=10**9, window=Window.DAY, unit=Unit.USD_MICROS, scope=Scope.USER)
+_GLOBAL = Limit("global", cap=10**9, window=Window.DAY, unit=Unit.USD_MICROS)
+
+
 def _around_midnight(n: int) -> list[tuple[int, LedgerEvent]]:
     """``n`` metered events one second apart, half before and half after 2026-11-01T00:00Z."""
     records = []
@@ -373,21 +379,13 @@ def _around_midnight(n: int) -> list[tuple[int, LedgerEvent]]:
             type=EntryType.METERED,
             time=NOV.timestamp() - n // 2 + i + 0.25,
             context=Context(user=f"u{i % 3}", tenant=TENANTS[0]),
-            charges=(
-                LedgerCharge(
-                    "spend",
-                    Unit.USD_MICROS,
-                    1_000 + i,
-                    Window.DAY,
-                    "b",
-                    f"mcpbg:v1:k{i % 3}",
-                    2**31,
-                ),
-                LedgerCharge(
-                    "global", Unit.USD_MICROS, 1_000 + i, Window.DAY, "b", "mcpbg:v1:g", 2**31
-                ),
-            ),
+            charges=(),
         )
+        # The charges a governor plans for them (the topic accepts no others).
+        slots = planning.meter_slots(
+            [(_SPEND, 1_000 + i), (_GLOBAL, 1_000 + i)], entry.context, entry.time, UTC
+        )
+        entry = dataclasses.replace(entry, charges=planning.ledger_charges(slots))
         records.append((i, parse(encode(entry, SOURCE))))
     return records
 

@@ -179,7 +179,7 @@ async def orphan_ops(redis_url: str) -> LostLedger:
     gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=5.0), ledger=lost)
     ctx = Context(user="orphan-user", tenant=TENANTS[0], tool="search")  # a fresh burst budget
     assert (await gov.check(ctx)).admitted
-    assert await gov.meter("spend", 12_345, ctx) == 12_345
+    assert (await gov.meter("spend", 12_345, ctx)).charged == 12_345
     await gov.aclose()
     return lost
 

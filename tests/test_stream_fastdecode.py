@@ -1,8 +1,10 @@
 """The projector's fast decoder never disagrees with the full pydantic parse.
 
-The property, over valid events (as producers encode them), events with one
-field mutated (wrong types, bounds, unknown or missing fields, other time
-forms), duplicated keys and corrupted bytes:
+The property, over valid events (as producers encode them, charges planned by
+the governor's own rules), events with one field mutated (wrong types, bounds,
+unknown or missing fields, other time forms), hostile charges (schema-valid,
+but no governor's: internal keys, another limit's or caller's key, a bad
+expiry, a wrong sign), duplicated keys and corrupted bytes:
 
 - ``decode(raw)`` accepts  =>  ``parse(raw)`` accepts, and both give the same
   ``AppliedEvent`` (and the same charges for the alert evaluator);
@@ -13,23 +15,29 @@ forms), duplicated keys and corrupted bytes:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import orjson
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from mcp_budget_governor import planning
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import AppliedEvent
 from mcp_budget_governor.events import MalformedEventError, encode, parse
+from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
-from mcp_budget_governor.limits import NAME_PATTERN
+from mcp_budget_governor.limits import NAME_PATTERN, Limit
 from mcp_budget_governor.money import MAX_AMOUNT, Unit
+from mcp_budget_governor.provenance import SIGNS, Sign
+from mcp_budget_governor.scopes import Scope
 from mcp_budget_governor.stream.fastdecode import decode
 from mcp_budget_governor.stream.projector import DeadLetter, Projector, to_applied
-from mcp_budget_governor.windows import Window
+from mcp_budget_governor.windows import SESSION_TTL_SECONDS, Window
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -41,16 +49,26 @@ amounts = st.one_of(
     st.integers(-MAX_AMOUNT, MAX_AMOUNT),
     st.sampled_from([0, 1, -1, MAX_AMOUNT, -MAX_AMOUNT]),
 )
-charges = st.builds(
-    LedgerCharge,
+ZONES = [UTC, ZoneInfo("Europe/Paris"), ZoneInfo("America/Santiago"), ZoneInfo("Asia/Kolkata")]
+limits = st.builds(
+    Limit,
     names,
-    st.sampled_from(list(Unit)),
-    amounts,
-    st.sampled_from(list(Window)),
-    st.text(min_size=1, max_size=64),
-    texts.map(lambda s: f"mcpbg:v1:{s}"),
-    st.integers(1, 2**40),
+    cap=st.integers(1, MAX_AMOUNT),
+    window=st.sampled_from(list(Window)),
+    scope=st.lists(st.sampled_from(list(Scope)), unique=True, max_size=3).map(tuple),
+    unit=st.sampled_from(list(Unit)),
 )
+
+
+def signed(sign: Sign) -> st.SearchStrategy[int]:
+    """The amounts a governor writes in an event of that sign."""
+    if sign is Sign.POSITIVE:
+        return st.integers(1, MAX_AMOUNT) | st.sampled_from([1, MAX_AMOUNT])
+    if sign is Sign.NEGATIVE:
+        return st.integers(-MAX_AMOUNT, -1) | st.sampled_from([-1, -MAX_AMOUNT])
+    return st.integers(1, MAX_AMOUNT) | st.integers(-MAX_AMOUNT, -1)
+
+
 usages = st.none() | st.builds(
     TokenUsage,
     st.text(min_size=1, max_size=8),
@@ -73,16 +91,28 @@ contexts = st.builds(
 @st.composite
 def entries(draw: st.DrawFn) -> LedgerEntry:
     kind = draw(st.sampled_from(list(EntryType)))
+    # Up to 2096: the whole range producers can stamp, fractions of a second included.
+    planned = draw(st.floats(0, 4e9, allow_nan=False))
+    ctx = draw(contexts)
+    charges: list[LedgerCharge] = []
+    if SIGNS[kind] is not Sign.NONE:
+        tz = draw(st.sampled_from(ZONES))
+        for limit in draw(st.lists(limits, max_size=3, unique_by=lambda lim: lim.name)):
+            amount = draw(signed(SIGNS[kind]))
+            s = planning.slot(limit, ctx, planned, tz, amount, enforce=False)
+            if s is not None:
+                charges.append(s.ledger_charge())
+    # A check's plan serves its whole minute; a settlement comes after its reservation.
+    later = draw(st.floats(0, 86_400 * 40)) if SIGNS[kind] in (Sign.NONZERO, Sign.NEGATIVE) else 0.0
+    within = draw(st.floats(0, 59.999)) if kind is EntryType.ADMITTED else 0.0
+    when = planned + later if later else min(planned + within, (planned // 60) * 60 + 59.999)
+    assume(charges or kind is not EntryType.RECOVERED)  # a recovery carries what it settles
     return LedgerEntry(
         id=new_id(),
         type=kind,
-        # Up to 2096: the whole range producers can stamp, fractions of a second included.
-        time=draw(st.floats(0, 4e9, allow_nan=False)),
-        context=draw(contexts),
-        charges=()
-        if kind is EntryType.REJECTED
-        # a recovery carries the charges it settles
-        else tuple(draw(st.lists(charges, min_size=kind is EntryType.RECOVERED, max_size=3))),
+        time=when,
+        context=ctx,
+        charges=tuple(charges),
         limit=draw(st.none() | names),
         status=draw(st.integers(100, 599)),
         over=tuple(draw(st.lists(names, max_size=2))),
@@ -220,7 +250,78 @@ def corrupted_bytes(draw: st.DrawFn) -> bytes:
     return bytes(raw)
 
 
-any_record = st.one_of(valid_records, mutated_records(), duplicated_keys(), corrupted_bytes())
+SPEND = Limit("spend", cap=10**9, window=Window.DAY, unit=Unit.USD_MICROS, scope=Scope.USER)
+
+
+def planned(limit: Limit, ctx: Context, now: float, amount: int) -> LedgerCharge:
+    """The charge a governor writes for ``limit`` and ``ctx`` at ``now``."""
+    s = planning.slot(limit, ctx, now, UTC, amount, enforce=False)
+    assert s is not None
+    return s.ledger_charge()
+
+
+def hostile_charge(charge: LedgerCharge, kind: EntryType, time: float) -> list[dict[str, Any]]:
+    """Schema-valid variants of ``charge`` that no governor writes in a ``kind`` event."""
+    day = datetime.fromtimestamp(time, UTC).strftime("%Y%m%d")
+    base = {
+        "limit": charge.limit,
+        "unit": charge.unit.value,
+        "amount": charge.amount,
+        "window": charge.window.value,
+        "bucket": charge.bucket,
+        "key": charge.key,
+        "expire_at": charge.expire_at,
+    }
+    head, scope, bucket = charge.key.rsplit(":", 2)
+    other_scope = "user=intruder" if scope != "user=intruder" else "user=other"
+    keys = [
+        WATERMARK_KEY,
+        EPOCH_KEY,
+        f"{SEEN_PREFIX}:{day}",
+        f"mcpbg:v1:_{charge.limit}:{scope}:{bucket}",
+        f"mcpbg:v1:other:{scope}:{bucket}",  # another limit's counter
+        f"{head}:{other_scope}:{bucket}",  # another caller's counter
+        f"{head}:{scope}:19700101",  # another bucket (unless it is this one: left out below)
+        f"{head}:{scope}:{bucket}:x",
+        charge.key + "x" * 2000,
+    ]
+    sign = SIGNS[kind]
+    amounts = [0, -charge.amount] if sign is not Sign.NONZERO else [0]
+    expiries = [2**62, 2**40]
+    if charge.window is Window.SESSION:  # at most the event's time plus the TTL (within 1 s)
+        expiries.append(math.ceil(time) + SESSION_TTL_SECONDS + 2)
+        if kind in (EntryType.ADMITTED, EntryType.METERED, EntryType.RESERVED):
+            expiries.append(math.floor(time / 60) * 60 + SESSION_TTL_SECONDS - 1)
+    else:  # exactly the bucket's end plus grace
+        expiries += [charge.expire_at + 1, charge.expire_at - 3600]
+    out = [{**base, "key": k} for k in keys if k != charge.key]
+    out += [{**base, "amount": a} for a in amounts]
+    out += [{**base, "expire_at": e} for e in expiries if e != charge.expire_at]
+    out += [
+        {**base, "bucket": b}
+        for b in ("19700101", "20000101", "session", charge.bucket + "@UTC")
+        if b != charge.bucket
+    ]
+    out += [{**base, "window": w.value} for w in Window if w is not charge.window]
+    return out
+
+
+@st.composite
+def hostile_records(draw: st.DrawFn) -> bytes:
+    """A valid event with one charge replaced by a schema-valid one no governor writes."""
+    entry = draw(entries().filter(lambda e: bool(e.charges)))
+    doc = orjson.loads(encode(entry, "/mcpbg/test"))
+    at = draw(st.integers(0, len(entry.charges) - 1))
+    bad = draw(st.sampled_from(hostile_charge(entry.charges[at], entry.type, entry.time)))
+    doc["data"]["charges"][at] = bad
+    if draw(st.booleans()):  # the same limit twice
+        doc["data"]["charges"].append(doc["data"]["charges"][0])
+    return orjson.dumps(doc)
+
+
+any_record = st.one_of(
+    valid_records, mutated_records(), hostile_records(), duplicated_keys(), corrupted_bytes()
+)
 
 
 def verdict(raw: bytes, offset: int) -> AppliedEvent | str:
@@ -246,8 +347,20 @@ def test_valid_events_take_the_fast_path_and_match_the_full_parse(raw: bytes, of
     ]
 
 
+@SETTINGS
+@given(hostile_records(), st.integers(0, 99))
+def test_hostile_charges_are_refused_by_both_paths(raw: bytes, offset: int) -> None:
+    """No charge a governor could not have written reaches the counters, by either path."""
+    assert decode(raw, offset) is None
+    reason = verdict(raw, offset)
+    assert isinstance(reason, str) and "data.charges" in reason, reason
+
+
 @settings(SETTINGS, max_examples=2000)
-@given(st.one_of(mutated_records(), duplicated_keys(), corrupted_bytes()), st.integers(0, 99))
+@given(
+    st.one_of(mutated_records(), hostile_records(), duplicated_keys(), corrupted_bytes()),
+    st.integers(0, 99),
+)
 def test_whatever_the_fast_path_accepts_the_full_parse_accepts_identically(
     raw: bytes, offset: int
 ) -> None:
@@ -265,7 +378,12 @@ class Recorder:
         self.letters: list[DeadLetter] = []
 
     async def apply(
-        self, partition: str, events: Sequence[AppliedEvent], *, require_epoch: bool = False
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
     ) -> int:
         self.applied += events
         return len(events)
@@ -297,7 +415,7 @@ def test_the_fast_path_is_taken_for_the_common_shape_and_refused_for_others() ->
         EntryType.METERED,
         1764442477.25,
         Context(user="u1", tenant="acme"),
-        (LedgerCharge("spend", Unit.USD_MICROS, 1500, Window.DAY, "20251129", "mcpbg:v1:x", 9),),
+        (planned(SPEND, Context(user="u1", tenant="acme"), 1764442477.25, 1500),),
     )
     raw = encode(entry, "/src")
     decoded = decode(raw, 7)
@@ -314,14 +432,16 @@ def test_the_fast_path_is_taken_for_the_common_shape_and_refused_for_others() ->
 
 def test_every_field_nudged_to_each_near_miss_gets_the_full_parse_verdict() -> None:
     """Exhaustive over one full event: each field, each near-miss value, each removal."""
+    ctx = Context(user="u1", tenant="acme", tool="search", session="s", agent="a")
+    at = 1764442477.5
     entry = LedgerEntry(
         new_id(),
         EntryType.METERED,
-        1764442477.5,
-        Context(user="u1", tenant="acme", tool="search", session="s", agent="a"),
+        at,
+        ctx,
         (
-            LedgerCharge("spend", Unit.USD_MICROS, 1500, Window.DAY, "20251129", "mcpbg:v1:x", 9),
-            LedgerCharge("calls", Unit.CALLS, 1, Window.MINUTE, "b" * 64, "mcpbg:v1:y", 1),
+            planned(SPEND, Context(user="u1"), 1764442477.5, 1500),
+            planned(Limit("calls", cap=9, window=Window.MINUTE, scope=Scope.AGENT), ctx, at, 1),
         ),
         limit="spend",
         status=599,

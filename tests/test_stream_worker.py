@@ -57,6 +57,9 @@ from mcp_budget_governor import (
     RedisBackend,
     Window,
 )
+from mcp_budget_governor.events import LedgerEvent
+from mcp_budget_governor.keys import EPOCH_KEY, INTERNAL_PREFIX, SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.projector import DeadLetter
 
@@ -470,3 +473,117 @@ async def test_without_partitions_a_missing_topic_is_waited_for_never_created(
         assert names.topic not in await admin.list_topics()
     finally:
         await admin.close()
+
+
+def hostile_records(valid: list[LedgerEvent]) -> dict[str, bytes]:
+    """Schema-valid records no governor writes, each aimed at a key or rule it must not
+    reach (a fresh event id each, so none is mistaken for a retry of a valid one)."""
+    metered = next(e for e in valid if e.type == "mcpbg.metered.v1")
+    spend = metered.data.charges[0]
+    day = metered.time.strftime("%Y%m%d")
+
+    def variant(**change: object) -> bytes:
+        doc = metered.model_dump(mode="json")
+        doc["id"] = new_id()
+        doc["data"]["charges"] = [{**doc["data"]["charges"][0], **change}]
+        return orjson.dumps(doc)
+
+    return {
+        "internal": variant(key=f"mcpbg:v1:_{spend.limit}:global:{spend.bucket}"),
+        "watermark": variant(key=WATERMARK_KEY),
+        "epoch": variant(key=EPOCH_KEY),
+        "seen": variant(key=f"{SEEN_PREFIX}:{day}"),
+        "expiry": variant(expire_at=2**62),
+        "negative": variant(amount=-1_000_000),
+        "other limit": variant(key=spend.key.replace(f":{spend.limit}:", ":daily:")),
+    }
+
+
+async def test_hostile_records_are_dead_lettered_once_and_touch_no_internal_key(
+    stream: Stream,
+) -> None:
+    """Schema-valid charges aimed at the worker's own keys, with a bad expiry, a negative
+    meter or another limit's key: each is dead-lettered once, among good events that are
+    applied exactly; a restarted worker sends none of them again."""
+    async with stream.governor() as gov:
+        await workload(gov, 150, random.Random(7))
+        assert await gov.ledger.flush()  # type: ignore[union-attr]
+        valid = [r.event for r in await read_ledger(stream.kafka, stream.topic)]
+        bad = hostile_records(valid)
+        names = list(bad)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=stream.kafka.bootstrap, enable_idempotence=False
+        )
+        await producer.start()
+        try:
+            # Among good events (more follow), on every partition ...
+            for i, name in enumerate(names):
+                await producer.send_and_wait(stream.topic, bad[name], partition=i % PARTITIONS)
+            await workload(gov, 150, random.Random(8))
+            assert await gov.ledger.flush()  # type: ignore[union-attr]
+            # ... and after the last event of each partition: a restart resumed there.
+            for p in range(PARTITIONS):
+                await producer.send_and_wait(stream.topic, bad["watermark"], partition=p)
+        finally:
+            await producer.stop()
+    sent = len(names) + PARTITIONS
+
+    client = stream.backend.client
+    seen_before = {k async for k in client.scan_iter(match=f"{SEEN_PREFIX}:*")}
+    worker = stream.start_worker()
+    records = await stream.caught_up()
+    ends = {p: high - 1 for p, high in records.highwater.items()}
+    await stream.wait_for(
+        lambda: worker.resumed_at() is not None, "the worker is assigned", CATCH_UP
+    )
+
+    async def at_the_end() -> bool:
+        marks = await client.hgetall(WATERMARK_KEY)
+        prefix = f"{stream.topic}:".encode()
+        return {
+            int(k[len(prefix) :]): int(v) for k, v in marks.items() if k.startswith(prefix)
+        } == ends
+
+    deadline = time.monotonic() + CATCH_UP
+    while not await at_the_end():  # through the trailing dead letters too
+        assert time.monotonic() < deadline, worker.tail()
+        await asyncio.sleep(0.1)
+    assert await assert_exact(stream.backend, records) == len(records)
+
+    # The internal keys are exactly what the projection writes, nothing more.
+    assert await client.type(EPOCH_KEY) == b"string" and await client.get(EPOCH_KEY) == b"test"
+    assert await client.type(WATERMARK_KEY) == b"hash"
+    fields = await client.hkeys(WATERMARK_KEY)
+    assert all(b":" in f for f in fields), fields  # partition fields only, no 'c', 'f', 'e:'
+    hostile_ids = {orjson.loads(raw)["id"].encode() for raw in bad.values()}
+    async for key in client.scan_iter(match=f"{INTERNAL_PREFIX}*"):
+        assert key in (EPOCH_KEY.encode(), WATERMARK_KEY.encode()) or key.startswith(
+            SEEN_PREFIX.encode()
+        ), key
+        if key.startswith(SEEN_PREFIX.encode()):
+            assert await client.type(key) == b"set"
+            assert not hostile_ids & await client.smembers(key)
+    assert {k async for k in client.scan_iter(match=f"{SEEN_PREFIX}:*")} >= seen_before
+
+    letters = await read_dead_letters(stream.kafka, f"{stream.topic}.dlq", sent)
+    assert all("data.charges.0" in d.reason for d, _ in letters), [d.reason for d, _ in letters]
+    reasons = {d.raw: d.reason for d, _ in letters}
+    assert "not a counter key" in reasons[bad["internal"]]
+    assert "not a counter key" in reasons[bad["epoch"]]
+    assert "end plus grace" in reasons[bad["expiry"]]
+    assert "amount -1000000" in reasons[bad["negative"]]
+    assert "limit 'daily'" in reasons[bad["other limit"]]
+    assert worker.terminate() == 0, worker.tail()
+    assert f"{sent} dead letters" in worker.text()
+
+    # A restart resumes after the dead letters: none is sent a second time.
+    again = stream.start_worker()
+    await stream.wait_for(
+        lambda: again.resumed_at() == {p: o + 1 for p, o in ends.items()},
+        "the restarted worker resumes after the dead letters",
+        CATCH_UP,
+    )
+    await asyncio.sleep(2.0)  # time to (wrongly) send any again
+    assert again.terminate() == 0, again.tail()
+    assert "stopped after 0 records, 0 applied, 0 dead letters" in again.text(), again.tail()
+    await read_dead_letters(stream.kafka, f"{stream.topic}.dlq", sent)

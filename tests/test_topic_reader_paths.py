@@ -15,15 +15,16 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC
 
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from services import KafkaService, start_kafka, tansu_binary
 
-from mcp_budget_governor import Context, Unit, Window
+from mcp_budget_governor import Context, Limit, Unit, Window, planning
 from mcp_budget_governor.events import encode
-from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, new_id
+from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
 from mcp_budget_governor.stream import topic_reader
 from mcp_budget_governor.stream.topic_reader import (
     TopicNotFoundError,
@@ -50,11 +51,10 @@ def fresh_topic(name: str) -> str:
 def event(i: int) -> bytes:
     """A valid ledger event (a metered charge) as the producers encode it."""
     now = time.time()
-    charge = LedgerCharge(
-        "spend", Unit.USD_MICROS, i + 1, Window.DAY, "2025-01-01", "mcpbg:v1:spend:x",
-        int(now) + 86_400,
-    )  # fmt: skip
-    entry = LedgerEntry(new_id(), EntryType.METERED, now, Context(user=f"u{i}"), (charge,))
+    spend = Limit("spend", cap=10**9, window=Window.DAY, unit=Unit.USD_MICROS)
+    ctx = Context(user=f"u{i}")
+    (charge,) = planning.ledger_charges(planning.meter_slots([(spend, i + 1)], ctx, now, UTC))
+    entry = LedgerEntry(new_id(), EntryType.METERED, now, ctx, (charge,))
     return encode(entry, "/test")
 
 

@@ -1,0 +1,199 @@
+"""Whether a ledger charge is one a governor could have produced.
+
+The ledger topic is input too: anyone who can write to it could otherwise aim
+a schema-valid charge at the projection's own keys (watermarks, seen-id sets,
+the epoch marker), give a counter an expiry Redis refuses (the apply script
+would stop half way through a batch), shorten a counter's life (a budget reset
+for free) or meter a negative amount (room for free). A charge is accepted
+only if it has the shape the planning rules give it:
+
+- its key is a counter key (:func:`keys.parse_key`, never a ``mcpbg:v1:_*``
+  key) of the charge's own limit and bucket, whose scope values are the
+  event's context (the key :func:`keys.counter_key` makes of them);
+- its bucket is a real bucket of the charge's window (:func:`windows.bucket_of`),
+  that had begun at the event's time (and, for the kinds a governor writes at
+  once, had not yet ended);
+- its expiry is the one :meth:`windows.Bucket.expire_at` gives: the bucket's
+  end plus grace, exactly; for a session, at most the event's time plus the
+  session TTL (and no earlier than a check planned in the same minute gives);
+- its amount is non-zero, with the sign of the event's kind (:data:`SIGNS`);
+- no limit is charged twice by one event.
+
+Pure (no I/O): the fast decoder of the stream worker and the pydantic models
+of :mod:`.events` both call :func:`event_problem`, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from .errors import _show
+from .keys import MAX_BUCKET_CHARS, MAX_KEY_CHARS, ParsedKey, escape, parse_key
+from .ledger import EntryType
+from .memo import BytesCache, text_bytes
+from .windows import SESSION_TTL_SECONDS, Bucket, Window, bucket_of
+
+
+class Sign(Enum):
+    """The amounts an event kind may carry."""
+
+    NONE = "no charges"
+    POSITIVE = "positive"
+    NEGATIVE = "negative"
+    NONZERO = "non-zero"
+
+
+#: What each kind's charges may be, as the governor writes them: a check, a
+#: meter and a reservation add; a release returns the whole estimate; a
+#: settlement moves the estimate to the real cost either way; a refusal charges
+#: nothing. A new kind must say here what it carries (a test holds the two).
+SIGNS: Mapping[EntryType, Sign] = {
+    EntryType.ADMITTED: Sign.POSITIVE,
+    EntryType.REJECTED: Sign.NONE,
+    EntryType.METERED: Sign.POSITIVE,
+    EntryType.RESERVED: Sign.POSITIVE,
+    EntryType.SETTLED: Sign.NONZERO,
+    EntryType.RELEASED: Sign.NEGATIVE,
+    # ``mcpbg reconcile --fix``: the in-flight amounts of a lost event, of any kind.
+    EntryType.RECOVERED: Sign.NONZERO,
+}
+#: How far past its event time a recovery may set a session counter's expiry: the
+#: counter it settles may have been written (and its expiry pushed) long after.
+_RECOVERED_SESSION_SECONDS = 400 * 86_400
+#: Kinds written in the same instant as their charges were planned (a check's
+#: plan is reused for the rest of its minute); a settlement or a release reuses
+#: the reservation's counter, planned when the reservation began.
+_PLANNED_NOW = frozenset({EntryType.ADMITTED, EntryType.METERED, EntryType.RESERVED})
+
+
+@dataclass(frozen=True, slots=True)
+class CounterShape:
+    """What a charge's key and bucket say, independent of the event carrying it.
+
+    ``scope`` holds ``(dimension name, value, hashed)`` per scope dimension of
+    the key, ready for the per-event check (which runs for every charge).
+    """
+
+    key: ParsedKey
+    bucket: Bucket
+    scope: tuple[tuple[str, str, bool], ...]
+
+
+# Shapes of recent charges; keys are bounded (MAX_KEY_CHARS) before they are kept.
+_SHAPES: BytesCache[tuple[str, str, str, str, int], CounterShape | str] = BytesCache(8 << 20)
+
+
+def counter_shape(
+    limit: str, window: str, bucket: str, key: str, expire_at: int
+) -> CounterShape | str:
+    """The parts of a charge that do not depend on its event, or why they are wrong."""
+    cache_key = (key, limit, window, bucket, expire_at)
+    hit = _SHAPES.get(cache_key)
+    if hit is not None:
+        return hit
+    shape = _counter_shape(limit, window, bucket, key, expire_at)
+    if len(key) <= MAX_KEY_CHARS and len(bucket) <= MAX_BUCKET_CHARS and len(limit) <= 64:
+        _SHAPES.put(cache_key, shape, text_bytes(key, limit, window, bucket))
+    return shape
+
+
+def _counter_shape(
+    limit: str, window: str, bucket: str, key: str, expire_at: int
+) -> CounterShape | str:
+    if len(key) > MAX_KEY_CHARS:
+        return f"key is {len(key)} characters, longer than any counter key ({MAX_KEY_CHARS})"
+    parsed = parse_key(key)
+    if parsed is None:
+        return f"key {_show(key)} is not a counter key (mcpbg:v1:<limit>:<scope>:<bucket>)"
+    if parsed.limit != limit:
+        return f"key {_show(key)} is a counter of limit {parsed.limit!r}, not of {limit!r}"
+    if parsed.bucket != bucket:
+        return f"key {_show(key)} is in bucket {parsed.bucket!r}, not in {_show(bucket)}"
+    try:
+        kind = Window(window)
+    except ValueError:
+        return f"window {_show(window)} is not a window"
+    period = bucket_of(kind, bucket) if len(bucket) <= MAX_BUCKET_CHARS else None
+    if period is None:
+        return f"bucket {_show(bucket)} is not a {kind.value} bucket"
+    if period.end is not None:
+        want = period.expire_at(0)
+        if expire_at != want:
+            return f"expire_at {expire_at} is not its bucket's end plus grace ({want})"
+    scope = tuple(
+        (d.value, v, h) for d, v, h in zip(parsed.dims, parsed.values, parsed.hashed, strict=True)
+    )
+    return CounterShape(parsed, period, scope)
+
+
+def charge_problem(
+    kind: EntryType,
+    time: float,
+    context: Mapping[str, str | None],
+    shape: CounterShape,
+    amount: int,
+    expire_at: int,
+) -> str | None:
+    """Why a charge of an event cannot be a governor's (None: it can be).
+
+    ``shape`` is what :func:`counter_shape` found for it; ``context`` the
+    event's context by dimension name (``user``, ``tenant``...).
+    """
+    sign = SIGNS[kind]
+    if (
+        sign is Sign.NONE
+        or amount == 0
+        or (sign is Sign.POSITIVE and amount < 0)
+        or (sign is Sign.NEGATIVE and amount > 0)
+    ):
+        return f"amount {amount}: the charges of {kind.value} events are {sign.value}"
+    for dim, value, hashed in shape.scope:
+        mine = context.get(dim)
+        if mine is None and hashed and kind is EntryType.RECOVERED:
+            continue  # a recovery's context comes from its keys: a hashed value has none
+        if mine is None or (escape(mine) != value if hashed else mine != value):
+            return f"key {_show(shape.key.key)} is not the counter of this event's {dim}"
+    period = shape.bucket
+    if period.start is None:  # a session: its counter lives on after each write
+        latest = math.ceil(time) + SESSION_TTL_SECONDS + 1  # +1: the time's microseconds
+        if kind is EntryType.RECOVERED:
+            latest = math.ceil(time) + _RECOVERED_SESSION_SECONDS
+        earliest = math.floor(time / 60) * 60 + SESSION_TTL_SECONDS
+        if expire_at > latest or (kind in _PLANNED_NOW and expire_at < earliest):
+            return f"expire_at {expire_at} is not a session's ({earliest}..{latest})"
+        return None
+    assert period.end is not None
+    if time < period.start or (kind in _PLANNED_NOW and time > period.end):
+        return f"bucket {period.label!r} does not hold the event's time"
+    return None
+
+
+def event_problem(
+    kind: EntryType,
+    time: float,
+    context: Mapping[str, str | None],
+    charges: Sequence[tuple[str, str, str, str, int, int]],
+) -> str | None:
+    """Why an event's charges cannot be a governor's, naming the first bad one; None if fine.
+
+    ``charges`` are ``(limit, window, bucket, key, amount, expire_at)``.
+    """
+    if charges and SIGNS[kind] is Sign.NONE:
+        return f"data.charges: {kind.value} events carry no charges"
+    limits: set[str] = set()
+    for i, (limit, window, bucket, key, amount, expire_at) in enumerate(charges):
+        if limit in limits:
+            return f"data.charges.{i}: limit {limit!r} is charged twice"
+        limits.add(limit)
+        shape = counter_shape(limit, window, bucket, key, expire_at)
+        problem = (
+            shape
+            if isinstance(shape, str)
+            else charge_problem(kind, time, context, shape, amount, expire_at)
+        )
+        if problem is not None:
+            return f"data.charges.{i}: {problem}"
+    return None
