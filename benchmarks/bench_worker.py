@@ -67,7 +67,6 @@ import sys
 import tempfile
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,7 +92,8 @@ from mcp_budget_governor import (
 from mcp_budget_governor.counters import AppliedEvent
 from mcp_budget_governor.events import encode
 from mcp_budget_governor.keys import WATERMARK_KEY
-from mcp_budget_governor.ledger import LedgerEntry, new_id
+from mcp_budget_governor.ledger import LedgerEntry, new_id, partition_key
+from mcp_budget_governor.ledger import partition_of as partition_index
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.memory_counters import MemoryBackend
@@ -136,7 +136,7 @@ def tenants(per_partition: int = 4) -> list[str]:
     i = 0
     while any(len(b) < per_partition for b in buckets.values()):
         name = f"tenant-{i}"
-        bucket = buckets[zlib.crc32(name.encode()) % PARTITIONS]
+        bucket = buckets[partition_index(partition_key(name, None), PARTITIONS)]
         if len(bucket) < per_partition:
             bucket.append(name)
         i += 1
@@ -169,9 +169,7 @@ async def template_entries(ops: int, seed: int = 7) -> list[LedgerEntry]:
 
 def partition_of(entry: LedgerEntry) -> int:
     """The partition ``KafkaLedger`` sends an entry to (CRC-32 of tenant, else user)."""
-    ctx = entry.context
-    scope = ctx.tenant if ctx.tenant is not None else ctx.user
-    return zlib.crc32(b"-" if scope is None else scope.encode()) % PARTITIONS
+    return partition_index(partition_key(entry.context.tenant, entry.context.user), PARTITIONS)
 
 
 def key_of(entry: LedgerEntry) -> bytes:

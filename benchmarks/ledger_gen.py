@@ -44,7 +44,6 @@ import argparse
 import calendar
 import random
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -56,6 +55,7 @@ import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from mcp_budget_governor.keys import PREFIX
+from mcp_budget_governor.ledger import partition_key, partition_of
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.stream.archiver import COMPRESSION, SCHEMA, segment_name
 from mcp_budget_governor.windows import GRACE_SECONDS
@@ -304,7 +304,7 @@ def write_archive(
 
     # Partitions by tenant (the Kafka ledger's key); offsets ascend in time per partition.
     part_of_tenant = pa.array(
-        [zlib.crc32(name.encode()) % partitions for name in tenant_names], _INT
+        [partition_of(partition_key(name, None), partitions) for name in tenant_names], _INT
     )
     partition = pc.take(part_of_tenant, tenant_n)
     order = pc.sort_indices(

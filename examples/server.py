@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
 from mcp_budget_governor.integrations.fastmcp import META_KEY, BudgetMiddleware
 from mcp_budget_governor.integrations.flow import governed_context
+from mcp_budget_governor.ledger import DEFAULT_TOPIC
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 
 #: The environment variables this server reads (the same names as ``mcpbg``).
@@ -69,7 +70,7 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     prices = PriceTable.builtin()
     ledger = KafkaLedger.from_url(
         environ["MCPBG_KAFKA_URL"],
-        topic=environ.get("MCPBG_TOPIC") or "mcpbg.ledger",
+        topic=environ.get("MCPBG_TOPIC") or DEFAULT_TOPIC,
         outbox_dir=environ.get("MCPBG_OUTBOX_DIR") or "mcpbg-outbox",
     )
     backend = RedisBackend.from_url(environ["MCPBG_REDIS_URL"], require_epoch=True)

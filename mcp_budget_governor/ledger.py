@@ -8,6 +8,7 @@ projection lands in the right bucket by construction.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
@@ -17,6 +18,28 @@ import uuid_utils
 from .context import Context
 from .money import Unit
 from .windows import Window
+
+#: The ledger topic when none is named (``--topic``, ``MCPBG_TOPIC``).
+DEFAULT_TOPIC = "mcpbg.ledger"
+
+
+def partition_key(tenant: object, user: object) -> bytes:
+    """The ledger's partition key: the tenant, else the user, so one scope stays in order.
+
+    >>> partition_key("acme", "u1"), partition_key(None, "u1"), partition_key(None, None)
+    (b'acme', b'u1', b'-')
+    """
+    scope = tenant if tenant is not None else user
+    return b"-" if scope is None else str(scope).encode()
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition (an index into the sorted partition ids) of a record's key: CRC-32.
+
+    >>> partition_of(b"acme", 6) == partition_of(partition_key("acme", "u9"), 6)
+    True
+    """
+    return zlib.crc32(key) % partitions
 
 
 class EntryType(StrEnum):

@@ -69,7 +69,6 @@ import socket
 import tempfile
 import time
 import warnings
-import zlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -83,7 +82,13 @@ from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import encode
-from mcp_budget_governor.ledger import EntryType, LedgerEntry
+from mcp_budget_governor.ledger import (
+    DEFAULT_TOPIC,
+    EntryType,
+    LedgerEntry,
+    partition_key,
+    partition_of,
+)
 
 from .outbox import Outbox
 from .record_log import DEFAULT_BATCH_INTERVAL, Flusher, Position
@@ -133,14 +138,8 @@ def parse_bootstrap(url: str) -> str:
     return ",".join(hosts)
 
 
-def scope_key(tenant: object, user: object) -> bytes:
-    """The partition key: the tenant, else the user, so one scope stays in order."""
-    scope = tenant if tenant is not None else user
-    return b"-" if scope is None else str(scope).encode()
-
-
 def _partition_key(entry: LedgerEntry) -> bytes:
-    return scope_key(entry.context.tenant, entry.context.user)
+    return partition_key(entry.context.tenant, entry.context.user)
 
 
 class KafkaLedger:
@@ -169,7 +168,7 @@ class KafkaLedger:
         self,
         bootstrap: str,
         *,
-        topic: str = "mcpbg.ledger",
+        topic: str = DEFAULT_TOPIC,
         source: str | None = None,
         outbox_dir: str | os.PathLike[str] | None = None,
         outbox_max_bytes: int = 1 << 30,
@@ -392,7 +391,7 @@ class KafkaLedger:
             partitions = sorted(await producer.partitions_for(self.topic))
             by_partition: dict[int, Any] = {}
             for raw, key in batch:
-                partition = partitions[zlib.crc32(key) % len(partitions)]
+                partition = partitions[partition_of(key, len(partitions))]
                 builder = by_partition.get(partition)
                 if builder is None or builder.append(timestamp=None, key=key, value=raw) is None:
                     if builder is not None:  # full: ship it and start another
@@ -570,7 +569,7 @@ def _key_of(raw: bytes) -> bytes:
     # recomputed from the context.
     try:
         ctx = orjson.loads(raw)["data"]["context"]
-        return scope_key(ctx.get("tenant"), ctx.get("user"))
+        return partition_key(ctx.get("tenant"), ctx.get("user"))
     except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
         return b"-"  # a damaged record still ships, for the dead-letter path to report
 

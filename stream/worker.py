@@ -80,6 +80,7 @@ from aiokafka.structs import ConsumerRecord
 
 from mcp_budget_governor.errors import EpochMissingError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent
+from mcp_budget_governor.ledger import DEFAULT_TOPIC
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
 from mcp_budget_governor.projections.redis_counters import RedisBackend
@@ -166,7 +167,7 @@ class WorkerConfig:
 
     kafka_url: str
     redis_url: str
-    topic: str = "mcpbg.ledger"
+    topic: str = DEFAULT_TOPIC
     group: str = "mcpbg-projector"
     batch_size: int = 500
     batch_wait: float = 0.2

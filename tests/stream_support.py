@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 import uuid
-import zlib
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from mcp_budget_governor import (
 )
 from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.keys import WATERMARK_KEY
+from mcp_budget_governor.ledger import partition_key, partition_of
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.topic_reader import TopicRecords, read_topic
 
@@ -60,7 +60,7 @@ def tenants(partitions: int, at_least: int, prefix: str) -> list[str]:
     while len(names) < at_least or covered != set(range(partitions)):
         name = f"{prefix}{len(names)}"
         names.append(name)
-        covered.add(zlib.crc32(name.encode()) % partitions)
+        covered.add(partition_of(partition_key(name, None), partitions))
     return names
 
 

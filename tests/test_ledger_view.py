@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta, timezone
@@ -39,7 +38,8 @@ from mcp_budget_governor import (
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, encode, parse, to_entry
 from mcp_budget_governor.keys import WATERMARK_KEY
-from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
+from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id, partition_key
+from mcp_budget_governor.ledger import partition_of as partition_index
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
@@ -62,7 +62,7 @@ def _tenants() -> list[str]:
     found: dict[int, str] = {}
     i = 0
     while len(found) < PARTITIONS:
-        found.setdefault(zlib.crc32(f"t{i}".encode()) % PARTITIONS, f"t{i}")
+        found.setdefault(partition_index(partition_key(f"t{i}", None), PARTITIONS), f"t{i}")
         i += 1
     return [found[p] for p in range(PARTITIONS)]
 
@@ -162,7 +162,7 @@ class Run:
 
 def partition_of(raw: bytes) -> int:
     ctx = parse(raw).data.context
-    return zlib.crc32((ctx.tenant or ctx.user or "-").encode()) % PARTITIONS
+    return partition_index(partition_key(ctx.tenant, ctx.user), PARTITIONS)
 
 
 async def mixed_run(

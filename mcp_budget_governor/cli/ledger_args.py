@@ -12,6 +12,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
+from mcp_budget_governor.ledger import DEFAULT_TOPIC as DEFAULT_TOPIC  # the one default
+
 if TYPE_CHECKING:
     from datetime import datetime
 
@@ -26,7 +28,6 @@ ENV = {
     "topic": "MCPBG_TOPIC",
     "policy": "MCPBG_POLICY",
 }
-DEFAULT_TOPIC = "mcpbg.ledger"
 
 
 def add_ledger_options(p: Any) -> None:
