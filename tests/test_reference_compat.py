@@ -212,7 +212,9 @@ def test_every_public_name_of_the_reference_package_is_importable() -> None:
 def test_version_comes_from_the_package_metadata() -> None:
     from importlib.metadata import version
 
-    assert mcp_budget_governor.__version__ == version("mcp-budget-governor")
+    assert (
+        mcp_budget_governor.__version__ == version(mcp_budget_governor.DISTRIBUTION) != "0+unknown"
+    )
 
 
 async def test_close_is_aclose(backend: Backend) -> None:
