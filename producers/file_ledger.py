@@ -41,11 +41,9 @@ source of truth: nothing here deletes segments.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -63,6 +61,7 @@ from .record_log import (
     LogRecord,
     Position,
     RecordLog,
+    warn_unclosed,
 )
 
 log = logging.getLogger(__name__)
@@ -147,10 +146,7 @@ class FileLedger:
             "bytes of events written but not yet fsync'd (safe if only the process dies, "
             "not the machine); close it: `async with governor:` or `await governor.aclose()`"
         )
-        with contextlib.suppress(Exception):
-            warnings.warn(message, ResourceWarning, stacklevel=2)
-        with contextlib.suppress(Exception):
-            log.warning("%s", message)
+        warn_unclosed(message, log)
 
 
 class FileProjector:

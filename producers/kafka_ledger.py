@@ -68,7 +68,6 @@ import os
 import socket
 import tempfile
 import time
-import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,7 +90,7 @@ from mcp_budget_governor.ledger import (
 )
 
 from .outbox import Outbox
-from .record_log import DEFAULT_BATCH_INTERVAL, Flusher, Position
+from .record_log import DEFAULT_BATCH_INTERVAL, Flusher, Position, warn_unclosed
 
 log = logging.getLogger(__name__)
 
@@ -558,10 +557,7 @@ class KafkaLedger:
             "next start on that folder (close it: `async with governor:` or "
             "`await governor.aclose()`)"
         )
-        with contextlib.suppress(Exception):
-            warnings.warn(message, ResourceWarning, stacklevel=2)
-        with contextlib.suppress(Exception):
-            log.warning("%s", message)
+        warn_unclosed(message, log)
 
 
 def _key_of(raw: bytes) -> bytes:

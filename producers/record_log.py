@@ -66,6 +66,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -773,3 +774,12 @@ def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(exc)
+
+
+def warn_unclosed(message: str, logger: logging.Logger) -> None:
+    """Say loudly that a ledger was dropped unclosed: a ``ResourceWarning`` and a log
+    line, neither of which may raise (this runs in ``__del__``, maybe at exit)."""
+    with contextlib.suppress(Exception):
+        warnings.warn(message, ResourceWarning, stacklevel=3)
+    with contextlib.suppress(Exception):
+        logger.warning("%s", message)
