@@ -210,8 +210,8 @@ def report(results: dict[str, Any]) -> str:
 def _area(filename: str, func: str) -> str:
     """Which layer a profiled function belongs to."""
     repo = str(_common.REPO)
-    if filename.endswith("/projections/redis_counters.py"):
-        return "RedisBackend (projections/redis_counters.py)"
+    if filename.endswith("/projections/counters/redis.py"):
+        return "RedisBackend (projections/counters/redis.py)"
     if filename.startswith(f"{repo}/mcp_budget_governor/"):
         return "mcp_budget_governor (governor, planning, keys, windows)"
     if filename.startswith(f"{repo}/benchmarks/"):

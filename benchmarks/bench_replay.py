@@ -50,8 +50,8 @@ from _common import environment, loadavg, progress, redis_server, table
 from ledger_gen import write_archive
 
 from mcp_budget_governor.projections.ledger_view import open_ledger
-from mcp_budget_governor.projections.redis_counters import RedisBackend
-from mcp_budget_governor.projections.replay import ReplayResult, replay_ledger
+from mcp_budget_governor.projections.counters.redis import RedisBackend
+from mcp_budget_governor.projections.counters.rebuild import ReplayResult, replay_ledger
 from mcp_budget_governor.stream.projector import Projector
 
 

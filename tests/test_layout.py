@@ -109,7 +109,7 @@ def _check_wheel(wheel: Path, target: Path) -> None:
     )
     probe = (
         "import mcp_budget_governor.lua as lua, mcp_budget_governor.producers.outbox as o;"
-        "import mcp_budget_governor.stream.worker, mcp_budget_governor.projections.redis_counters;"
+        "import mcp_budget_governor.stream.worker, mcp_budget_governor.projections.counters.redis;"
         "assert 'redis.call' in lua.source('apply');"
         "print(o.__file__)"
     )

@@ -57,8 +57,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.counter_sync import redis_client
-    from ..projections.replay import ReplayResult, replay_kafka, replay_ledger
+    from ..projections.counters.sync import redis_client
+    from ..projections.counters.rebuild import ReplayResult, replay_kafka, replay_ledger
 
     source = args.source
     if source not in SOURCES:

@@ -11,7 +11,7 @@ aggregation instead of one script call per event:
 1. the epoch marker is removed, so a hot path with ``require_epoch`` follows
    its fail modes instead of admitting from half-written counters;
 2. per live counter, committed = the sum of its ledger charges
-   (:func:`~.counter_sync.ledger_totals`; current buckets only unless
+   (:func:`~.sync.ledger_totals`; current buckets only unless
    ``all_buckets``), and the in-flight entries of events the ledger holds are
    removed (their offsets are at or below the new watermarks: the live
    projector will never move them). In-flight entries of newer events stay.
@@ -56,7 +56,7 @@ from mcp_budget_governor.errors import GovernorError
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
 from mcp_budget_governor.ledger import new_id
 
-from .counter_sync import (
+from .sync import (
     RedisUnavailableError,
     is_current,
     ledger_ids,
@@ -65,7 +65,7 @@ from .counter_sync import (
     snapshot,
     write_counters,
 )
-from .ledger_view import query_error
+from ..ledger_view import query_error
 
 __all__ = [
     "Change",
@@ -351,11 +351,11 @@ async def replay_kafka(
     whose committed amount differs from Redis's: what a rebuild of an empty
     Redis would give.
     """
-    from mcp_budget_governor.projections.memory_counters import MemoryBackend
-    from mcp_budget_governor.projections.redis_counters import RedisBackend
+    from mcp_budget_governor.projections.counters.memory import MemoryBackend
+    from mcp_budget_governor.projections.counters.redis import RedisBackend
     from mcp_budget_governor.stream.rebuild import rebuild
 
-    from .counter_sync import redis_client
+    from .sync import redis_client
 
     started = time.perf_counter()
     client = redis_client(redis_url)

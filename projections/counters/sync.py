@@ -43,7 +43,7 @@ from mcp_budget_governor.lua import source
 from mcp_budget_governor.urls import check_redis_url, redact
 from mcp_budget_governor.windows import GRACE_SECONDS, SESSION_BUCKET
 
-from .ledger_view import query_error
+from ..ledger_view import query_error
 
 __all__ = [
     "ConcurrentProjectionError",
