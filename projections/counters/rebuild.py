@@ -4,7 +4,7 @@ Two paths, one result: counters equal to what the live projection would
 hold, and the projection's own state set so the live worker resumes exactly
 after what was replayed, counting nothing twice.
 
-**From the ledger view** (:func:`replay_ledger`; the Parquet archive or the
+**From the ledger view** (:func:`rebuild_from_ledger`; the Parquet archive or the
 file ledger, ``projections/ledger_view.py``) — the fast path, one DuckDB
 aggregation instead of one script call per event:
 
@@ -15,7 +15,7 @@ aggregation instead of one script call per event:
    ``all_buckets``), and the in-flight entries of events the ledger holds are
    removed (their offsets are at or below the new watermarks: the live
    projector will never move them). In-flight entries of newer events stay.
-   A counter of an ended bucket (outside a default replay) that holds such
+   A counter of an ended bucket (outside a default rebuild) that holds such
    entries gets its ledger total too, so those amounts move to committed;
 3. each partition's applied-offset watermark is set to the last offset the
    ledger holds for it (in the same ``lua/rewrite.lua`` call as the last
@@ -35,7 +35,7 @@ ledger reaches (the ledger is behind: replaying would lose those events).
 Counters the ledger does not know are left alone (``mcpbg reconcile`` reports
 them). A session counter's ledger total is the sum of all its charges.
 
-**From Kafka** (:func:`replay_kafka`) — :func:`mcp_budget_governor.stream.
+**From Kafka** (:func:`rebuild_from_kafka`) — :func:`mcp_budget_governor.stream.
 rebuild.rebuild`: every retained event applied through ``apply`` from the
 earliest offset (it sets watermarks, seen-id sets and, at the end, the
 epoch). A dry run rebuilds into a :class:`MemoryBackend` and compares.
@@ -56,6 +56,7 @@ from mcp_budget_governor.errors import GovernorError
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
 from mcp_budget_governor.ledger import new_id
 
+from ..ledger_view import query_error
 from .sync import (
     RedisUnavailableError,
     is_current,
@@ -65,22 +66,21 @@ from .sync import (
     snapshot,
     write_counters,
 )
-from ..ledger_view import query_error
 
 __all__ = [
     "Change",
     "LedgerBehindError",
     "Progress",
-    "ReplayResult",
-    "replay_kafka",
-    "replay_ledger",
+    "RebuildReport",
+    "rebuild_from_kafka",
+    "rebuild_from_ledger",
 ]
 
 _SEEN_CHUNK = 10_000
 
 
 class LedgerBehindError(GovernorError):
-    """Redis has applied a partition beyond what the ledger holds: replay would lose events."""
+    """Redis has applied a partition beyond what the ledger holds: a rebuild would lose events."""
 
 
 #: ``progress(phase, done, total)``: phases "read", "counters", "seen", "events".
@@ -93,7 +93,7 @@ def _quiet(phase: str, done: int, total: int | None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """A counter replay changes (or would): committed and in-flight, before and after."""
+    """A counter a rebuild changes (or would): committed and in-flight, before and after."""
 
     key: str
     committed_before: int
@@ -103,8 +103,8 @@ class Change:
 
 
 @dataclass(slots=True)
-class ReplayResult:
-    """What a replay did, or with ``dry_run`` would do.
+class RebuildReport:
+    """What a rebuild did, or with ``dry_run`` would do.
 
     ``counters``: counters written; ``changed``: how many of them change
     (committed or in-flight); ``changes``: those changes, listed in a dry
@@ -123,7 +123,7 @@ class ReplayResult:
     epoch: str | None = None
 
 
-def replay_ledger(
+def rebuild_from_ledger(
     con: duckdb.DuckDBPyConnection,
     client: redis.Redis,
     *,
@@ -132,14 +132,14 @@ def replay_ledger(
     dry_run: bool = False,
     now: int | None = None,
     progress: Progress = _quiet,
-) -> ReplayResult:
+) -> RebuildReport:
     """Rebuild the counters in ``client``'s Redis from the ``ledger`` view on ``con``.
 
     ``now`` (epoch seconds) overrides Redis's clock for which buckets are
     alive and current (benchmarks and tests of a past month).
     """
     started = time.perf_counter()
-    result = ReplayResult(source, dry_run)
+    result = RebuildReport(source, dry_run)
     progress("read", 0, None)
     existing = scan_counter_keys(client)
     before = snapshot(client, existing, atomic=False)
@@ -164,7 +164,7 @@ def replay_ledger(
                 "(replay from Kafka, or bring the archive up to date)"
             )
         result.watermarks[name] = (applied, int(last))
-    # In-flight entries of events the ledger holds: counted by replay, never moved live.
+    # In-flight entries of events the ledger holds: counted by the rebuild, never moved live.
     pending = {i for c in before.counters.values() for i in c.pending}
     known = ledger_ids(con, pending)
     holding = [
@@ -183,7 +183,7 @@ def replay_ledger(
             # they leave in-flight for committed, as applying them would have done.
             total = outside.get(key)
         if total is None:
-            continue  # not the ledger's, or outside the replayed buckets: left alone
+            continue  # not the ledger's, or outside the rebuilt buckets: left alone
         committed, expire_at = total
         writes.append((key, committed, expire_at))
         if drop:
@@ -263,7 +263,7 @@ def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[
 
 
 class _CurrentOnly:
-    """A backend wrapper for the Kafka path: drops charges outside the buckets replayed,
+    """A backend wrapper for the Kafka path: drops charges outside the buckets rebuilt,
     counts events for the progress bar, and leaves the epoch to the caller in a dry run."""
 
     def __init__(
@@ -307,10 +307,10 @@ class _CurrentOnly:
         want_used: bool = True,
         op_id: str | None = None,
     ) -> ChargeResult:
-        raise NotImplementedError("replay only applies")
+        raise NotImplementedError("a rebuild only applies")
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
-        raise NotImplementedError("replay only applies")
+        raise NotImplementedError("a rebuild only applies")
 
     async def state(self, key: str) -> CounterState:
         state: CounterState = await self.inner.state(key)
@@ -331,7 +331,7 @@ class _CurrentOnly:
         await self.inner.aclose()
 
 
-async def replay_kafka(
+async def rebuild_from_kafka(
     redis_url: str,
     bootstrap: str,
     topic: str,
@@ -341,7 +341,7 @@ async def replay_kafka(
     idle_timeout: float = 5.0,
     progress: Progress = _quiet,
     **client_options: Any,
-) -> ReplayResult:
+) -> RebuildReport:
     """Rebuild the counters from every retained event of ``topic`` (``stream/rebuild.py``).
 
     Applied through ``apply`` into Redis. On a Redis that still holds a
@@ -361,7 +361,7 @@ async def replay_kafka(
     client = redis_client(redis_url)
     try:
         before = snapshot(client, (), atomic=True)
-        result = ReplayResult("kafka", dry_run)
+        result = RebuildReport("kafka", dry_run)
         inner: Any = MemoryBackend() if dry_run else RedisBackend.from_url(redis_url, timeout=30.0)
         backend = _CurrentOnly(
             inner, all_buckets=all_buckets, now=before.now, progress=progress, dry_run=dry_run

@@ -1,4 +1,4 @@
-"""Ledger totals per counter, and writing them to Redis: what replay and reconcile share.
+"""Ledger totals per counter, and writing them to Redis: what rebuild and reconcile share.
 
 Two halves, each the one implementation of its rule:
 
