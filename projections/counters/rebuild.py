@@ -1,44 +1,18 @@
 """Rebuild the Redis counters from the ledger after an outage (``mcpbg replay``).
 
-Two paths, one result: counters equal to what the live projection would
-hold, and the projection's own state set so the live worker resumes exactly
-after what was replayed, counting nothing twice.
+:func:`rebuild_from_ledger` sets every live counter to its ledger total in one
+DuckDB aggregation over the ledger view, with the watermarks, seen-id sets and
+epoch marker the live worker resumes from; :func:`rebuild_from_kafka` applies
+every retained event of the topic instead (:func:`mcp_budget_governor.stream.
+rebuild.rebuild`). ``docs/exactly-once.md`` (*Rebuilding from the ledger view*)
+lists the steps and what they assume.
 
-**From the ledger view** (:func:`rebuild_from_ledger`; the Parquet archive or the
-file ledger, ``projections/ledger_view.py``) — the fast path, one DuckDB
-aggregation instead of one script call per event:
-
-1. the epoch marker is removed, so a hot path with ``require_epoch`` follows
-   its fail modes instead of admitting from half-written counters;
-2. per live counter, committed = the sum of its ledger charges
-   (:func:`~.sync.ledger_totals`; current buckets only unless
-   ``all_buckets``), and the in-flight entries of events the ledger holds are
-   removed (their offsets are at or below the new watermarks: the live
-   projector will never move them). In-flight entries of newer events stay.
-   A counter of an ended bucket (outside a default rebuild) that holds such
-   entries gets its ledger total too, so those amounts move to committed;
-3. each partition's applied-offset watermark is set to the last offset the
-   ledger holds for it (in the same ``lua/rewrite.lua`` call as the last
-   block of counters);
-4. every ledger event whose seen-id set is still alive (today's and
-   yesterday's, as ``apply.lua`` keeps them) is added to it, so the same event
-   arriving again at a new offset (a producer retry) is skipped, as it would
-   have been live;
-5. the epoch marker is set.
-
-What it assumes: the ledger holds every event of each partition up to its
-last offset (the worker archives each batch *before* applying it, so an
-archive kept since the topic's start does); and no worker projects meanwhile
-(every write is guarded by ``WATCH`` on the watermarks and refused if one
-does). It refuses to run when Redis has applied a partition further than the
-ledger reaches (the ledger is behind: replaying would lose those events).
-Counters the ledger does not know are left alone (``mcpbg reconcile`` reports
-them). A session counter's ledger total is the sum of all its charges.
-
-**From Kafka** (:func:`rebuild_from_kafka`) — :func:`mcp_budget_governor.stream.
-rebuild.rebuild`: every retained event applied through ``apply`` from the
-earliest offset (it sets watermarks, seen-id sets and, at the end, the
-epoch). A dry run rebuilds into a :class:`MemoryBackend` and compares.
+>>> from mcp_budget_governor.projections.counters.sync import redis_client
+>>> from mcp_budget_governor.projections.ledger_view import open_ledger
+>>> con = open_ledger("/var/lib/mcpbg/archive")  # doctest: +SKIP
+>>> client = redis_client("redis://localhost:6379/0")  # doctest: +SKIP
+>>> report = rebuild_from_ledger(con, client, dry_run=True)  # doctest: +SKIP
+>>> [(c.key, c.committed_before, c.committed_after) for c in report.changes]  # doctest: +SKIP
 """
 
 from __future__ import annotations
