@@ -46,6 +46,13 @@ def redis_server(url: str | None) -> Iterator[Server]:
         service.stop()
 
 
+def noop(client: Any) -> Any:
+    """``noop.lua`` (``return 1``) registered on ``client``: awaiting ``noop(client)()`` is
+    one EVALSHA that does nothing, the baseline round trip. The benchmarks' own script:
+    production backends do not load it."""
+    return client.register_script((Path(__file__).parent / "noop.lua").read_text("utf-8"))
+
+
 def run_id() -> str:
     """A short id that keeps this run's keys apart from anything else in the Redis."""
     return uuid.uuid4().hex[:8]

@@ -2,7 +2,7 @@
 
 Variants, all through the same redis-py async client (one pool) on the same Redis:
 
-- ``noop EVALSHA``: ``await backend.noop()``, one EVALSHA of ``lua/noop.lua``:
+- ``noop EVALSHA``: one EVALSHA of ``benchmarks/noop.lua`` (``_common.noop``),
   the floor for any check that makes one round trip. The baseline.
 - ``check() 1/3/5 limits``: ``await governor.check(ctx)``, inline mode
   (ledger=None), CALLS limits with caps that never refuse.
@@ -88,7 +88,7 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
     gov_limits = limits(rid, "gov")
     naive_limits = limits(rid, "naive")
     client = backend.client
-    out = [Variant("noop EVALSHA", "1", "noop", backend.noop, lambda r: int(r) == 1)]
+    out = [Variant("noop EVALSHA", "1", "noop", _common.noop(client), lambda r: int(r) == 1)]
     for n in (1, 3, 5):
         gov = Governor(Policy.of(*gov_limits[:n]), backend)
         out.append(
@@ -210,8 +210,8 @@ def report(results: dict[str, Any]) -> str:
 def _area(filename: str, func: str) -> str:
     """Which layer a profiled function belongs to."""
     repo = str(_common.REPO)
-    if filename.endswith("/projections/redis_counters.py"):
-        return "RedisBackend (projections/redis_counters.py)"
+    if filename.endswith("/projections/counters/redis.py"):
+        return "RedisBackend (projections/counters/redis.py)"
     if filename.startswith(f"{repo}/mcp_budget_governor/"):
         return "mcp_budget_governor (governor, planning, keys, windows)"
     if filename.startswith(f"{repo}/benchmarks/"):
@@ -262,10 +262,10 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
     args: list[Any] = ["", "0"]
     for o in ops:
         args += (o.amount, o.cap, "1" if o.enforce else "0", o.expire_at)
-    noop_script, charge_script = backend._noop, backend._charge
+    noop_script, charge_script = _common.noop(backend.client), backend._charge
 
     ladder = [
-        Variant("noop EVALSHA (0 keys, 0 args)", "1", "noop", backend.noop, bool),
+        Variant("noop EVALSHA (0 keys, 0 args)", "1", "noop", noop_script, bool),
         Variant(
             "noop EVALSHA, with charge's 4 KEYS + 14 ARGV",
             "1",
@@ -358,7 +358,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
 
     _common.progress("profile: server-side time per EVALSHA (INFO commandstats) ...")
     server_us = {
-        "noop.lua": await _server_usec(backend.client, backend.noop),
+        "noop.lua": await _server_usec(backend.client, noop_script),
         "charge.lua, 3 counters": await _server_usec(
             backend.client, lambda: charge_script(keys=keys, args=args)
         ),

@@ -86,7 +86,8 @@ async def _trial(url: str, rid: str, trial: int, calls: int, cap: int) -> dict[s
     out: dict[str, dict[str, int]] = {}
     try:
         for backend in (narrow, broad):  # connect before the start line
-            await asyncio.gather(*(backend.noop() for _ in range(64)))
+            noop = _common.noop(backend.client)
+            await asyncio.gather(*(noop() for _ in range(64)))
         for path, gov in govs.items():
             out[path] = await _lua_burst(gov, ctx, calls)
         out["naive_pool64"] = await _naive_burst(narrow.client, policy("naive64"), ctx, calls)

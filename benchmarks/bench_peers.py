@@ -101,12 +101,16 @@ def build_server(kind: str, *, cap: int, redis_url: str | None, rid: str) -> Any
         governor = Governor(policy, RedisBackend.from_url(redis_url, timeout=5.0))
         mcp.add_middleware(BudgetMiddleware(governor))
     meta = {"mcpbg": {"cost_usd": "0.001", "limit": spend}} if kind == "budget_meter" else None
-    rtt = RedisBackend.from_url(redis_url, timeout=5.0) if kind == "redis_rtt" else None
+    rtt = (
+        _common.noop(RedisBackend.from_url(redis_url, timeout=5.0).client)
+        if kind == "redis_rtt"
+        else None
+    )
 
     @mcp.tool(meta=meta)
     async def work(n: int) -> int:
         if rtt is not None:  # the calibration: what one Redis round trip costs here
-            await rtt.noop()
+            await rtt()
         return n
 
     return mcp

@@ -49,9 +49,9 @@ import redis
 from _common import environment, loadavg, progress, redis_server, table
 from ledger_gen import write_archive
 
+from mcp_budget_governor.projections.counters.rebuild import RebuildReport, rebuild_from_ledger
+from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.projections.ledger_view import open_ledger
-from mcp_budget_governor.projections.redis_counters import RedisBackend
-from mcp_budget_governor.projections.replay import ReplayResult, replay_ledger
 from mcp_budget_governor.stream.projector import Projector
 
 
@@ -73,7 +73,7 @@ def check(client: redis.Redis, want: dict[str, int]) -> int:
     return bad
 
 
-def timed_replay(url: str, archive: Path, now: int, *, all_buckets: bool) -> ReplayResult:
+def timed_replay(url: str, archive: Path, now: int, *, all_buckets: bool) -> RebuildReport:
     client = redis.Redis.from_url(url, socket_timeout=60)
     client.flushdb()
     phases: list[str] = []
@@ -85,7 +85,7 @@ def timed_replay(url: str, archive: Path, now: int, *, all_buckets: bool) -> Rep
 
     started = time.perf_counter()
     con = open_ledger(archive)
-    result = replay_ledger(con, client, all_buckets=all_buckets, now=now, progress=report)
+    result = rebuild_from_ledger(con, client, all_buckets=all_buckets, now=now, progress=report)
     result.seconds = time.perf_counter() - started  # opening the view included
     con.close()
     client.close()

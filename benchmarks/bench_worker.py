@@ -96,7 +96,7 @@ from mcp_budget_governor.ledger import LedgerEntry, new_id, partition_key
 from mcp_budget_governor.ledger import partition_of as partition_index
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
-from mcp_budget_governor.projections.memory_counters import MemoryBackend
+from mcp_budget_governor.projections.counters.memory import MemoryBackend
 from mcp_budget_governor.stream.projector import DeadLetter, Projector
 
 PARTITIONS = 6
@@ -846,7 +846,7 @@ _GROUPS = [
     ("mcp_budget_governor/events.py", PARSE),
     ("stream/fastdecode.py", "fastdecode.decode (orjson + checks)"),
     ("stream/projector.py", "Projector (to_applied, batch loop)"),
-    ("projections/redis_counters.py", "RedisBackend.apply (Lua arguments)"),
+    ("projections/counters/redis.py", "RedisBackend.apply (Lua arguments)"),
     ("mcp_budget_governor/counters.py", "Projector (to_applied, batch loop)"),
     ("site-packages/redis/", "redis-py (pack_command, encode, reply)"),
     ("site-packages/aiokafka/", "aiokafka (fetch, decode records)"),

@@ -29,7 +29,7 @@ from mcp_budget_governor.events import encode
 from mcp_budget_governor.keys import OP_HORIZON_SECONDS, SEEN_PREFIX, WATERMARK_KEY, op_key
 from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
-from mcp_budget_governor.projections.redis_counters import RedisBackend
+from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.stream.projector import Projector
 
 SECONDS_PER_DAY = 86_400

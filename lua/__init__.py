@@ -12,7 +12,7 @@ from importlib.resources import files
 if __name__ != "mcp_budget_governor.lua":  # one name per module (README, Layout)
     raise ImportError("import mcp_budget_governor.lua, not lua")
 
-SCRIPTS = ("charge", "apply", "usage", "noop", "rewrite")
+SCRIPTS = ("charge", "apply", "usage", "rewrite")
 
 
 @cache
@@ -22,6 +22,4 @@ def source(name: str) -> str:
         raise KeyError(f"no Lua script named {name!r} (known: {', '.join(SCRIPTS)})")
     here = files(__name__)
     body = here.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-    if name == "noop":
-        return body
     return here.joinpath("lib.lua").read_text(encoding="utf-8") + "\n" + body

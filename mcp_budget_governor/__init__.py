@@ -43,8 +43,8 @@ from .windows import Window
 
 if TYPE_CHECKING:
     from mcp_budget_governor.prices import BUILTIN_AS_OF
-    from mcp_budget_governor.projections.memory_counters import MemoryBackend
-    from mcp_budget_governor.projections.redis_counters import RedisBackend
+    from mcp_budget_governor.projections.counters.memory import MemoryBackend
+    from mcp_budget_governor.projections.counters.redis import RedisBackend
 
     __version__: str
 
@@ -97,8 +97,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "MemoryBackend": "mcp_budget_governor.projections.memory_counters",
-    "RedisBackend": "mcp_budget_governor.projections.redis_counters",
+    "MemoryBackend": "mcp_budget_governor.projections.counters.memory",
+    "RedisBackend": "mcp_budget_governor.projections.counters.redis",
     "BUILTIN_AS_OF": "mcp_budget_governor.prices",
 }
 

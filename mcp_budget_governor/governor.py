@@ -69,7 +69,7 @@ class Governor(Metering[MeterResult]):
     ) -> None:
         if not isinstance(policy, Policy):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
-        from mcp_budget_governor.projections.memory_counters import MemoryBackend
+        from mcp_budget_governor.projections.counters.memory import MemoryBackend
 
         self.policy = policy
         self.backend: Backend = MemoryBackend(clock=clock) if backend is None else backend

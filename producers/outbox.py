@@ -1,67 +1,21 @@
 """A durable, ordered local spill for ledger events that cannot reach Kafka yet.
 
-When the broker is unreachable, or the producer's in-memory queue is full,
-events go here instead; a shipper sends them on, oldest first, once Kafka is
-back, and acknowledges what it sent::
+Events the broker cannot take now are appended here; a shipper sends them on,
+oldest first, and acknowledges what it sent. Delivery is at least once (the
+event id is the projection's idempotency key); a full outbox refuses new
+events or admits them with an ERROR, never drops any. ``docs/outbox.md``
+describes the cursor, durability, the full outbox and damaged lines.
 
-    outbox = Outbox("/var/lib/mcpbg/outbox", max_bytes=1 << 30)
-    outbox.append([raw_event])                 # the hot path; not blocked by Kafka
-    batch = outbox.peek(500)                   # later, the shipper
-    ...send [raw for _, raw in batch] and wait for the broker's acks...
-    outbox.ack(batch[-1][0])                   # persisted; shipped segments deleted
-
-Records are :mod:`~mcp_budget_governor.producers.record_log` lines (the same
-JSON Lines segments as the file ledger), so an outbox folder is readable by
-DuckDB too. Durability follows the ``fsync`` policy of that module
-(``"batch"`` by default: a process crash loses nothing, a machine crash at
-most the last ``batch_interval``). The methods are synchronous; under
-``"batch"`` the fsync runs inline in the append that finds the interval
-elapsed, unless an async owner attaches a
-:class:`~mcp_budget_governor.producers.record_log.Flusher` to ``outbox.log``
-(which then fsyncs in a thread). ``ack`` may run in a worker thread while the
-owner appends.
-
-**Cursors.** ``peek`` pairs each record with its cursor, the position just
-past it; ``ack(cursor)`` means "everything before this was shipped". The
-acknowledged cursor is kept in ``<prefix>.cursor``, replaced atomically
-(temporary file, fsync, rename, fsync of the directory) *after* the log is
-fsync'd, so it never points past records that a machine crash could take
-back. ``ack(cursor, sync=False)`` (the Kafka ledger, which acknowledges only
-what the broker has) rewrites it in place without any fsync: cheap enough
-for every shipped batch, safe against a killed process, and after a machine
-crash at worst older (records ship again) or past the surviving log (whose
-lost tail was shipped). After a restart ``peek`` starts right after the last acknowledged
-record. Delivery is at least once: a crash between sending and ``ack`` sends
-those records again, which is harmless (the event id is the idempotency key
-of the projection). An unreadable cursor file makes the outbox start from its
-oldest segment, for the same reason.
-
-**A full outbox** (``max_bytes`` of records not yet acknowledged) never drops
-anything already accepted, and never silently drops anything new:
-
-- ``on_full="refuse"`` (default): :meth:`Outbox.append` raises
-  :class:`OutboxFullError` and writes nothing of that batch. The governor
-  turns it into a 503 refusal of the call, so an outage that outlasts the
-  disk budget sheds load instead of losing ledger events. Choose this when
-  the disk budget is a hard limit (a shared volume, a small container disk).
-- ``on_full="admit"``: the batch is written past the limit and an ERROR is
-  logged (at most once per ``full_log_interval`` seconds, with the count of
-  over-limit appends in between). Choose this when serving calls matters more
-  than the disk and the volume has room to spare beyond ``max_bytes``; the
-  only bound left is the disk itself.
-
-Disk use is the unacknowledged bytes plus the acknowledged part of the
-segment being written (deleted by the first ``ack`` after the log rotates
-past it), so under ``refuse`` it stays within about ``max_bytes +
-segment_bytes``.
-
-**Damaged lines.** A line that is not a JSON object (disk damage; the
-producer only writes encoded events) is reported once through
-``on_malformed(path, position, data, reason)`` (default: an ERROR log naming
-the file, byte offset and record index) and counted in :attr:`Outbox.malformed`,
-and still returned by ``peek``: the outbox does not judge events, so the
-consumer's dead-letter path records it with its reason instead of it
-vanishing here.
+>>> import tempfile
+>>> with tempfile.TemporaryDirectory() as folder:
+...     with Outbox(folder, max_bytes=1 << 20, fsync="never") as outbox:
+...         _ = outbox.append([b'{"id": "e1"}', b'{"id": "e2"}'])
+...         batch = outbox.peek(500)
+...         print([raw for _, raw in batch])
+...         outbox.ack(batch[-1][0])
+...         print(len(outbox), outbox.peek(500))
+[b'{"id": "e1"}', b'{"id": "e2"}']
+0 []
 """
 
 from __future__ import annotations
@@ -115,7 +69,7 @@ class OutboxFullError(GovernorError):
 class Outbox:
     """Durable, ordered spill of raw ledger records, shipped oldest first.
 
-    - ``max_bytes``: the budget of unshipped bytes (see the module docstring).
+    - ``max_bytes``: the budget of unshipped bytes (``docs/outbox.md``).
     - ``on_full``: ``"refuse"`` raises :class:`OutboxFullError`, ``"admit"``
       writes anyway and logs an ERROR (rate-limited by ``full_log_interval``).
     - ``fsync``, ``batch_interval``: the durability policy of the record log.

@@ -3,7 +3,7 @@
 The comparison is exact even while a worker projects, because both sides are
 taken at one cut:
 
-1. Redis is read in one ``MULTI`` (:func:`~.counter_sync.snapshot`): each
+1. Redis is read in one ``MULTI`` (:func:`~.counters.sync.snapshot`): each
    counter's committed amount, its in-flight entries, the applied-offset
    watermarks and Redis's clock. No script (no ``apply``) runs in between,
    so each committed amount is exactly the projection of the events at or
@@ -64,7 +64,7 @@ from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, id_
 from mcp_budget_governor.money import Unit
 from mcp_budget_governor.windows import Window, bucket_of
 
-from .counter_sync import (
+from .counters.sync import (
     Snapshot,
     ledger_ids,
     ledger_totals,

@@ -1,38 +1,27 @@
 """The projection of ledger records into counters, with or without a stream framework.
 
 :class:`Projector` takes one batch of raw records of one topic partition,
-decodes each (:func:`.fastdecode.decode` first, which accepts only the exact
-shape producers write and is checked against the full parse by a property
-test; anything else through :func:`mcp_budget_governor.events.parse`, whose
-verdict and reason stand), hands the records that are not valid events to a
-dead-letter callback (with the reason and the original bytes) and applies the
-valid ones through ``backend.apply`` in a single call, so a batch costs one
-round trip however many events it holds. With an archive handler every record
-is parsed fully: the archiver needs the whole event.
+hands those that are not valid events to a dead-letter callback and applies the
+rest through ``backend.apply`` in one call. The watermark moves with the
+amounts, and seen-id sets skip a retried event, so an at-least-once stream
+counts each event once: ``docs/exactly-once.md`` says how.
 
-Why this is exactly-once in effect on an at-least-once stream:
-
-- ``backend.apply`` moves each event's amounts from in-flight to committed and
-  advances the partition's applied-offset watermark *in the same atomic step*:
-  a record at or below the watermark is a redelivery and changes nothing.
-- the per-day seen-id sets skip an event id already applied from another
-  offset (a producer retry that reached the broker twice).
-- a consumer resumes at :meth:`Projector.resume_offset` (watermark + 1), read
-  from the counters themselves, not from offsets committed to Kafka: what the
-  counters hold and where reading resumes cannot drift apart, whatever
-  happened to the consumer group.
-
-Dead letters go out *before* the valid events of the batch are applied, and
-the apply that follows moves the watermark through the whole batch, dead
-letters included (``through``): a restart resumes after them and does not
-send them again, nor does a retry of the same batch in this process. Only a
-process that dies between the dead letter's acknowledgement and the apply
-sends it twice (it carries partition and offset, and the same key, so a reader
-can drop the repeat); a poison record is never skipped without a trace.
-
->>> projector = Projector(backend, "mcpbg.ledger", dlq=send_to_dlq)  # doctest: +SKIP
->>> start = await projector.resume_offset(0)  # doctest: +SKIP
->>> result = await projector.apply_batch(0, [(start, raw), ...])  # doctest: +SKIP
+>>> import asyncio
+>>> from mcp_budget_governor import Context, MemoryBackend
+>>> from mcp_budget_governor.events import encode
+>>> from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
+>>> raw = encode(LedgerEntry(new_id(), EntryType.ADMITTED, 1764442477.0, Context(user="u_42")),
+...              "/mcpbg/doc")
+>>> dead = []
+>>> projector = Projector(MemoryBackend(), "mcpbg.ledger", dlq=dead.append)
+>>> async def batch_then_redelivery():
+...     first = await projector.apply_batch(0, [(0, raw), (1, b"not json")])
+...     again = await projector.apply_batch(0, [(0, raw)])  # redelivered: counts nothing
+...     return first.applied, first.dead, again.applied, await projector.resume_offset(0)
+>>> asyncio.run(batch_then_redelivery())
+(1, 1, 0, 2)
+>>> dead[0].offset
+1
 """
 
 from __future__ import annotations

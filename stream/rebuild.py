@@ -1,19 +1,13 @@
-"""Rebuild the counters from the ledger after the store lost its state.
+"""Rebuild the counters from the topic after the store lost its state.
 
-A Redis that restarted empty (or was flushed) has lost every committed
-counter, every watermark and the epoch marker. Applying new events on top of
-that would produce counters that look plausible and are wrong, so instead:
+Every retained event of every partition is applied from the earliest offset
+through the same ``apply`` as the live projection; only when every partition's
+highwater mark is reached is the epoch marker set, so a hot path with
+``require_epoch`` never admits from empty counters. ``docs/exactly-once.md``
+(*Lost state: the epoch marker*) says why.
 
-1. every retained event of every partition is read from the earliest offset
-   and applied through the same ``apply`` (charges whose bucket has expired
-   are dropped by the script; the watermarks and seen-id sets it rebuilds
-   make the live projection resume exactly after, and make a second worker
-   rebuilding at the same time harmless);
-2. "caught up" is judged from the highwater marks the fetches report (never
-   from ``end_offsets``, which the test broker reports wrongly);
-3. only then is the epoch marker set, and the hot path (with
-   ``require_epoch``) admits from the counters again. Until then every limit
-   follows its fail mode, so nothing is admitted from empty counters.
+>>> result = await rebuild(backend, "broker:9092", "mcpbg.ledger")  # doctest: +SKIP
+>>> result.read, result.applied, result.epoch  # doctest: +SKIP
 """
 
 from __future__ import annotations

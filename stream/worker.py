@@ -83,7 +83,7 @@ from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.ledger import DEFAULT_TOPIC
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.kafka_ledger import parse_bootstrap
-from mcp_budget_governor.projections.redis_counters import RedisBackend
+from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.urls import check_redis_url
 from mcp_budget_governor.urls import redact as redact_url
 

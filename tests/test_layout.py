@@ -68,6 +68,20 @@ def test_each_module_has_one_identity() -> None:
     assert "producers.memory_ledger" not in sys.modules
 
 
+def test_the_package_ships_only_the_scripts_its_code_loads() -> None:
+    # A benchmark-only script (benchmarks/noop.lua) lives with the benchmarks: listed in
+    # SCRIPTS it would be shipped in the wheel and registered by production code.
+    from mcp_budget_governor.lua import SCRIPTS
+
+    assert {p.stem for p in (ROOT / "lua").glob("*.lua")} == {*SCRIPTS, "lib"}
+    code = "\n".join(
+        p.read_text(encoding="utf-8")
+        for folder in ("mcp_budget_governor", *FOLDERS)
+        for p in (ROOT / folder).rglob("*.py")
+    )
+    assert [name for name in SCRIPTS if f'source("{name}")' not in code] == []
+
+
 def _build(context: Path, out: Path) -> tuple[Path, Path]:
     """An sdist of ``context``, then the wheel built from that sdist (python -m build)."""
     subprocess.run(
@@ -109,7 +123,7 @@ def _check_wheel(wheel: Path, target: Path) -> None:
     )
     probe = (
         "import mcp_budget_governor.lua as lua, mcp_budget_governor.producers.outbox as o;"
-        "import mcp_budget_governor.stream.worker, mcp_budget_governor.projections.redis_counters;"
+        "import mcp_budget_governor.stream.worker, mcp_budget_governor.projections.counters.redis;"
         "assert 'redis.call' in lua.source('apply');"
         "print(o.__file__)"
     )

@@ -31,7 +31,7 @@ from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
-from mcp_budget_governor.projections.counter_sync import (
+from mcp_budget_governor.projections.counters.sync import (
     ConcurrentProjectionError,
     redis_client,
     write_counters,

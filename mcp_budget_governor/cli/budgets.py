@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("budgets", f"--max-keys: expected a positive number (got {max_keys})")
     filters = {s: getattr(args, s) for s in _SCOPES if getattr(args, s) is not None}
     try:
-        from ..projections.redis_counters import RedisBackend
+        from ..projections.counters.redis import RedisBackend
     except ImportError as exc:  # pragma: no cover - the redis extra is missing
         return fail("budgets", f"{exc}; install the redis extra: {install_hint('redis')}")
     from redis.exceptions import ResponseError

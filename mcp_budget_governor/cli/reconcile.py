@@ -64,7 +64,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.counter_sync import redis_client
+    from ..projections.counters.sync import redis_client
     from ..projections.reconcile import DEFAULT_ORPHAN_AGE, limit_meta, reconcile
     from .render import console, print_table
 

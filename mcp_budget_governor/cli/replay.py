@@ -57,8 +57,12 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.counter_sync import redis_client
-    from ..projections.replay import ReplayResult, replay_kafka, replay_ledger
+    from ..projections.counters.rebuild import (
+        RebuildReport,
+        rebuild_from_kafka,
+        rebuild_from_ledger,
+    )
+    from ..projections.counters.sync import redis_client
 
     source = args.source
     if source not in SOURCES:
@@ -72,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
             bootstrap = parse_bootstrap(required(args, "kafka_url", "kafka://host:port"))
             topic = setting(args, "topic") or DEFAULT_TOPIC
-            result: ReplayResult = asyncio.run(
-                replay_kafka(
+            result: RebuildReport = asyncio.run(
+                rebuild_from_kafka(
                     redis_url,
                     bootstrap,
                     topic,
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 client.close()
                 raise
             try:
-                result = replay_ledger(
+                result = rebuild_from_ledger(
                     con,
                     client,
                     source=source,

@@ -231,10 +231,10 @@ async def run(options: DemoOptions, console: Console) -> DemoResult:
 
 def _backend(options: DemoOptions, clock: SimClock) -> Backend:
     if options.redis_url:
-        from mcp_budget_governor.projections.redis_counters import RedisBackend
+        from mcp_budget_governor.projections.counters.redis import RedisBackend
 
         return RedisBackend.from_url(options.redis_url, timeout=5.0)
-    from mcp_budget_governor.projections.memory_counters import MemoryBackend
+    from mcp_budget_governor.projections.counters.memory import MemoryBackend
 
     return MemoryBackend(clock=clock)
 

@@ -72,7 +72,6 @@ class RedisBackend:
         self._charge = client.register_script(source("charge"))
         self._apply = client.register_script(source("apply"))
         self._usage = client.register_script(source("usage"))
-        self._noop = client.register_script(source("noop"))
         # One command, no per-call wrapper: the hot path's only round trip.
         self._execute: Any = client.execute_command
         self._prepared: dict[
@@ -308,10 +307,6 @@ class RedisBackend:
         """The last applied offset of a partition, -1 when none."""
         raw = await self.client.hget(WATERMARK_KEY, partition)
         return -1 if raw is None else int(raw)
-
-    async def noop(self) -> Any:
-        """One EVALSHA of a script that does nothing: the benchmark baseline."""
-        return await self._run(self._noop, (), ())
 
     async def aclose(self) -> None:
         # The pool was passed in (from_url), so Redis.aclose alone would leave its

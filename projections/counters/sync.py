@@ -1,29 +1,21 @@
-"""Ledger totals per counter, and writing them to Redis: what replay and reconcile share.
+"""Ledger totals per counter, and writing them to Redis: what rebuild and reconcile share.
 
-Two halves, each the one implementation of its rule:
+:func:`ledger_totals` is the committed amount the ledger gives each live
+counter; :func:`snapshot` reads counters, watermarks and the Redis clock in one
+``MULTI``; :func:`write_counters` rewrites counters in ``lua/rewrite.lua``
+blocks that write nothing (:class:`ConcurrentProjectionError`) if a projector
+applied meanwhile. ``docs/exactly-once.md`` (*Ledger totals and rewriting
+counters*) gives the rules.
 
-- :func:`ledger_totals` — the committed amount the ledger gives each live
-  counter: the sum of ``amount`` over the deduplicated ``ledger`` view
-  (``projections/ledger_view.py``), per ``key``. A counter is *alive* while
-  the latest ``expire_at`` of its charges is in the future (Redis expires it
-  then, and ``apply.lua`` drops charges of expired counters); it is *current*
-  while its bucket has not ended (``expire_at`` minus the grace period is in
-  the future; a session counter is current while alive). Given the applied
-  watermarks, only charges at or below their partition's watermark count:
-  that is what the projector has committed, whatever is still in flight.
-- :func:`snapshot` and :func:`write_counters` — reading counters (committed,
-  in-flight total, in-flight per event id, TTL) with the watermarks and the
-  Redis clock in one ``MULTI`` (a consistent cut, even while a worker
-  applies), and rewriting counters in blocks, each one call of
-  ``lua/rewrite.lua`` that first compares the watermark hash with what was
-  read: if a projector applied anything meanwhile, the block writes nothing
-  and :class:`ConcurrentProjectionError` is raised instead of overwriting it.
+A day counter expires an hour (the grace period) after its bucket ends: in
+that hour it is alive, but no longer current.
 
-Rewriting a counter sets its committed amount (``c``), removes the in-flight
-entries of events the ledger has already counted (``e:<id>``, subtracted
-from ``f``: the live projector will skip those events, their offsets being
-at or below the watermark, so nothing else would ever move them) and sets its
-expiry. Other in-flight entries (events not yet in the ledger) are kept.
+>>> end_of_day = 1764633600  # 2025-12-02T00:00:00Z
+>>> key = "mcpbg:v1:spend:user=alice:20251201"
+>>> is_current(key, end_of_day + 3600, now=end_of_day - 1)
+True
+>>> is_current(key, end_of_day + 3600, now=end_of_day + 60)
+False
 """
 
 from __future__ import annotations
@@ -43,7 +35,7 @@ from mcp_budget_governor.lua import source
 from mcp_budget_governor.urls import check_redis_url, redact
 from mcp_budget_governor.windows import GRACE_SECONDS, SESSION_BUCKET
 
-from .ledger_view import query_error
+from ..ledger_view import query_error
 
 __all__ = [
     "ConcurrentProjectionError",
@@ -103,7 +95,7 @@ def ledger_totals(
     upto: Mapping[str, int] | None = None,
     keys: Iterable[str] | None = None,
 ) -> Totals:
-    """Sum of ``amount`` per live counter key (module docstring), exact integers.
+    """Sum of ``amount`` per live counter key (docs/exactly-once.md), exact integers.
 
     ``upto``: watermark per ``partition_name``; only charges at offsets at or
     below it count (a partition absent from it counts nothing). ``keys``:

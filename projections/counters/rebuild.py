@@ -1,44 +1,18 @@
 """Rebuild the Redis counters from the ledger after an outage (``mcpbg replay``).
 
-Two paths, one result: counters equal to what the live projection would
-hold, and the projection's own state set so the live worker resumes exactly
-after what was replayed, counting nothing twice.
+:func:`rebuild_from_ledger` sets every live counter to its ledger total in one
+DuckDB aggregation over the ledger view, with the watermarks, seen-id sets and
+epoch marker the live worker resumes from; :func:`rebuild_from_kafka` applies
+every retained event of the topic instead (:func:`mcp_budget_governor.stream.
+rebuild.rebuild`). ``docs/exactly-once.md`` (*Rebuilding from the ledger view*)
+lists the steps and what they assume.
 
-**From the ledger view** (:func:`replay_ledger`; the Parquet archive or the
-file ledger, ``projections/ledger_view.py``) — the fast path, one DuckDB
-aggregation instead of one script call per event:
-
-1. the epoch marker is removed, so a hot path with ``require_epoch`` follows
-   its fail modes instead of admitting from half-written counters;
-2. per live counter, committed = the sum of its ledger charges
-   (:func:`~.counter_sync.ledger_totals`; current buckets only unless
-   ``all_buckets``), and the in-flight entries of events the ledger holds are
-   removed (their offsets are at or below the new watermarks: the live
-   projector will never move them). In-flight entries of newer events stay.
-   A counter of an ended bucket (outside a default replay) that holds such
-   entries gets its ledger total too, so those amounts move to committed;
-3. each partition's applied-offset watermark is set to the last offset the
-   ledger holds for it (in the same ``lua/rewrite.lua`` call as the last
-   block of counters);
-4. every ledger event whose seen-id set is still alive (today's and
-   yesterday's, as ``apply.lua`` keeps them) is added to it, so the same event
-   arriving again at a new offset (a producer retry) is skipped, as it would
-   have been live;
-5. the epoch marker is set.
-
-What it assumes: the ledger holds every event of each partition up to its
-last offset (the worker archives each batch *before* applying it, so an
-archive kept since the topic's start does); and no worker projects meanwhile
-(every write is guarded by ``WATCH`` on the watermarks and refused if one
-does). It refuses to run when Redis has applied a partition further than the
-ledger reaches (the ledger is behind: replaying would lose those events).
-Counters the ledger does not know are left alone (``mcpbg reconcile`` reports
-them). A session counter's ledger total is the sum of all its charges.
-
-**From Kafka** (:func:`replay_kafka`) — :func:`mcp_budget_governor.stream.
-rebuild.rebuild`: every retained event applied through ``apply`` from the
-earliest offset (it sets watermarks, seen-id sets and, at the end, the
-epoch). A dry run rebuilds into a :class:`MemoryBackend` and compares.
+>>> from mcp_budget_governor.projections.counters.sync import redis_client
+>>> from mcp_budget_governor.projections.ledger_view import open_ledger
+>>> con = open_ledger("/var/lib/mcpbg/archive")  # doctest: +SKIP
+>>> client = redis_client("redis://localhost:6379/0")  # doctest: +SKIP
+>>> report = rebuild_from_ledger(con, client, dry_run=True)  # doctest: +SKIP
+>>> [(c.key, c.committed_before, c.committed_after) for c in report.changes]  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -56,7 +30,8 @@ from mcp_budget_governor.errors import GovernorError
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
 from mcp_budget_governor.ledger import new_id
 
-from .counter_sync import (
+from ..ledger_view import query_error
+from .sync import (
     RedisUnavailableError,
     is_current,
     ledger_ids,
@@ -65,22 +40,21 @@ from .counter_sync import (
     snapshot,
     write_counters,
 )
-from .ledger_view import query_error
 
 __all__ = [
     "Change",
     "LedgerBehindError",
     "Progress",
-    "ReplayResult",
-    "replay_kafka",
-    "replay_ledger",
+    "RebuildReport",
+    "rebuild_from_kafka",
+    "rebuild_from_ledger",
 ]
 
 _SEEN_CHUNK = 10_000
 
 
 class LedgerBehindError(GovernorError):
-    """Redis has applied a partition beyond what the ledger holds: replay would lose events."""
+    """Redis has applied a partition beyond what the ledger holds: a rebuild would lose events."""
 
 
 #: ``progress(phase, done, total)``: phases "read", "counters", "seen", "events".
@@ -93,7 +67,7 @@ def _quiet(phase: str, done: int, total: int | None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """A counter replay changes (or would): committed and in-flight, before and after."""
+    """A counter a rebuild changes (or would): committed and in-flight, before and after."""
 
     key: str
     committed_before: int
@@ -103,8 +77,8 @@ class Change:
 
 
 @dataclass(slots=True)
-class ReplayResult:
-    """What a replay did, or with ``dry_run`` would do.
+class RebuildReport:
+    """What a rebuild did, or with ``dry_run`` would do.
 
     ``counters``: counters written; ``changed``: how many of them change
     (committed or in-flight); ``changes``: those changes, listed in a dry
@@ -123,7 +97,7 @@ class ReplayResult:
     epoch: str | None = None
 
 
-def replay_ledger(
+def rebuild_from_ledger(
     con: duckdb.DuckDBPyConnection,
     client: redis.Redis,
     *,
@@ -132,14 +106,14 @@ def replay_ledger(
     dry_run: bool = False,
     now: int | None = None,
     progress: Progress = _quiet,
-) -> ReplayResult:
+) -> RebuildReport:
     """Rebuild the counters in ``client``'s Redis from the ``ledger`` view on ``con``.
 
     ``now`` (epoch seconds) overrides Redis's clock for which buckets are
     alive and current (benchmarks and tests of a past month).
     """
     started = time.perf_counter()
-    result = ReplayResult(source, dry_run)
+    result = RebuildReport(source, dry_run)
     progress("read", 0, None)
     existing = scan_counter_keys(client)
     before = snapshot(client, existing, atomic=False)
@@ -164,7 +138,7 @@ def replay_ledger(
                 "(replay from Kafka, or bring the archive up to date)"
             )
         result.watermarks[name] = (applied, int(last))
-    # In-flight entries of events the ledger holds: counted by replay, never moved live.
+    # In-flight entries of events the ledger holds: counted by the rebuild, never moved live.
     pending = {i for c in before.counters.values() for i in c.pending}
     known = ledger_ids(con, pending)
     holding = [
@@ -183,7 +157,7 @@ def replay_ledger(
             # they leave in-flight for committed, as applying them would have done.
             total = outside.get(key)
         if total is None:
-            continue  # not the ledger's, or outside the replayed buckets: left alone
+            continue  # not the ledger's, or outside the rebuilt buckets: left alone
         committed, expire_at = total
         writes.append((key, committed, expire_at))
         if drop:
@@ -263,7 +237,7 @@ def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[
 
 
 class _CurrentOnly:
-    """A backend wrapper for the Kafka path: drops charges outside the buckets replayed,
+    """A backend wrapper for the Kafka path: drops charges outside the buckets rebuilt,
     counts events for the progress bar, and leaves the epoch to the caller in a dry run."""
 
     def __init__(
@@ -307,10 +281,10 @@ class _CurrentOnly:
         want_used: bool = True,
         op_id: str | None = None,
     ) -> ChargeResult:
-        raise NotImplementedError("replay only applies")
+        raise NotImplementedError("a rebuild only applies")
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
-        raise NotImplementedError("replay only applies")
+        raise NotImplementedError("a rebuild only applies")
 
     async def state(self, key: str) -> CounterState:
         state: CounterState = await self.inner.state(key)
@@ -331,7 +305,7 @@ class _CurrentOnly:
         await self.inner.aclose()
 
 
-async def replay_kafka(
+async def rebuild_from_kafka(
     redis_url: str,
     bootstrap: str,
     topic: str,
@@ -341,7 +315,7 @@ async def replay_kafka(
     idle_timeout: float = 5.0,
     progress: Progress = _quiet,
     **client_options: Any,
-) -> ReplayResult:
+) -> RebuildReport:
     """Rebuild the counters from every retained event of ``topic`` (``stream/rebuild.py``).
 
     Applied through ``apply`` into Redis. On a Redis that still holds a
@@ -351,17 +325,17 @@ async def replay_kafka(
     whose committed amount differs from Redis's: what a rebuild of an empty
     Redis would give.
     """
-    from mcp_budget_governor.projections.memory_counters import MemoryBackend
-    from mcp_budget_governor.projections.redis_counters import RedisBackend
+    from mcp_budget_governor.projections.counters.memory import MemoryBackend
+    from mcp_budget_governor.projections.counters.redis import RedisBackend
     from mcp_budget_governor.stream.rebuild import rebuild
 
-    from .counter_sync import redis_client
+    from .sync import redis_client
 
     started = time.perf_counter()
     client = redis_client(redis_url)
     try:
         before = snapshot(client, (), atomic=True)
-        result = ReplayResult("kafka", dry_run)
+        result = RebuildReport("kafka", dry_run)
         inner: Any = MemoryBackend() if dry_run else RedisBackend.from_url(redis_url, timeout=30.0)
         backend = _CurrentOnly(
             inner, all_buckets=all_buckets, now=before.now, progress=progress, dry_run=dry_run
