@@ -72,3 +72,24 @@ def check_redis_url(url: object, field: str = "--redis-url") -> str:
     if not (db.isascii() and db.isdigit()):
         raise InvalidInputError(field, shown, f"database {db!r} is not a whole number")
     return url
+
+
+def parse_bootstrap(url: str) -> str:
+    """``kafka://h1:9092,h2:9092`` or ``h1:9092,h2:9092`` -> ``h1:9092,h2:9092``.
+
+    >>> parse_bootstrap("kafka://k1:9092, k2:9092")
+    'k1:9092,k2:9092'
+    """
+    text = url.strip()
+    if "://" in text:
+        scheme, _, text = text.partition("://")
+        if scheme != "kafka":
+            raise InvalidInputError("bootstrap", url, "expected kafka://host:port[,host:port]")
+    hosts = [h.strip() for h in text.rstrip("/").split(",") if h.strip()]
+    if not hosts:
+        raise InvalidInputError("bootstrap", url, "expected host:port[,host:port]")
+    for host in hosts:
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidInputError("bootstrap", url, f"{host!r} is not host:port")
+    return ",".join(hosts)
