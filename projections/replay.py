@@ -240,7 +240,7 @@ def replay_ledger(
         result.epoch = new_id()
         client.set(EPOCH_KEY, result.epoch)
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+        raise RedisUnavailableError.redis(exc) from None
     result.seconds = time.perf_counter() - started
     return result
 
