@@ -43,7 +43,7 @@ Check = Callable[[Any], None]
 @dataclass(frozen=True, slots=True)
 class Setting:
     """One setting: ``name`` (the option ``--name-with-dashes``, the variable
-    ``MCPBG_NAME``), its type (``str``, ``int`` or ``float``), its default
+    ``MCPBG_<NAME>``), its type (``str``, ``int`` or ``float``), its default
     (None: none, the reader requires it or goes without) and what it does."""
 
     name: str

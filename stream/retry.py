@@ -43,7 +43,7 @@ class Stopping(Exception):
 
 def backoff(attempt: int, base: float = BASE, cap: float = MAX_BACKOFF) -> float:
     """Seconds to wait after failed attempt number ``attempt`` (1, 2, ...): doubling, capped."""
-    return min(base * 2 ** min(attempt, _MAX_EXPONENT), cap)
+    return min(base * 2.0 ** min(attempt, _MAX_EXPONENT), cap)
 
 
 async def sleep_unless_stopping(stopping: asyncio.Event, delay: float) -> None:
