@@ -19,6 +19,7 @@ integer (got 'many'); MCPBG_BATCH_WAIT: expected seconds > 0 (got -1.0)
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 
 from .errors import InvalidInputError, SettingsError
 from .ledger import DEFAULT_TOPIC
-from .urls import check_redis_url, parse_bootstrap
+from .urls import check_http_url, check_redis_url, parse_bootstrap
 
 __all__ = ["PREFIX", "SETTINGS", "Setting", "env_value", "resolve"]
 
@@ -108,12 +109,12 @@ def _port(value: Any) -> None:
 
 
 def _positive_seconds(value: Any) -> None:
-    if not _number(value) or not value > 0:
+    if not _number(value) or not math.isfinite(value) or not value > 0:
         raise InvalidInputError("", value, "expected seconds > 0")
 
 
 def _seconds(value: Any) -> None:
-    if not _number(value) or not value >= 0:
+    if not _number(value) or not math.isfinite(value) or not value >= 0:
         raise InvalidInputError("", value, "expected seconds >= 0")
 
 
@@ -132,6 +133,11 @@ def _kafka_url(value: Any) -> None:
         parse_bootstrap(value)
     except InvalidInputError as exc:
         raise InvalidInputError("", value, f"not a Kafka bootstrap: {exc.problem}") from None
+
+
+def _webhook(value: Any) -> None:
+    if value != "":  # empty: no webhook
+        check_http_url(value)
 
 
 def _redis_url(value: Any) -> None:
@@ -199,7 +205,13 @@ SETTINGS: Mapping[str, Setting] = {
             "",
             "the policy: a .toml file or package.module:attribute (the worker alerts on it)",
         ),
-        Setting("alert_webhook", str, "", "http(s) URL each alert is POSTed to (CloudEvent JSON)"),
+        Setting(
+            "alert_webhook",
+            str,
+            "",
+            "http(s) URL each alert is POSTed to (CloudEvent JSON)",
+            _webhook,
+        ),
         Setting("alert_topic", str, "mcpbg.alerts", "Kafka topic for alerts, '' for none"),
         Setting(
             "archive_dir",

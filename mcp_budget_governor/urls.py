@@ -93,3 +93,28 @@ def parse_bootstrap(url: str) -> str:
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidInputError("bootstrap", url, f"{host!r} is not host:port")
     return ",".join(hosts)
+
+
+def check_http_url(url: object, field: str = "url") -> str:
+    """``url`` if it is an http:// or https:// URL with a host, else an error naming ``field``.
+
+    >>> check_http_url("https://hooks.example/alerts")
+    'https://hooks.example/alerts'
+    >>> check_http_url("ftp://hooks.example/")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: url: expected an http:// or https:// URL \
+(got 'ftp://hooks.example/')
+    """
+    problem = "expected an http:// or https:// URL"
+    if not isinstance(url, str):
+        raise InvalidInputError(field, url, problem)
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        _ = parts.port  # raises for a port out of range
+    except ValueError:  # an unclosed [ in an IPv6 host, a port out of range
+        ok = False
+    if not ok:
+        raise InvalidInputError(field, redact(url), problem)
+    return url

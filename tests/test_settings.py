@@ -213,3 +213,29 @@ def test_no_module_but_the_table_spells_a_variable() -> None:
         for path in (ROOT / folder).rglob("*.py"):
             named = set(re.findall(r"MCPBG_[A-Z][A-Z_]*[A-Z]", path.read_text()))
             assert named <= known, (path, named - known)
+
+
+@pytest.mark.parametrize(
+    ("variable", "raw"),
+    [
+        ("MCPBG_ALERT_WEBHOOK", "ftp://hooks.example/"),
+        ("MCPBG_ALERT_WEBHOOK", "http://hooks.example:99999/"),
+        ("MCPBG_BATCH_WAIT", "inf"),
+        ("MCPBG_TOPIC_WAIT", "nan"),
+        ("MCPBG_METRICS_PORT", "70000"),
+    ],
+)
+def test_values_the_worker_would_fail_on_later_are_named_at_the_start(
+    variable: str, raw: str
+) -> None:
+    with pytest.raises(SettingsError, match=f"^{variable}: "):
+        WorkerConfig.from_env({**BASE, variable: raw})
+
+
+def test_the_webhook_sink_and_the_table_share_one_url_check() -> None:
+    sinks = pytest.importorskip("mcp_budget_governor.stream.alerts.sinks")
+    pytest.importorskip("aiohttp")
+    for url in ("ftp://hooks.example/", "http://hooks.example:99999/", "http://"):
+        with pytest.raises(InvalidInputError, match="expected an http:// or https:// URL"):
+            sinks.WebhookSink(url)
+    assert WorkerConfig.from_env(BASE).alert_webhook == ""  # empty: no webhook, not an error
