@@ -1,13 +1,11 @@
 """An MCP server governed by BudgetMiddleware: Redis counters, the Kafka ledger.
 
 FastMCP over streamable HTTP (``/mcp``) with a health endpoint (``/health``),
-configured like ``mcpbg`` by environment variables:
-
-- ``MCPBG_REDIS_URL``  the counters' Redis (``redis://host:6379/0``), required;
-- ``MCPBG_KAFKA_URL``  the ledger's Kafka (``kafka://host:9092``), required;
-- ``MCPBG_TOPIC``      the ledger topic (default ``mcpbg.ledger``);
-- ``MCPBG_POLICY``     the policy file (default ``policy.toml`` next to this file);
-- ``MCPBG_OUTBOX_DIR`` the ledger's durable outbox (default ``./mcpbg-outbox``).
+configured like ``mcpbg`` by the environment variables of :data:`SETTINGS`
+(names, defaults and help in ``mcp_budget_governor.settings``): the counters'
+Redis and the ledger's Kafka (both required), the ledger topic, the policy
+file (default ``policy.toml`` next to this file) and the ledger's outbox.
+Every bad or missing one is reported at once.
 
 Run ``mcpbg worker`` with the same variables to project the ledger into Redis:
 the counters are created with ``require_epoch=True``, so until the worker has
@@ -37,13 +35,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
+from mcp_budget_governor.errors import SettingsError
 from mcp_budget_governor.integrations.fastmcp import META_KEY, BudgetMiddleware
 from mcp_budget_governor.integrations.flow import governed_context
-from mcp_budget_governor.ledger import DEFAULT_TOPIC
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+from mcp_budget_governor.settings import SETTINGS as TABLE
+from mcp_budget_governor.settings import resolve
 
-#: The environment variables this server reads (the same names as ``mcpbg``).
-ENV = ("MCPBG_REDIS_URL", "MCPBG_KAFKA_URL", "MCPBG_TOPIC", "MCPBG_POLICY", "MCPBG_OUTBOX_DIR")
+#: The settings this server reads, from the table ``mcpbg`` reads.
+SETTINGS = ("redis_url", "kafka_url", "topic", "policy", "outbox_dir")
+#: Their environment variables.
+ENV = tuple(TABLE[name].env for name in SETTINGS)
 
 MODEL = "claude-sonnet-4-5"
 SEARCH_PRICE = usd(0.004)  # what one search costs us, declared in the tool's meta
@@ -62,18 +64,17 @@ def spend_limits(policy: Policy) -> list[str]:
 
 def build(environ: Mapping[str, str]) -> FastMCP:
     """The governed server, configured from ``environ``."""
-    missing = [name for name in ENV[:2] if not environ.get(name)]
-    if missing:
-        raise SystemExit(f"examples/server.py: set {' and '.join(missing)}")
-    policy_path = environ.get("MCPBG_POLICY") or str(Path(__file__).with_name("policy.toml"))
+    try:
+        settings = resolve(SETTINGS, environ, required=("redis_url", "kafka_url"), options=False)
+    except SettingsError as exc:  # one line naming every bad setting, no traceback
+        raise SystemExit(f"examples/server.py: {exc}") from None
+    policy_path = settings["policy"] or str(Path(__file__).with_name("policy.toml"))
     policy = Policy.from_file(policy_path)
     prices = PriceTable.builtin()
     ledger = KafkaLedger.from_url(
-        environ["MCPBG_KAFKA_URL"],
-        topic=environ.get("MCPBG_TOPIC") or DEFAULT_TOPIC,
-        outbox_dir=environ.get("MCPBG_OUTBOX_DIR") or "mcpbg-outbox",
+        settings["kafka_url"], topic=settings["topic"], outbox_dir=settings["outbox_dir"]
     )
-    backend = RedisBackend.from_url(environ["MCPBG_REDIS_URL"], require_epoch=True)
+    backend = RedisBackend.from_url(settings["redis_url"], require_epoch=True)
     governor = Governor(policy, backend, ledger=ledger, prices=prices)
     money = spend_limits(policy)
 

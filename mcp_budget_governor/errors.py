@@ -6,6 +6,7 @@ a bad call fails loudly at the point where it can be fixed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,6 +36,30 @@ class InvalidInputError(GovernorError, ValueError):
         super().__init__(f"{field}: {problem} (got {_show(value)})")
 
 
+class SettingsError(InvalidInputError):
+    """One or more ``MCPBG_*`` settings (or their options) are bad: every one is named.
+
+    ``errors`` holds one :class:`InvalidInputError` per bad setting; ``field``,
+    ``value`` and ``problem`` are the first one's.
+
+    >>> str(SettingsError([InvalidInputError("a", 1, "too small")]))
+    'a: too small (got 1)'
+    >>> str(SettingsError([InvalidInputError("a", 1, "x"), InvalidInputError("B", "y", "z")]))
+    "2 bad settings: a: x (got 1); B: z (got 'y')"
+    """
+
+    def __init__(self, errors: Sequence[InvalidInputError]) -> None:
+        if not errors:
+            raise ValueError("SettingsError needs at least one error")
+        self.errors = tuple(errors)
+        first = self.errors[0]
+        self.field, self.value, self.problem = first.field, first.value, first.problem
+        text = "; ".join(str(e) for e in self.errors)
+        if len(self.errors) > 1:
+            text = f"{len(self.errors)} bad settings: {text}"
+        Exception.__init__(self, text)
+
+
 class PolicyError(InvalidInputError):
     """A policy or limit definition is invalid."""
 
@@ -52,7 +77,29 @@ class UnknownModelError(GovernorError, LookupError):
 
 
 class BackendUnavailableError(GovernorError, ConnectionError):
-    """The shared counter store could not be reached within the timeout."""
+    """The shared counter store could not be reached within the timeout.
+
+    :meth:`redis` builds it with the one wording of "Redis unreachable".
+    """
+
+    @classmethod
+    def redis(cls, cause: BaseException, url: str | None = None) -> BackendUnavailableError:
+        """Redis did not answer (``cause``); ``url``, when given, is shown redacted.
+
+        >>> str(BackendUnavailableError.redis(OSError("refused")))
+        'redis unreachable: refused'
+        >>> str(BackendUnavailableError.redis(OSError("refused"), "redis://:pw@h:6379/0"))
+        'redis redis://***@h:6379/0 unreachable: refused'
+
+        A ``cause`` that already is one is returned as it is (said once, not nested).
+        """
+        if isinstance(cause, BackendUnavailableError):
+            return cause
+        if url is None:
+            return cls(f"redis unreachable: {cause}")
+        from .urls import redact  # urls imports this module
+
+        return cls(f"redis {redact(url)} unreachable: {cause}")
 
 
 class EpochMissingError(BackendUnavailableError):

@@ -19,7 +19,7 @@ from .context import Context
 from .money import Unit
 from .windows import Window
 
-#: The ledger topic when none is named (``--topic``, ``MCPBG_TOPIC``).
+#: The ledger topic when none is named (``--topic`` or its variable, ``settings.SETTINGS``).
 DEFAULT_TOPIC = "mcpbg.ledger"
 
 

@@ -72,3 +72,49 @@ def check_redis_url(url: object, field: str = "--redis-url") -> str:
     if not (db.isascii() and db.isdigit()):
         raise InvalidInputError(field, shown, f"database {db!r} is not a whole number")
     return url
+
+
+def parse_bootstrap(url: str) -> str:
+    """``kafka://h1:9092,h2:9092`` or ``h1:9092,h2:9092`` -> ``h1:9092,h2:9092``.
+
+    >>> parse_bootstrap("kafka://k1:9092, k2:9092")
+    'k1:9092,k2:9092'
+    """
+    text = url.strip()
+    if "://" in text:
+        scheme, _, text = text.partition("://")
+        if scheme != "kafka":
+            raise InvalidInputError("bootstrap", url, "expected kafka://host:port[,host:port]")
+    hosts = [h.strip() for h in text.rstrip("/").split(",") if h.strip()]
+    if not hosts:
+        raise InvalidInputError("bootstrap", url, "expected host:port[,host:port]")
+    for host in hosts:
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidInputError("bootstrap", url, f"{host!r} is not host:port")
+    return ",".join(hosts)
+
+
+def check_http_url(url: object, field: str = "url") -> str:
+    """``url`` if it is an http:// or https:// URL with a host, else an error naming ``field``.
+
+    >>> check_http_url("https://hooks.example/alerts")
+    'https://hooks.example/alerts'
+    >>> check_http_url("ftp://hooks.example/")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: url: expected an http:// or https:// URL \
+(got 'ftp://hooks.example/')
+    """
+    problem = "expected an http:// or https:// URL"
+    if not isinstance(url, str):
+        raise InvalidInputError(field, url, problem)
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        _ = parts.port  # raises for a port out of range
+    except ValueError:  # an unclosed [ in an IPv6 host, a port out of range
+        ok = False
+    if not ok:
+        raise InvalidInputError(field, redact(url), problem)
+    return url

@@ -88,6 +88,7 @@ from mcp_budget_governor.ledger import (
     partition_key,
     partition_of,
 )
+from mcp_budget_governor.urls import parse_bootstrap as parse_bootstrap  # its home: urls.py
 
 from .outbox import Outbox
 from .record_log import DEFAULT_BATCH_INTERVAL, Flusher, Position, warn_unclosed
@@ -118,23 +119,6 @@ class LedgerStats:
     outbox_pending: int = 0
     kafka_up: bool = False
     last_error: str | None = field(default=None)
-
-
-def parse_bootstrap(url: str) -> str:
-    """``kafka://h1:9092,h2:9092`` or ``h1:9092,h2:9092`` -> ``h1:9092,h2:9092``."""
-    text = url.strip()
-    if "://" in text:
-        scheme, _, text = text.partition("://")
-        if scheme != "kafka":
-            raise InvalidInputError("bootstrap", url, "expected kafka://host:port[,host:port]")
-    hosts = [h.strip() for h in text.rstrip("/").split(",") if h.strip()]
-    if not hosts:
-        raise InvalidInputError("bootstrap", url, "expected host:port[,host:port]")
-    for host in hosts:
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidInputError("bootstrap", url, f"{host!r} is not host:port")
-    return ",".join(hosts)
 
 
 def _partition_key(entry: LedgerEntry) -> bytes:

@@ -42,6 +42,7 @@ from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
 from mcp_budget_governor.producers.record_log import RecordLog
 from mcp_budget_governor.projections.sql_quote import quote_ident, quote_string
+from mcp_budget_governor.settings import SETTINGS
 from mcp_budget_governor.stream.archiver import CHARGE_COLUMNS, SCHEMA, ledger_table
 
 __all__ = [
@@ -327,8 +328,8 @@ def open_ledger(
     """
     if archive_dir is None and ledger_dir is None:
         raise LedgerError(
-            "no ledger given: an archive folder (--archive-dir, MCPBG_ARCHIVE_DIR) "
-            "or a file-ledger folder (--ledger-dir, MCPBG_LEDGER_DIR)"
+            f"no ledger given: an archive folder (--archive-dir, {SETTINGS['archive_dir'].env}) "
+            f"or a file-ledger folder (--ledger-dir, {SETTINGS['ledger_dir'].env})"
         )
     ranged = since is not None or until is not None
     first, last = range_days(since, until)

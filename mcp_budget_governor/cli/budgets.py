@@ -15,7 +15,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .ledger_args import add_redis_option, required
+from .ledger_args import add_option, add_redis_option, required
 from .render import install_hint
 
 if TYPE_CHECKING:
@@ -34,9 +34,7 @@ def register(sub: Any) -> None:
         "Redis (a bounded SCAN of mcpbg:v1:*) in its current period. Exit code 1 when "
         "any row is exceeded.",
     )
-    p.add_argument(
-        "--policy", help="the policy: a .toml file or package.module:attribute (env MCPBG_POLICY)"
-    )
+    add_option(p, "policy", "the policy: a .toml file or package.module:attribute")
     add_redis_option(p)
     for scope in _SCOPES:
         p.add_argument(f"--{scope}", help=f"only the counters of this {scope}")

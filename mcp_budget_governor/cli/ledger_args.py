@@ -2,58 +2,51 @@
 
 (replay, reconcile, costs, sql, export, budgets.)
 
-Each option falls back to its ``MCPBG_*`` environment variable, the names
-``mcpbg worker`` uses, so one environment serves every command.
+Each option falls back to its environment variable, from the one settings
+table (:mod:`mcp_budget_governor.settings`) ``mcpbg worker`` reads too, so
+one environment serves every command; help texts name the variable and the
+default from there.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import TYPE_CHECKING, Any
 
 from mcp_budget_governor.ledger import DEFAULT_TOPIC as DEFAULT_TOPIC  # the one default
+from mcp_budget_governor.settings import SETTINGS, env_value
 
 if TYPE_CHECKING:
     from datetime import datetime
 
     import duckdb
 
-#: option -> environment variable
-ENV = {
-    "archive_dir": "MCPBG_ARCHIVE_DIR",
-    "ledger_dir": "MCPBG_LEDGER_DIR",
-    "redis_url": "MCPBG_REDIS_URL",
-    "kafka_url": "MCPBG_KAFKA_URL",
-    "topic": "MCPBG_TOPIC",
-    "policy": "MCPBG_POLICY",
-}
+
+def add_option(p: Any, name: str, text: str | None = None) -> None:
+    """The option of setting ``name``; help ``text`` (else the table's), default, variable."""
+    setting = SETTINGS[name]
+    p.add_argument(setting.option, help=setting.describe(text))
 
 
 def add_ledger_options(p: Any) -> None:
     """``--archive-dir`` and ``--ledger-dir``."""
-    p.add_argument(
-        "--archive-dir",
-        help="the Parquet archive the worker writes (env MCPBG_ARCHIVE_DIR)",
-    )
-    p.add_argument(
-        "--ledger-dir",
-        help="the embedded mode's file-ledger folder (env MCPBG_LEDGER_DIR)",
-    )
+    add_option(p, "archive_dir", "the Parquet archive the worker writes")
+    add_option(p, "ledger_dir")
 
 
 def add_redis_option(p: Any) -> None:
     """``--redis-url``."""
-    p.add_argument(
-        "--redis-url", help="the counters' Redis, redis://host:port/db (env MCPBG_REDIS_URL)"
-    )
+    add_option(p, "redis_url")
 
 
 def setting(args: argparse.Namespace, name: str) -> str | None:
-    """The option's value, else its environment variable's (empty counts as unset)."""
+    """The option's value, else its environment variable's (empty counts as unset),
+    else the table's default (None when it has none)."""
     value = getattr(args, name, None)
     if value is None:
-        value = os.environ.get(ENV[name], "").strip() or None
+        value = env_value(name)
+    if value is None:
+        value = SETTINGS[name].default or None
     return value
 
 
@@ -63,8 +56,8 @@ def required(args: argparse.Namespace, name: str, what: str) -> str:
 
     value = setting(args, name)
     if value is None:
-        option = "--" + name.replace("_", "-")
-        raise InvalidInputError(option, None, f"required: {what} (or set {ENV[name]})")
+        s = SETTINGS[name]
+        raise InvalidInputError(s.option, None, f"required: {what} (or set {s.env})")
     return value
 
 

@@ -17,9 +17,11 @@ import json
 import sys
 from typing import Any
 
+from ..settings import SETTINGS
 from .ledger_args import (
     DEFAULT_TOPIC,
     add_ledger_options,
+    add_option,
     add_redis_option,
     open_ledger_from,
     required,
@@ -51,12 +53,13 @@ def register(sub: Any) -> None:
         help="an in-flight entry with no ledger event is orphaned past this age "
         "(default 600; longer than any outbox backlog or worker lag you expect)",
     )
-    p.add_argument(
-        "--kafka-url",
-        help="with --fix: the broker to append recovery events to, kafka://host:port "
-        "(env MCPBG_KAFKA_URL); without it, --ledger-dir's file ledger is appended to",
+    add_option(
+        p,
+        "kafka_url",
+        "with --fix: the broker to append recovery events to, kafka://host:port; "
+        "without it, --ledger-dir's file ledger is appended to",
     )
-    p.add_argument("--topic", help=f"the ledger topic (default {DEFAULT_TOPIC}; env MCPBG_TOPIC)")
+    add_option(p, "topic", "the ledger topic")
     p.add_argument("--show", type=int, default=100, help="drifting keys listed (default 100)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
@@ -197,7 +200,7 @@ def _settle(args: argparse.Namespace, orphans: list[Any], meta: Any) -> tuple[in
             "--kafka-url",
             None,
             "required by --fix to settle orphans: the ledger to append recovery events to "
-            "(or set MCPBG_KAFKA_URL, or give --ledger-dir for the file ledger)",
+            f"(or set {SETTINGS['kafka_url'].env}, or give --ledger-dir for the file ledger)",
         )
     asyncio.run(_append(kafka_url, setting(args, "topic"), ledger_dir, entries))
     return len(entries), unfixable

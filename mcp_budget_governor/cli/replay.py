@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from .ledger_args import (
     DEFAULT_TOPIC,
     add_ledger_options,
+    add_option,
     add_redis_option,
     required,
     setting,
@@ -50,8 +51,8 @@ def register(sub: Any) -> None:
     )
     add_redis_option(p)
     add_ledger_options(p)
-    p.add_argument("--kafka-url", help="Kafka bootstrap, kafka://host:port (env MCPBG_KAFKA_URL)")
-    p.add_argument("--topic", help=f"the ledger topic (default {DEFAULT_TOPIC}; env MCPBG_TOPIC)")
+    add_option(p, "kafka_url", "Kafka bootstrap, kafka://host:port")
+    add_option(p, "topic", "the ledger topic")
     p.set_defaults(run=run)
 
 

@@ -6,19 +6,24 @@ import argparse
 import sys
 from typing import Any
 
+from ..settings import SETTINGS
+from ..stream.config import NAMES as OPTIONS  # core only: --help needs no stream extra
 from .render import install_hint
+
+__all__ = ["OPTIONS", "register", "run"]
 
 
 def register(sub: Any) -> None:
     worker = sub.add_parser(
         "worker",
         help="project the ledger topic into the Redis counters (a consumer group member)",
-        description="Each option may also be given as the environment variable "
-        "MCPBG_<OPTION> (e.g. MCPBG_KAFKA_URL); the option wins. SIGTERM stops "
+        description="Each option may also be given as the environment variable its help "
+        "names; the option wins. Every bad setting is reported at once. SIGTERM stops "
         "gracefully: the batch in hand is applied and committed, exit code 0.",
     )
-    for name, (kind, text) in OPTIONS.items():
-        worker.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text)
+    for name in OPTIONS:
+        setting = SETTINGS[name]
+        worker.add_argument(setting.option, type=setting.kind, help=setting.describe())
     worker.set_defaults(run=run)
 
 
@@ -41,34 +46,3 @@ def run(args: argparse.Namespace) -> int:
     if config.policy:
         load_policy(config.policy)  # a bad policy is one line now, not a log after connecting
     return run_worker(config)
-
-
-#: ``mcpbg worker`` options: name, type, help. Each also reads MCPBG_<NAME>.
-OPTIONS: dict[str, tuple[type, str]] = {
-    "kafka_url": (str, "Kafka bootstrap, kafka://host:port[,host:port]"),
-    "redis_url": (str, "the counters' Redis, redis://host:port/db"),
-    "topic": (str, "the ledger topic (default mcpbg.ledger); dead letters go to <topic>.dlq"),
-    "group": (str, "consumer group shared by the workers (default mcpbg-projector)"),
-    "batch_size": (int, "most records applied in one Redis call (default 500)"),
-    "batch_wait": (float, "seconds to wait for records when none are fetched (default 0.2)"),
-    "fetch_max_wait_ms": (
-        int,
-        "how long the broker may hold a fetch that has no data yet (default 50)",
-    ),
-    "session_timeout_ms": (int, "group session timeout (default 10000)"),
-    "heartbeat_interval_ms": (int, "group heartbeat interval (default 3000)"),
-    "progress_interval": (float, "seconds between progress log lines, 0 for none (default 10)"),
-    "redis_timeout": (float, "seconds one Redis call may take (default 5)"),
-    "topic_wait": (float, "seconds to wait at start for the topic to exist (default 60)"),
-    "log_level": (str, "debug, info, warning or error (default info)"),
-    "policy": (str, "the policy (a .toml file or package.module:attribute) whose levels alert"),
-    "alert_webhook": (str, "http(s) URL each alert is POSTed to (CloudEvent JSON)"),
-    "alert_topic": (str, "Kafka topic for alerts (default mcpbg.alerts; '' for none)"),
-    "archive_dir": (str, "folder for the Parquet archive, written before each batch applies"),
-    "metrics_port": (int, "serve Prometheus metrics on this port (default 0: off)"),
-    "partitions": (
-        int,
-        "create the ledger topic with this many partitions if missing (default 0: wait)",
-    ),
-    "concurrency": (int, "partitions whose batches are applied at once (default 1)"),
-}

@@ -26,13 +26,12 @@ import duckdb
 import redis
 
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
-from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.errors import BackendUnavailableError, GovernorError
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
 from mcp_budget_governor.ledger import new_id
 
 from ..ledger_view import query_error
 from .sync import (
-    RedisUnavailableError,
     is_current,
     ledger_ids,
     ledger_totals,
@@ -214,7 +213,7 @@ def rebuild_from_ledger(
         result.epoch = new_id()
         client.set(EPOCH_KEY, result.epoch)
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+        raise BackendUnavailableError.redis(exc) from None
     result.seconds = time.perf_counter() - started
     return result
 

@@ -116,7 +116,7 @@ class RedisBackend:
         try:
             return await script(keys=keys, args=args)
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+            raise BackendUnavailableError.redis(exc) from exc
 
     def _charge_args(
         self, ops: Sequence[CounterOp], want_used: bool, with_op: bool
@@ -181,7 +181,7 @@ class RedisBackend:
                 await self.client.script_load(self._charge.script)
                 reply = await self._execute("EVALSHA", *args)
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+            raise BackendUnavailableError.redis(exc) from exc
         head_value = int(reply[0])
         if head_value == 0 and len(reply) == 1:
             return _ADMITTED
@@ -258,7 +258,7 @@ class RedisBackend:
                 pipe.getrange(EPOCH_KEY, 0, 64)  # WRONGTYPE on a hash: returned, not raised
                 kind, value = await pipe.execute(raise_on_error=False)
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+            raise BackendUnavailableError.redis(exc) from exc
         if kind not in (b"string", "string") or isinstance(value, Exception):
             return False
         text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
@@ -271,13 +271,13 @@ class RedisBackend:
         try:
             await self.client.set(EPOCH_KEY, epoch)
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+            raise BackendUnavailableError.redis(exc) from exc
 
     async def state(self, key: str) -> CounterState:
         try:
             raw = await self.client.hgetall(key)
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+            raise BackendUnavailableError.redis(exc) from exc
         fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
         return CounterState(fields.get("c", 0), fields.get("f", 0), pending)
@@ -300,7 +300,7 @@ class RedisBackend:
                 if len(found) >= limit:
                     break
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+            raise BackendUnavailableError.redis(exc) from exc
         return sorted(found)
 
     async def watermark(self, partition: str) -> int:

@@ -29,7 +29,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import redis
 from redis import exceptions as redis_errors
 
-from mcp_budget_governor.errors import GovernorError, InvalidInputError
+from mcp_budget_governor.errors import BackendUnavailableError, GovernorError, InvalidInputError
 from mcp_budget_governor.keys import INTERNAL_PREFIX, PREFIX, WATERMARK_KEY
 from mcp_budget_governor.lua import source
 from mcp_budget_governor.urls import check_redis_url, redact
@@ -59,8 +59,8 @@ class ConcurrentProjectionError(GovernorError):
     """A projector applied events while counters were being rewritten: nothing was written."""
 
 
-class RedisUnavailableError(GovernorError):
-    """The counters' Redis could not be reached."""
+#: The old name of "the counters' Redis could not be reached": one class now.
+RedisUnavailableError = BackendUnavailableError
 
 
 def redis_client(url: str) -> redis.Redis:
@@ -72,7 +72,7 @@ def redis_client(url: str) -> redis.Redis:
     except redis_errors.ResponseError as exc:  # e.g. a database index the server lacks
         raise InvalidInputError("--redis-url", redact(url), f"refused: {exc}") from None
     except (ValueError, *_UNAVAILABLE) as exc:
-        raise RedisUnavailableError(f"redis {redact(url)}: {exc}") from None
+        raise BackendUnavailableError.redis(exc, url) from None
     return client
 
 
@@ -186,7 +186,7 @@ def scan_counter_keys(client: redis.Redis) -> set[str]:
             if not (raw.decode() if isinstance(raw, bytes) else raw).startswith(INTERNAL_PREFIX)
         }
     except _UNAVAILABLE as exc:
-        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+        raise BackendUnavailableError.redis(exc) from None
 
 
 def _decode(value: bytes | str) -> str:
@@ -230,7 +230,7 @@ def snapshot(client: redis.Redis, keys: Iterable[str], *, atomic: bool = True) -
                 pipe = client.pipeline(transaction=False)
         head.extend(pipe.execute())
     except _UNAVAILABLE as exc:
-        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+        raise BackendUnavailableError.redis(exc) from None
     clock: Any = head[0]
     seconds = int(clock[0])
     marks = {_decode(k): int(v) for k, v in head[1].items()}  # type: ignore[attr-defined]
@@ -295,7 +295,7 @@ def write_counters(
             if progress is not None:
                 progress(len(block))
     except _UNAVAILABLE as exc:
-        raise RedisUnavailableError(f"redis unreachable: {exc}") from None
+        raise BackendUnavailableError.redis(exc) from None
 
 
 def _watermarks(client: redis.Redis) -> dict[str, int]:

@@ -102,5 +102,5 @@ class RedisDeduper:
                     pipe.set(mark.key, stamp, nx=True, exat=mark.expire_at)
                 replies: list[Any] = await pipe.execute()
         except self._unavailable as exc:
-            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+            raise BackendUnavailableError.redis(exc) from exc
         return [bool(reply) for reply in replies]

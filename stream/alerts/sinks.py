@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import rfc3339
+from mcp_budget_governor.urls import check_http_url
 
 from .event import Alert
 
@@ -260,9 +261,7 @@ class WebhookSink:
         max_backoff: float = 10.0,
         headers: dict[str, str] | None = None,
     ) -> None:
-        parts = urlsplit(url) if isinstance(url, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidInputError("url", url, "expected an http:// or https:// URL")
+        parts = urlsplit(check_http_url(url))
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
             raise InvalidInputError("timeout", timeout, "expected seconds > 0")
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
