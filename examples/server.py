@@ -7,7 +7,10 @@ configured like ``mcpbg`` by environment variables:
 - ``MCPBG_KAFKA_URL``  the ledger's Kafka (``kafka://host:9092``), required;
 - ``MCPBG_TOPIC``      the ledger topic (default ``mcpbg.ledger``);
 - ``MCPBG_POLICY``     the policy file (default ``policy.toml`` next to this file);
-- ``MCPBG_OUTBOX_DIR`` the ledger's durable outbox (default ``./mcpbg-outbox``).
+- ``MCPBG_OUTBOX_DIR`` the ledger's durable outbox (default ``./mcpbg-outbox``);
+- ``MCPBG_POLICY_POLL`` seconds between looks at the policy file (default 5,
+  0: only on SIGHUP). A changed file is reloaded; an invalid one is logged
+  with its line and the previous policy stays.
 
 Run ``mcpbg worker`` with the same variables to project the ledger into Redis:
 the counters are created with ``require_epoch=True``, so until the worker has
@@ -40,10 +43,18 @@ from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBack
 from mcp_budget_governor.integrations.fastmcp import META_KEY, BudgetMiddleware
 from mcp_budget_governor.integrations.flow import governed_context
 from mcp_budget_governor.ledger import DEFAULT_TOPIC
+from mcp_budget_governor.policy_reload import PolicyWatcher, poll_interval
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 
 #: The environment variables this server reads (the same names as ``mcpbg``).
-ENV = ("MCPBG_REDIS_URL", "MCPBG_KAFKA_URL", "MCPBG_TOPIC", "MCPBG_POLICY", "MCPBG_OUTBOX_DIR")
+ENV = (
+    "MCPBG_REDIS_URL",
+    "MCPBG_KAFKA_URL",
+    "MCPBG_TOPIC",
+    "MCPBG_POLICY",
+    "MCPBG_OUTBOX_DIR",
+    "MCPBG_POLICY_POLL",
+)
 
 MODEL = "claude-sonnet-4-5"
 SEARCH_PRICE = usd(0.004)  # what one search costs us, declared in the tool's meta
@@ -75,7 +86,9 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     )
     backend = RedisBackend.from_url(environ["MCPBG_REDIS_URL"], require_epoch=True)
     governor = Governor(policy, backend, ledger=ledger, prices=prices)
-    money = spend_limits(policy)
+    watcher = PolicyWatcher(
+        policy_path, governor.replace_policy, current=policy, interval=poll_interval(environ)
+    )
 
     async def cost(context: Any, result: Any) -> dict[str, int] | None:
         # A tool that called a model reports its usage: meter its tokens on every
@@ -86,7 +99,7 @@ def build(environ: Mapping[str, str]) -> FastMCP:
         if not usage:
             return None
         await governor.meter_tokens(
-            money,
+            spend_limits(governor.policy),  # the policy in force: it may have been reloaded
             usage["model"],
             input_tokens=usage["input_tokens"],
             output_tokens=usage["output_tokens"],
@@ -97,14 +110,15 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     @asynccontextmanager
     async def lifespan(_: FastMCP) -> AsyncIterator[None]:
         try:
-            yield
+            async with watcher:  # SIGHUP or a changed file: governor.replace_policy
+                yield
         finally:
             await governor.aclose()  # ships what the ledger holds, closes Redis
 
     server = FastMCP("mcpbg-example", lifespan=lifespan)
     server.add_middleware(BudgetMiddleware(governor, identify=identify, cost=cost))
 
-    @server.tool(meta={META_KEY: {"cost": SEARCH_PRICE, "limit": money}})
+    @server.tool(meta={META_KEY: {"cost": SEARCH_PRICE, "limit": spend_limits(policy)}})
     def search(query: str) -> str:
         """Search the web (an example: returns a canned answer)."""
         return f"3 results for {query!r}"
@@ -126,7 +140,8 @@ def build(environ: Mapping[str, str]) -> FastMCP:
             await backend.client.ping()
         except Exception as exc:  # report any failure as unhealthy, never crash the probe
             return JSONResponse({"status": "unhealthy", "redis": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok", "policy": policy_path, "limits": len(policy)})
+        limits = len(governor.policy)
+        return JSONResponse({"status": "ok", "policy": policy_path, "limits": limits})
 
     return server
 
