@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -303,3 +304,68 @@ async def test_billing_day_month_rolls_over_across_dst(counted: tuple[Backend, s
     clock[0] = end - 1
     assert (await gov.check(Context(tenant="acme"))).admitted
     assert await gov.usage(limit.name, Context(tenant="acme")) == 1
+
+
+async def test_budgets_list_each_value_in_its_own_billing_period() -> None:
+    """``mcpbg budgets`` without values lists per-value-anchored counters of their own
+    current period, and shows weeks and billing months as people read them."""
+    from mcp_budget_governor.projections.budgets import budget_report, period
+
+    clock = [utc(2026, 11, 18, 12)]
+    backend = MemoryBackend(clock=lambda: clock[0])
+    month = Limit("tm", cap=10, window=Window.MONTH, scope=Scope.TENANT, anchors={"acme": 20})
+    week = Limit("uw", cap=10, window=Window.WEEK, scope=Scope.USER)
+    policy = Policy.of(month, week, timezone="Europe/Berlin")
+    gov = Governor(policy, backend, clock=lambda: clock[0])
+    for tenant in ("acme", "initech"):
+        assert (await gov.check(Context(tenant=tenant, user=f"u-{tenant}"))).admitted
+    report = await budget_report(policy, backend, now=clock[0])
+    rows = {(r.limit.name, r.values): r for r in report.rows}
+    assert set(rows) == {
+        ("tm", ("acme",)),
+        ("tm", ("initech",)),
+        ("uw", ("u-acme",)),
+        ("uw", ("u-initech",)),
+    }
+    acme, initech = rows[("tm", ("acme",))], rows[("tm", ("initech",))]
+    assert acme.key.endswith(":202610+20@Europe/Berlin") and acme.spent == 1
+    assert initech.key.endswith(":202611@Europe/Berlin") and initech.spent == 1
+    assert period(Window.MONTH, acme.bucket, BERLIN) == "2026-10-20 to 2026-11-19 (Europe/Berlin)"
+    assert period(Window.MONTH, initech.bucket, BERLIN) == "2026-11 (Europe/Berlin)"
+    assert period(Window.WEEK, rows[("uw", ("u-acme",))].bucket, BERLIN) == (
+        "2026-W47 (Europe/Berlin)"
+    )
+    # Once acme's period has ended, its old counter is no current row.
+    clock[0] = utc(2026, 11, 20, 12)
+    report = await budget_report(policy, backend, now=clock[0])
+    assert ("tm", ("acme",)) not in {(r.limit.name, r.values) for r in report.rows}
+
+
+def test_costs_by_iso_week(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mcpbg costs --by week``: spend per ISO week (UTC), equal to sums made without DuckDB."""
+    import json
+    import sys
+    from collections import defaultdict
+
+    import pyarrow.parquet as pq
+
+    from mcp_budget_governor.cli import main
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from ledger_gen import write_archive
+
+    archive = write_archive(tmp_path / "archive", 1500, seed=5, month="2026-11").directory
+    table = pq.ParquetDataset(archive).read()
+    data = {name: table.column(name).to_pylist() for name in ("limit", "amount", "time")}
+    want: dict[str, int] = defaultdict(int)
+    for limit, amount, at in zip(data["limit"], data["amount"], data["time"], strict=True):
+        if limit == "spend":
+            iso = at.astimezone(UTC).isocalendar()
+            want[f"{iso.year}-W{iso.week:02d}"] += amount
+    assert main(["costs", "--archive-dir", str(archive), "--by", "week", "--json",
+                 "--limit", "spend"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    (rows,) = report.values()
+    assert {r["week"]: r["usd_micros"] for r in rows} == dict(want)
+    assert [r["week"] for r in rows] == sorted(want)  # in time order
+    assert len(want) >= 4  # November spans five ISO weeks
