@@ -370,3 +370,33 @@ def test_the_example_server_reloads_its_policy(server: Server) -> None:
     server.proc.send_signal(signal.SIGHUP)  # handled: a reload, not the default (terminate)
     server.wait_health('"limits":2')
     assert server.proc.poll() is None
+
+
+async def test_an_integration_follows_the_replaced_policy(backend: Backend) -> None:
+    """The ASGI middleware reads ``governor.policy`` per request: a reload needs no rewiring."""
+    import httpx2 as httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from mcp_budget_governor.integrations.asgi import BudgetASGIMiddleware
+
+    async def hello(request: Request) -> PlainTextResponse:
+        return PlainTextResponse("hello")
+
+    name = f"calls_{uuid.uuid4().hex[:8]}"
+    gov = Governor(Policy.of(Limit(name, cap=5, window=Window.DAY, scope="user")), backend)
+    app = BudgetASGIMiddleware(
+        Starlette(routes=[Route("/hello", hello)]),
+        gov,
+        identify=lambda scope: Context(user="u1"),
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        assert [(await client.get("/hello")).status_code for _ in range(2)] == [200, 200]
+        gov.replace_policy(Policy.of(Limit(name, cap=2, window=Window.DAY, scope="user")))
+        assert (await client.get("/hello")).status_code == 429
+        gov.replace_policy(Policy.of(Limit(name, cap=4, window=Window.DAY, scope="user")))
+        assert (await client.get("/hello")).status_code == 200
+    await gov.aclose()
