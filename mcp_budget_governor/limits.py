@@ -13,10 +13,9 @@ mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must not be negative
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from types import MappingProxyType
 from typing import Any
 
 from .errors import PolicyError
@@ -89,7 +88,7 @@ class Limit:
     anchor_day: int | None = None
     #: Billing days of particular scope values (``{"acme": 15}``; composite scopes
     #: name every part: ``"tenant=acme,user=u_42"``); the others get ``anchor_day``.
-    anchors: Mapping[str, int] = field(default_factory=dict, hash=False)
+    anchors: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         name = self.name
@@ -174,6 +173,39 @@ class Limit:
         return 1 if self.gated and self.unit is Unit.CALLS else 0
 
 
+class FrozenMap(Mapping[str, int]):
+    """A read-only, hashable, picklable mapping (a limit is a frozen value)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, int]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> int:
+        return self._items[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._items.get(key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and self._items == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
+_EMPTY = FrozenMap({})
+
+
 def anchor_key(dims: Dimensions, values: tuple[str, ...]) -> str:
     """How :attr:`Limit.anchors` names a counter: the value, or ``dim=value,...``."""
     if len(dims) == 1:
@@ -184,7 +216,7 @@ def anchor_key(dims: Dimensions, values: tuple[str, ...]) -> str:
 def _anchors(limit: Limit, where: str) -> Mapping[str, int]:
     """Check ``anchor_day`` and ``anchors``: billing days of a MONTH limit with a scope."""
     if limit.anchor_day is None and not limit.anchors:
-        return MappingProxyType({})
+        return _EMPTY
     field_name = f"{where}.anchor_day" if limit.anchor_day is not None else f"{where}.anchors"
     if limit.window is not Window.MONTH:
         shown = limit.anchor_day if limit.anchor_day is not None else limit.anchors
@@ -210,7 +242,7 @@ def _anchors(limit: Limit, where: str) -> Mapping[str, int]:
                 raise PolicyError(f"{where}.anchors", value, f"expected {names}")
             value = anchor_key(dims, tuple(parts[d.value] for d in dims))
         out[value] = check_anchor(day, f"{where}.anchors.{value}")
-    return MappingProxyType(out)
+    return FrozenMap(out)
 
 
 def _levels(levels: Any, field_name: str) -> tuple[int, ...]:

@@ -8,6 +8,8 @@ Expected instants are written as UTC wall clocks with the zone's known offsets
 
 from __future__ import annotations
 
+import copy
+import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -151,6 +153,10 @@ def test_per_value_anchors_pick_the_counter_bucket() -> None:
     )
     assert both.anchors == {"tenant=acme,user=u1": 3}  # stored in canonical order
     assert both.anchor_for(("acme", "u1")) == 3 and both.anchor_for(("acme", "u2")) == 1
+    # A limit stays a frozen value: hashable, picklable (spawned workers get policies).
+    assert pickle.loads(pickle.dumps(both)) == both and hash(both) == hash(copy.deepcopy(both))
+    with pytest.raises(TypeError):
+        both.anchors["tenant=acme,user=u9"] = 4  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
