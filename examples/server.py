@@ -4,7 +4,9 @@ FastMCP over streamable HTTP (``/mcp``) with a health endpoint (``/health``),
 configured like ``mcpbg`` by the environment variables of :data:`SETTINGS`
 (names, defaults and help in ``mcp_budget_governor.settings``): the counters'
 Redis and the ledger's Kafka (both required), the ledger topic, the policy
-file (default ``policy.toml`` next to this file) and the ledger's outbox.
+file (default ``policy.toml`` next to this file) and the ledger's outbox, and how often
+to look at the policy file for a change (a changed file is reloaded, an
+invalid one is logged with its line and the previous policy stays).
 Every bad or missing one is reported at once.
 
 Run ``mcpbg worker`` with the same variables to project the ledger into Redis:
@@ -38,12 +40,13 @@ from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBack
 from mcp_budget_governor.errors import SettingsError
 from mcp_budget_governor.integrations.fastmcp import META_KEY, BudgetMiddleware
 from mcp_budget_governor.integrations.flow import governed_context
+from mcp_budget_governor.policy_reload import PolicyWatcher
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.settings import SETTINGS as TABLE
 from mcp_budget_governor.settings import resolve
 
 #: The settings this server reads, from the table ``mcpbg`` reads.
-SETTINGS = ("redis_url", "kafka_url", "topic", "policy", "outbox_dir")
+SETTINGS = ("redis_url", "kafka_url", "topic", "policy", "outbox_dir", "policy_poll")
 #: Their environment variables.
 ENV = tuple(TABLE[name].env for name in SETTINGS)
 
@@ -76,7 +79,9 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     )
     backend = RedisBackend.from_url(settings["redis_url"], require_epoch=True)
     governor = Governor(policy, backend, ledger=ledger, prices=prices)
-    money = spend_limits(policy)
+    watcher = PolicyWatcher(
+        policy_path, governor.replace_policy, current=policy, interval=settings["policy_poll"]
+    )
 
     async def cost(context: Any, result: Any) -> dict[str, int] | None:
         # A tool that called a model reports its usage: meter its tokens on every
@@ -87,7 +92,7 @@ def build(environ: Mapping[str, str]) -> FastMCP:
         if not usage:
             return None
         await governor.meter_tokens(
-            money,
+            spend_limits(governor.policy),  # the policy in force: it may have been reloaded
             usage["model"],
             input_tokens=usage["input_tokens"],
             output_tokens=usage["output_tokens"],
@@ -98,14 +103,15 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     @asynccontextmanager
     async def lifespan(_: FastMCP) -> AsyncIterator[None]:
         try:
-            yield
+            async with watcher:  # SIGHUP or a changed file: governor.replace_policy
+                yield
         finally:
             await governor.aclose()  # ships what the ledger holds, closes Redis
 
     server = FastMCP("mcpbg-example", lifespan=lifespan)
     server.add_middleware(BudgetMiddleware(governor, identify=identify, cost=cost))
 
-    @server.tool(meta={META_KEY: {"cost": SEARCH_PRICE, "limit": money}})
+    @server.tool(meta={META_KEY: {"cost": SEARCH_PRICE, "limit": spend_limits(policy)}})
     def search(query: str) -> str:
         """Search the web (an example: returns a canned answer)."""
         return f"3 results for {query!r}"
@@ -127,7 +133,8 @@ def build(environ: Mapping[str, str]) -> FastMCP:
             await backend.client.ping()
         except Exception as exc:  # report any failure as unhealthy, never crash the probe
             return JSONResponse({"status": "unhealthy", "redis": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok", "policy": policy_path, "limits": len(policy)})
+        limits = len(governor.policy)
+        return JSONResponse({"status": "ok", "policy": policy_path, "limits": limits})
 
     return server
 

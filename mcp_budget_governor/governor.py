@@ -88,6 +88,23 @@ class Governor(Metering[MeterResult]):
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
 
+    def replace_policy(self, policy: Policy) -> Policy:
+        """Govern every call from now on by ``policy`` (a reload); returns the old one.
+
+        Calls already past their check keep what they were admitted under: a
+        reservation settles or releases on the counter it was admitted against,
+        even when the new policy changes or drops its limit, so held spend is
+        never lost. A limit kept by name keeps its counters (a lower cap refuses
+        the next call, nothing is taken back); a changed window, scope, time
+        zone or billing day counts in other keys from the next call on. Meters
+        naming a dropped limit raise :class:`PolicyError` like any unknown limit.
+        """
+        if not isinstance(policy, Policy):
+            raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
+        old, self.policy = self.policy, policy
+        self._plans.clear()  # plans hold limits and caps of the old policy
+        return old
+
     # -- the hot path -------------------------------------------------------
 
     async def check(self, ctx: Context | None = None, *, amount: int = 1) -> Decision:

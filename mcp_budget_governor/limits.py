@@ -13,7 +13,7 @@ mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must not be negative
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 from .errors import PolicyError
 from .money import MAX_AMOUNT, Unit
 from .scopes import Dimensions, Scope, normalize_scope
-from .windows import Window
+from .windows import Window, check_anchor
 
 # A leading "_" is reserved: the projection's own keys live at mcpbg:v1:_<name>.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
@@ -84,6 +84,11 @@ class Limit:
     status: int | None = None
     on_exceed: OnExceed = OnExceed.DENY
     alert_at: tuple[int, ...] = field(default=())
+    #: The billing day MONTH periods start on (None: the calendar month); see windows.py.
+    anchor_day: int | None = None
+    #: Billing days of particular scope values (``{"acme": 15}``; composite scopes
+    #: name every part: ``"tenant=acme,user=u_42"``); the others get ``anchor_day``.
+    anchors: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         name = self.name
@@ -120,9 +125,25 @@ class Limit:
         ):
             raise PolicyError(f"{where}.status", status, "expected an HTTP status from 400 to 599")
         set_(self, "alert_at", _levels(self.alert_at, f"{where}.alert_at"))
+        set_(self, "anchors", _anchors(self, where))
         if not self.gated and not self.breaker and self.on_exceed is OnExceed.DENY:
             # Metered-only limit: fine, check() never consults it; meter() records.
             pass
+
+    def anchor_for(self, values: tuple[str, ...]) -> int:
+        """The billing day of the counter for scope ``values``: the one rule mapping a
+        scope value to its MONTH period (a run-time anchor can feed :attr:`anchors`).
+
+        >>> lim = Limit("m", cap=1, window=Window.MONTH, scope=Scope.TENANT,
+        ...             anchor_day=5, anchors={"acme": 15})
+        >>> lim.anchor_for(("acme",)), lim.anchor_for(("initech",))
+        (15, 5)
+        """
+        if self.anchors:
+            found = self.anchors.get(anchor_key(self.dimensions, values))
+            if found is not None:
+                return found
+        return 1 if self.anchor_day is None else self.anchor_day
 
     @property
     def dimensions(self) -> Dimensions:
@@ -150,6 +171,78 @@ class Limit:
     def check_charge(self) -> int:
         """What one admitted check charges to this limit: a call, or nothing."""
         return 1 if self.gated and self.unit is Unit.CALLS else 0
+
+
+class FrozenMap(Mapping[str, int]):
+    """A read-only, hashable, picklable mapping (a limit is a frozen value)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, int]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> int:
+        return self._items[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._items.get(key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and self._items == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
+_EMPTY = FrozenMap({})
+
+
+def anchor_key(dims: Dimensions, values: tuple[str, ...]) -> str:
+    """How :attr:`Limit.anchors` names a counter: the value, or ``dim=value,...``."""
+    if len(dims) == 1:
+        return values[0]
+    return ",".join(f"{d.value}={v}" for d, v in zip(dims, values, strict=True))
+
+
+def _anchors(limit: Limit, where: str) -> Mapping[str, int]:
+    """Check ``anchor_day`` and ``anchors``: billing days of a MONTH limit with a scope."""
+    if limit.anchor_day is None and not limit.anchors:
+        return _EMPTY
+    field_name = f"{where}.anchor_day" if limit.anchor_day is not None else f"{where}.anchors"
+    if limit.window is not Window.MONTH:
+        shown = limit.anchor_day if limit.anchor_day is not None else limit.anchors
+        raise PolicyError(
+            field_name, shown, f"billing days apply to month windows, not {limit.window.value}"
+        )
+    if limit.anchor_day is not None:
+        check_anchor(limit.anchor_day, f"{where}.anchor_day")
+    anchors = limit.anchors
+    if not isinstance(anchors, Mapping):
+        raise PolicyError(f"{where}.anchors", anchors, "expected a mapping of scope value -> day")
+    if anchors and not limit.dimensions:
+        raise PolicyError(f"{where}.anchors", dict(anchors), "a global limit has no scope values")
+    out: dict[str, int] = {}
+    dims = limit.dimensions
+    for value, day in anchors.items():
+        if not isinstance(value, str):
+            raise PolicyError(f"{where}.anchors", value, "expected a scope value (a string)")
+        if len(dims) > 1:
+            parts = dict(p.partition("=")[::2] for p in value.split(","))
+            if sorted(parts) != sorted(d.value for d in dims):
+                names = ",".join(f"{d.value}=..." for d in dims)
+                raise PolicyError(f"{where}.anchors", value, f"expected {names}")
+            value = anchor_key(dims, tuple(parts[d.value] for d in dims))
+        out[value] = check_anchor(day, f"{where}.anchors.{value}")
+    return FrozenMap(out)
 
 
 def _levels(levels: Any, field_name: str) -> tuple[int, ...]:

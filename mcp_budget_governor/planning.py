@@ -68,7 +68,7 @@ def slot(
     values = scope_values(limit.dimensions, ctx)
     if values is None:
         return None
-    bucket = bucket_for(limit.window, now, tz)
+    bucket = bucket_for(limit.window, now, tz, limit.anchor_for(values))
     key = counter_key(limit.name, scope_segment(limit.dimensions, values), bucket.label)
     return Slot(limit, key, bucket, amount, enforce, bucket.expire_at(now))
 

@@ -138,7 +138,7 @@ class Policy:
 
     @property
     def tz(self) -> tzinfo:
-        """The resolved time zone for DAY and MONTH buckets."""
+        """The resolved time zone for DAY, WEEK and MONTH buckets."""
         tz: tzinfo = self.__dict__["_tz"]
         return tz
 

@@ -274,7 +274,8 @@ class _Builder:
             # A cap_usd was range-checked in dollars (dollars()) before Limit saw micros.
             if key == "cap" and isinstance(value, float | str):
                 problem = 'expected a whole number (for money write cap_usd = "25.00")'
-            return self.error(("limits", index, key), value, problem)
+            # A nested key (anchors.acme) keeps its own line.
+            return self.error(("limits", index, *key.split(".", 1)), value, problem)
         if field.startswith("Policy."):
             return self.error((field.removeprefix("Policy."),), value, exc.problem)
         return self.error((), value, f"{field}: {exc.problem}")

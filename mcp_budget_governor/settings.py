@@ -118,6 +118,11 @@ def _seconds(value: Any) -> None:
         raise InvalidInputError("", value, "expected seconds >= 0")
 
 
+def _poll_seconds(value: Any) -> None:
+    if not _number(value) or not math.isfinite(value) or not 0 <= value <= 86_400:
+        raise InvalidInputError("", value, "expected seconds from 0 to 86400")
+
+
 def _not_empty(value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise InvalidInputError("", value, "must not be empty")
@@ -232,6 +237,13 @@ SETTINGS: Mapping[str, Setting] = {
         ),
         Setting("ledger_dir", str, None, "the embedded mode's file-ledger folder"),
         Setting("outbox_dir", str, "mcpbg-outbox", "the ledger's durable local outbox folder"),
+        Setting(
+            "policy_poll",
+            float,
+            5.0,
+            "seconds between looks at the policy file for a change, 0: only on SIGHUP",
+            _poll_seconds,
+        ),
     )
 }
 

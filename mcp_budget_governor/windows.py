@@ -5,13 +5,27 @@ is part of the counter key, so tomorrow is simply another key and yesterday's
 expires on its own. Two replicas computing the bucket of one instant produce
 the same label by construction.
 
-MINUTE and HOUR buckets are always UTC. DAY and MONTH follow the policy's time
-zone (UTC by default); a non-UTC zone is part of the label so that changing
-the zone can never fold two different periods into one counter.
+MINUTE and HOUR buckets are always UTC. DAY, WEEK (ISO weeks, from Monday
+00:00) and MONTH follow the policy's time zone (UTC by default); a non-UTC
+zone is part of the label so that changing the zone can never fold two
+different periods into one counter.
+
+A MONTH may start on a billing day (its ``anchor``, 1 to 31): the period runs
+from that day at 00:00 to the same day of the next month. In a month too short
+for the day (31 in April, 29 to 31 in February) the period starts on the
+month's last day instead. The label is the month the period starts in, and the
+anchor when it is not 1, so calendar months keep their labels:
+
+>>> at = 1764442477.0  # 2025-11-29T18:54:37Z
+>>> [bucket_for(Window.MONTH, at, anchor=a).label for a in (1, 15, 30)]  # 30: since Oct 30
+['202511', '202511+15', '202510+30']
+>>> bucket_for(Window.WEEK, at, zone("Europe/Berlin")).label
+'2025W48@Europe/Berlin'
 """
 
 from __future__ import annotations
 
+import calendar
 import math
 import re
 from dataclasses import dataclass
@@ -35,6 +49,7 @@ class Window(StrEnum):
     MINUTE = "minute"
     HOUR = "hour"
     DAY = "day"
+    WEEK = "week"
     MONTH = "month"
     SESSION = "session"
 
@@ -89,8 +104,11 @@ def _tz_suffix(tz: tzinfo) -> str:
     return "" if tz is UTC else f"@{tz}"
 
 
-def bucket_for(window: Window, now: float, tz: tzinfo = UTC) -> Bucket:
+def bucket_for(window: Window, now: float, tz: tzinfo = UTC, anchor: int = 1) -> Bucket:
     """The bucket of ``window`` that contains the instant ``now`` (epoch seconds).
+
+    ``anchor`` is the day a MONTH period starts on (see the module's notes);
+    other windows ignore it.
 
     >>> bucket_for(Window.DAY, 1_764_374_400.0).label   # 2025-11-29T00:00:00Z
     '20251129'
@@ -103,7 +121,34 @@ def bucket_for(window: Window, now: float, tz: tzinfo = UTC) -> Bucket:
     if window is Window.HOUR:
         start = math.floor(now / 3600) * 3600
         return _utc_bucket(start, 3600, "%Y%m%dT%H")
-    return _calendar_bucket(window, math.floor(now / 60), tz)
+    return _calendar_bucket(
+        window, math.floor(now / 60), tz, anchor if window is Window.MONTH else 1
+    )
+
+
+#: The billing days a MONTH period may start on.
+ANCHOR_DAYS = range(1, 32)
+
+
+def check_anchor(value: object, field: str) -> int:
+    """A billing day: a whole number from 1 to 31, else a :class:`PolicyError` naming ``field``.
+
+    >>> check_anchor(15, "anchor_day")
+    15
+    >>> check_anchor(0, "Limit('x').anchor_day")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.PolicyError: Limit('x').anchor_day: expected a day of the month \
+from 1 to 31 (29-31 start on the last day of shorter months) (got 0)
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value not in ANCHOR_DAYS:
+        raise PolicyError(
+            field,
+            value,
+            "expected a day of the month from 1 to 31 (29-31 start on the last day of"
+            " shorter months)",
+        )
+    return value
 
 
 def utc_bounds(window: Window, at: datetime) -> tuple[datetime, datetime]:
@@ -126,7 +171,8 @@ _LABEL_FORMS = {
     Window.MINUTE: (re.compile(r"[0-9]{8}T[0-9]{4}"), "%Y%m%dT%H%M"),
     Window.HOUR: (re.compile(r"[0-9]{8}T[0-9]{2}"), "%Y%m%dT%H"),
     Window.DAY: (re.compile(r"[0-9]{8}"), "%Y%m%d"),
-    Window.MONTH: (re.compile(r"[0-9]{6}"), "%Y%m"),
+    Window.WEEK: (re.compile(r"[0-9]{4}W[0-9]{2}"), ""),
+    Window.MONTH: (re.compile(r"[0-9]{6}(?:\+[0-9]{2})?"), "%Y%m"),
 }
 
 
@@ -147,15 +193,25 @@ def bucket_of(window: Window, label: str) -> Bucket | None:
     form, fmt = _LABEL_FORMS[window]
     if not form.fullmatch(text) or (at_sign and window in (Window.MINUTE, Window.HOUR)):
         return None
+    anchor = 1
     try:
         tz = zone(zone_name) if at_sign else UTC
-        moment = datetime.strptime(text, fmt)
-        # Noon of the day (mid-month): inside the bucket whatever the zone's offset or DST.
-        if window is Window.DAY:
-            moment = moment.replace(hour=12)
+        # Noon of a day inside the bucket, whatever the zone's offset or DST.
+        if window is Window.WEEK:
+            thursday = date.fromisocalendar(int(text[:4]), int(text[5:]), 4)
+            moment = datetime(thursday.year, thursday.month, thursday.day, 12)
         elif window is Window.MONTH:
-            moment = moment.replace(day=15)
-        bucket = bucket_for(window, moment.replace(tzinfo=tz).timestamp(), tz)
+            text, _, day = text.partition("+")
+            anchor = int(day) if day else 1
+            if anchor not in ANCHOR_DAYS:
+                return None
+            moment = datetime.strptime(text, fmt)
+            moment = moment.replace(day=_clamped(moment.year, moment.month, anchor), hour=12)
+        else:
+            moment = datetime.strptime(text, fmt)
+            if window is Window.DAY:
+                moment = moment.replace(hour=12)
+        bucket = bucket_for(window, moment.replace(tzinfo=tz).timestamp(), tz, anchor)
     except (PolicyError, ValueError, OverflowError):  # unknown zone; no such date; year 9999+1
         return None
     return bucket if bucket.label == label else None
@@ -167,19 +223,42 @@ def _utc_bucket(start: int, length: int, fmt: str) -> Bucket:
     return Bucket(label, float(start), float(start + length))
 
 
+def _clamped(year: int, month: int, anchor: int) -> int:
+    """The day a period anchored on ``anchor`` starts in this month (its last day at most)."""
+    return min(anchor, calendar.monthrange(year, month)[1])
+
+
+def _next_month(year: int, month: int) -> tuple[int, int]:
+    return (year + 1, 1) if month == 12 else (year, month + 1)
+
+
+def _midnight(day: date, tz: tzinfo) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=tz)
+
+
 @lru_cache(maxsize=4096)
-def _calendar_bucket(window: Window, minute: int, tz: tzinfo) -> Bucket:
-    # Cached per minute: DAY/MONTH boundaries in every IANA zone fall on whole minutes.
+def _calendar_bucket(window: Window, minute: int, tz: tzinfo, anchor: int) -> Bucket:
+    # Cached per minute: DAY/WEEK/MONTH boundaries in every IANA zone fall on whole minutes.
     local = datetime.fromtimestamp(minute * 60, tz)
+    today = local.date()
     if window is Window.DAY:
-        start = datetime(local.year, local.month, local.day, tzinfo=tz)
-        nxt = (start + timedelta(days=1)).replace(hour=0)
+        start = _midnight(today, tz)
+        nxt = _midnight(today + timedelta(days=1), tz)
         label = start.strftime("%Y%m%d")
+    elif window is Window.WEEK:
+        monday = today - timedelta(days=today.weekday())
+        start = _midnight(monday, tz)
+        nxt = _midnight(monday + timedelta(days=7), tz)
+        iso = monday.isocalendar()
+        label = f"{iso.year:04d}W{iso.week:02d}"
     else:
-        start = datetime(local.year, local.month, 1, tzinfo=tz)
-        year, month = (local.year + 1, 1) if local.month == 12 else (local.year, local.month + 1)
-        nxt = datetime(year, month, 1, tzinfo=tz)
-        label = start.strftime("%Y%m")
+        year, month = today.year, today.month
+        if today.day < _clamped(year, month, anchor):  # still in the period begun last month
+            year, month = (year - 1, 12) if month == 1 else (year, month - 1)
+        start = _midnight(date(year, month, _clamped(year, month, anchor)), tz)
+        after = _next_month(year, month)
+        nxt = _midnight(date(*after, _clamped(*after, anchor)), tz)
+        label = f"{year:04d}{month:02d}" + ("" if anchor == 1 else f"+{anchor:02d}")
     return Bucket(label + _tz_suffix(tz), start.timestamp(), nxt.timestamp())
 
 

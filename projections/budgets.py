@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, tzinfo
+from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import Backend, fits
-from mcp_budget_governor.keys import key_pattern, parse_key
+from mcp_budget_governor.keys import WILDCARD, key_pattern, parse_key
 from mcp_budget_governor.limits import Limit
 from mcp_budget_governor.money import Unit, format_dollars
 from mcp_budget_governor.planning import slot
@@ -176,8 +176,10 @@ async def budget_report(
             continue  # read directly above, or about none of the given values
         if progress is not None:
             progress(limit.name, listed)
-        bucket = bucket_for(limit.window, now, tz)
-        pattern = key_pattern(limit.name, limit.dimensions, known, bucket.label)
+        bucket = bucket_for(limit.window, now, tz, limit.anchor_day or 1)
+        # Per-value billing days: each value's current period has its own label.
+        label = WILDCARD if limit.anchors else bucket.label
+        pattern = key_pattern(limit.name, limit.dimensions, known, label)
         keys = await backend.counter_keys(max_keys - listed + 1, match=pattern)
         if len(keys) > max_keys - listed:
             keys, truncated = keys[: max_keys - listed], True
@@ -185,8 +187,14 @@ async def budget_report(
         for key in keys:
             parsed = parse_key(key)
             # A wildcard can span a separator (user=* matching "a,tool=b"): keep exact keys.
-            if parsed is not None and parsed.dims == limit.dimensions and key not in found:
-                found[key] = (limit, parsed.values, parsed.hashed, bucket)
+            if parsed is None or parsed.dims != limit.dimensions or key in found:
+                continue
+            here = bucket
+            if limit.anchors:
+                here = bucket_for(limit.window, now, tz, limit.anchor_for(parsed.values))
+                if parsed.bucket != here.label:
+                    continue  # an ended period of that value
+            found[key] = (limit, parsed.values, parsed.hashed, here)
         if truncated:
             break
     order = {limit.name: i for i, limit in enumerate(policy)}
@@ -209,13 +217,21 @@ def format_amount(unit: Unit, amount: int) -> str:
 
 
 def period(window: Window, bucket: Bucket, tz: tzinfo = UTC) -> str:
-    """A bucket for people: ``2026-11-29 19:14 UTC``, ``2026-11-29``, ``2026-11 (Europe/Paris)``."""
+    """A bucket for people: ``2026-11-29 19:14 UTC``, ``2026-11-29``, ``2026-W48``,
+    ``2026-11 (Europe/Paris)``, a billing month ``2026-11-15 to 2026-12-14``."""
     if bucket.start is None:
         return "this session"
     if window in (Window.MINUTE, Window.HOUR):
         return datetime.fromtimestamp(bucket.start, UTC).strftime("%Y-%m-%d %H:%M UTC")
     local = datetime.fromtimestamp(bucket.start, tz)
-    text = local.strftime("%Y-%m-%d" if window is Window.DAY else "%Y-%m")
+    if window is Window.WEEK:
+        text = local.strftime("%G-W%V")
+    elif window is Window.MONTH and local.day != 1:  # a billing day: both ends
+        assert bucket.end is not None
+        last = datetime.fromtimestamp(bucket.end, tz) - timedelta(days=1)
+        text = f"{local:%Y-%m-%d} to {last:%Y-%m-%d}"
+    else:
+        text = local.strftime("%Y-%m-%d" if window is Window.DAY else "%Y-%m")
     return text if tz is UTC else f"{text} ({tz})"
 
 

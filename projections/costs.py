@@ -45,6 +45,7 @@ DIMENSIONS: dict[str, str] = {
     "agent": "agent",
     "day": "strftime(\"time\", '%Y-%m-%d')",
     "hour": "strftime(\"time\", '%Y-%m-%dT%H:00Z')",
+    "week": "strftime(\"time\", '%G-W%V')",  # ISO week, UTC like the others
     "month": "strftime(\"time\", '%Y-%m')",
     "type": "type",
 }
@@ -165,7 +166,7 @@ def spend(
     relation, rel_params = flt.relation()
     where, params = flt.where()
     dims = ", ".join(f"{DIMENSIONS[n]} AS {quote_ident(n)}" for n in by)
-    timely = bool(by) and all(n in ("day", "hour", "month") for n in by)
+    timely = bool(by) and all(n in ("day", "hour", "week", "month") for n in by)
     order = ", ".join(quote_ident(n) for n in by) if timely else "usd_micros DESC, events DESC"
     group = f"GROUP BY {', '.join(str(i + 1) for i in range(len(by)))}" if by else ""
     sql = f"""

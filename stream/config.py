@@ -46,6 +46,7 @@ class WorkerConfig:
     topic_wait: float = _default("topic_wait")
     log_level: str = _default("log_level")
     policy: str = _default("policy")
+    policy_poll: float = _default("policy_poll")
     alert_webhook: str = _default("alert_webhook")
     alert_topic: str = _default("alert_topic")
     archive_dir: str = _default("archive_dir")

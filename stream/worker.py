@@ -29,7 +29,9 @@ from aiokafka.structs import ConsumerRecord
 
 from mcp_budget_governor.errors import EpochMissingError
 from mcp_budget_governor.events import LedgerEvent
+from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.policy_file import load_policy
+from mcp_budget_governor.policy_reload import watcher_for
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.urls import redact as redact_url
 
@@ -66,6 +68,9 @@ class ProjectionWorker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self._policy = load_policy(config.policy) if config.policy else None
+        self._watcher = watcher_for(
+            config.policy, self.replace_policy, self._policy, config.policy_poll
+        )
         self._backend: RedisBackend | None = None
         self._projector: Projector | None = None
         self._alerts: AlertEvaluator | None = None
@@ -96,17 +101,28 @@ class ProjectionWorker:
     async def serve(self) -> None:
         """Consume and project until :meth:`stop`; connections are released on return."""
         reporter: asyncio.Task[None] | None = None
+        watcher = self._watcher
         try:
             await self._start()
+            if watcher is not None:
+                watcher.start()  # SIGHUP and MCPBG_POLICY_POLL reload the alert levels
             if self.config.progress_interval:
                 reporter = asyncio.create_task(self._report_every(self.config.progress_interval))
             await self._consume()
         finally:
+            if watcher is not None:
+                await watcher.stop()
             if reporter is not None:
                 reporter.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporter
             await self._close()
+
+    def replace_policy(self, policy: Policy) -> None:
+        """Compare the counters with ``policy`` from the next batch on (a reload)."""
+        self._policy = policy
+        if self._alerts is not None:
+            self._alerts.replace_policy(policy)
 
     async def _start(self) -> None:
         config = self.config

@@ -37,7 +37,7 @@ def make(**overrides: Any) -> Limit:
         ({"cap": 2**64}, "Limit('per_user').cap", 2**64, "largest"),
         ({"cap": 2**53}, "Limit('per_user').cap", 2**53, "largest"),
         ({"unit": "dollars"}, "Limit('per_user').unit", "dollars", "unknown Unit"),
-        ({"window": "week"}, "Limit('per_user').window", "week", "unknown Window"),
+        ({"window": "fortnight"}, "Limit('per_user').window", "fortnight", "unknown Window"),
         ({"window": None}, "Limit('per_user').window", None, "unknown Window"),
         ({"fail_mode": "maybe"}, "Limit('per_user').fail_mode", "maybe", "unknown FailMode"),
         ({"on_exceed": "shrug"}, "Limit('per_user').on_exceed", "shrug", "unknown OnExceed"),

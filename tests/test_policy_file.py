@@ -99,7 +99,9 @@ def test_every_limit_field_can_be_written_in_a_file() -> None:
         [[limits]]
         name = "everything"
         cap = 7
-        window = "hour"
+        window = "month"
+        anchor_day = 31
+        anchors = { "tool=t,tenant=acme" = 15 }
         scope = ["tool", "tenant"]
         unit = "tokens"
         breaker = true
@@ -114,7 +116,9 @@ def test_every_limit_field_can_be_written_in_a_file() -> None:
     expected = Limit(
         "everything",
         cap=7,
-        window=Window.HOUR,
+        window=Window.MONTH,
+        anchor_day=31,
+        anchors={"tenant=acme,tool=t": 15},
         scope=(Scope.TENANT, Scope.TOOL),
         unit=Unit.TOKENS,
         breaker=True,
@@ -241,7 +245,7 @@ def test_locator_finds_lines_in_tricky_layouts() -> None:
 def test_locator_handles_crlf_and_inline_arrays_of_tables() -> None:
     text = (
         'limits = [\r\n  { name = "a", cap = 1, window = "day" },\r\n\r\n'
-        '  { name = "b",\r\n    cap = 2, window = "week" },\r\n]\r\n'
+        '  { name = "b",\r\n    cap = 2, window = "fortnight" },\r\n]\r\n'
     )
     lines = locate(text)
     assert lines[("limits", 0, "window")] == 2
@@ -411,7 +415,7 @@ def test_bad_window_message_reads_as_the_issue_asks(tmp_path: Path) -> None:
         load_file(path)
     assert str(exc.value) == (
         f"{path}:6: limits[0].window: unknown Window "
-        "(one of MINUTE, HOUR, DAY, MONTH, SESSION) (got 'fortnight')"
+        "(one of MINUTE, HOUR, DAY, WEEK, MONTH, SESSION) (got 'fortnight')"
     )
 
 

@@ -121,6 +121,7 @@ def _print(report: Any) -> None:
             "agent",
             "day",
             "hour",
+            "week",
             "month",
             "type",
             "breaker",

@@ -91,6 +91,8 @@ class AlertEvaluator:
         the next evaluation of those counters catches up.
         """
         self.evaluations += 1
+        # One policy for the whole evaluation, though replace_policy may run during its awaits.
+        policy, levels = self.policy, self._levels
         now = round(self._clock(), 6)  # what the JSON form keeps: it round-trips exactly
         targets: dict[str, tuple[Limit, str, int]] = {}
         for charge in charges:
@@ -100,9 +102,9 @@ class AlertEvaluator:
                 if charge.expire_at > known[2]:  # the latest expiry the batch set
                     targets[key] = (known[0], known[1], charge.expire_at)
                 continue
-            if not self._levels.get(charge.limit) or charge.expire_at <= now:
+            if not levels.get(charge.limit) or charge.expire_at <= now:
                 continue
-            targets[key] = (self.policy[charge.limit], charge.bucket, charge.expire_at)
+            targets[key] = (policy[charge.limit], charge.bucket, charge.expire_at)
         if not targets:
             return []
         keys = sorted(targets)
@@ -115,7 +117,7 @@ class AlertEvaluator:
         candidates: list[Alert] = []
         for key, used in zip(keys, totals, strict=True):
             limit, bucket, _ = targets[key]
-            for level, kind in self._levels[limit.name]:
+            for level, kind in levels[limit.name]:
                 if not crossed(used, limit.cap, level):
                     break
                 remembered = self._known.get(marker_key(key, level))
@@ -151,6 +153,14 @@ class AlertEvaluator:
         self.fired += len(fired)
         self.dispatcher.publish(fired)
         return fired
+
+    def replace_policy(self, policy: Policy) -> None:
+        """Compare the counters with ``policy`` from the next evaluation on (a reload).
+
+        Alerts already fired stay fired: their markers outlive the change of levels.
+        """
+        levels = {limit.name: alert_levels(limit) for limit in policy}
+        self.policy, self._levels = policy, levels
 
     def _note(self, marks: Sequence[Mark]) -> None:
         if len(self._known) + len(marks) > self._remember:

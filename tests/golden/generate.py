@@ -29,6 +29,19 @@ INSTANTS = [
     "2026-03-08T07:30:00Z",  # New York spring-forward day
     "2024-02-29T12:00:00Z",
 ]
+#: Instants for the calendar windows only (DAY, WEEK, MONTH), with the first context.
+CALENDAR_INSTANTS = [
+    # Billing days and ISO weeks around the 2026 DST changes (Berlin, New York).
+    "2026-03-28T23:30:00Z",  # Sun 00:30 in Berlin (CET), before the spring-forward
+    "2026-03-29T22:30:00Z",  # Mon 00:30 in Berlin (CEST)
+    "2026-10-25T23:30:00Z",  # Mon 00:30 in Berlin (CET again)
+    "2026-11-02T04:59:59Z",  # Sun 23:59:59 in New York (EST): the week's last second
+    "2026-03-15T03:59:59Z",  # Sat 23:59:59 in New York (EDT), March 14: before a billing day
+    "2026-03-15T04:00:00Z",  # March 15 00:00 in New York (EDT)
+    "2026-02-28T05:00:00Z",  # Feb 28 00:00 in New York: day 30/31 periods start
+    "2027-12-31T12:00:00Z",  # ISO week 52 of 2027 (week-year = year here)
+    "2026-12-31T12:00:00Z",  # ISO week 53 of 2026
+]
 LIMITS = [
     Limit("global_calls", cap=10, window=Window.MINUTE),
     Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER),
@@ -38,6 +51,17 @@ LIMITS = [
         "tenant_month", cap=usd(100), window=Window.MONTH, scope=Scope.TENANT, unit=Unit.USD_MICROS
     ),
     Limit("agent_session", cap=100, window=Window.SESSION, scope=Scope.AGENT),
+    Limit("user_week", cap=700, window=Window.WEEK, scope=Scope.USER),
+    Limit("billing_15", cap=usd(100), window=Window.MONTH, unit=Unit.USD_MICROS, anchor_day=15),
+    Limit(
+        "billing_31",
+        cap=usd(100),
+        window=Window.MONTH,
+        scope=Scope.TENANT,
+        unit=Unit.USD_MICROS,
+        anchor_day=31,
+        anchors={"acme": 20, "x,y": 1},
+    ),
     Limit(
         "everything",
         cap=5,
@@ -83,18 +107,23 @@ PRICE_CASES = [
 ]
 
 
+CALENDAR = (Window.DAY, Window.WEEK, Window.MONTH)
+
+
 def epoch(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC).timestamp()
 
 
 def vectors() -> dict[str, Any]:
     keys = []
-    for tz in (None, "America/New_York", "Asia/Kolkata"):
+    for tz in (None, "America/New_York", "Asia/Kolkata", "Europe/Berlin"):
         policy = Policy(tuple(LIMITS), timezone=tz)
-        for instant in INSTANTS:
+        for instant in INSTANTS + CALENDAR_INSTANTS:
             now = epoch(instant)
             for limit in policy:
                 for i, ctx in enumerate(CONTEXTS):
+                    if instant in CALENDAR_INSTANTS and (i or limit.window not in CALENDAR):
+                        continue
                     s = slot(limit, ctx, now, policy.tz, 1, enforce=True)
                     assert s is not None
                     keys.append(
