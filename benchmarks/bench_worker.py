@@ -1,7 +1,7 @@
 """Projection throughput and lag of one stream worker (``mcpbg worker``).
 
 Starts its own Redis and tansu broker (memory storage) through
-``tests/services.py``; each phase projects into its own fresh Redis database,
+``testing/services.py``; each phase projects into its own fresh Redis database,
 whose epoch marker is set first (counters complete: the worker projects live
 instead of rebuilding from the topic).
 
@@ -38,7 +38,7 @@ instead of rebuilding from the topic).
 ``--profile`` adds cProfile runs of the aiokafka loop and of the worker,
 own time grouped by layer.
 
-    python benchmarks/bench_worker.py [--events 200000] [--rate 5000] [--seconds 20]
+    python -m benchmarks.bench_worker [--events 200000] [--rate 5000] [--seconds 20]
                                       [--json out.json] [--profile] [--no-diagnostics]
 
 Targets (DESIGN): at least 20,000 events/s for one worker; lag p99 at most

@@ -7,7 +7,6 @@ import csv
 import io
 import json
 import shutil
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,9 +19,7 @@ from mcp_budget_governor.cli import ledger_args, main
 from mcp_budget_governor.events import parse
 from mcp_budget_governor.money import format_usd
 from mcp_budget_governor.prices import PriceTable
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from ledger_gen import GenStats, write_archive
+from testing.ledger_gen import GenStats, write_archive
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import services
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError
-from services import (
+
+from testing import services
+from testing.services import (
     KAFKA_ENV_VAR,
     KafkaService,
     KafkaUnavailable,

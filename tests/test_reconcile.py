@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import redis as redis_sync
-from services import KafkaService, start_kafka
 from test_ledger_view import TOPIC, live_counters, mixed_run
 from test_replay import extend
 
 from mcp_budget_governor.cli import main
 from mcp_budget_governor.events import parse
 from mcp_budget_governor.stream.archiver import Archiver
+from testing.services import KafkaService, start_kafka
 
 
 def reconcile(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

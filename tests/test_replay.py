@@ -333,7 +333,8 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
     with every counter equal to its ledger sum and nothing in flight."""
     pytest.importorskip("mcp_budget_governor.stream.worker")
     import stream_support as sw
-    from services import start_kafka
+
+    from testing.services import start_kafka
 
     kafka = start_kafka()
     started: list[sw.Worker] = []

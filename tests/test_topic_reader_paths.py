@@ -20,7 +20,6 @@ from datetime import UTC
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from services import KafkaService, start_kafka, tansu_binary
 
 from mcp_budget_governor import Context, Limit, Unit, Window, planning
 from mcp_budget_governor.events import encode
@@ -32,6 +31,7 @@ from mcp_budget_governor.stream.topic_reader import (
     TopicRecord,
     read_topic,
 )
+from testing.services import KafkaService, start_kafka, tansu_binary
 
 LOGGER = "mcp_budget_governor.stream.topic_reader"
 Malformed = tuple[int, int, bytes | None, str]

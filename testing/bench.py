@@ -1,13 +1,12 @@
-"""Helpers shared by the benchmark scripts: a Redis to talk to, stats, tables, cleanup.
+"""The benchmarks' harness: a Redis to talk to, stats, tables, cleanup, CPU seconds.
 
-Not a package module: the scripts in this folder import it as a sibling
-(``python benchmarks/<script>.py`` puts this folder on ``sys.path``).
+The scripts of ``benchmarks/`` import it (``python -m benchmarks.<script>`` from the
+repository root), as the tests import the services it starts them with.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import platform
 import statistics
@@ -20,8 +19,9 @@ from typing import Any
 
 import redis
 
+from testing.services import start_redis
+
 REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,7 @@ def redis_server(url: str | None) -> Iterator[Server]:
     if url:
         yield Server(url, "--redis (not started or stopped by the benchmark)")
         return
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    services = importlib.import_module("services")
-    service = services.start_redis(prefer_local=True)
+    service = start_redis(prefer_local=True)
     try:
         yield Server(service.url, f"local redis-server started by the benchmark ({service.url})")
     finally:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from services import KafkaService, start_kafka
 
 from mcp_budget_governor import (
     BudgetExceeded,
@@ -46,7 +45,9 @@ from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.ledger import partition_key, partition_of
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.topic_reader import TopicRecords, read_topic
+from testing.services import KafkaService, start_kafka
 
+REPO = Path(__file__).resolve().parent.parent
 PARTITIONS = 3
 GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
 CATCH_UP = 60.0  # seconds a worker may take to project what it has been given
@@ -82,6 +83,14 @@ def policy(*extra: Limit) -> Policy:
         ),
         *extra,
     )
+
+
+#: One global counter every partition charges, alerting every 10 %: two workers
+#: splitting the partitions both see each level crossed. A worker subprocess loads it
+#: with ``--policy testing.stream_support:ALERT_POLICY`` (the repository root is on
+#: its ``PYTHONPATH``, see :func:`start_worker`).
+ALERT_LEVELS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
+ALERT_POLICY = policy(Limit("all_calls", cap=100, window=Window.DAY, alert_at=ALERT_LEVELS))
 
 
 async def workload(gov: Governor, n: int, rng: random.Random) -> None:
@@ -222,10 +231,8 @@ def start_worker(
     env = worker_env(tmp_path)
     # Settings through the environment (as in a container), options for the rest.
     env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_REDIS_URL=redis_url)
-    # --policy test_stream_worker:ALERT_POLICY names a module of this folder.
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p
-    )
+    # --policy testing.stream_support:ALERT_POLICY names a module of this package.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     argv = worker_argv(
         names.topic, names.group,
         "--batch-size", "200",
