@@ -22,11 +22,12 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from mcp_budget_governor import (
     BudgetExceeded,
@@ -49,6 +50,8 @@ from testing.services import KafkaService, start_kafka
 
 REPO = Path(__file__).resolve().parent.parent
 PARTITIONS = 3
+#: How the tests run ``mcpbg``: this interpreter, ``-m`` (no console script needed).
+CLI = (sys.executable, "-m", "mcp_budget_governor.cli")
 GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
 CATCH_UP = 60.0  # seconds a worker may take to project what it has been given
 
@@ -63,6 +66,19 @@ def tenants(partitions: int, at_least: int, prefix: str) -> list[str]:
         names.append(name)
         covered.add(partition_of(partition_key(name, None), partitions))
     return names
+
+
+def tenants_per_partition(partitions: int, each: int, prefix: str) -> list[str]:
+    """``each`` tenant names on every partition, grouped in partition order."""
+    found: dict[int, list[str]] = {p: [] for p in range(partitions)}
+    i = 0
+    while any(len(names) < each for names in found.values()):
+        name = f"{prefix}{i}"
+        names = found[partition_of(partition_key(name, None), partitions)]
+        if len(names) < each:
+            names.append(name)
+        i += 1
+    return [name for p in range(partitions) for name in found[p]]
 
 
 TENANTS = tenants(PARTITIONS, 6, "t")
@@ -109,6 +125,16 @@ async def workload(gov: Governor, n: int, rng: random.Random) -> None:
 
 
 # -- services and processes ---------------------------------------------------
+
+
+async def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    """A topic of ``partitions`` partitions (replication 1: one broker)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        await admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +218,18 @@ def worker_logs(workers: Iterable[Worker]) -> str:
     return "\n".join(w.tail() for w in workers)
 
 
-def worker_argv(topic: str, group: str, *extra: str) -> list[str]:
-    """``mcpbg worker`` as a subprocess, in a group that notices a dead member quickly."""
+def worker_argv(
+    topic: str,
+    group: str,
+    *extra: str,
+    python: Sequence[str] = CLI,
+) -> list[str]:
+    """``mcpbg worker`` as a subprocess, in a group that notices a dead member quickly.
+
+    ``python``: what runs the CLI (a profiling script, say) in place of ``python -m``.
+    """
     return [
-        sys.executable, "-m", "mcp_budget_governor.cli", "worker",
+        *python, "worker",
         "--topic", topic,
         "--group", group,
         *GROUP_OPTS,
