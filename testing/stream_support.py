@@ -129,7 +129,7 @@ async def workload(gov: Governor, n: int, rng: random.Random) -> None:
 
 async def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
     """A topic of ``partitions`` partitions (replication 1: one broker)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, partitions, 1)])

