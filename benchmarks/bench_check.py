@@ -2,7 +2,7 @@
 
 Variants, all through the same redis-py async client (one pool) on the same Redis:
 
-- ``noop EVALSHA``: one EVALSHA of ``benchmarks/noop.lua`` (``_common.noop``),
+- ``noop EVALSHA``: one EVALSHA of ``testing/noop.lua`` (``bench.noop``),
   the floor for any check that makes one round trip. The baseline.
 - ``check() 1/3/5 limits``: ``await governor.check(ctx)``, inline mode
   (ledger=None), CALLS limits with caps that never refuse.
@@ -15,7 +15,7 @@ variants alike. Each call is timed on its own with ``perf_counter_ns``.
 
 Usage::
 
-    python benchmarks/bench_check.py [--redis URL] [--calls N] [--rounds R]
+    python -m benchmarks.bench_check [--redis URL] [--calls N] [--rounds R]
         [--json out.json] [--no-concurrency] [--profile]
 
 Without ``--redis`` a throwaway local redis-server is started and stopped.
@@ -37,9 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import _common
-import bench_concurrency
-
+from benchmarks import bench_concurrency
 from mcp_budget_governor import (
     MAX_AMOUNT,
     Context,
@@ -50,6 +48,7 @@ from mcp_budget_governor import (
     Scope,
     Window,
 )
+from testing import bench
 
 TARGET_RATIO = 1.5  # DESIGN: check() with 3 gated limits <= 1.5x one no-op EVALSHA (median)
 CAP = MAX_AMOUNT  # never refuses
@@ -88,7 +87,7 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
     gov_limits = limits(rid, "gov")
     naive_limits = limits(rid, "naive")
     client = backend.client
-    out = [Variant("noop EVALSHA", "1", "noop", _common.noop(client), lambda r: int(r) == 1)]
+    out = [Variant("noop EVALSHA", "1", "noop", bench.noop(client), lambda r: int(r) == 1)]
     for n in (1, 3, 5):
         gov = Governor(Policy.of(*gov_limits[:n]), backend)
         out.append(
@@ -107,7 +106,7 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
                 f"naive {n} limit{'s' if n > 1 else ''}",
                 str(3 * n),
                 f"naive{n}",
-                lambda policy=policy: _common.naive_check(client, policy, CTX, time.time()),
+                lambda policy=policy: bench.naive_check(client, policy, CTX, time.time()),
                 bool,
             )
         )
@@ -143,11 +142,11 @@ async def measure(
                 await timed(v, k, v.samples[r])
             done += k
             passes += 1
-        base = _common.median(variants[0].samples[r])
+        base = bench.median(variants[0].samples[r])
         ratios = " ".join(
-            f"{v.short}={_common.median(v.samples[r]) / base:.2f}x" for v in variants[1:]
+            f"{v.short}={bench.median(v.samples[r]) / base:.2f}x" for v in variants[1:]
         )
-        _common.progress(
+        bench.progress(
             f"round {r + 1}/{rounds}: {variants[0].short} median {base / 1000:.1f} us; {ratios} "
             f"({time.perf_counter() - start:.0f}s)"
         )
@@ -156,16 +155,16 @@ async def measure(
 def summarize(variants: list[Variant]) -> dict[str, Any]:
     base = variants[0]
     base_all = [x for s in base.samples for x in s]
-    base_med = _common.median(base_all)
-    base_p99 = _common.percentile(base_all, 99)
+    base_med = bench.median(base_all)
+    base_p99 = bench.percentile(base_all, 99)
     out: dict[str, Any] = {}
     for v in variants:
         pooled = [x for s in v.samples for x in s]
-        med = _common.median(pooled)
-        p99 = _common.percentile(pooled, 99)
-        per_round = [_common.median(s) for s in v.samples]
+        med = bench.median(pooled)
+        p99 = bench.percentile(pooled, 99)
+        per_round = [bench.median(s) for s in v.samples]
         per_round_ratio = [
-            m / _common.median(b) for m, b in zip(per_round, base.samples, strict=True)
+            m / bench.median(b) for m, b in zip(per_round, base.samples, strict=True)
         ]
         out[v.name] = {
             "round_trips": v.round_trips,
@@ -201,7 +200,7 @@ def report(results: dict[str, Any]) -> str:
                 f"{r['ratio_p99']:.2f}x",
             ]
         )
-    return _common.table(headers, rows, [False, True, True, True, True, True, True])
+    return bench.table(headers, rows, [False, True, True, True, True, True, True])
 
 
 # -- profiling ---------------------------------------------------------------
@@ -209,7 +208,7 @@ def report(results: dict[str, Any]) -> str:
 
 def _area(filename: str, func: str) -> str:
     """Which layer a profiled function belongs to."""
-    repo = str(_common.REPO)
+    repo = str(bench.REPO)
     if filename.endswith("/projections/counters/redis.py"):
         return "RedisBackend (projections/counters/redis.py)"
     if filename.startswith(f"{repo}/mcp_budget_governor/"):
@@ -262,7 +261,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
     args: list[Any] = ["", "0"]
     for o in ops:
         args += (o.amount, o.cap, "1" if o.enforce else "0", o.expire_at)
-    noop_script, charge_script = _common.noop(backend.client), backend._charge
+    noop_script, charge_script = bench.noop(backend.client), backend._charge
 
     ladder = [
         Variant("noop EVALSHA (0 keys, 0 args)", "1", "noop", noop_script, bool),
@@ -295,9 +294,9 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
             lambda d: d.admitted and not d.degraded,
         ),
     ]
-    _common.progress("profile: interleaved ladder noop -> check() ...")
+    bench.progress("profile: interleaved ladder noop -> check() ...")
     await measure(ladder, rounds=3, calls=max(500, calls // 5), chunk=50, warmup=200)
-    ladder_us = {v.name: _common.median([x for s in v.samples for x in s]) / 1000 for v in ladder}
+    ladder_us = {v.name: bench.median([x for s in v.samples for x in s]) / 1000 for v in ladder}
 
     clock = time.perf_counter_ns
     conn = Connection()
@@ -310,7 +309,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
             t0 = clock()
             fn()
             ts.append(clock() - t0)
-        return _common.median(ts) / 1000
+        return bench.median(ts) / 1000
 
     def build_args() -> tuple[list[str], list[Any]]:  # what RedisBackend.charge does
         k = [EPOCH_KEY]
@@ -335,7 +334,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
 
     pieces = {
         "Governor.check over an instant backend (all its own Python)": (
-            _common.median(loop_ts) / 1000
+            bench.median(loop_ts) / 1000
         ),
         "planning.check_slots(policy, ctx, now), 3 limits": bench_sync(
             lambda: planning.check_slots(policy, CTX, now)
@@ -356,7 +355,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
         ),
     }
 
-    _common.progress("profile: server-side time per EVALSHA (INFO commandstats) ...")
+    bench.progress("profile: server-side time per EVALSHA (INFO commandstats) ...")
     server_us = {
         "noop.lua": await _server_usec(backend.client, noop_script),
         "charge.lua, 3 counters": await _server_usec(
@@ -364,7 +363,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
         ),
     }
 
-    _common.progress(f"profile: cProfile over {calls} checks ...")
+    bench.progress(f"profile: cProfile over {calls} checks ...")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
@@ -431,7 +430,7 @@ async def run(url: str, rid: str, args: argparse.Namespace) -> dict[str, Any]:
         )
         out: dict[str, Any] = {"variants": summarize(variants)}
         if args.profile:
-            _common.progress("profiling check() with 3 limits ...")
+            bench.progress("profiling check() with 3 limits ...")
             out["profile"] = await profile(backend, rid, args.profile_calls)
     finally:
         await backend.aclose()
@@ -457,12 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-calls", type=int, default=5000, help="checks to profile")
     args = parser.parse_args(argv)
 
-    rid = _common.run_id()
+    rid = bench.run_id()
     started = time.time()
-    load_before = _common.loadavg()
-    with _common.redis_server(args.redis) as server:
-        env = _common.environment(server.url, server.origin)
-        _common.progress(
+    load_before = bench.loadavg()
+    with bench.redis_server(args.redis) as server:
+        env = bench.environment(server.url, server.origin)
+        bench.progress(
             f"redis {env['redis_server']} ({server.origin}); {args.rounds} rounds x "
             f"{args.calls} calls x 7 variants"
         )
@@ -470,15 +469,15 @@ def main(argv: list[str] | None = None) -> int:
             results = asyncio.run(run(server.url, rid, args))
             concurrency = None
             if not args.no_concurrency:
-                _common.progress("concurrency demo: 500 concurrent calls, cap 50 ...")
+                bench.progress("concurrency demo: 500 concurrent calls, cap 50 ...")
                 trials = asyncio.run(
                     bench_concurrency.run(server.url, rid, calls=500, cap=50, trials=5)
                 )
                 concurrency = bench_concurrency.summarize(trials, calls=500, cap=50, price=0.05)
         finally:
-            _common.cleanup(server.url, [f"mcpbg:v1:bench_{rid}_*"])
+            bench.cleanup(server.url, [f"mcpbg:v1:bench_{rid}_*"])
     env["loadavg_before"] = load_before
-    env["loadavg_after"] = _common.loadavg()
+    env["loadavg_after"] = bench.loadavg()
     env["seconds"] = round(time.time() - started, 1)
 
     variants = results["variants"]
@@ -521,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         with open(args.json, "w") as fh:
             json.dump(payload, fh, indent=2)
-        _common.progress(f"wrote {args.json}")
+        bench.progress(f"wrote {args.json}")
     ok = not failed and (concurrency is None or concurrency["lua_exact"])
     return 0 if ok else 1
 

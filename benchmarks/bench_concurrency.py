@@ -16,7 +16,7 @@ read goes out at once, as it would from many replicas).
 
 Usage::
 
-    python benchmarks/bench_concurrency.py [--redis URL] [--calls 500] [--cap 50]
+    python -m benchmarks.bench_concurrency [--redis URL] [--calls 500] [--cap 50]
         [--price 0.05] [--trials 5] [--json out.json]
 
 Without ``--redis`` a throwaway local redis-server is started and stopped.
@@ -33,9 +33,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import _common
-
 from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope, Window
+from testing import bench
 
 PATHS = {
     "lua_pool64": "Lua: Governor.check, governor's pool (64, blocking)",
@@ -60,7 +59,7 @@ async def _naive_burst(client: Any, policy: Policy, ctx: Context, calls: int) ->
 
     now = time.time()
     results = await asyncio.gather(
-        *(_common.naive_check(client, policy, ctx, now) for _ in range(calls))
+        *(bench.naive_check(client, policy, ctx, now) for _ in range(calls))
     )
     (s,) = planning.check_slots(policy, ctx, now)
     return {"admitted": sum(results), "degraded": 0, "counter": int(await client.get(s.key) or 0)}
@@ -86,7 +85,7 @@ async def _trial(url: str, rid: str, trial: int, calls: int, cap: int) -> dict[s
     out: dict[str, dict[str, int]] = {}
     try:
         for backend in (narrow, broad):  # connect before the start line
-            noop = _common.noop(backend.client)
+            noop = bench.noop(backend.client)
             await asyncio.gather(*(noop() for _ in range(64)))
         for path, gov in govs.items():
             out[path] = await _lua_burst(gov, ctx, calls)
@@ -162,7 +161,7 @@ def report(summary: dict[str, Any]) -> str:
             f"Concurrency: {calls} concurrent calls (asyncio.gather, one process), cap {cap}, "
             f"${price:.2f}/call, budget ${cap * price:,.2f}; {trials} bursts per path "
             "(ranges are min-max over bursts)",
-            _common.table(headers, rows, [False, True, True, True, True]),
+            bench.table(headers, rows, [False, True, True, True, True]),
             f"Lua admitted exactly {min(calls, cap)} in every burst, counter reads "
             f"{min(calls, cap)}, nothing degraded: {verdict}",
         ]
@@ -179,21 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
 
-    rid = _common.run_id()
-    with _common.redis_server(args.redis) as server:
-        env = _common.environment(server.url, server.origin)
+    rid = bench.run_id()
+    with bench.redis_server(args.redis) as server:
+        env = bench.environment(server.url, server.origin)
         try:
             trials = asyncio.run(
                 run(server.url, rid, calls=args.calls, cap=args.cap, trials=args.trials)
             )
         finally:
-            _common.cleanup(server.url, [f"mcpbg:v1:bench_{rid}_*"])
+            bench.cleanup(server.url, [f"mcpbg:v1:bench_{rid}_*"])
     summary = summarize(trials, calls=args.calls, cap=args.cap, price=args.price)
     print(report(summary))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"environment": env, "concurrency": summary}, fh, indent=2)
-        _common.progress(f"wrote {args.json}")
+        bench.progress(f"wrote {args.json}")
     return 0 if summary["lua_exact"] else 1
 
 

@@ -24,8 +24,8 @@ from other processes spreads over all of them; the median is reported. Every
 export is checked: its BilledCost total must equal the generator's own USD
 total (computed without DuckDB), else the run fails (exit status 1).
 
-    .venv/bin/python benchmarks/bench_export.py                  # 1,000,000 events, 3 rounds
-    .venv/bin/python benchmarks/bench_export.py --events 100000 --rounds 1
+    .venv/bin/python -m benchmarks.bench_export                  # 1,000,000 events, 3 rounds
+    .venv/bin/python -m benchmarks.bench_export --events 100000 --rounds 1
 
 ``--year``: a year-long archive instead (12 months of ``--events`` each,
 default 100,000), and one month (November) exported to Parquet and summed as
@@ -35,7 +35,7 @@ kept by the ``WHERE``) and reading the month's date folders only
 (``open_ledger(dir, since=, until=)``, what the commands do). Both must give
 the same rows and the generator's USD total for the month, else exit 1.
 
-    .venv/bin/python benchmarks/bench_export.py --year           # 12 x 100,000 events, 3 rounds
+    .venv/bin/python -m benchmarks.bench_export --year           # 12 x 100,000 events, 3 rounds
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from _common import loadavg, progress, table
-from ledger_gen import write_archive
 
 from mcp_budget_governor.focus import Granularity
 from mcp_budget_governor.projections.focus_export import ExportOptions, export_focus
 from mcp_budget_governor.projections.ledger_view import open_ledger
 from mcp_budget_governor.windows import parse_period
+from testing.bench import loadavg, progress, table
+from testing.ledger_gen import write_archive
 
 MONTH = "2026-11"
 

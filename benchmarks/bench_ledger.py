@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -30,11 +29,11 @@ import tempfile
 import time
 from typing import Any
 
-from _common import TESTS, median, percentile, progress, redis_server, table
-
 from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope, Window
 from mcp_budget_governor.money import MAX_AMOUNT
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+from testing import services
+from testing.bench import median, percentile, progress, redis_server, table
 
 CTX = Context(user="bench-user", tenant="bench-tenant", tool="search")
 
@@ -180,9 +179,6 @@ def main() -> int:
         "competes with Redis and this process, which a remote broker would not",
     )
     args = parser.parse_args()
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    services = importlib.import_module("services")
     # Memory storage: the benchmark needs no data to survive the restart, and a
     # durable broker here would add its S3 stand-in's CPU to these 2 cores.
     kafka = None if args.kafka else services.start_kafka(prefer_local=True, durable=False)

@@ -28,7 +28,7 @@ tool calls.
 
 Usage::
 
-    python benchmarks/bench_peers.py [--redis URL] [--calls 600] [--cap 100]
+    python -m benchmarks.bench_peers [--redis URL] [--calls 600] [--cap 100]
         [--replicas 4] [--latency-calls 300] [--rounds 5] [--json out.json]
 
 Without ``--redis`` a throwaway local redis-server is started and stopped;
@@ -54,7 +54,7 @@ from contextlib import AsyncExitStack, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import _common
+from testing import bench
 
 KINDS = {
     "unguarded": "no middleware",
@@ -102,7 +102,7 @@ def build_server(kind: str, *, cap: int, redis_url: str | None, rid: str) -> Any
         mcp.add_middleware(BudgetMiddleware(governor))
     meta = {"mcpbg": {"cost_usd": "0.001", "limit": spend}} if kind == "budget_meter" else None
     rtt = (
-        _common.noop(RedisBackend.from_url(redis_url, timeout=5.0).client)
+        bench.noop(RedisBackend.from_url(redis_url, timeout=5.0).client)
         if kind == "redis_rtt"
         else None
     )
@@ -143,11 +143,23 @@ def replicas(
     try:
         for _ in range(n):
             port = _free_port()
-            cmd = [sys.executable, __file__, "--serve", kind, "--port", str(port)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_peers",
+                "--serve",
+                kind,
+                "--port",
+                str(port),
+            ]
             cmd += ["--cap", str(cap), "--rid", rid]
             if redis_url:
                 cmd += ["--redis", redis_url]
-            procs.append(subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+            procs.append(
+                subprocess.Popen(
+                    cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(bench.REPO)
+                )
+            )
             urls.append(f"http://127.0.0.1:{port}/mcp")
         for proc, url in zip(procs, urls, strict=True):
             _wait_listening(proc, url)
@@ -224,7 +236,7 @@ async def admission(args: argparse.Namespace, url: str, rid: str) -> dict[str, A
     for kind in ("ratelimit", "budget"):
         # A fresh counter per trial: the governed replicas' limit is named per run id.
         with replicas(kind, args.replicas, cap=args.cap, redis_url=url, rid=rid) as urls:
-            _common.progress(f"admission: {kind}, {args.replicas} replicas up; bursting")
+            bench.progress(f"admission: {kind}, {args.replicas} replicas up; bursting")
             out[kind] = await burst(urls, args.calls, args.concurrency)
     gov = Governor(
         Policy.of(Limit(f"bench_{rid}_calls", cap=args.cap, window=Window.DAY)),
@@ -273,14 +285,14 @@ async def latency(
                 for k in targets:
                     failures[k] += await _timed(calls_of[k], step, samples[k])
                 done += step
-            _common.progress(f"latency: round {r + 1}/{rounds} done")
+            bench.progress(f"latency: round {r + 1}/{rounds} done")
     return {"samples": samples, "failures": failures}
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
     return {
-        "median_us": _common.median(values) * 1e6,
-        "p90_us": _common.percentile(values, 90) * 1e6,
+        "median_us": bench.median(values) * 1e6,
+        "p90_us": bench.percentile(values, 90) * 1e6,
         "n": len(values),
     }
 
@@ -291,7 +303,7 @@ async def overhead(args: argparse.Namespace, url: str, rid: str) -> dict[str, An
     in_process = {
         k: build_server(k, cap=NEVER, redis_url=url, rid=f"{rid}x{i}") for i, k in enumerate(KINDS)
     }
-    _common.progress("latency: in-memory transport")
+    bench.progress("latency: in-memory transport")
     got = await latency(in_process, **common)
     out["in_memory"] = _summarize_latency(got)
     with ExitStack() as stack:
@@ -299,7 +311,7 @@ async def overhead(args: argparse.Namespace, url: str, rid: str) -> dict[str, An
         for i, k in enumerate(KINDS):
             (u,) = stack.enter_context(replicas(k, 1, cap=NEVER, redis_url=url, rid=f"{rid}h{i}"))
             urls[k] = u
-        _common.progress("latency: streamable HTTP, one server process per variant")
+        bench.progress("latency: streamable HTTP, one server process per variant")
         got = await latency(urls, **common)
     out["http"] = _summarize_latency(got)
     return out
@@ -339,7 +351,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             ]
         )
     lines.append(
-        _common.table(
+        bench.table(
             ["guard", "admitted", "per replica", "vs cap", "refused"],
             rows,
             [False, True, True, True, False],
@@ -367,7 +379,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
                 ]
             )
         lines.append(
-            _common.table(
+            bench.table(
                 ["variant", "median us", "p90 us", "added us", "ratio", "beyond 1 RTT us"],
                 rows,
                 [False, True, True, True, True, True],
@@ -377,19 +389,19 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    rid = _common.run_id()
-    with _common.redis_server(args.redis) as server:
+    rid = bench.run_id()
+    with bench.redis_server(args.redis) as server:
         try:
             result: dict[str, Any] = {
-                "environment": _common.environment(server.url, server.origin),
-                "loadavg_before": _common.loadavg(),
+                "environment": bench.environment(server.url, server.origin),
+                "loadavg_before": bench.loadavg(),
                 "args": {k: v for k, v in vars(args).items() if k not in ("serve", "port", "rid")},
             }
             result["admission"] = await admission(args, server.url, rid)
             result["overhead"] = await overhead(args, server.url, rid)
-            result["loadavg_after"] = _common.loadavg()
+            result["loadavg_after"] = bench.loadavg()
         finally:
-            _common.cleanup(server.url, [f"mcpbg:v1:bench_{rid}*"])
+            bench.cleanup(server.url, [f"mcpbg:v1:bench_{rid}*"])
     print(report(result, args))
     if args.json:
         await asyncio.to_thread(

@@ -23,10 +23,10 @@ Every replay is checked: its counters are compared with the generator's own
 per-key sums (computed with pyarrow, not DuckDB), so a fast wrong answer fails
 the run (exit status 1).
 
-    .venv/bin/python benchmarks/bench_replay.py                 # 1,000,000 events
-    .venv/bin/python benchmarks/bench_replay.py --events 200000 --baseline-events 50000
+    .venv/bin/python -m benchmarks.bench_replay                 # 1,000,000 events
+    .venv/bin/python -m benchmarks.bench_replay --events 200000 --baseline-events 50000
 
-A throwaway local ``redis-server`` is started and stopped (``tests/services.py``);
+A throwaway local ``redis-server`` is started and stopped (``testing/services.py``);
 ``--redis URL`` uses that server instead, which must be an empty database (it
 is flushed between the scenarios).
 """
@@ -46,13 +46,13 @@ from typing import Any
 
 import orjson
 import redis
-from _common import environment, loadavg, progress, redis_server, table
-from ledger_gen import write_archive
 
 from mcp_budget_governor.projections.counters.rebuild import RebuildReport, rebuild_from_ledger
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.projections.ledger_view import open_ledger
 from mcp_budget_governor.stream.projector import Projector
+from testing.bench import environment, loadavg, progress, redis_server, table
+from testing.ledger_gen import write_archive
 
 
 def month_bounds(year: int, month: int) -> tuple[int, int]:

@@ -1,44 +1,16 @@
 """Projection throughput and lag of one stream worker (``mcpbg worker``).
 
-Starts its own Redis and tansu broker (memory storage) through
-``tests/services.py``; each phase projects into its own fresh Redis database,
-whose epoch marker is set first (counters complete: the worker projects live
-instead of rebuilding from the topic).
+Starts its own Redis and tansu broker (memory storage) through ``testing.services``.
+**Throughput**: a 6-partition topic pre-filled with ``--events`` ledger events
+(cloned from a governed run) is projected, each phase into a fresh Redis database
+whose epoch marker is set first, by ``mcpbg worker`` (and with ``--archive-dir``),
+by the same ``Projector`` under a plain aiokafka loop, by the ``Projector`` alone,
+and over a no-op backend (fast decoder, then the full pydantic parse). **Lag**:
+``KafkaLedger`` fed ``--rate`` events/s for ``--seconds`` while one worker runs;
+an event's lag is append time to the first watermark poll that covers it.
+``--profile`` adds cProfile runs. Method and figures: benchmarks/README.md.
 
-1. **Throughput.** A 6-partition topic is pre-filled with ``--events``
-   (200,000) ledger events: CloudEvents encoded with ``events.encode`` from
-   the entries of a Governor + MemoryBackend + MemoryLedger run (checks,
-   metered costs, reservations over many users and tenants), cloned with
-   fresh UUIDv7 ids and keyed by tenant as ``KafkaLedger`` keys them. The
-   same records are then projected, each way timed until every partition's
-   Redis watermark reaches its last offset:
-
-   - ``mcpbg worker``: the worker as a subprocess, default settings, timed
-     from its first applied batch (start-up reported apart); then the same
-     with ``--archive-dir`` (every record parsed fully, Parquet written
-     before each apply);
-   - the same ``Projector`` driven by a plain aiokafka consumer in this
-     process (manual assignment, ``getmany``, ``apply_batch`` per partition):
-     the worker without its group membership, listener and side outputs;
-   - the ``Projector`` alone, records already in memory;
-   - the ``Projector`` over a backend whose ``apply`` does nothing (decoding
-     and argument building only), with its fast decoder and with the full
-     pydantic parse for every record (the decoder's baseline).
-
-2. **Lag at a steady rate.** While one worker runs, ``KafkaLedger`` (default
-   settings) is fed ``--rate`` (5,000) events/s for ``--seconds`` (20 s). The
-   append time of every event is recorded; every ``--poll-ms`` (20 ms) the
-   watermarks of all partitions are read; afterwards the topic is read back
-   for each event's (partition, offset). An event's lag is the time of the
-   first poll that saw its partition's watermark at or past its offset, minus
-   its append time. Diagnostics (skip with ``--no-diagnostics``): the same run
-   with ``--fetch-max-wait-ms 1500`` (the faust worker's fixed value), and a
-   probe of the broker's delivery latency with a plain consumer.
-
-``--profile`` adds cProfile runs of the aiokafka loop and of the worker,
-own time grouped by layer.
-
-    python benchmarks/bench_worker.py [--events 200000] [--rate 5000] [--seconds 20]
+    python -m benchmarks.bench_worker [--events 200000] [--rate 5000] [--seconds 20]
                                       [--json out.json] [--profile] [--no-diagnostics]
 
 Targets (DESIGN): at least 20,000 events/s for one worker; lag p99 at most
@@ -52,8 +24,6 @@ import asyncio
 import contextlib
 import cProfile
 import dataclasses
-import importlib
-import inspect
 import io
 import json
 import os
@@ -61,21 +31,17 @@ import pstats
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 import redis.asyncio
-from _common import REPO, TESTS, loadavg, percentile, progress, table
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from mcp_budget_governor import (
     MAX_AMOUNT,
@@ -91,20 +57,37 @@ from mcp_budget_governor import (
 )
 from mcp_budget_governor.counters import AppliedEvent
 from mcp_budget_governor.events import encode
-from mcp_budget_governor.keys import WATERMARK_KEY
-from mcp_budget_governor.ledger import LedgerEntry, new_id, partition_key
-from mcp_budget_governor.ledger import partition_of as partition_index
+from mcp_budget_governor.ledger import LedgerEntry, new_id, partition_key, partition_of
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.counters.memory import MemoryBackend
 from mcp_budget_governor.stream.projector import DeadLetter, Projector
+from testing import services
+from testing.bench import (
+    BUILTINS,
+    IDLE,
+    CpuMeter,
+    loadavg,
+    percentile,
+    profile_summary,
+    progress,
+    short_path,
+    table,
+)
+from testing.stream_support import (
+    CLI,
+    Worker,
+    create_topic,
+    tenants_per_partition,
+    watermarks,
+    worker_argv,
+    worker_env,
+)
 
 PARTITIONS = 6
 SOURCE = "/mcpbg/bench-worker"
 THROUGHPUT_TARGET = 20_000.0
 LAG_P99_TARGET_MS = 250.0
-# Group membership as the worker tests use it: tansu is slow to rejoin a group.
-GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
 #: The worker's --fetch-max-wait-ms default (stream.worker.WorkerConfig).
 DEFAULT_FETCH_WAIT_MS = 50
 CATCH_UP = 120.0  # seconds a phase may take before the run is declared broken
@@ -130,25 +113,12 @@ def policy() -> Policy:
     )
 
 
-def tenants(per_partition: int = 4) -> list[str]:
-    """Tenant names spread evenly over the partitions (the ledger keys by tenant)."""
-    buckets: dict[int, list[str]] = {p: [] for p in range(PARTITIONS)}
-    i = 0
-    while any(len(b) < per_partition for b in buckets.values()):
-        name = f"tenant-{i}"
-        bucket = buckets[partition_index(partition_key(name, None), PARTITIONS)]
-        if len(bucket) < per_partition:
-            bucket.append(name)
-        i += 1
-    return [name for b in buckets.values() for name in b]
-
-
 async def template_entries(ops: int, seed: int = 7) -> list[LedgerEntry]:
     """Ledger entries of ``ops`` governed operations (one or two entries each)."""
     rng = random.Random(seed)
     ledger = MemoryLedger()
     gov = Governor(policy(), MemoryBackend(), ledger=ledger)
-    names = tenants()
+    names = tenants_per_partition(PARTITIONS, 4, "tenant-")
     tools = ["search", "fetch", "summarize", "translate", "code"]
     for _ in range(ops):
         ctx = Context(
@@ -167,20 +137,14 @@ async def template_entries(ops: int, seed: int = 7) -> list[LedgerEntry]:
     return ledger.entries
 
 
-def partition_of(entry: LedgerEntry) -> int:
-    """The partition ``KafkaLedger`` sends an entry to (CRC-32 of tenant, else user)."""
-    return partition_index(partition_key(entry.context.tenant, entry.context.user), PARTITIONS)
-
-
-def key_of(entry: LedgerEntry) -> bytes:
-    ctx = entry.context
-    scope = ctx.tenant if ctx.tenant is not None else ctx.user
-    return b"-" if scope is None else scope.encode()
-
-
 def clone_records(templates: Sequence[LedgerEntry], n: int) -> list[tuple[int, bytes, bytes]]:
-    """``n`` (partition, key, value) records: the templates encoded, each with a fresh id."""
-    encoded = [(partition_of(e), key_of(e), encode(e, SOURCE), e.id.encode()) for e in templates]
+    """``n`` (partition, key, value) records: the templates encoded, each with a fresh id,
+    keyed and partitioned as ``KafkaLedger`` sends them."""
+    keys = [partition_key(e.context.tenant, e.context.user) for e in templates]
+    encoded = [
+        (partition_of(key, PARTITIONS), key, encode(e, SOURCE), e.id.encode())
+        for key, e in zip(keys, templates, strict=True)
+    ]
     out = []
     for i in range(n):
         partition, key, raw, old = encoded[i % len(encoded)]
@@ -195,9 +159,6 @@ class Services:
     """The local Redis and tansu this run starts, and their pids for CPU accounting."""
 
     def __init__(self) -> None:
-        if str(TESTS) not in sys.path:
-            sys.path.insert(0, str(TESTS))
-        services = importlib.import_module("services")
         self.redis = services.start_redis(prefer_local=True)
         try:
             self.kafka = services.start_kafka(prefer_local=True, durable=False)
@@ -212,51 +173,29 @@ class Services:
     def bootstrap(self) -> str:
         return str(self.kafka.bootstrap)
 
+    def meter(self, **pids: int) -> CpuMeter:
+        """CPU seconds of Redis, tansu and ``pids`` (and this process)."""
+        return CpuMeter({"redis": self.redis.pid, "tansu": self.kafka.pid, **pids})
+
+    def worker(
+        self, url: str, topic: str, tmp: Path, log: str, *extra: str, python: Sequence[str] = CLI
+    ) -> Worker:
+        """``mcpbg worker`` as the worker tests start it, on database ``url``, in a new group."""
+        argv = worker_argv(
+            topic, f"bench-{log}-{uuid.uuid4().hex[:8]}",
+            "--kafka-url", f"kafka://{self.bootstrap}",
+            "--redis-url", url,
+            "--progress-interval", "1",
+            *extra,
+            python=python,
+        )  # fmt: skip
+        return Worker(log, tmp / f"{log}.log", argv, worker_env(tmp))
+
     def stop(self) -> None:
         try:
             self.kafka.stop()
         finally:
             self.redis.stop()
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of a process (all its threads) so far, from /proc."""
-    if pid is None:
-        return float("nan")
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuMeter:
-    """CPU seconds spent by named processes between start() and stop()."""
-
-    def __init__(self, pids: dict[str, int | None]) -> None:
-        self.pids = pids
-        self.start_at: dict[str, float] = {}
-        self.used: dict[str, float] = {}
-
-    def start(self) -> None:
-        self.start_at = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
-        self.start_at["this process"] = time.process_time()
-
-    def stop(self) -> dict[str, float]:
-        self.used = {
-            name: cpu_seconds(pid) - self.start_at[name] for name, pid in self.pids.items()
-        }
-        self.used["this process"] = time.process_time() - self.start_at["this process"]
-        return self.used
-
-
-async def create_topic(bootstrap: str, topic: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
-    finally:
-        await admin.close()
 
 
 async def fill_topic(
@@ -316,81 +255,8 @@ async def fill_topic(
     return expected
 
 
-async def watermarks(client: Any, topic: str) -> dict[int, int]:
-    raw = await client.hgetall(WATERMARK_KEY)
-    prefix = f"{topic}:".encode()
-    return {int(k[len(prefix) :]): int(v) for k, v in raw.items() if k.startswith(prefix)}
-
-
-# -- the worker subprocess --------------------------------------------------------
-
-
-class WorkerProcess:
-    """One ``python -m mcp_budget_governor.cli worker`` and its log, like the worker tests."""
-
-    def __init__(
-        self,
-        bootstrap: str,
-        redis_url: str,
-        topic: str,
-        group: str,
-        log: Path,
-        extra: Sequence[str] = (),
-        python: Sequence[str] = (),
-    ) -> None:
-        self.log = log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-        argv = [
-            *(python or [sys.executable, "-m", "mcp_budget_governor.cli"]),
-            "worker",
-            "--kafka-url", f"kafka://{bootstrap}",
-            "--redis-url", redis_url,
-            "--topic", topic,
-            "--group", group,
-            "--progress-interval", "1",
-            *GROUP_OPTS,
-            *extra,
-        ]  # fmt: skip
-        self.argv = argv
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=str(REPO),
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.text().splitlines()[-lines:])
-
-    def assigned(self) -> bool:
-        return re.search(r"projector: assigned \d", self.text()) is not None
-
-    def stop(self, within: float = 30.0) -> int:
-        if self.proc.poll() is not None:
-            return self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(within)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return -9
-
-
 async def wait_until(
-    client: Any,
+    backend: RedisBackend,
     topic: str,
     last: dict[int, int],
     poll: float,
@@ -407,7 +273,7 @@ async def wait_until(
     first_applied = 0
     deadline = time.monotonic() + within
     while True:
-        marks = await watermarks(client, topic)
+        marks = await watermarks(backend, topic)
         now = time.time()
         applied = sum(marks.get(p, -1) + 1 for p in last)
         if first is None and applied:
@@ -431,25 +297,15 @@ async def run_worker_throughput(
     poll: float,
     extra: Sequence[str] = (),
 ) -> dict[str, Any]:
-    url = svc.url(db)
-    await mark_ready(url)
-    client = redis.asyncio.Redis.from_url(url)
-    meter = CpuMeter({"redis": svc.redis.pid, "tansu": svc.kafka.pid})
+    backend = await ready(svc.url(db))
     spawned = time.time()
-    worker = WorkerProcess(
-        svc.bootstrap,
-        url,
-        topic,
-        f"bench-worker-{uuid.uuid4().hex[:8]}",
-        tmp / f"worker-throughput-{db}.log",
-        extra=extra,
-    )
-    meter.pids["worker"] = worker.pid
+    worker = svc.worker(svc.url(db), topic, tmp, f"worker-throughput-{db}", *extra)
+    meter = svc.meter(worker=worker.proc.pid)
     load = loadavg()
     try:
         # CPU over the same span as events/s: from the first applied batch on.
         first, first_applied, done = await wait_until(
-            client,
+            backend,
             topic,
             last,
             poll,
@@ -460,8 +316,8 @@ async def run_worker_throughput(
     except RuntimeError as exc:
         raise SystemExit(f"mcpbg worker did not catch up: {exc}\n{worker.tail()}") from None
     finally:
-        code = worker.stop()
-        await client.aclose()
+        code = worker.terminate()
+        await backend.aclose()
     text = worker.text()
     stopped = re.search(r"stopped after (\d+) records, (\d+) applied, (\d+) dead", text)
     assert first is not None
@@ -485,6 +341,21 @@ async def run_worker_throughput(
 # -- aiokafka + Projector in this process ---------------------------------------------
 
 
+def in_process(
+    n: int, seconds: float, projector: Projector, cpu: dict[str, float], load: Any
+) -> dict[str, Any]:
+    """The result of a phase timed in this process, from the first record to the last."""
+    return {
+        "events": n,
+        "seconds": seconds,
+        "events_per_s": n / seconds,
+        "events_timed": n,
+        "applied": projector.applied,
+        "cpu_seconds": cpu,
+        "loadavg": [load, loadavg()],
+    }
+
+
 def no_dead_letters(letter: DeadLetter) -> None:
     raise SystemExit(f"benchmark invalid: a dead letter ({letter.reason})")
 
@@ -495,38 +366,31 @@ def make_projector(backend: Any, topic: str, *, full_parse: bool = False) -> Pro
     ``full_parse``: every record through the pydantic parse (what an archive
     handler makes the Projector do), the fast decoder's baseline.
     """
-    options: dict[str, Any] = {}
-    if "require_epoch" in inspect.signature(Projector).parameters:
-        options["require_epoch"] = True
-    if full_parse:
-        options["archive"] = lambda partition, records: None
-    return Projector(backend, topic, dlq=no_dead_letters, **options)
+    archive = (lambda partition, records: None) if full_parse else None
+    return Projector(backend, topic, dlq=no_dead_letters, require_epoch=True, archive=archive)
 
 
-async def mark_ready(url: str) -> None:
-    """Set the epoch marker of a fresh database: counters complete, project live.
+async def ready(url: str, **options: Any) -> RedisBackend:
+    """A backend on a fresh database, its epoch marker set: counters complete.
 
-    Without it a worker that checks the marker would rebuild from the topic at
-    its assignment instead of consuming it live.
+    Without the marker a worker would rebuild from the topic at its assignment
+    instead of consuming it live.
     """
-    backend = RedisBackend.from_url(url, timeout=5.0)
-    try:
-        await backend.mark_ready(f"bench-{uuid.uuid4().hex[:8]}")
-    finally:
-        await backend.aclose()
+    backend = RedisBackend.from_url(url, timeout=5.0, **options)
+    await backend.mark_ready(f"bench-{uuid.uuid4().hex[:8]}")
+    return backend
 
 
 async def run_aiokafka_loop(
     svc: Services, topic: str, last: dict[int, int], n: int, db: int, batch: int
 ) -> dict[str, Any]:
-    backend = RedisBackend.from_url(svc.url(db), timeout=5.0, max_connections=4)
-    await mark_ready(svc.url(db))
+    backend = await ready(svc.url(db), max_connections=4)
     projector = make_projector(backend, topic)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=svc.bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
     )
     await consumer.start()
-    meter = CpuMeter({"redis": svc.redis.pid, "tansu": svc.kafka.pid})
+    meter = svc.meter()
     try:
         tps = [TopicPartition(topic, p) for p in sorted(last)]
         consumer.assign(tps)
@@ -549,15 +413,7 @@ async def run_aiokafka_loop(
     finally:
         await consumer.stop()
         await backend.aclose()
-    return {
-        "events": n,
-        "seconds": seconds,
-        "events_per_s": n / seconds,
-        "events_timed": n,
-        "applied": projector.applied,
-        "cpu_seconds": cpu,
-        "loadavg": [load, loadavg()],
-    }
+    return in_process(n, seconds, projector, cpu, load)
 
 
 class NullBackend:
@@ -580,13 +436,7 @@ async def run_projector_alone(
     full_parse: bool = False,
 ) -> dict[str, Any]:
     """apply_batch over records already in memory, partitions in turn, ``batch`` at a time."""
-    backend: Any = (
-        NullBackend()
-        if svc is None
-        else RedisBackend.from_url(svc.url(db), timeout=5.0, max_connections=4)
-    )
-    if svc is not None:
-        await mark_ready(svc.url(db))
+    backend: Any = NullBackend() if svc is None else await ready(svc.url(db), max_connections=4)
     projector = make_projector(backend, topic, full_parse=full_parse)
     chunks = [
         (p, records[i : i + batch])
@@ -605,15 +455,7 @@ async def run_projector_alone(
     cpu = meter.stop()
     if svc is not None:
         await backend.aclose()
-    return {
-        "events": n,
-        "seconds": seconds,
-        "events_per_s": n / seconds,
-        "events_timed": n,
-        "applied": projector.applied,
-        "cpu_seconds": cpu,
-        "loadavg": [load, loadavg()],
-    }
+    return in_process(n, seconds, projector, cpu, load)
 
 
 # -- lag at a steady rate ---------------------------------------------------------
@@ -631,27 +473,16 @@ async def run_lag(
     extra: Sequence[str] = (),
 ) -> dict[str, Any]:
     topic = f"bench.worker.lag.{uuid.uuid4().hex[:8]}"
-    await create_topic(svc.bootstrap, topic)
-    url = svc.url(db)
-    await mark_ready(url)
-    client = redis.asyncio.Redis.from_url(url)
-    worker = WorkerProcess(
-        svc.bootstrap,
-        url,
-        topic,
-        f"bench-lag-{uuid.uuid4().hex[:8]}",
-        tmp / f"worker-lag-{db}.log",
-        extra=[
-            *extra,
-            *(() if fetch_wait_ms is None else ("--fetch-max-wait-ms", str(fetch_wait_ms))),
-        ],
-    )
+    await create_topic(svc.bootstrap, topic, PARTITIONS)
+    backend = await ready(svc.url(db))
+    wait = () if fetch_wait_ms is None else ("--fetch-max-wait-ms", str(fetch_wait_ms))
+    worker = svc.worker(svc.url(db), topic, tmp, f"worker-lag-{db}", *extra, *wait)
     ledger = KafkaLedger(
         svc.bootstrap, topic=topic, partitions=PARTITIONS, outbox_dir=tmp / f"outbox-{db}"
     )
     polls: list[tuple[float, dict[int, int]]] = []
     appended: dict[str, float] = {}
-    meter = CpuMeter({"redis": svc.redis.pid, "tansu": svc.kafka.pid, "worker": worker.pid})
+    meter = svc.meter(worker=worker.proc.pid)
     try:
         t_wait = time.monotonic()
         while not worker.assigned():
@@ -664,7 +495,7 @@ async def run_lag(
 
         async def poller() -> None:
             while not stop_polling.is_set():
-                marks = await watermarks(client, topic)
+                marks = await watermarks(backend, topic)
                 polls.append((time.time(), marks))
                 await asyncio.sleep(poll)
 
@@ -708,9 +539,9 @@ async def run_lag(
         stop_polling.set()
         await poll_task
     finally:
-        code = worker.stop()
+        code = worker.terminate()
         await ledger.aclose()
-        await client.aclose()
+        await backend.aclose()
     lags = lag_per_event(appended, located, polls)
     return {
         "fetch_max_wait_ms": DEFAULT_FETCH_WAIT_MS if fetch_wait_ms is None else fetch_wait_ms,
@@ -798,47 +629,6 @@ def lag_per_event(
 # -- profile ------------------------------------------------------------------------
 
 
-def profile_summary(stats: pstats.Stats, total_events: int, top: int = 14) -> list[str]:
-    """Own time grouped by package, then the top functions by own time."""
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    groups: dict[str, float] = {}
-    total = idle = 0.0
-    rows = []
-    for (filename, line, name), (_cc, _nc, tt, _ct, callers) in raw.items():
-        group = _group(filename, name)
-        if group == IDLE:
-            idle += tt
-            continue
-        total += tt
-        rows.append((tt, f"{_short(filename)}:{line}({name})"))
-        if filename == "~" and group == BUILTINS and callers:
-            # A builtin (isinstance, len, bytes.join...) counts for whoever called it.
-            for (cfile, _cline, cname), caller_stats in callers.items():
-                g = _group(cfile, cname)
-                groups[g] = groups.get(g, 0.0) + caller_stats[2]
-            continue
-        groups[group] = groups.get(group, 0.0) + tt
-    out = [
-        f"busy {total:.2f} s ({total * 1e6 / max(total_events, 1):.1f} us/event), "
-        f"waiting (epoll, locks) {idle:.2f} s; shares of the busy time:"
-    ]
-    for group, tt in sorted(groups.items(), key=lambda x: -x[1]):
-        if tt / total >= 0.01:
-            out.append(f"  {tt / total * 100:5.1f}%  {group}")
-    out.append("  top functions (own time):")
-    for tt, where in sorted(rows, reverse=True)[:top]:
-        out.append(f"  {tt / total * 100:5.1f}%  {where}")
-    return out
-
-
-def _short(filename: str) -> str:
-    if "site-packages/" in filename:
-        return filename.split("site-packages/", 1)[1]
-    stdlib = re.sub(r"^.*/lib/python3\.\d+/", "", filename)
-    return stdlib if stdlib != filename else filename.replace(str(REPO) + "/", "")
-
-
-IDLE = "idle"
 PARSE = "events.parse (pydantic validate_json)"
 
 _GROUPS = [
@@ -859,8 +649,6 @@ _GROUPS = [
     ("/queue.py", "threads (locks, queues)"),
     ("/concurrent/", "threads (locks, queues)"),
 ]
-
-BUILTINS = "builtins, caller unknown"
 
 _BUILTINS = [
     ("'poll' of 'select.epoll", IDLE),
@@ -883,7 +671,7 @@ def _group(filename: str, name: str) -> str:
         return BUILTINS
     if re.search(r"/lib/python3\.\d+/", filename) and "site-packages" not in filename:
         return "stdlib (other)"
-    return "other: " + _short(filename).split("/")[0]
+    return "other: " + short_path(filename).split("/")[0]
 
 
 async def profile_aiokafka_loop(
@@ -894,7 +682,10 @@ async def profile_aiokafka_loop(
     result = await run_aiokafka_loop(svc, topic, last, n, db, batch)
     prof.disable()
     stats = pstats.Stats(prof, stream=io.StringIO())
-    return [f"{result['events_per_s']:,.0f} events/s under cProfile", *profile_summary(stats, n)]
+    return [
+        f"{result['events_per_s']:,.0f} events/s under cProfile",
+        *profile_summary(stats, n, _group),
+    ]
 
 
 # Runs the worker with a profiler in every thread (the worker itself has one
@@ -934,25 +725,17 @@ sys.exit(code)
 async def profile_worker(
     svc: Services, topic: str, last: dict[int, int], n: int, db: int, tmp: Path, poll: float
 ) -> list[str]:
-    url = svc.url(db)
-    await mark_ready(url)
-    client = redis.asyncio.Redis.from_url(url)
+    backend = await ready(svc.url(db))
     out = tmp / "worker.prof"
-    worker = WorkerProcess(
-        svc.bootstrap,
-        url,
-        topic,
-        f"bench-prof-{uuid.uuid4().hex[:8]}",
-        tmp / "worker-prof.log",
-        python=[sys.executable, "-c", _PROFILED_WORKER, str(out)],
-    )
+    python = (sys.executable, "-c", _PROFILED_WORKER, str(out))
+    worker = svc.worker(svc.url(db), topic, tmp, "worker-prof", python=python)
     try:
         first, first_applied, done = await wait_until(
-            client, topic, last, poll, alive=lambda: worker.proc.poll() is None
+            backend, topic, last, poll, alive=lambda: worker.proc.poll() is None
         )
     finally:
-        worker.stop(60)
-        await client.aclose()
+        worker.terminate(60)
+        await backend.aclose()
     assert first is not None
     rate = (n - first_applied) / max(done - first, 1e-9)
     lines = [f"{rate:,.0f} events/s under cProfile (main thread profiled from its first batch on)"]
@@ -967,7 +750,7 @@ def thread_profiles(tmp: Path, n: int) -> list[str]:
         if sum(v[2] for v in raw.values()) < 0.05:
             continue  # an idle helper thread
         lines.append(f"[{f.name.split('.', 2)[-1]}]")
-        lines.extend(profile_summary(stats, n))
+        lines.extend(profile_summary(stats, n, _group))
     return lines
 
 
@@ -997,64 +780,45 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
         f"{result['events']['mean_bytes']:.0f} bytes mean) in {time.perf_counter() - t:.1f} s"
     )
     topic = f"bench.worker.{uuid.uuid4().hex[:8]}"
-    await create_topic(svc.bootstrap, topic)
+    await create_topic(svc.bootstrap, topic, PARTITIONS)
     t = time.perf_counter()
     last = await fill_topic(svc.bootstrap, topic, records)
     result["fill_seconds"] = time.perf_counter() - t
     progress(f"topic {topic} filled in {result['fill_seconds']:.1f} s; last offsets {last}")
     del records
 
-    progress("throughput: mcpbg worker (subprocess) ...")
-    result["worker"] = await run_worker_throughput(
-        svc, topic, last, args.events, 1, tmp, args.poll_ms / 1000
-    )
-    progress(f"  {result['worker']['events_per_s']:,.0f} events/s")
-    if not args.no_archive:
-        progress("throughput: mcpbg worker --archive-dir (subprocess) ...")
-        result["worker_archive"] = await run_worker_throughput(
-            svc,
-            topic,
-            last,
-            args.events,
-            8,
-            tmp,
-            args.poll_ms / 1000,
-            extra=["--archive-dir", str(tmp / "archive")],
-        )
-        progress(f"  {result['worker_archive']['events_per_s']:,.0f} events/s")
-    progress("throughput: aiokafka consumer + Projector (in process) ...")
-    result["aiokafka"] = await run_aiokafka_loop(svc, topic, last, args.events, 2, args.batch)
-    progress(f"  {result['aiokafka']['events_per_s']:,.0f} events/s")
-    progress("throughput: Projector alone, records in memory ...")
-    result["projector"] = await run_projector_alone(svc, topic, by_partition, 3, args.batch)
-    progress(f"  {result['projector']['events_per_s']:,.0f} events/s")
-    progress("throughput: Projector over a no-op backend (parse only) ...")
-    result["parse_only"] = await run_projector_alone(None, topic, by_partition, 0, args.batch)
-    progress(f"  {result['parse_only']['events_per_s']:,.0f} events/s")
-    progress("throughput: the same, every record through the pydantic parse ...")
-    result["parse_full"] = await run_projector_alone(
-        None, topic, by_partition, 0, args.batch, full_parse=True
-    )
-    progress(f"  {result['parse_full']['events_per_s']:,.0f} events/s")
-    del by_partition
+    poll = args.poll_ms / 1000
+    archive = ("--archive-dir", str(tmp / "archive"))
+    phases: list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]] = [
+        ("worker", "mcpbg worker (subprocess)",
+         lambda: run_worker_throughput(svc, topic, last, args.events, 1, tmp, poll)),
+        ("worker_archive", "mcpbg worker --archive-dir (subprocess)",
+         lambda: run_worker_throughput(svc, topic, last, args.events, 8, tmp, poll, archive)),
+        ("aiokafka", "aiokafka consumer + Projector (in process)",
+         lambda: run_aiokafka_loop(svc, topic, last, args.events, 2, args.batch)),
+        ("projector", "Projector alone, records in memory",
+         lambda: run_projector_alone(svc, topic, by_partition, 3, args.batch)),
+        ("parse_only", "Projector over a no-op backend (parse only)",
+         lambda: run_projector_alone(None, topic, by_partition, 0, args.batch)),
+        ("parse_full", "the same, every record through the pydantic parse",
+         lambda: run_projector_alone(None, topic, by_partition, 0, args.batch, full_parse=True)),
+    ]  # fmt: skip
+    for key, what, phase in phases:
+        if key == "worker_archive" and args.no_archive:
+            continue
+        progress(f"throughput: {what} ...")
+        result[key] = await phase()
+        progress(f"  {result[key]['events_per_s']:,.0f} events/s")
+    by_partition.clear()
 
     progress(f"lag: {args.rate:,.0f} events/s for {args.seconds:g} s through KafkaLedger ...")
-    result["lag"] = await run_lag(
-        svc, templates, args.rate, args.seconds, 4, tmp, args.poll_ms / 1000
-    )
+    result["lag"] = await run_lag(svc, templates, args.rate, args.seconds, 4, tmp, poll)
     lag = result["lag"]["lag_ms"]
     progress(f"  lag p50 {lag['p50']:.0f} ms, p99 {lag['p99']:.0f} ms, max {lag['max']:.0f} ms")
     if not args.no_diagnostics:
         progress(f"lag, diagnostic: the same with fetch_max_wait_ms={args.diag_fetch_wait_ms} ...")
         result["lag_fetch_wait"] = await run_lag(
-            svc,
-            templates,
-            args.rate,
-            args.seconds,
-            7,
-            tmp,
-            args.poll_ms / 1000,
-            fetch_wait_ms=args.diag_fetch_wait_ms,
+            svc, templates, args.rate, args.seconds, 7, tmp, poll, args.diag_fetch_wait_ms
         )
         lag = result["lag_fetch_wait"]["lag_ms"]
         progress(f"  lag p50 {lag['p50']:.0f} ms, p99 {lag['p99']:.0f} ms")
@@ -1069,9 +833,7 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
             svc, topic, last, args.events, 5, args.batch
         )
         progress("profile: mcpbg worker under cProfile (every thread) ...")
-        result["profile_worker"] = await profile_worker(
-            svc, topic, last, args.events, 6, tmp, args.poll_ms / 1000
-        )
+        result["profile_worker"] = await profile_worker(svc, topic, last, args.events, 6, tmp, poll)
     return result
 
 
@@ -1087,7 +849,7 @@ async def probe_broker(svc: Services, waits: Sequence[int], records: int = 150) 
     try:
         for wait in waits:
             topic = f"bench.worker.probe.{uuid.uuid4().hex[:8]}"
-            await create_topic(svc.bootstrap, topic)
+            await create_topic(svc.bootstrap, topic, PARTITIONS)
             consumer = AIOKafkaConsumer(
                 bootstrap_servers=svc.bootstrap,
                 enable_auto_commit=False,
@@ -1129,6 +891,16 @@ async def probe_broker(svc: Services, waits: Sequence[int], records: int = 150) 
     return out
 
 
+THROUGHPUT_ROWS = [
+    ("worker", "mcpbg worker, subprocess"),
+    ("worker_archive", "mcpbg worker --archive-dir, subprocess"),
+    ("aiokafka", "aiokafka getmany + Projector, in process"),
+    ("projector", "Projector alone, records in memory"),
+    ("parse_only", "Projector, no-op backend (decode only)"),
+    ("parse_full", "same, full pydantic parse (no fast decoder)"),
+]
+
+
 def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
     ev = result["events"]
     print(env)
@@ -1139,48 +911,23 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
         f"in {result['fill_seconds']:.1f} s\n"
     )
     rows = []
-    names = [
-        ("worker", "mcpbg worker, subprocess"),
-        ("worker_archive", "mcpbg worker --archive-dir, subprocess"),
-        ("aiokafka", "aiokafka getmany + Projector, in process"),
-        ("projector", "Projector alone, records in memory"),
-        ("parse_only", "Projector, no-op backend (decode only)"),
-        ("parse_full", "same, full pydantic parse (no fast decoder)"),
-    ]
-    for key, label in names:
+    for key, label in THROUGHPUT_ROWS:
         if key not in result:
             continue
         r = result[key]
         cpu = r["cpu_seconds"]
         own = cpu.get("worker", cpu.get("this process", float("nan")))
-        rows.append(
-            [
-                label,
-                f"{r['events_per_s']:,.0f}",
-                f"{r['seconds']:.2f}",
-                f"{own:.1f}",
-                f"{own * 1e6 / r['events_timed']:.0f}",
-                f"{cpu.get('redis', float('nan')):.1f}",
-                f"{cpu.get('tansu', float('nan')):.1f}",
-                _load1(r["loadavg"]),
-            ]
-        )
-    print(
-        table(
-            [
-                "projection, one consumer",
-                "events/s",
-                "seconds",
-                "cpu s",
-                "cpu us/event",
-                "redis cpu s",
-                "tansu cpu s",
-                "load (1 min)",
-            ],
-            rows,
-            [False, *([True] * 7)],
-        )
-    )
+        nan = float("nan")
+        rows.append([
+            label, f"{r['events_per_s']:,.0f}", f"{r['seconds']:.2f}", f"{own:.1f}",
+            f"{own * 1e6 / r['events_timed']:.0f}", f"{cpu.get('redis', nan):.1f}",
+            f"{cpu.get('tansu', nan):.1f}", _load1(r["loadavg"]),
+        ])  # fmt: skip
+    headers = [
+        "projection, one consumer", "events/s", "seconds", "cpu s", "cpu us/event",
+        "redis cpu s", "tansu cpu s", "load (1 min)",
+    ]  # fmt: skip
+    print(table(headers, rows, [False, *([True] * 7)]))
     print(
         "cpu s: of the process that projects (the worker, else this one) over the timed "
         "span; cpu us/event is that over the events timed, which other load on the machine "
@@ -1214,38 +961,19 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
         if key in result:
             r = result[key]
             cpu = r["cpu_seconds"]
-            lag_rows.append(
-                [
-                    label.format(r["fetch_max_wait_ms"]),
-                    *(f"{r['lag_ms'][k]:.0f}" for k in ("p50", "p90", "p99", "max", "mean")),
-                    f"{r['rate_achieved']:,.0f}",
-                    f"{cpu['worker']:.1f}",
-                    f"{cpu['this process']:.1f}",
-                    f"{cpu['redis']:.1f}",
-                    f"{cpu['tansu']:.1f}",
-                    _load1(r["loadavg"]),
-                ]
-            )
-    print(
-        table(
-            [
-                "lag (append -> watermark seen)",
-                "p50 ms",
-                "p90 ms",
-                "p99 ms",
-                "max ms",
-                "mean ms",
-                "events/s",
-                "worker cpu s",
-                "producer cpu s",
-                "redis cpu s",
-                "tansu cpu s",
-                "load (1 min)",
-            ],
-            lag_rows,
-            [False, *([True] * 11)],
-        )
-    )
+            lag_rows.append([
+                label.format(r["fetch_max_wait_ms"]),
+                *(f"{r['lag_ms'][k]:.0f}" for k in ("p50", "p90", "p99", "max", "mean")),
+                f"{r['rate_achieved']:,.0f}",
+                *(f"{cpu[k]:.1f}" for k in ("worker", "this process", "redis", "tansu")),
+                _load1(r["loadavg"]),
+            ])  # fmt: skip
+    headers = [
+        "lag (append -> watermark seen)", "p50 ms", "p90 ms", "p99 ms", "max ms", "mean ms",
+        "events/s", "worker cpu s", "producer cpu s", "redis cpu s", "tansu cpu s",
+        "load (1 min)",
+    ]  # fmt: skip
+    print(table(headers, lag_rows, [False, *([True] * 11)]))
     lag_ok = ms["p99"] <= LAG_P99_TARGET_MS
     print(
         f"Target: lag p99 <= {LAG_P99_TARGET_MS:.0f} ms at {lag['rate_target']:,.0f} events/s "

@@ -7,7 +7,7 @@ projected, a seen-id set (per id, also over 200,000 UUIDv7 ids), the
 watermark hash, an inline charge's operation marker. Then the figures at a
 given rate (default 5,000 events/s):
 
-    .venv/bin/python benchmarks/redis_memory.py [--rate 5000] [--redis URL]
+    .venv/bin/python -m benchmarks.redis_memory [--rate 5000] [--redis URL]
 
 Memory, not time: the numbers are the server's own accounting (``samples 0``:
 every field counted), stable across runs of one Redis version.
@@ -21,7 +21,6 @@ import time
 
 import redis
 import uuid_utils
-from _common import redis_server
 
 from mcp_budget_governor import Context, Governor, Limit, Policy, Scope, Unit, Window, usd
 from mcp_budget_governor.counters import CounterOp
@@ -31,6 +30,7 @@ from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.stream.projector import Projector
+from testing.bench import redis_server
 
 SECONDS_PER_DAY = 86_400
 

@@ -1,6 +1,6 @@
 """Shared fixtures: a real Redis for the whole run, and one suite over both backends.
 
-Redis is found or started by ``services.start_redis`` (environment URL, then
+Redis is found or started by ``testing.services.start_redis`` (environment URL, then
 Docker, then a local binary on a free port). Tests that kill Redis start their
 own private server with ``own_redis``.
 """
@@ -8,18 +8,13 @@ own private server with ``own_redis``.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from services import RedisService, start_redis
-
 from mcp_budget_governor import Backend, MemoryBackend, RedisBackend
+from testing.services import RedisService, start_redis
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,9 @@ import multiprocessing
 import time
 
 import pytest
-from workers import burst_policy, concurrent_checks
 
 from mcp_budget_governor import Backend, Context, Governor
+from testing.workers import burst_policy, concurrent_checks
 
 
 @pytest.mark.slow

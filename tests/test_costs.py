@@ -7,22 +7,18 @@ import csv
 import io
 import json
 import shutil
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_ledger_view import mixed_run
 
 from mcp_budget_governor.cli import costs as cli_costs
-from mcp_budget_governor.cli import ledger_args, main
-from mcp_budget_governor.events import parse
+from mcp_budget_governor.cli import ledger_args
 from mcp_budget_governor.money import format_usd
 from mcp_budget_governor.prices import PriceTable
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from ledger_gen import GenStats, write_archive
+from testing.ledger_gen import GenStats, write_archive
+from testing.ledger_run import mixed_run, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +30,6 @@ def rows(archive: Path) -> dict[str, list[object]]:
     """Every row of the generated files, read with pyarrow (no DuckDB)."""
     table = pq.ParquetDataset(archive).read()
     return {name: table.column(name).to_pylist() for name in table.column_names}
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_generator_rows_are_valid_and_priced_by_the_price_table(generated: GenStats) -> None:
@@ -116,12 +106,7 @@ async def test_costs_of_a_governed_run_and_the_per_limit_rule(
     run = await mixed_run(redis_url, tmp_path)
     per_user: dict[str, int] = defaultdict(int)
     user_spend: dict[str, int] = defaultdict(int)
-    seen: set[str] = set()
-    for _, _, raw in run.events():
-        event = parse(raw)
-        if event.id in seen:
-            continue
-        seen.add(event.id)
+    for event in run.unique():
         usd = [c for c in event.data.charges if c.unit == "usd_micros"]
         user = event.data.context.user or ""
         if usd:

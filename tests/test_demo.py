@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from services import start_kafka
 
 from mcp_budget_governor import format_usd, usd
 from mcp_budget_governor.demo.runner import FOCUS_FILE, MARKER
 from mcp_budget_governor.demo.scenario import MODEL, POLICY
+from testing.services import start_kafka
 
 #: FOCUS 1.2 columns every cost row must have (a subset of the mandatory ones).
 FOCUS_COLUMNS = {

@@ -426,17 +426,23 @@ def blocking(gov: Governor, started: asyncio.Event) -> Callable[[], Awaitable[No
     return slow
 
 
-async def test_a_cancelled_call_pays_its_fixed_price(backend: Backend) -> None:
-    # One instant for check and read: the burst counter is a minute bucket, and a run
-    # that crossed a minute boundary read the next minute's (empty) counter.
-    now = time.time()
-    gov = Governor(policy(), backend, clock=lambda: now)
+async def cancel_once_started(gov: Governor) -> asyncio.Task[Any]:
+    """The slow governed call, cancelled once it has started; its CancelledError raised."""
     started = asyncio.Event()
     task = asyncio.create_task(blocking(gov, started)())
     await started.wait()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    return task
+
+
+async def test_a_cancelled_call_pays_its_fixed_price(backend: Backend) -> None:
+    # One instant for check and read: the burst counter is a minute bucket, and a run
+    # that crossed a minute boundary read the next minute's (empty) counter.
+    now = time.time()
+    gov = Governor(policy(), backend, clock=lambda: now)
+    task = await cancel_once_started(gov)
     assert task.cancelled()  # the cancellation propagated, after the charge
     assert await gov.usage("spend") == 100
     assert await gov.usage("burst", Context(user="u1")) == 1
@@ -480,12 +486,7 @@ async def test_a_cancelled_call_whose_charge_fails_is_still_cancelled(
     )
     gov = Governor(edge, MemoryBackend())
     await gov.meter("spend", MAX_AMOUNT)  # no room left in the exact range
-    started = asyncio.Event()
-    task = asyncio.create_task(blocking(gov, started)())
-    await started.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_once_started(gov)
     assert "tool 'slow': charging the cancelled call failed" in caplog.text
     assert "CounterOverflowError" in caplog.text
 

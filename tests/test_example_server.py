@@ -23,10 +23,10 @@ import pytest
 from fastmcp import Client
 from fastmcp.client.transports import StreamableHttpTransport
 from fastmcp.exceptions import ToolError
-from services import KafkaService, free_port, start_kafka
 
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
 from mcp_budget_governor.stream.topic_reader import read_topic
+from testing.services import KafkaService, free_port, start_kafka
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH_PRICE = usd(0.004)  # examples/server.py's flat price

@@ -10,7 +10,6 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from services import RedisService
 
 from mcp_budget_governor import (
     MAX_AMOUNT,
@@ -26,6 +25,7 @@ from mcp_budget_governor import (
     Window,
 )
 from mcp_budget_governor.planning import slot
+from testing.services import RedisService
 
 RETRY = 0.3
 

@@ -1,6 +1,6 @@
 """``mcpbg export focus`` end to end: a generated month, the official validator, bad input.
 
-The month comes from ``benchmarks/ledger_gen.py`` (several tenants, users and
+The month comes from ``testing/ledger_gen.py`` (several tenants, users and
 tools; model calls with all four token meters; reservations, settlements and
 releases without a model, i.e. tool-call costs; admissions and rejections that
 carry no USD). The export must pass focus-validator 2.2.1 with no real
@@ -40,12 +40,8 @@ from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
 from mcp_budget_governor.projections import focus_export
 from mcp_budget_governor.projections.ledger_view import LedgerError, open_ledger
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from focus_validator_env import validate
-from ledger_gen import GenStats, write_archive
+from testing.focus_validator_env import validate
+from testing.ledger_gen import GenStats, write_archive
 
 EVENTS = 6_000
 MONTH = "2026-11"

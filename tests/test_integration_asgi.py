@@ -23,7 +23,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
-from test_integration_fastmcp import ThreadServer
 
 from mcp_budget_governor import (
     ANONYMOUS_USER,
@@ -43,6 +42,7 @@ from mcp_budget_governor import (
 )
 from mcp_budget_governor.integrations.asgi import BudgetASGIMiddleware
 from mcp_budget_governor.integrations.lowlevel import governed_call_tool
+from testing.thread_server import ThreadServer
 
 NOW = time.time()
 USD = Unit.USD_MICROS

@@ -40,7 +40,6 @@ import orjson
 import pytest
 import redis as redis_sync
 from aiokafka import AIOKafkaProducer
-from services import KafkaService, start_kafka
 
 from mcp_budget_governor import (
     BudgetExceeded,
@@ -68,6 +67,7 @@ from mcp_budget_governor.stream.topic_reader import (
     TopicRecords,
     read_topic,
 )
+from testing.services import KafkaService, start_kafka
 
 PARTITIONS = 3
 # Fast failure detection, so outages show within the test's time budget.

@@ -69,7 +69,7 @@ def test_each_module_has_one_identity() -> None:
 
 
 def test_the_package_ships_only_the_scripts_its_code_loads() -> None:
-    # A benchmark-only script (benchmarks/noop.lua) lives with the benchmarks: listed in
+    # A benchmark-only script (testing/noop.lua) lives with the benchmark harness: listed in
     # SCRIPTS it would be shipped in the wheel and registered by production code.
     from mcp_budget_governor.lua import SCRIPTS
 

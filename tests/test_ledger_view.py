@@ -1,48 +1,36 @@
 """The ledger view: one row per charge over the Parquet archive and the file ledger,
 deduplicated as the projector counts; the ``costs`` view's one-USD-per-event rule.
 
-Also home of :func:`mixed_run`, the workload the replay, reconcile and costs
-suites share: a Governor on a real Redis with a ledger, its events projected by
-the real :class:`Projector` (with the real :class:`Archiver` as its archive
-hook, as the worker wires them), including redelivered batches, overlapping
-archive segments and a producer duplicate.
+The run they read is :func:`testing.ledger_run.mixed_run`, which the replay,
+reconcile and costs suites share.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 from collections import defaultdict
-from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta, timezone
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import redis as redis_sync
 
 from mcp_budget_governor import (
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
-    Policy,
     RedisBackend,
     Scope,
     Unit,
     Window,
     planning,
-    usd,
 )
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, encode, parse, to_entry
-from mcp_budget_governor.keys import WATERMARK_KEY
-from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id, partition_key
-from mcp_budget_governor.ledger import partition_of as partition_index
+from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
-from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.ledger_view import (
     COLUMNS,
     LedgerError,
@@ -50,181 +38,7 @@ from mcp_budget_governor.projections.ledger_view import (
     range_days,
 )
 from mcp_budget_governor.stream.archiver import Archiver
-from mcp_budget_governor.stream.projector import Projector
-
-TOPIC = "mcpbg.ledger"
-PARTITIONS = 3
-SOURCE = "/mcpbg/test"
-
-
-def _tenants() -> list[str]:
-    """Three tenants, one on each partition (the ledger partitions by tenant)."""
-    found: dict[int, str] = {}
-    i = 0
-    while len(found) < PARTITIONS:
-        found.setdefault(partition_index(partition_key(f"t{i}", None), PARTITIONS), f"t{i}")
-        i += 1
-    return [found[p] for p in range(PARTITIONS)]
-
-
-TENANTS = _tenants()
-
-
-def policy() -> Policy:
-    return Policy.of(
-        Limit("burst", cap=6, window=Window.MINUTE, scope=Scope.USER),
-        Limit("daily", cap=400, window=Window.DAY, scope=Scope.USER),
-        Limit("tenant_calls", cap=100_000, window=Window.DAY, scope=Scope.TENANT),
-        Limit(
-            "spend",
-            cap=usd(50),
-            window=Window.DAY,
-            unit=Unit.USD_MICROS,
-            scope=Scope.TENANT,
-            gated=False,
-        ),
-        Limit(
-            "user_spend",
-            cap=usd(20),
-            window=Window.MONTH,
-            unit=Unit.USD_MICROS,
-            scope=Scope.USER,
-            gated=False,
-        ),
-    )
-
-
-class Clock:
-    """Governor time: starts ``back`` seconds ago and steps, so events span a few minutes."""
-
-    def __init__(self, now: float, back: float, step: float) -> None:
-        self.t = now - back
-        self.step = step
-
-    def __call__(self) -> float:
-        self.t += self.step
-        return self.t
-
-
-async def workload(gov: Governor, n: int, rng: random.Random, users: str = "u") -> None:
-    """Checks (some refused), metered USD, metered model calls, reservations settled or released."""
-    for _ in range(n):
-        ctx = Context(user=f"{users}{rng.randrange(6)}", tenant=rng.choice(TENANTS), tool="search")
-        op = rng.random()
-        if op < 0.5:
-            await gov.check(ctx)
-        elif op < 0.7:
-            await gov.meter("spend", rng.randrange(1, 40_000), ctx)
-        elif op < 0.85:
-            await gov.meter_tokens(
-                "user_spend",
-                rng.choice(["gpt-4o", "claude-haiku-4-5"]),
-                input_tokens=rng.randrange(100, 5000),
-                output_tokens=rng.randrange(10, 800),
-                cache_read_tokens=rng.choice([0, 50]),
-                ctx=ctx,
-            )
-        else:
-            with contextlib.suppress(BudgetExceeded):
-                async with gov.reserved("spend", 25_000, ctx) as r:
-                    if rng.random() < 0.3:
-                        r.release()
-                    else:
-                        r.actual = rng.randrange(0, 50_000)
-
-
-@dataclass
-class Run:
-    """What a mixed run produced: the raw events per partition, in offset order."""
-
-    archive: Path
-    partitions: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
-    ids: list[str] = field(default_factory=list)
-
-    def events(self) -> list[tuple[int, int, bytes]]:
-        return [(p, o, raw) for p, recs in sorted(self.partitions.items()) for o, raw in recs]
-
-    def totals(self, *, upto: dict[int, int] | None = None) -> dict[str, int]:
-        """Independent of DuckDB: the sum per key, each event id once (first offset wins)."""
-        out: dict[str, int] = defaultdict(int)
-        seen: set[str] = set()
-        for p, offset, raw in self.events():
-            if upto is not None and offset > upto.get(p, -1):
-                continue
-            event = parse(raw)
-            if event.id in seen:
-                continue
-            seen.add(event.id)
-            for c in event.data.charges:
-                out[c.key] += c.amount
-        return dict(out)
-
-
-def partition_of(raw: bytes) -> int:
-    ctx = parse(raw).data.context
-    return partition_index(partition_key(ctx.tenant, ctx.user), PARTITIONS)
-
-
-async def mixed_run(
-    redis_url: str, tmp_path: Path, *, n: int = 400, seed: int = 1, project: bool = True
-) -> Run:
-    """A governed workload on Redis, projected and archived like the worker does it.
-
-    Batches of 40 per partition; the second batch of each partition is
-    delivered again shifted by 20 (overlapping segments, a redelivery), and
-    the first event of partition 0 is appended again at the end (a producer
-    retry at a new offset). ``project=False`` leaves everything in flight.
-    """
-    import time
-
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
-    await backend.mark_ready("test")
-    ledger = MemoryLedger()
-    gov = Governor(
-        policy(),
-        backend,
-        ledger=ledger,
-        prices=PriceTable.builtin(),
-        clock=Clock(time.time(), back=180, step=180 / n),
-    )
-    await workload(gov, n, random.Random(seed))
-    run = Run(tmp_path / "archive")
-    for entry in ledger.entries:
-        raw = encode(entry, SOURCE)
-        p = partition_of(raw)
-        records = run.partitions.setdefault(p, [])
-        records.append((len(records), raw))
-        run.ids.append(entry.id)
-    first = run.partitions[0][0][1]
-    run.partitions[0].append((len(run.partitions[0]), first))  # a producer retry
-    if project:
-        archiver = Archiver(run.archive, topic=TOPIC)
-        projector = Projector(backend, TOPIC, dlq=lambda letter: None, archive=archiver.write_batch)
-        for p, records in sorted(run.partitions.items()):
-            for start in range(0, len(records), 40):
-                await projector.apply_batch(p, records[start : start + 40])
-                if start == 40:  # redelivered after a "rebalance", batched differently
-                    await projector.apply_batch(p, records[start - 20 : start + 20])
-    await backend.aclose()
-    return run
-
-
-def live_counters(redis_url: str) -> dict[str, tuple[int, int]]:
-    """Every counter in Redis: committed and in-flight."""
-    client = redis_sync.Redis.from_url(redis_url)
-    out = {}
-    for raw in client.scan_iter(match="mcpbg:v1:[^_]*", count=1000):
-        fields = client.hgetall(raw)
-        out[raw.decode()] = (int(fields.get(b"c", 0)), int(fields.get(b"f", 0)))
-    client.close()
-    return out
-
-
-def watermarks(redis_url: str) -> dict[str, int]:
-    client = redis_sync.Redis.from_url(redis_url)
-    marks = {k.decode(): int(v) for k, v in client.hgetall(WATERMARK_KEY).items()}
-    client.close()
-    return marks
+from testing.ledger_run import SOURCE, TENANTS, TOPIC, Run, mixed_run, policy, workload
 
 
 @pytest.fixture
@@ -268,19 +82,15 @@ async def test_view_has_the_contract_columns_and_one_row_per_charge(run: Run) ->
 async def test_costs_view_counts_each_events_usd_once(run: Run) -> None:
     con = open_ledger(run.archive)
     want: dict[str, int] = defaultdict(int)
-    seen: set[str] = set()
-    for _, _, raw in run.events():
-        event = parse(raw)
-        if event.id in seen:
-            continue
-        seen.add(event.id)
+    unique = run.unique()
+    for event in unique:
         usd_charges = [c.amount for c in event.data.charges if c.unit == "usd_micros"]
         if usd_charges:
             want[event.data.context.user or ""] += usd_charges[0]
     got = dict(con.sql('SELECT "user", sum(usd_micros)::BIGINT FROM costs GROUP BY 1').fetchall())
     assert {u: v for u, v in got.items() if v} == {u: v for u, v in want.items() if v}
     ((events,),) = con.sql("SELECT count(*) FROM costs").fetchall()
-    assert events == len(seen)
+    assert events == len(unique)
 
 
 async def test_file_ledger_rows_match_the_archive_rows(redis_url: str, tmp_path: Path) -> None:

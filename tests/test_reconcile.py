@@ -12,19 +12,15 @@ from typing import Any
 
 import pytest
 import redis as redis_sync
-from services import KafkaService, start_kafka
-from test_ledger_view import TOPIC, live_counters, mixed_run
-from test_replay import extend
 
-from mcp_budget_governor.cli import main
 from mcp_budget_governor.events import parse
 from mcp_budget_governor.stream.archiver import Archiver
+from testing.ledger_run import TOPIC, extend, live_counters, mixed_run, run_cli
+from testing.services import KafkaService, start_kafka
 
 
 def reconcile(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["reconcile", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, "reconcile", *argv)
 
 
 async def test_tampered_counter_is_found_and_fixed(
@@ -124,11 +120,10 @@ async def test_file_ledger_reconcile(
     """The embedded mode: a FileLedger projected by the FileProjector reconciles too."""
     import random
 
-    from test_ledger_view import policy, workload
-
     from mcp_budget_governor import Governor, RedisBackend
     from mcp_budget_governor.prices import PriceTable
     from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+    from testing.ledger_run import policy, workload
 
     backend = RedisBackend.from_url(redis_url, timeout=5.0)
     folder = tmp_path / "ledger"
@@ -171,9 +166,8 @@ class LostLedger:
 
 async def orphan_ops(redis_url: str) -> LostLedger:
     """A check (calls) and a meter (USD micros) whose events never reach the ledger."""
-    from test_ledger_view import TENANTS, policy
-
     from mcp_budget_governor import Context, Governor, RedisBackend
+    from testing.ledger_run import TENANTS, policy
 
     lost = LostLedger()
     gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=5.0), ledger=lost)
@@ -305,11 +299,10 @@ async def test_orphans_of_the_file_ledger_are_settled_in_it(
     and the FileProjector settles them; no --kafka-url needed."""
     import random
 
-    from test_ledger_view import policy, workload
-
     from mcp_budget_governor import Governor, RedisBackend
     from mcp_budget_governor.prices import PriceTable
     from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+    from testing.ledger_run import policy, workload
 
     backend = RedisBackend.from_url(redis_url, timeout=5.0)
     folder = tmp_path / "ledger"

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from services import free_port
 
 import mcp_budget_governor
 from mcp_budget_governor import (
@@ -50,6 +49,7 @@ from mcp_budget_governor import (
     usd,
 )
 from mcp_budget_governor.errors import BudgetUnavailable, InvalidInputError, PolicyError
+from testing.services import free_port
 
 # The reference package's __all__ (0.1.0), plus RedisBackend, which it exposes lazily.
 REFERENCE_ALL = (

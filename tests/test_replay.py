@@ -11,26 +11,12 @@ from pathlib import Path
 
 import pytest
 import redis as redis_sync
-from test_ledger_view import (
-    SOURCE,
-    TOPIC,
-    Clock,
-    Run,
-    live_counters,
-    mixed_run,
-    partition_of,
-    policy,
-    watermarks,
-    workload,
-)
 
 from mcp_budget_governor import Governor, RedisBackend
-from mcp_budget_governor.cli import main
-from mcp_budget_governor.events import encode, parse
+from mcp_budget_governor.events import parse
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
-from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.counters.sync import (
     ConcurrentProjectionError,
     redis_client,
@@ -38,6 +24,16 @@ from mcp_budget_governor.projections.counters.sync import (
 )
 from mcp_budget_governor.stream.archiver import Archiver
 from mcp_budget_governor.stream.projector import Projector
+from testing.ledger_run import (
+    TOPIC,
+    extend,
+    live_counters,
+    mixed_run,
+    policy,
+    run_cli,
+    watermarks,
+    workload,
+)
 
 
 def flush(url: str) -> None:
@@ -47,9 +43,7 @@ def flush(url: str) -> None:
 
 
 def replay(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["replay", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, "replay", *argv)
 
 
 async def test_archive_replay_equals_the_live_counters(
@@ -115,31 +109,6 @@ async def test_dry_run_lists_the_changes_and_writes_nothing(
     client = redis_sync.Redis.from_url(redis_url)
     assert client.dbsize() == 0
     client.close()
-
-
-async def extend(
-    redis_url: str, run: Run, n: int, seed: int, *, back: float = 30, users: str = "u"
-) -> dict[int, list[tuple[int, bytes]]]:
-    """New governed events after the run (the hot path writes them in flight in Redis),
-    appended at the next offsets of their partitions; returns them per partition."""
-    import time
-
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
-    ledger = MemoryLedger()
-    gov = Governor(
-        policy(), backend, ledger=ledger, prices=PriceTable.builtin(),
-        clock=Clock(time.time(), back=back, step=back / n),
-    )  # fmt: skip
-    await workload(gov, n, random.Random(seed), users)
-    await backend.aclose()
-    new: dict[int, list[tuple[int, bytes]]] = {}
-    for entry in ledger.entries:
-        raw = encode(entry, SOURCE)
-        p = partition_of(raw)
-        records = run.partitions[p]
-        records.append((len(records), raw))
-        new.setdefault(p, []).append(records[-1])
-    return new
 
 
 async def test_live_projection_resumes_after_a_replay_counting_nothing_twice(
@@ -333,7 +302,8 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
     with every counter equal to its ledger sum and nothing in flight."""
     pytest.importorskip("mcp_budget_governor.stream.worker")
     import stream_support as sw
-    from services import start_kafka
+
+    from testing.services import start_kafka
 
     kafka = start_kafka()
     started: list[sw.Worker] = []

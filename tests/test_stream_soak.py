@@ -40,26 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from services import (
-    KafkaService,
-    RedisService,
-    redis_binary,
-    start_kafka,
-    start_redis,
-    tansu_binary,
-)
-from stream_support import (
-    Worker,
-    applied_offsets,
-    charge_totals,
-    tenants,
-    unique_events,
-    wait_watermarks,
-    watermarks,
-    worker_argv,
-    worker_env,
-    worker_logs,
-)
 
 from mcp_budget_governor import (
     BudgetExceeded,
@@ -78,6 +58,26 @@ from mcp_budget_governor.keys import EPOCH_KEY, PREFIX, SEEN_PREFIX, WATERMARK_K
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.alerts import ALERTED_PREFIX
 from mcp_budget_governor.stream.topic_reader import read_topic
+from testing.services import (
+    KafkaService,
+    RedisService,
+    redis_binary,
+    start_kafka,
+    start_redis,
+    tansu_binary,
+)
+from testing.stream_support import (
+    Worker,
+    applied_offsets,
+    charge_totals,
+    tenants,
+    unique_events,
+    wait_watermarks,
+    watermarks,
+    worker_argv,
+    worker_env,
+    worker_logs,
+)
 
 pytest.importorskip("mcp_budget_governor.stream.worker", reason="the worker needs the stream extra")
 

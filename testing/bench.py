@@ -1,27 +1,30 @@
-"""Helpers shared by the benchmark scripts: a Redis to talk to, stats, tables, cleanup.
+"""The benchmarks' harness: a Redis to talk to, stats, tables, cleanup, CPU seconds.
 
-Not a package module: the scripts in this folder import it as a sibling
-(``python benchmarks/<script>.py`` puts this folder on ``sys.path``).
+The scripts of ``benchmarks/`` import it (``python -m benchmarks.<script>`` from the
+repository root), as the tests import the services it starts them with.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import platform
+import pstats
+import re
 import statistics
 import sys
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 
+from testing.services import start_redis
+
 REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,7 @@ def redis_server(url: str | None) -> Iterator[Server]:
     if url:
         yield Server(url, "--redis (not started or stopped by the benchmark)")
         return
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    services = importlib.import_module("services")
-    service = services.start_redis(prefer_local=True)
+    service = start_redis(prefer_local=True)
     try:
         yield Server(service.url, f"local redis-server started by the benchmark ({service.url})")
     finally:
@@ -137,6 +137,34 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process (all its threads) so far, from /proc."""
+    if pid is None:
+        return float("nan")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds spent by named processes (and this one) between start() and stop()."""
+
+    def __init__(self, pids: dict[str, int | None]) -> None:
+        self.pids = pids
+        self.start_at: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.start_at = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self.start_at["this process"] = time.process_time()
+
+    def stop(self) -> dict[str, float]:
+        used = {name: cpu_seconds(pid) - self.start_at[name] for name, pid in self.pids.items()}
+        used["this process"] = time.process_time() - self.start_at["this process"]
+        return used
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -161,3 +189,54 @@ async def naive_check(client: Any, policy: Any, ctx: Any, now: float) -> bool:
         await client.incrby(s.key, s.amount)
         await client.expire(s.key, s.expire_at - int(now))
     return True
+
+
+#: Groups :func:`profile_summary` treats apart: time spent waiting, and builtins
+#: (``isinstance``, ``len``...), whose time counts for the group of their caller.
+IDLE = "idle"
+BUILTINS = "builtins, caller unknown"
+
+
+def profile_summary(
+    stats: pstats.Stats,
+    total_events: int,
+    group_of: Callable[[str, str], str],
+    top: int = 14,
+) -> list[str]:
+    """cProfile own time by layer (``group_of(filename, function)``), then the top functions."""
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    groups: dict[str, float] = {}
+    total = idle = 0.0
+    rows = []
+    for (filename, line, name), (_cc, _nc, tt, _ct, callers) in raw.items():
+        group = group_of(filename, name)
+        if group == IDLE:
+            idle += tt
+            continue
+        total += tt
+        rows.append((tt, f"{short_path(filename)}:{line}({name})"))
+        if filename == "~" and group == BUILTINS and callers:
+            for (cfile, _cline, cname), caller_stats in callers.items():
+                g = group_of(cfile, cname)
+                groups[g] = groups.get(g, 0.0) + caller_stats[2]
+            continue
+        groups[group] = groups.get(group, 0.0) + tt
+    out = [
+        f"busy {total:.2f} s ({total * 1e6 / max(total_events, 1):.1f} us/event), "
+        f"waiting (epoll, locks) {idle:.2f} s; shares of the busy time:"
+    ]
+    for group, tt in sorted(groups.items(), key=lambda x: -x[1]):
+        if tt / total >= 0.01:
+            out.append(f"  {tt / total * 100:5.1f}%  {group}")
+    out.append("  top functions (own time):")
+    for tt, where in sorted(rows, reverse=True)[:top]:
+        out.append(f"  {tt / total * 100:5.1f}%  {where}")
+    return out
+
+
+def short_path(filename: str) -> str:
+    """A profiled file's path without its site-packages, stdlib or repository prefix."""
+    if "site-packages/" in filename:
+        return filename.split("site-packages/", 1)[1]
+    stdlib = re.sub(r"^.*/lib/python3\.\d+/", "", filename)
+    return stdlib if stdlib != filename else filename.replace(str(REPO) + "/", "")

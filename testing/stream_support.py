@@ -22,12 +22,12 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from services import KafkaService, start_kafka
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from mcp_budget_governor import (
     BudgetExceeded,
@@ -46,8 +46,12 @@ from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.ledger import partition_key, partition_of
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.stream.topic_reader import TopicRecords, read_topic
+from testing.services import KafkaService, start_kafka
 
+REPO = Path(__file__).resolve().parent.parent
 PARTITIONS = 3
+#: How the tests run ``mcpbg``: this interpreter, ``-m`` (no console script needed).
+CLI = (sys.executable, "-m", "mcp_budget_governor.cli")
 GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
 CATCH_UP = 60.0  # seconds a worker may take to project what it has been given
 
@@ -62,6 +66,19 @@ def tenants(partitions: int, at_least: int, prefix: str) -> list[str]:
         names.append(name)
         covered.add(partition_of(partition_key(name, None), partitions))
     return names
+
+
+def tenants_per_partition(partitions: int, each: int, prefix: str) -> list[str]:
+    """``each`` tenant names on every partition, grouped in partition order."""
+    found: dict[int, list[str]] = {p: [] for p in range(partitions)}
+    i = 0
+    while any(len(names) < each for names in found.values()):
+        name = f"{prefix}{i}"
+        names = found[partition_of(partition_key(name, None), partitions)]
+        if len(names) < each:
+            names.append(name)
+        i += 1
+    return [name for p in range(partitions) for name in found[p]]
 
 
 TENANTS = tenants(PARTITIONS, 6, "t")
@@ -84,6 +101,14 @@ def policy(*extra: Limit) -> Policy:
     )
 
 
+#: One global counter every partition charges, alerting every 10 %: two workers
+#: splitting the partitions both see each level crossed. A worker subprocess loads it
+#: with ``--policy testing.stream_support:ALERT_POLICY`` (the repository root is on
+#: its ``PYTHONPATH``, see :func:`start_worker`).
+ALERT_LEVELS = (10, 20, 30, 40, 50, 60, 70, 80, 90)
+ALERT_POLICY = policy(Limit("all_calls", cap=100, window=Window.DAY, alert_at=ALERT_LEVELS))
+
+
 async def workload(gov: Governor, n: int, rng: random.Random) -> None:
     """``n`` governed operations: checks (some refused), metered costs, reservations."""
     for _ in range(n):
@@ -100,6 +125,16 @@ async def workload(gov: Governor, n: int, rng: random.Random) -> None:
 
 
 # -- services and processes ---------------------------------------------------
+
+
+async def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    """A topic of ``partitions`` partitions (replication 1: one broker)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        await admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -183,10 +218,18 @@ def worker_logs(workers: Iterable[Worker]) -> str:
     return "\n".join(w.tail() for w in workers)
 
 
-def worker_argv(topic: str, group: str, *extra: str) -> list[str]:
-    """``mcpbg worker`` as a subprocess, in a group that notices a dead member quickly."""
+def worker_argv(
+    topic: str,
+    group: str,
+    *extra: str,
+    python: Sequence[str] = CLI,
+) -> list[str]:
+    """``mcpbg worker`` as a subprocess, in a group that notices a dead member quickly.
+
+    ``python``: what runs the CLI (a profiling script, say) in place of ``python -m``.
+    """
     return [
-        sys.executable, "-m", "mcp_budget_governor.cli", "worker",
+        *python, "worker",
         "--topic", topic,
         "--group", group,
         *GROUP_OPTS,
@@ -222,10 +265,8 @@ def start_worker(
     env = worker_env(tmp_path)
     # Settings through the environment (as in a container), options for the rest.
     env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_REDIS_URL=redis_url)
-    # --policy test_stream_worker:ALERT_POLICY names a module of this folder.
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).parent), env.get("PYTHONPATH", "")) if p
-    )
+    # --policy testing.stream_support:ALERT_POLICY names a module of this package.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     argv = worker_argv(
         names.topic, names.group,
         "--batch-size", "200",
