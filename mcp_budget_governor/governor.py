@@ -182,7 +182,8 @@ class Governor(Metering[MeterResult]):
         slots = [
             s
             for lim in self.policy.limits
-            if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False)) is not None
+            if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False, policy=self.policy))
+            is not None
         ]
         totals = await self._read(slots) if slots else []
         report: dict[str, dict[str, int | bool | None]] = {}
@@ -201,7 +202,9 @@ class Governor(Metering[MeterResult]):
 
     def _read_slot(self, limit: str, ctx: Context) -> Slot:
         lim = self.policy[limit]
-        s = planning.slot(lim, ctx, self._clock(), self.policy.tz, 0, enforce=False)
+        s = planning.slot(
+            lim, ctx, self._clock(), self.policy.tz, 0, enforce=False, policy=self.policy
+        )
         if s is None:
             missing = [d.value for d in lim.dimensions if getattr(ctx, d.value) is None]
             raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
@@ -268,7 +271,7 @@ class Governor(Metering[MeterResult]):
             decision = await self._degraded_check(plan.slots, now, op_id)
         else:
             if result.admitted:
-                decision = planning.admitted_by(plan, result.used)
+                decision = planning.admitted_by(plan, result.used, result.caps)
             else:
                 decision = self._decide(plan.slots, result, now)
         if event_id is not None:
@@ -287,8 +290,12 @@ class Governor(Metering[MeterResult]):
 
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
-            return planning.admitted(slots, result.used)
-        remaining = planning.headroom(slots, result.used, charged=False) if result.used else None
+            return planning.admitted(slots, result.used, caps=result.caps)
+        remaining = (
+            planning.headroom(slots, result.used, charged=False, caps=result.caps)
+            if result.used
+            else None
+        )
         return planning.refused(slots[result.refused], now, remaining=remaining)
 
     def _plan(self, ctx: Context, now: float, calls: int = 1) -> planning.Plan:
@@ -381,13 +388,13 @@ class Governor(Metering[MeterResult]):
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
     ) -> MeterResult:
         now = self._clock()
-        slots = planning.meter_slots(charges, ctx, now, self.policy.tz)
+        slots = planning.meter_slots(charges, ctx, now, self.policy.tz, self.policy)
         if not slots:
             return NOTHING_METERED
-        before, degraded = await self._record(
+        before, degraded, cap = await self._record(
             slots, ctx, EntryType.METERED, usage, now, want_used=True
         )
-        return planning.metered(slots[0], before, degraded=degraded)
+        return planning.metered(slots[0], before, degraded=degraded, cap=cap)
 
     async def _record(
         self,
@@ -399,13 +406,15 @@ class Governor(Metering[MeterResult]):
         *,
         reservation: str | None = None,
         want_used: bool = False,
-    ) -> tuple[int | None, bool]:
+    ) -> tuple[int | None, bool, int | None]:
         """Charge ``slots`` in one call and append them as one ledger event.
 
         Returns the first slot's total before the charge (with ``want_used``,
-        when a counter answered, else None) and whether the shared counters
-        were unreachable.
+        when a counter answered, else None), whether the shared counters
+        were unreachable, and the first slot's effective cap with grants (None:
+        its default).
         """
+        cap: int | None = None
         event_id = new_id() if self.ledger is not None else None
         op_id = None if event_id is not None else new_id()
         degraded = False
@@ -416,6 +425,7 @@ class Governor(Metering[MeterResult]):
             )
             if want_used and result.used:
                 before = result.used[0]
+                cap = result.caps[0] if result.caps else None
         except BackendUnavailableError:
             degraded = True
             local = [s.op for s in slots if _local(s.limit)]
@@ -435,7 +445,7 @@ class Governor(Metering[MeterResult]):
                 degraded=degraded,
                 reservation=reservation,
             )
-        return before, degraded
+        return before, degraded, cap
 
     async def _append(
         self,
@@ -502,7 +512,10 @@ class Reservation:
         gov = self._gov
         now = gov._clock()
         enforce = self.limit.on_exceed is OnExceed.DENY
-        s = planning.slot(self.limit, self.ctx, now, gov.policy.tz, self.estimate, enforce=enforce)
+        s = planning.slot(
+            self.limit, self.ctx, now, gov.policy.tz, self.estimate, enforce=enforce,
+            policy=gov.policy,
+        )
         if s is None:
             self.decision = ADMITTED
             return self
@@ -545,7 +558,7 @@ class Reservation:
         s = self._slot.with_amount(final - self.estimate)
         if s.amount == 0 and self._gov.ledger is None and not report:
             return NOTHING_METERED
-        before, degraded = await self._gov._record(
+        before, degraded, cap = await self._gov._record(
             (s,), self.ctx, kind, None, self._gov._clock(), reservation=self.id, want_used=report
         )
-        return planning.metered(s, before, degraded=degraded)
+        return planning.metered(s, before, degraded=degraded, cap=cap)

@@ -67,6 +67,8 @@ class Limit:
       limits fed by ``meter()``.
     - ``on_exceed=OnExceed.ALERT`` is shadow mode: never refuses, reports.
     - ``status`` overrides the refusal status (429 quota, 402 spend, 503 breaker).
+    - ``caps`` gives particular scope values their own cap: ``{"acme": usd(100)}``,
+      ``{"user=u_42,tool=search": 5}`` for a composite scope (see ``caps.py``).
 
     >>> Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER).scope
     (<Scope.USER: 'user'>,)
@@ -84,6 +86,7 @@ class Limit:
     status: int | None = None
     on_exceed: OnExceed = OnExceed.DENY
     alert_at: tuple[int, ...] = field(default=())
+    caps: Any = None
 
     def __post_init__(self) -> None:
         name = self.name
@@ -120,9 +123,21 @@ class Limit:
         ):
             raise PolicyError(f"{where}.status", status, "expected an HTTP status from 400 to 599")
         set_(self, "alert_at", _levels(self.alert_at, f"{where}.alert_at"))
+        from .caps import parse_caps  # caps imports this module's NAME_PATTERN
+
+        set_(self, "caps", parse_caps(dims, self.caps, f"{where}.caps"))
         if not self.gated and not self.breaker and self.on_exceed is OnExceed.DENY:
             # Metered-only limit: fine, check() never consults it; meter() records.
             pass
+
+    @property
+    def value_caps(self) -> dict[str, int]:
+        """The caps of particular scope values, by scope segment (``tenant=acme``).
+
+        >>> Limit("t", cap=5, window=Window.DAY, scope=Scope.TENANT, caps={"acme": 9}).value_caps
+        {'tenant=acme': 9}
+        """
+        return dict(self.caps)
 
     @property
     def dimensions(self) -> Dimensions:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from mcp_budget_governor.caps import Change, ChangeKind, Effective, effective
 from mcp_budget_governor.counters import (
     AppliedEvent,
     ChargeResult,
@@ -39,6 +40,7 @@ class _Counter:
     in_flight: int = 0
     pending: dict[str, int] = field(default_factory=dict)
     expire_at: float = float("inf")
+    grant: int = 0
 
 
 class MemoryBackend:
@@ -63,6 +65,10 @@ class MemoryBackend:
         # target has since moved its expiry is stale and skipped when popped.
         self._expiry: list[tuple[float, int, str]] = []
         self._epoch: str | None = None
+        # caps hash key -> scope field -> (cap, until): the run-time value caps
+        self._caps: dict[str, dict[str, tuple[int, int]]] = {}
+        # assignment field -> plan: the run-time plan assignments
+        self._plans: dict[str, str] = {}
 
     def _evict(self, now: float) -> None:
         heap = self._expiry
@@ -129,9 +135,12 @@ class MemoryBackend:
                 raise overflow(op.key, op.amount)
             parts.append((c, f))
         used = tuple(c + f for c, f in parts)
+        room = [self._effective(op, now).room_cap for op in ops]
+        # As the script's reply: the caps come back only when some op asked for resolving.
+        caps = tuple(room) if any(op.ref is not None for op in ops) else ()
         for i, (op, total) in enumerate(zip(ops, used, strict=True)):
-            if op.enforce and not fits(total, op.amount, op.cap):
-                return ChargeResult(i, used)
+            if op.enforce and not fits(total, op.amount, room[i]):
+                return ChargeResult(i, used, caps)
         for op, (c, f) in zip(ops, parts, strict=True):
             if not stays_exact(c, f, op.amount, inline=inline):
                 raise overflow(op.key, op.amount)
@@ -144,7 +153,53 @@ class MemoryBackend:
             until = now + OP_HORIZON_SECONDS
             self._ops[op_id] = until
             heapq.heappush(self._expiry, (until, _OP, op_id))
-        return ChargeResult(-1, used)
+        return ChargeResult(-1, used, caps)
+
+    def _effective(self, op: CounterOp, now: float) -> Effective:
+        """The op's effective cap and grant (``caps.effective``, as lua/lib.lua)."""
+        if op.ref is None:  # nothing to resolve: the script reads no grant either
+            return Effective(op.cap, 0, "default")
+        counter = self._get(op.key, now)
+        grant = 0 if counter is None else counter.grant
+        runtime = self._caps.get(op.ref.caps_key, {}).get(op.ref.field) if op.ref.field else None
+        return effective(
+            op.ref, op.cap, runtime=runtime, assigned=self._plans, grant=grant, now=now
+        )
+
+    def _change(self, change: Change, now: float) -> None:
+        """Apply one run-time change (lua/lib.lua: apply_change)."""
+        kind = change.kind
+        if kind is ChangeKind.CAP_SET:
+            self._caps.setdefault(change.key, {})[change.field] = (change.amount, change.until)
+        elif kind is ChangeKind.CAP_UNSET:
+            self._caps.get(change.key, {}).pop(change.field, None)
+        elif kind is ChangeKind.PLAN_ASSIGNED:
+            if change.plan is None:
+                self._plans.pop(change.field, None)
+            else:
+                self._plans[change.field] = change.plan
+        elif change.until > now:  # a grant or reset of a bucket still alive
+            counter = self._get(change.key, now)
+            if counter is None:
+                counter = self._counters[change.key] = _Counter()
+            if kind is ChangeKind.GRANTED:
+                counter.grant += change.amount
+            else:
+                counter.grant = change.amount
+            if counter.expire_at != change.until:
+                counter.expire_at = change.until
+                heapq.heappush(self._expiry, (change.until, _COUNTER, change.key))
+
+    async def change(self, changes: Sequence[Change]) -> None:
+        """Apply run-time changes directly (no ledger), all in one step."""
+        now = self._clock()
+        self._evict(now)
+        for c in changes:
+            self._change(c, now)
+
+    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, str]]:
+        """The run-time value caps (caps key -> field -> (cap, until)) and assignments."""
+        return {k: dict(v) for k, v in self._caps.items() if v}, dict(self._plans)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         now = self._clock()
@@ -176,6 +231,8 @@ class MemoryBackend:
                     counter.in_flight -= counter.pending.pop(event.event_id)
                 if charge.expire_at > now:
                     self._add(charge.key, charge.amount, None, charge.expire_at, now)
+            for change in event.changes:
+                self._change(change, now)
             applied += 1
         if events or through >= 0:
             self._watermarks[partition] = max(mark, through)
@@ -196,7 +253,9 @@ class MemoryBackend:
         counter = self._get(key, self._clock())
         if counter is None:
             return CounterState(0, 0, {})
-        return CounterState(counter.committed, counter.in_flight, dict(counter.pending))
+        return CounterState(
+            counter.committed, counter.in_flight, dict(counter.pending), counter.grant
+        )
 
     async def watermark(self, partition: str) -> int:
         """The last applied offset of a partition, -1 when none."""

@@ -16,6 +16,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
     AppliedEvent,
@@ -51,6 +52,31 @@ DEFAULT_TIMEOUT = 0.25
 _ADMITTED = ChargeResult(-1, ())
 
 
+def _ref_args(op: CounterOp) -> tuple[bytes, ...]:
+    """The five arguments by which lua/charge.lua resolves ``op``'s effective cap."""
+    ref = op.ref
+    if ref is None:
+        return (b"", b"", b"", b"", b"")
+    return (
+        ref.field.encode(),
+        b"" if ref.value_cap is None else str(ref.value_cap).encode(),
+        " ".join(ref.plan_fields).encode(),
+        " ".join(f"{name} {cap}" for name, cap in ref.plan_caps).encode(),
+        (ref.file_plan or "").encode(),
+    )
+
+
+def _change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
+    """The changes as lua/lib.lua's apply_change reads them, their keys added to ``keys``."""
+    out = []
+    for c in changes:
+        pos = _position(keys, index, c.key)
+        out.append(
+            f"{c.kind.value} {pos} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'}"
+        )
+    return " ".join(out)
+
+
 def _position(keys: list[str], index: dict[str, int], key: str) -> int:
     """The 1-based position of ``key`` in the script's KEYS, appended when new."""
     pos = index.get(key)
@@ -73,6 +99,7 @@ class RedisBackend:
         self._apply = client.register_script(source("apply"))
         self._usage = client.register_script(source("usage"))
         self._noop = client.register_script(source("noop"))
+        self._change = client.register_script(source("change"))
         # One command, no per-call wrapper: the hot path's only round trip.
         self._execute: Any = client.execute_command
         self._prepared: dict[
@@ -137,6 +164,8 @@ class RedisBackend:
         keys: list[Any] = [EPOCH_KEY.encode()] if self.require_epoch else []
         counters: list[Any] = []
         tail: list[Any] = []
+        resolve = any(op.ref is not None for op in ops)
+        caps_keys: list[Any] = []
         for op in ops:
             counters.append(op.key.encode())
             tail += (
@@ -145,10 +174,16 @@ class RedisBackend:
                 b"1" if op.enforce else b"0",
                 str(op.expire_at).encode(),
             )
+            if resolve:
+                tail += _ref_args(op)
+                caps_keys.append(PLANS_KEY.encode() if op.ref is None else op.ref.caps_key.encode())
+        if resolve:
+            counters += (*caps_keys, PLANS_KEY.encode())
         flags = (
             ("e" if self.require_epoch else "")
             + ("u" if want_used else "")
             + ("o" if with_op else "")
+            + ("c" if resolve else "")
         )
         numkeys = len(keys) + len(counters) + (1 if with_op else 0)
         if with_op:
@@ -191,7 +226,11 @@ class RedisBackend:
             raise overflow(op.key, op.amount)
         if head_value < 0:
             raise BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding")
-        return ChargeResult(head_value - 1, tuple(map(int, reply[1:])))
+        values = tuple(map(int, reply[1:]))
+        if len(values) == 2 * len(ops) and any(op.ref is not None for op in ops):
+            n = len(ops)
+            return ChargeResult(head_value - 1, values[:n], values[n:])
+        return ChargeResult(head_value - 1, values)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:
@@ -231,6 +270,13 @@ class RedisBackend:
             for charge in event.charges:
                 pos = index.get(charge.key) or _position(counters, index, charge.key)
                 tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
+            changes = event.changes
+            tokens.append(str(len(changes)))
+            for c in changes:
+                pos = _position(counters, index, c.key)
+                tokens.append(
+                    f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'}"
+                )
         keys = [WATERMARK_KEY, EPOCH_KEY, *seen_sets, *counters]
         args = [
             partition,
@@ -281,7 +327,41 @@ class RedisBackend:
             raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
         fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
-        return CounterState(fields.get("c", 0), fields.get("f", 0), pending)
+        return CounterState(fields.get("c", 0), fields.get("f", 0), pending, fields.get("g", 0))
+
+    async def change(self, changes: Sequence[Change]) -> None:
+        """Apply run-time changes directly (no ledger), all in one script call."""
+        if not changes:
+            return
+        keys: list[str] = []
+        tokens = _change_tokens(changes, keys, {})
+        try:
+            await self._run(self._change, keys, (tokens,))
+        except redis_errors.ResponseError as exc:
+            if "mcpbg change:" not in str(exc):
+                raise
+            raise ValueError(str(exc)) from None
+
+    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, str]]:
+        """The run-time value caps (caps key -> field -> (cap, until)) and plan assignments."""
+
+        def text(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+
+        caps: dict[str, dict[str, tuple[int, int]]] = {}
+        try:
+            async for raw in self.client.scan_iter(match=f"{CAPS_PREFIX}:*", count=1000):
+                entries = await self.client.hgetall(raw)
+                values = {}
+                for f, v in entries.items():
+                    cap, _, until = text(v).partition(" ")
+                    values[text(f)] = (int(cap), int(until or 0))
+                if values:
+                    caps[text(raw)] = values
+            plans = {text(f): text(v) for f, v in (await self.client.hgetall(PLANS_KEY)).items()}
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+        return caps, plans
 
     async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
         """Up to ``limit`` counter keys, sorted, by an incremental SCAN (never KEYS,
