@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import planning
+from . import admin, planning
+from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
@@ -30,6 +31,7 @@ from .errors import (
     BackendUnavailableError,
     BudgetExceeded,
     CounterOverflowError,
+    GovernorError,
     InvalidInputError,
 )
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
@@ -247,6 +249,93 @@ class Governor(Metering[MeterResult]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    # -- run-time changes (caps per customer) ------------------------------
+
+    async def set_cap(
+        self,
+        limit: str,
+        cap: int,
+        *,
+        until: Any = None,
+        reason: str = "",
+        actor: str = "",
+        **scope: str,
+    ) -> Change:
+        """Give one scope value of ``limit`` its own cap at run time (micros for USD
+        limits), until ``until`` (a datetime or epoch seconds; None: for good).
+
+        Beats the policy's caps and plans (``caps.py``). With a ledger it is an
+        event, enforced by every replica once projected; without one it is
+        written to the counters store now. ``scope``: ``tenant="acme"`` etc.
+        """
+        change, ctx = admin.cap_change(
+            self.policy,
+            limit,
+            scope,
+            cap,
+            until=until,
+            now=self._clock(),
+            reason=reason,
+            actor=actor,
+        )
+        return await self._apply_change(change, ctx)
+
+    async def unset_cap(
+        self, limit: str, *, reason: str = "", actor: str = "", **scope: str
+    ) -> Change:
+        """Remove a run-time cap: the policy's value cap, plan or default applies again."""
+        change, ctx = admin.uncap_change(self.policy, limit, scope, reason=reason, actor=actor)
+        return await self._apply_change(change, ctx)
+
+    async def assign_plan(
+        self,
+        plan: str | None,
+        *,
+        tenant: str | None = None,
+        user: str | None = None,
+        reason: str = "",
+        actor: str = "",
+    ) -> Change:
+        """Move a tenant or a user to ``plan`` at run time (None: back to the policy's)."""
+        change, ctx = admin.plan_change(
+            self.policy, plan, tenant=tenant, user=user, reason=reason, actor=actor
+        )
+        return await self._apply_change(change, ctx)
+
+    async def grant(
+        self, limit: str, amount: int, *, reason: str = "", actor: str = "", **scope: str
+    ) -> Change:
+        """Extra room of ``amount`` on the current period's counter; spend unchanged."""
+        change, ctx = admin.grant_change(
+            self.policy, limit, scope, amount, now=self._clock(), reason=reason, actor=actor
+        )
+        return await self._apply_change(change, ctx)
+
+    async def reset(self, limit: str, *, reason: str = "", actor: str = "", **scope: str) -> Change:
+        """Restore the current period's room to the cap, keeping the recorded spend: the
+        counter's grant becomes what it has spent now (replayed as that same value)."""
+        now = self._clock()
+        probe, _ = admin.grant_change(self.policy, limit, scope, 1, now=now)
+        (used,) = await self.backend.usage([probe.key])
+        change, ctx = admin.grant_change(
+            self.policy, limit, scope, None, now=now, used=used, reason=reason, actor=actor
+        )
+        return await self._apply_change(change, ctx)
+
+    async def _apply_change(self, change: Change, ctx: Context) -> Change:
+        if self.ledger is not None:
+            kind = EntryType(change.kind.value)
+            await self._append(new_id(), kind, self._clock(), ctx, (), change=change)
+            return change
+        writer = getattr(self.backend, "change", None)
+        if writer is None:
+            raise GovernorError(
+                f"{type(self.backend).__name__} stores no run-time changes; use a ledger"
+            )
+        await writer([change])
+        self._plans.clear()
+        return change
 
     # -- internals ----------------------------------------------------------
 
@@ -513,7 +602,12 @@ class Reservation:
         now = gov._clock()
         enforce = self.limit.on_exceed is OnExceed.DENY
         s = planning.slot(
-            self.limit, self.ctx, now, gov.policy.tz, self.estimate, enforce=enforce,
+            self.limit,
+            self.ctx,
+            now,
+            gov.policy.tz,
+            self.estimate,
+            enforce=enforce,
             policy=gov.policy,
         )
         if s is None:

@@ -58,8 +58,9 @@ class Policy:
     ``timezone`` (an IANA name) sets where DAY and MONTH windows begin; UTC
     when omitted. ``plans`` are named sets of caps (:class:`Plan`) and
     ``assignments`` maps tenants (``"acme"``) or users (``"user=u_42"``) to a
-    plan's name (see ``caps.py`` for which cap wins). ``anonymous`` says what integrations do with a caller they
-    cannot identify (:class:`Anonymous`; refused by default).
+    plan's name (see ``caps.py`` for which cap wins). ``anonymous`` says
+    what integrations do with a caller they cannot identify
+    (:class:`Anonymous`; refused by default).
 
     >>> from mcp_budget_governor import Limit, Scope, Window
     >>> policy = Policy.of(Limit("per_user", cap=100, window=Window.DAY, scope=Scope.USER))
@@ -205,7 +206,9 @@ def _plans(
         for limit in plan.caps:
             if limit not in limits:
                 raise PolicyError(
-                    f"Plan({plan.name!r}).caps", limit, f"no such limit (known: {', '.join(limits)})"
+                    f"Plan({plan.name!r}).caps",
+                    limit,
+                    f"no such limit (known: {', '.join(limits)})",
                 )
             if not limits[limit].dimensions:
                 raise PolicyError(

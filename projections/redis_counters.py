@@ -71,9 +71,7 @@ def _change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, 
     out = []
     for c in changes:
         pos = _position(keys, index, c.key)
-        out.append(
-            f"{c.kind.value} {pos} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'}"
-        )
+        out.append(f"{c.kind.value} {pos} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'}")
     return " ".join(out)
 
 

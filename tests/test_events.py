@@ -7,6 +7,7 @@ from datetime import UTC
 from typing import Any
 
 import pytest
+from change_support import CHANGE_KINDS, changes_for
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -68,6 +69,7 @@ def entries(draw: Any) -> LedgerEntry:
         usage=draw(usages),
         degraded=draw(st.booleans()),
         reservation=draw(st.one_of(st.none(), st.just(new_id()))),
+        change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
     )
 
 

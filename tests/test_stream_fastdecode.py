@@ -22,6 +22,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import orjson
+from change_support import CHANGE_KINDS, changes_for
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -119,6 +120,7 @@ def entries(draw: st.DrawFn) -> LedgerEntry:
         usage=draw(usages),
         degraded=draw(st.booleans()),
         reservation=draw(st.none() | texts),
+        change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
     )
 
 
