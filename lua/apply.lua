@@ -12,7 +12,7 @@
 --            per charge: key position among the counters, amount, expire_at; then
 --            the number of run-time changes and per change (lib.lua apply_change):
 --            kind, key position among the counters, field ('-'), amount, until,
---            plan ('-'). The counters section also holds the caps hashes and the
+--            plan ('-'), why ('-'). The counters section also holds the caps hashes and the
 --            plans hash changes write (of their own shapes, see change_key_ok).
 --            One argument rather than ~11 per event: packing thousands of
 --            arguments was the client's largest cost per event (benchmarks/README.md).
@@ -86,9 +86,10 @@ for _ = 1, tonumber(ARGV[2]) do
     end
   end
   for _ = 1, tonumber(token()) do
-    local pos, kind, field, amount, untl, plan = token(), token(), token(), token(), token(), token()
+    local pos, kind, field, amount, untl = token(), token(), token(), token(), token()
+    local plan, why = token(), token()
     if fresh then
-      apply_change(kind, KEYS[counters + tonumber(pos)], field, amount, untl, plan, now)
+      apply_change(kind, KEYS[counters + tonumber(pos)], field, amount, untl, plan, why, now)
     end
   end
   if fresh then

@@ -3,7 +3,7 @@
 --
 -- KEYS     the keys the changes write (caps hashes, the plans hash, counters)
 -- ARGV[1]  the changes, space-separated tokens, per change: kind, key position,
---          field ('-' for none), amount, until, plan ('-' for none)
+--          field ('-' for none), amount, until, plan ('-' for none), why (caps.why_token)
 -- Every key is checked first: a counter key or a change key, else nothing is written.
 for i = 1, #KEYS do
   if not (change_key_ok(KEYS[i]) or string.find(KEYS[i], '^mcpbg:v1:%w[%w_.%-]*:[^:]+:[^:]+$')) then
@@ -16,8 +16,8 @@ local n = 0
 while true do
   local kind = token()
   if not kind then break end
-  local pos, field, amount, untl, plan = token(), token(), token(), token(), token()
-  apply_change(kind, KEYS[tonumber(pos)], field, amount, untl, plan, now)
+  local pos, field, amount, untl, plan, why = token(), token(), token(), token(), token(), token()
+  apply_change(kind, KEYS[tonumber(pos)], field, amount, untl, plan, why, now)
   n = n + 1
 end
 return n

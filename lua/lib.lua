@@ -84,7 +84,7 @@ local function effective_cap(caps_key, plans_key, field, default, value_cap,
   if field == '' then return tonumber(default) end
   local rt = redis.call('HGET', caps_key, field)
   if rt then
-    local cap, untl = string.match(rt, '^(%d+) (%d+)$')
+    local cap, untl = string.match(rt, '^(%d+) (%d+)')
     if cap then
       untl = tonumber(untl)
       if untl == 0 or tonumber(redis.call('TIME')[1]) < untl then return tonumber(cap) end
@@ -114,10 +114,12 @@ end
 -- Apply one run-time change (caps.Change; projections/memory_counters.py _change):
 -- cap_set / cap_unset a value cap, plan_assigned (plan '-': unassigned), granted
 -- (adds to the counter's grant) and reset (sets it), the last two only while the
--- bucket lives, repairing its expiry.
-local function apply_change(kind, key, field, amount, untl, plan, now)
+-- bucket lives, repairing its expiry. why is the change's actor and reason,
+-- percent-encoded (caps.why_token), kept next to the cap ("<cap> <until> <why>")
+-- or in the counter's field 'w', for `mcpbg caps list`.
+local function apply_change(kind, key, field, amount, untl, plan, why, now)
   if kind == 'cap_set' then
-    redis.call('HSET', key, field, amount .. ' ' .. untl)
+    redis.call('HSET', key, field, amount .. ' ' .. untl .. ' ' .. why)
   elseif kind == 'cap_unset' then
     redis.call('HDEL', key, field)
   elseif kind == 'plan_assigned' then
@@ -128,6 +130,7 @@ local function apply_change(kind, key, field, amount, untl, plan, now)
     else
       redis.call('HSET', key, 'g', amount)
     end
+    redis.call('HSET', key, 'w', why)
     redis.call('EXPIREAT', key, untl)
   end
 end

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+from urllib.parse import quote, unquote
 
 from .errors import PolicyError
 from .keys import PREFIX, escape, scope_segment, unescape
@@ -188,6 +189,25 @@ class Change:
     plan: str | None = None
     actor: str = ""
     reason: str = ""
+
+
+def why_token(actor: str, reason: str) -> str:
+    """Who and why, as one space-free token the scripts store as is (``-``: neither).
+
+    >>> why_token("ops", "trial, 2 weeks"), why_from(why_token("ops", "trial, 2 weeks"))
+    ('ops%0Atrial%2C%202%20weeks', ('ops', 'trial, 2 weeks'))
+    """
+    if not actor and not reason:
+        return "-"
+    return quote(f"{actor}\n{reason}", safe="")
+
+
+def why_from(token: str) -> tuple[str, str]:
+    """``(actor, reason)`` of a :func:`why_token`."""
+    if token == "-":
+        return "", ""
+    actor, _, reason = unquote(token).partition("\n")
+    return actor, reason
 
 
 def check_cap(value: Any, where: str) -> int:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from mcp_budget_governor.caps import Change, ChangeKind, Effective, effective
+from mcp_budget_governor.caps import Change, ChangeKind, Effective, effective, why_token
 from mcp_budget_governor.counters import (
     AppliedEvent,
     ChargeResult,
@@ -69,6 +69,8 @@ class MemoryBackend:
         self._caps: dict[str, dict[str, tuple[int, int]]] = {}
         # assignment field -> plan: the run-time plan assignments
         self._plans: dict[str, str] = {}
+        # caps key or counter key -> field ("" for a grant) -> why (caps.why_token)
+        self._why: dict[tuple[str, str], str] = {}
 
     def _evict(self, now: float) -> None:
         heap = self._expiry
@@ -169,6 +171,9 @@ class MemoryBackend:
     def _change(self, change: Change, now: float) -> None:
         """Apply one run-time change (lua/lib.lua: apply_change)."""
         kind = change.kind
+        why = why_token(change.actor, change.reason)
+        if kind in (ChangeKind.CAP_SET, ChangeKind.GRANTED, ChangeKind.RESET):
+            self._why[(change.key, change.field)] = why
         if kind is ChangeKind.CAP_SET:
             self._caps.setdefault(change.key, {})[change.field] = (change.amount, change.until)
         elif kind is ChangeKind.CAP_UNSET:
@@ -197,9 +202,18 @@ class MemoryBackend:
         for c in changes:
             self._change(c, now)
 
-    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, str]]:
-        """The run-time value caps (caps key -> field -> (cap, until)) and assignments."""
-        return {k: dict(v) for k, v in self._caps.items() if v}, dict(self._plans)
+    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
+        """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments."""
+        caps = {
+            k: {f: (c, u, self._why.get((k, f), "-")) for f, (c, u) in v.items()}
+            for k, v in self._caps.items()
+            if v
+        }
+        return caps, dict(self._plans)
+
+    async def grant_reason(self, key: str) -> str:
+        """The why token (``caps.why_token``) of the counter's last grant or reset."""
+        return self._why.get((key, ""), "-")
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         now = self._clock()

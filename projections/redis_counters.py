@@ -16,7 +16,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change
+from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, why_token
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
     AppliedEvent,
@@ -71,7 +71,10 @@ def _change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, 
     out = []
     for c in changes:
         pos = _position(keys, index, c.key)
-        out.append(f"{c.kind.value} {pos} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'}")
+        out.append(
+            f"{c.kind.value} {pos} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
+            f"{why_token(c.actor, c.reason)}"
+        )
     return " ".join(out)
 
 
@@ -273,7 +276,8 @@ class RedisBackend:
             for c in changes:
                 pos = _position(counters, index, c.key)
                 tokens.append(
-                    f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'}"
+                    f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
+                    f"{why_token(c.actor, c.reason)}"
                 )
         keys = [WATERMARK_KEY, EPOCH_KEY, *seen_sets, *counters]
         args = [
@@ -323,9 +327,18 @@ class RedisBackend:
             raw = await self.client.hgetall(key)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
-        fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+        fields = {
+            name: int(v)
+            for k, v in raw.items()
+            if (name := k.decode() if isinstance(k, bytes) else k) != "w"  # w: the why, text
+        }
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
         return CounterState(fields.get("c", 0), fields.get("f", 0), pending, fields.get("g", 0))
+
+    async def grant_reason(self, key: str) -> str:
+        """The why token (``caps.why_token``) of the counter's last grant or reset."""
+        raw = await self.client.hget(key, "w")
+        return "-" if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
     async def change(self, changes: Sequence[Change]) -> None:
         """Apply run-time changes directly (no ledger), all in one script call."""
@@ -340,20 +353,21 @@ class RedisBackend:
                 raise
             raise ValueError(str(exc)) from None
 
-    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, str]]:
-        """The run-time value caps (caps key -> field -> (cap, until)) and plan assignments."""
+    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
+        """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments;
+        ``why`` is the token of :func:`caps.why_token`."""
 
         def text(v: Any) -> str:
             return v.decode() if isinstance(v, bytes) else str(v)
 
-        caps: dict[str, dict[str, tuple[int, int]]] = {}
+        caps: dict[str, dict[str, tuple[int, int, str]]] = {}
         try:
             async for raw in self.client.scan_iter(match=f"{CAPS_PREFIX}:*", count=1000):
                 entries = await self.client.hgetall(raw)
                 values = {}
                 for f, v in entries.items():
-                    cap, _, until = text(v).partition(" ")
-                    values[text(f)] = (int(cap), int(until or 0))
+                    cap, until, why = ([*text(v).split(" "), "0", "-"])[:3]
+                    values[text(f)] = (int(cap), int(until), why)
                 if values:
                     caps[text(raw)] = values
             plans = {text(f): text(v) for f, v in (await self.client.hgetall(PLANS_KEY)).items()}
