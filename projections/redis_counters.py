@@ -335,6 +335,25 @@ class RedisBackend:
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
         return CounterState(fields.get("c", 0), fields.get("f", 0), pending, fields.get("g", 0))
 
+    async def grants(self, limit: int) -> list[tuple[str, int, str]]:
+        """Up to ``limit`` counters holding a grant: ``(key, grant, why token)``, sorted."""
+        keys = await self.counter_keys(limit)
+        if not keys:
+            return []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hmget(key, "g", "w")
+                replies = await pipe.execute()
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+        out = []
+        for key, (g, w) in zip(keys, replies, strict=True):
+            if g is not None:
+                why = "-" if w is None else w.decode() if isinstance(w, bytes) else str(w)
+                out.append((key, int(g), why))
+        return out
+
     async def grant_reason(self, key: str) -> str:
         """The why token (``caps.why_token``) of the counter's last grant or reset."""
         raw = await self.client.hget(key, "w")

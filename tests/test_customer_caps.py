@@ -190,3 +190,167 @@ def test_usd_caps() -> None:
     )
     assert lim.value_caps == {"tenant=acme": 100_000_000}
     assert datetime.now(UTC) + timedelta(days=1) > datetime.now(UTC)
+
+
+# -- the policy file ------------------------------------------------------------
+
+POLICY_TOML = """
+[[limits]]
+name = "tenant_spend"
+cap_usd = "25.00"
+window = "day"
+scope = "tenant"
+caps = { acme = "100.00" }
+
+[[limits]]
+name = "tenant_calls"
+cap = 3
+window = "day"
+scope = "tenant"
+
+[[limits]]
+name = "burst"
+cap = 30
+window = "minute"
+scope = ["user", "tool"]
+caps = { "user=u_42,tool=search" = 60 }
+
+[plans.pro]
+tenant_spend = "250.00"
+tenant_calls = 6
+
+[assign]
+beta = "pro"
+"""
+
+
+def test_policy_file_caps_plans_and_assignments() -> None:
+    from mcp_budget_governor.policy_file import loads
+
+    p = loads(POLICY_TOML)
+    assert p["tenant_spend"].value_caps == {"tenant=acme": usd(100)}
+    assert p["burst"].value_caps == {"user=u_42,tool=search": 60}
+    assert p.plan("pro").caps == {"tenant_calls": 6, "tenant_spend": usd(250)}
+    assert p.assignments == {"tenant=beta": "pro"}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "line", "field"),
+    [
+        ('acme = "100.00"', "acme = 100.5", 7, "limits[0].caps.acme"),
+        ('acme = "100.00"', 'acme = "-1"', 7, "limits[0].caps.acme"),
+        ('acme = "100.00"', '"tool=x" = "1"', 7, "limits[0].caps.tool=x"),
+        ("tenant_calls = 6", "tenant_calls = 1.5", 24, "plans.pro.tenant_calls"),
+        ("tenant_calls = 6", "nope = 6", 24, "plans.pro.nope"),
+        ('beta = "pro"', 'beta = "gold"', 27, "assign.beta"),
+    ],
+)
+def test_policy_file_errors_name_line_and_field(old: str, new: str, line: int, field: str) -> None:
+    from mcp_budget_governor.policy_file import PolicyFileError, loads
+
+    with pytest.raises(PolicyFileError) as err:
+        loads(POLICY_TOML.replace(old, new), source="p.toml")
+    assert (err.value.line, err.value.field) == (line, field)
+
+
+# -- the CLI ---------------------------------------------------------------------
+
+
+def _cli(*argv: str) -> int:
+    from mcp_budget_governor.cli import main
+
+    return main(list(argv))
+
+
+@pytest.fixture
+def policy_file(tmp_path: pytest.TempPathFactory) -> str:
+    path = tmp_path / "policy.toml"  # type: ignore[operator]
+    path.write_text(POLICY_TOML)
+    return str(path)
+
+
+async def test_cli_changes_are_enforced_and_listed(
+    redis_url: str, policy_file: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+    import json
+
+    from mcp_budget_governor.projections.redis_counters import RedisBackend
+
+    common = ("--policy", policy_file, "--redis-url", redis_url)
+
+    def cli(*argv: str) -> int:
+        return _cli(
+            *argv[:1],
+            *(argv[1:2] if argv[0] in ("caps", "plans") else ()),
+            *common,
+            *argv[(2 if argv[0] in ("caps", "plans") else 1) :],
+        )
+
+    until = (datetime.now(UTC) + timedelta(days=2)).date().isoformat()
+    args = ("--tenant", "gamma", "--cap", "5", "--until", until, "--reason", "trial")
+    assert await asyncio.to_thread(cli, "caps", "set", "tenant_calls", *args) == 0
+    assert await asyncio.to_thread(cli, "plans", "assign", "--tenant", "delta", "pro") == 0
+    backend = RedisBackend.from_url(redis_url, timeout=2.0)
+    gov = Governor(Policy.from_file(policy_file), backend)
+    assert await admitted(gov, Context(tenant="gamma"), 9) == 5
+    assert await admitted(gov, Context(tenant="delta"), 9) == 6
+    assert (
+        await asyncio.to_thread(
+            cli,
+            "grant",
+            "tenant_calls",
+            "--tenant",
+            "gamma",
+            "--amount",
+            "2",
+            "--reason",
+            "goodwill",
+        )
+        == 0
+    )
+    assert await admitted(gov, Context(tenant="gamma"), 9) == 2
+    assert await asyncio.to_thread(cli, "reset", "tenant_calls", "--tenant", "delta") == 0
+    assert await admitted(gov, Context(tenant="delta"), 9) == 6
+    assert await gov.usage("tenant_calls", Context(tenant="delta")) == 12  # spend kept
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli, "caps", "list", "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    kinds = sorted((r["kind"], r["scope"]) for r in rows)
+    assert kinds == [
+        ("cap", "tenant=gamma"),
+        ("grant", "tenant=delta"),
+        ("grant", "tenant=gamma"),
+        ("plan", "tenant=delta"),
+    ]
+    assert [r["reason"] for r in rows if r["kind"] == "cap"] == ["trial"]
+    await gov.aclose()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("caps", "set", "nope", "--tenant", "a", "--cap", "5"),
+        ("caps", "set", "tenant_calls", "--user", "a", "--cap", "5"),
+        ("caps", "set", "tenant_calls", "--tenant", "a", "--cap", "-5"),
+        ("caps", "set", "tenant_calls", "--tenant", "a", "--cap", "2.5"),
+        ("caps", "set", "tenant_spend", "--tenant", "a", "--cap-usd", "1.0000001"),
+        ("caps", "set", "tenant_spend", "--tenant", "a", "--cap", "5"),
+        ("caps", "set", "tenant_calls", "--tenant", "a", "--cap", "5", "--until", "2001-01-01"),
+        ("grant", "tenant_spend", "--tenant", "a", "--usd", "-5"),
+        ("grant", "tenant_calls", "--tenant", "a", "--amount", "0"),
+        ("plans", "assign", "--tenant", "a", "gold"),
+    ],
+)
+def test_cli_bad_input_exits_2_and_writes_nothing(
+    redis_url: str, policy_file: str, argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import redis
+
+    split = 2 if argv[0] in ("caps", "plans") else 1
+    code = _cli(*argv[:split], "--policy", policy_file, "--redis-url", redis_url, *argv[split:])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    client = redis.Redis.from_url(redis_url)
+    assert client.keys("mcpbg:v1:*") == []
+    client.close()
