@@ -211,6 +211,11 @@ class MemoryBackend:
         }
         return caps, dict(self._plans)
 
+    async def grants_of(self, keys: Sequence[str]) -> list[int]:
+        """Each counter's grant (0 when none)."""
+        now = self._clock()
+        return [0 if (c := self._get(k, now)) is None else c.grant for k in keys]
+
     async def grant_reason(self, key: str) -> str:
         """The why token (``caps.why_token``) of the counter's last grant or reset."""
         return self._why.get((key, ""), "-")

@@ -335,6 +335,19 @@ class RedisBackend:
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
         return CounterState(fields.get("c", 0), fields.get("f", 0), pending, fields.get("g", 0))
 
+    async def grants_of(self, keys: Sequence[str]) -> list[int]:
+        """Each counter's grant (0 when none), in one round trip."""
+        if not keys:
+            return []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hget(key, "g")
+                replies = await pipe.execute()
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError(f"redis unreachable: {exc}") from exc
+        return [0 if r is None else int(r) for r in replies]
+
     async def grants(self, limit: int) -> list[tuple[str, int, str]]:
         """Up to ``limit`` counters holding a grant: ``(key, grant, why token)``, sorted."""
         keys = await self.counter_keys(limit)

@@ -354,3 +354,21 @@ def test_cli_bad_input_exits_2_and_writes_nothing(
     client = redis.Redis.from_url(redis_url)
     assert client.keys("mcpbg:v1:*") == []
     client.close()
+
+
+async def test_budgets_report_shows_the_effective_limit_and_its_source(backend: Backend) -> None:
+    from mcp_budget_governor.projections.budgets import budget_report, table_rows
+
+    gov = Governor(policy(), backend)
+    for ctx in (Context(tenant="acme"), Context(tenant="beta"), Context(user="u_pro")):
+        await gov.check(ctx)
+    await gov.set_cap("tenant_calls", 7, tenant="beta", until=time.time() + 3600, reason="r")
+    await gov.grant("tenant_calls", 2, tenant="beta")
+    report = await budget_report(gov.policy, backend)
+    rows = {(r["name"], tuple(r["scope_values"].values())): r for r in report.as_json()["rows"]}
+    acme, beta = rows[("tenant_calls", ("acme",))], rows[("tenant_calls", ("beta",))]
+    assert (acme["limit"], acme["limit_source"], acme["default_limit"]) == (5, "value", 3)
+    assert (beta["limit"], beta["grant"], beta["remaining"]) == (7, 2, 8)
+    assert beta["limit_source"].startswith("run-time until 20")
+    assert rows[("burst", ("u_pro",))]["limit_source"] == "plan:pro"
+    assert any("grant 2" in cell for row in table_rows(report) for cell in row)
