@@ -291,7 +291,9 @@ class _CurrentOnly:
                 c for c in e.charges if self.all_buckets or is_current(c.key, c.expire_at, self.now)
             )
             self.keys.update(c.key for c in charges)
-            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges))
+            # Run-time changes (caps, plans, grants) are kept whole: a grant of an ended
+            # bucket is dropped by the script itself, as its expiry has passed.
+            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges, e.changes))
         self.events += len(events)
         self.progress("events", self.events, None)
         applied: int = await self.inner.apply(
