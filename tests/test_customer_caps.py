@@ -372,3 +372,58 @@ async def test_budgets_report_shows_the_effective_limit_and_its_source(backend: 
     assert beta["limit_source"].startswith("run-time until 20")
     assert rows[("burst", ("u_pro",))]["limit_source"] == "plan:pro"
     assert any("grant 2" in cell for row in table_rows(report) for cell in row)
+
+
+def _golden_caps() -> list[dict[str, object]]:
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent / "golden" / "vectors.json"
+    cases: list[dict[str, object]] = json.loads(path.read_text())["caps"]
+    return cases
+
+
+@pytest.mark.parametrize("case", _golden_caps(), ids=lambda c: str(c["source"]))
+async def test_both_backends_resolve_caps_as_the_golden_vectors(
+    backend: Backend, case: dict[str, object]
+) -> None:
+    """The Lua copy (lua/lib.lua effective_cap) and the memory backend against caps.resolve."""
+    import sys
+    from pathlib import Path
+
+    from mcp_budget_governor.caps import PLANS_KEY, CapRef, Change, ChangeKind
+    from mcp_budget_governor.counters import CounterOp
+
+    sys.path.insert(0, str(Path(__file__).parent / "golden"))
+    from generate import CAP_DEFAULT, CAP_PLANS
+
+    now = time.time()
+    key = "mcpbg:v1:t:tenant=acme,user=u_42:20991231"
+    expire = int(now) + 86_400
+    changes = []
+    runtime = case["runtime"]
+    if isinstance(runtime, list):
+        until = int(now) + runtime[1] if runtime[1] else 0
+        changes.append(
+            Change(ChangeKind.CAP_SET, "t", "mcpbg:v1:_caps:t", "tenant=acme,user=u_42",
+                   runtime[0], until)
+        )  # fmt: skip
+    assigned = case["assigned"]
+    assert isinstance(assigned, dict)
+    for field, plan in assigned.items():
+        changes.append(Change(ChangeKind.PLAN_ASSIGNED, "t", PLANS_KEY, field, plan=plan))
+    if case["grant"]:
+        changes.append(Change(ChangeKind.GRANTED, "t", key, "", int(case["grant"]), expire))  # type: ignore[call-overload]
+    if changes:
+        await backend.change(changes)  # type: ignore[attr-defined]
+    value_cap = case["value_cap"]
+    ref = CapRef(
+        "mcpbg:v1:_caps:t",
+        "tenant=acme,user=u_42",
+        value_cap if isinstance(value_cap, int) else None,
+        ("user=u_42", "tenant=acme"),
+        case["file_plan"] if isinstance(case["file_plan"], str) else None,
+        tuple((str(n), int(c)) for n, c in CAP_PLANS),  # type: ignore[call-overload]
+    )
+    result = await backend.charge([CounterOp(key, 0, CAP_DEFAULT, True, expire, ref)])
+    assert result.caps == (case["room"],)
