@@ -9,9 +9,11 @@
 --              'o' when the next key is the marker of operation ARGV[1]
 --              'c' when each counter's effective cap is resolved here (caps.py)
 -- ARGV[3..]    per counter: amount, cap, enforce ('1' may refuse), expire_at;
---              flagged 'c', five more: scope field ('' for none), the policy's
---              value cap (''), plan fields (space-separated, ''), plan caps
---              ("<plan> <cap> ...", ''), the policy's plan ('')
+--              flagged 'c', one more: the scope field ('' for none), then only
+--              when the policy has them, space-separated: the policy's value cap
+--              ('-' for none), the policy's plan ('-'), the plan fields
+--              (comma-separated) and per plan capping the limit "<plan> <cap>"
+--              (caps.CapRef; one argument: the common case costs one short string)
 -- KEYS         the epoch marker first when flagged 'e', then the operation
 --              marker when flagged 'o', then the counters; flagged 'c', then
 --              each counter's caps hash (mcpbg:v1:_caps:<limit>) and last the
@@ -54,7 +56,7 @@ if string.find(flags, 'o', 1, true) then
 end
 local inline = event_id == ''
 local resolve = string.find(flags, 'c', 1, true) ~= nil
-local width = resolve and 9 or 4
+local width = resolve and 5 or 4
 
 -- Exactness first (a counter read inexactly cannot be compared), then the
 -- refusal, then whether the admitted amounts keep every counter exact.
@@ -74,8 +76,19 @@ for i = 1, n do
   result[i + 1] = used
   local cap = tonumber(ARGV[base + 1])
   if resolve then
-    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS], ARGV[base + 4], ARGV[base + 1],
-      ARGV[base + 5], ARGV[base + 6], ARGV[base + 7], ARGV[base + 8]) + g
+    local ref = ARGV[base + 4]
+    local field, value_cap, file_plan, plan_fields, plan_caps = ref, '', '', '', ''
+    local sp = string.find(ref, ' ', 1, true)
+    if sp then
+      field = string.sub(ref, 1, sp - 1)
+      local rest
+      value_cap, file_plan, plan_fields, rest = string.match(ref, '^(%S+) (%S+) ?(%S*) ?(.*)$', sp + 1)
+      plan_caps = rest or ''
+      if value_cap == '-' then value_cap = '' end
+      if file_plan == '-' then file_plan = '' end
+    end
+    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS], field, ARGV[base + 1],
+      value_cap, plan_fields, plan_caps, file_plan) + g
     caps[i] = cap
   end
   if refused == 0 and ARGV[base + 2] == '1'

@@ -77,7 +77,7 @@ end
 -- field '' means no run-time lookup (a global limit). A run-time value cap is
 -- "<cap> <until>" in the limit's caps hash and holds while TIME < until (0: for
 -- good); then the policy's value cap; then the plan assigned at run time to the
--- first of plan_fields found in the plans hash, else file_plan, when plan_caps
+-- first of plan_fields (comma-separated) found in the plans hash, else file_plan, when plan_caps
 -- ("<plan> <cap> ...", the plans that cap this limit) names it; else the default.
 local function effective_cap(caps_key, plans_key, field, default, value_cap,
                              plan_fields, plan_caps, file_plan)
@@ -93,7 +93,7 @@ local function effective_cap(caps_key, plans_key, field, default, value_cap,
   if value_cap ~= '' then return tonumber(value_cap) end
   if plan_caps == '' then return tonumber(default) end
   local plan = false
-  for f in string.gmatch(plan_fields, '%S+') do
+  for f in string.gmatch(plan_fields, '[^,]+') do
     plan = redis.call('HGET', plans_key, f)
     if plan then break end
   end

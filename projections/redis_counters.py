@@ -52,18 +52,22 @@ DEFAULT_TIMEOUT = 0.25
 _ADMITTED = ChargeResult(-1, ())
 
 
-def _ref_args(op: CounterOp) -> tuple[bytes, ...]:
-    """The five arguments by which lua/charge.lua resolves ``op``'s effective cap."""
+def _ref_arg(op: CounterOp) -> bytes:
+    """The argument by which lua/charge.lua resolves ``op``'s effective cap: its scope
+    field, then only when the policy has any, its value cap, plan, plan fields, plan caps."""
     ref = op.ref
     if ref is None:
-        return (b"", b"", b"", b"", b"")
-    return (
-        ref.field.encode(),
-        b"" if ref.value_cap is None else str(ref.value_cap).encode(),
-        " ".join(ref.plan_fields).encode(),
-        " ".join(f"{name} {cap}" for name, cap in ref.plan_caps).encode(),
-        (ref.file_plan or "").encode(),
-    )
+        return b""
+    if ref.value_cap is None and not ref.plan_caps:
+        return ref.field.encode()
+    parts = [
+        ref.field,
+        "-" if ref.value_cap is None else str(ref.value_cap),
+        ref.file_plan or "-",
+        ",".join(ref.plan_fields),
+        " ".join(f"{name} {cap}" for name, cap in ref.plan_caps),
+    ]
+    return " ".join(parts).rstrip().encode()
 
 
 def _change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
@@ -176,7 +180,7 @@ class RedisBackend:
                 str(op.expire_at).encode(),
             )
             if resolve:
-                tail += _ref_args(op)
+                tail.append(_ref_arg(op))
                 caps_keys.append(PLANS_KEY.encode() if op.ref is None else op.ref.caps_key.encode())
         if resolve:
             counters += (*caps_keys, PLANS_KEY.encode())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -427,3 +429,46 @@ async def test_both_backends_resolve_caps_as_the_golden_vectors(
     )
     result = await backend.charge([CounterOp(key, 0, CAP_DEFAULT, True, expire, ref)])
     assert result.caps == (case["room"],)
+
+
+async def test_grants_resets_and_caps_are_no_spend_for_costs_and_focus(tmp_path: Path) -> None:
+    """The cost queries and the FOCUS export count the same with and without the changes."""
+    from mcp_budget_governor import PriceTable
+    from mcp_budget_governor.producers.file_ledger import FileLedger
+    from mcp_budget_governor.projections import costs, focus_export
+    from mcp_budget_governor.projections.ledger_view import open_ledger
+
+    rules = Policy.of(
+        Limit("spend", cap=usd(25), window=Window.DAY, unit=Unit.USD_MICROS, scope=Scope.TENANT),
+        Limit("calls", cap=100, window=Window.DAY, scope=Scope.TENANT),
+    )
+    start = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    options = focus_export.ExportOptions(start, start + timedelta(hours=2))
+
+    async def ledger_of(folder: Path, changes: bool) -> tuple[Any, ...]:
+        ledger = FileLedger(folder, fsync="always")
+        gov = Governor(rules, ledger=ledger, prices=PriceTable.builtin())
+        ctx = Context(tenant="acme", user="u1", tool="search")
+        for _ in range(3):
+            await gov.check(ctx)
+            await gov.meter("spend", usd("0.25"), ctx)
+            if changes:
+                await gov.grant("spend", usd(1), tenant="acme", reason="goodwill")
+                await gov.reset("calls", tenant="acme", reason="support")
+                await gov.set_cap("spend", usd(50), tenant="acme", reason="upgrade")
+                await gov.assign_plan(None, tenant="acme")
+        await gov.aclose()
+        con = open_ledger(None, folder)
+        flt = costs.Filter()
+        report = costs.summary(con, flt)
+        out = folder / "focus.csv"
+        result = focus_export.export_focus(con, out, options)
+        lines = out.read_text().splitlines()
+        return report.rows, result.rows, len(lines)
+
+    plain = await ledger_of(tmp_path / "plain", False)
+    changed = await ledger_of(tmp_path / "changed", True)
+    assert plain[1:] == changed[1:]  # FOCUS: the same rows
+    spent = [r[-1] for r in plain[0]], [r[-1] for r in changed[0]]
+    assert spent[0] == spent[1] == [usd("0.75")]
+    assert [r[2:] for r in plain[0]] == [r[2:] for r in changed[0]]  # after the times
