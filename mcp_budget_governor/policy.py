@@ -101,7 +101,8 @@ class Policy:
 
     def plan(self, name: str) -> Plan:
         """The plan called ``name``; PolicyError naming the known ones otherwise."""
-        for p in self.plans:
+        plans: tuple[Plan, ...] = self.plans
+        for p in plans:
             if p.name == name:
                 return p
         known = ", ".join(p.name for p in self.plans) or "none"
