@@ -472,3 +472,23 @@ async def test_grants_resets_and_caps_are_no_spend_for_costs_and_focus(tmp_path:
     spent = [r[-1] for r in plain[0]], [r[-1] for r in changed[0]]
     assert spent[0] == spent[1] == [usd("0.75")]
     assert [r[2:] for r in plain[0]] == [r[2:] for r in changed[0]]  # after the times
+
+
+async def test_cli_change_through_the_file_ledger_waits_for_the_projection(
+    redis_url: str, policy_file: str, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from mcp_budget_governor.producers.file_ledger import FileProjector
+    from mcp_budget_governor.projections.redis_counters import RedisBackend
+
+    ledger = tmp_path / "ledger"
+    argv = ["caps", "set", "--policy", policy_file, "--redis-url", redis_url]
+    argv += ["--ledger-dir", str(ledger), "tenant_calls", "--tenant", "eta", "--cap", "1"]
+    assert await asyncio.to_thread(_cli, *argv) == 0
+    backend = RedisBackend.from_url(redis_url, timeout=2.0)
+    gov = Governor(Policy.from_file(policy_file), backend)
+    assert (await backend.overrides()) == ({}, {})  # only in the ledger so far
+    assert await FileProjector(ledger, backend).catch_up() == 1
+    assert await admitted(gov, Context(tenant="eta"), 3) == 1
+    await gov.aclose()
