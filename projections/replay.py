@@ -51,6 +51,7 @@ from typing import Any
 import duckdb
 import redis
 
+from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import GovernorError
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
@@ -121,6 +122,9 @@ class ReplayResult:
     seen_ids: int = 0
     seconds: float = 0.0
     epoch: str | None = None
+    #: Run-time changes (caps, plans, grants) the ledger view holds but cannot replay:
+    #: it keeps no ``data.change``; ``--source kafka`` applies them.
+    unreplayed_changes: int = 0
 
 
 def replay_ledger(
@@ -152,6 +156,11 @@ def replay_ledger(
             ).fetchall()
         )
         ((events,),) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchall()
+        kinds = ", ".join(f"'mcpbg.{k.value}.v1'" for k in ChangeKind)
+        ((changes,),) = con.execute(
+            f'SELECT count(DISTINCT id) FROM ledger_raw WHERE "type" IN ({kinds})'
+        ).fetchall()
+        result.unreplayed_changes = int(changes)
     except duckdb.Error as exc:
         raise query_error(exc) from None
     result.events = int(events)

@@ -492,3 +492,24 @@ async def test_cli_change_through_the_file_ledger_waits_for_the_projection(
     assert await FileProjector(ledger, backend).catch_up() == 1
     assert await admitted(gov, Context(tenant="eta"), 3) == 1
     await gov.aclose()
+
+
+def test_archive_replay_says_it_cannot_restore_run_time_changes(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    from mcp_budget_governor.producers.file_ledger import FileLedger
+
+    async def write() -> None:
+        gov = Governor(policy(), ledger=FileLedger(tmp_path, fsync="always"))
+        await gov.check(Context(tenant="acme"))
+        await gov.set_cap("tenant_calls", 9, tenant="acme", reason="r")
+        await gov.aclose()
+
+    asyncio.run(write())
+    code = _cli(
+        "replay", "--source", "file", "--ledger-dir", str(tmp_path), "--redis-url", redis_url
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "1 run-time changes" in out and "--source kafka" in out, out
