@@ -9,7 +9,11 @@
 -- ARGV[4]    the events, as one string of space-separated tokens, per event:
 --            offset, event id, position of the seen-id set of the event's day
 --            among the seen sets, that set's expire_at, number of charges, and
---            per charge: key position among the counters, amount, expire_at.
+--            per charge: key position among the counters, amount, expire_at; then
+--            the number of run-time changes and per change (lib.lua apply_change):
+--            kind, key position among the counters, field ('-'), amount, until,
+--            plan ('-'), why ('-'). The counters section also holds the caps hashes and the
+--            plans hash changes write (of their own shapes, see change_key_ok).
 --            One argument rather than ~11 per event: packing thousands of
 --            arguments was the client's largest cost per event (benchmarks/README.md).
 -- ARGV[5]    how many seen-id sets KEYS holds
@@ -40,7 +44,7 @@ local seen_sets = tonumber(ARGV[5])
 for i = 3, #KEYS do
   local shape = '^mcpbg:v1:%w[%w_.%-]*:[^:]+:[^:]+$'
   if i <= 2 + seen_sets then shape = '^mcpbg:v1:_seen:%d+$' end
-  if not string.find(KEYS[i], shape) then
+  if not string.find(KEYS[i], shape) and (i <= 2 + seen_sets or not change_key_ok(KEYS[i])) then
     return redis.error_reply('mcpbg apply: refused the batch: ' .. KEYS[i] .. ' is not a '
       .. (i <= 2 + seen_sets and 'seen-id set' or 'counter key'))
   end
@@ -79,6 +83,13 @@ for _ = 1, tonumber(ARGV[2]) do
       if tonumber(expire_at) > now then
         add(key, amount, '', expire_at)
       end
+    end
+  end
+  for _ = 1, tonumber(token()) do
+    local pos, kind, field, amount, untl = token(), token(), token(), token(), token()
+    local plan, why = token(), token()
+    if fresh then
+      apply_change(kind, KEYS[counters + tonumber(pos)], field, amount, untl, plan, why, now)
     end
   end
   if fresh then

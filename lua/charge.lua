@@ -7,9 +7,21 @@
 --              (ledger mode: a Redis that restarted empty must not admit from
 --              empty counters); 'u' to reply with every counter's total;
 --              'o' when the next key is the marker of operation ARGV[1]
--- ARGV[3..]    per counter: amount, cap, enforce ('1' may refuse), expire_at
+--              'c' when each counter's effective cap is resolved here (caps.py)
+-- ARGV[3..]    per counter: amount, cap, enforce ('1' may refuse), expire_at;
+--              flagged 'c', one more: the scope field ('' for none), then only
+--              when the policy has them, space-separated: the policy's value cap
+--              ('-' for none), the policy's plan ('-'), the plan fields
+--              (comma-separated) and per plan capping the limit "<plan> <cap>"
+--              (caps.CapRef; one argument: the common case costs one short string)
 -- KEYS         the epoch marker first when flagged 'e', then the operation
---              marker when flagged 'o', then the counters
+--              marker when flagged 'o', then the counters; flagged 'c', then
+--              each counter's caps hash (mcpbg:v1:_caps:<limit>) and last the
+--              plans hash (mcpbg:v1:_plans)
+--
+-- Flagged 'c', a counter is compared with its effective cap plus its grant
+-- (field 'g' of the counter: room for this bucket, not spend), and the reply
+-- flagged 'u' also carries those caps: {refused, used..., caps...}.
 --
 -- Returns {refused} or, flagged 'u', {refused, used...}: refused is 0 when
 -- admitted, else the 1-based position of the first refusing counter (nothing
@@ -43,26 +55,49 @@ if string.find(flags, 'o', 1, true) then
   event_id = ''
 end
 local inline = event_id == ''
+local resolve = string.find(flags, 'c', 1, true) ~= nil
+local width = resolve and 5 or 4
 
 -- Exactness first (a counter read inexactly cannot be compared), then the
 -- refusal, then whether the admitted amounts keep every counter exact.
 local n = #KEYS - first + 1
+if resolve then n = (n - 1) / 2 end
 local result = {0}
 local refused = 0
-local cs, fs = {}, {}
+local cs, fs, caps = {}, {}, {}
 for i = 1, n do
-  local base = 3 + (i - 1) * 4
-  local c, f = parts_of(KEYS[first + i - 1])
+  local base = 3 + (i - 1) * width
+  local c, f, g = parts_and_grant(KEYS[first + i - 1])
   if not stays_exact(c, f, 0, inline) then
     return {-2, i}
   end
   cs[i], fs[i] = c, f
   local used = c + f
   result[i + 1] = used
+  local cap = tonumber(ARGV[base + 1])
+  if resolve then
+    local ref = ARGV[base + 4]
+    local field, value_cap, file_plan, plan_fields, plan_caps = ref, '', '', '', ''
+    local sp = string.find(ref, ' ', 1, true)
+    if sp then
+      field = string.sub(ref, 1, sp - 1)
+      local rest
+      value_cap, file_plan, plan_fields, rest = string.match(ref, '^(%S+) (%S+) ?(%S*) ?(.*)$', sp + 1)
+      plan_caps = rest or ''
+      if value_cap == '-' then value_cap = '' end
+      if file_plan == '-' then file_plan = '' end
+    end
+    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS], field, ARGV[base + 1],
+      value_cap, plan_fields, plan_caps, file_plan) + g
+    caps[i] = cap
+  end
   if refused == 0 and ARGV[base + 2] == '1'
-      and not fits(used, tonumber(ARGV[base]), tonumber(ARGV[base + 1])) then
+      and not fits(used, tonumber(ARGV[base]), cap) then
     refused = i
   end
+end
+if resolve then
+  for i = 1, n do result[n + i + 1] = caps[i] end
 end
 if not string.find(flags, 'u', 1, true) then
   result = {0}
@@ -72,14 +107,14 @@ if refused > 0 then
   return result
 end
 for i = 1, n do
-  if not stays_exact(cs[i], fs[i], tonumber(ARGV[3 + (i - 1) * 4]), inline) then
+  if not stays_exact(cs[i], fs[i], tonumber(ARGV[3 + (i - 1) * width]), inline) then
     return {-2, i}
   end
 end
 
 local wrote = false
 for i = 1, n do
-  local base = 3 + (i - 1) * 4
+  local base = 3 + (i - 1) * width
   local amount = ARGV[base]
   if amount ~= '0' then
     add(KEYS[first + i - 1], amount, event_id, ARGV[base + 3])

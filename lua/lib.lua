@@ -65,3 +65,72 @@ local function epoch_ok(key)
   local value = redis.call('GET', key)
   return #value <= 64 and string.find(value, '^[%w][%w_.%-]*$') ~= nil
 end
+
+-- A counter's committed and in-flight parts and its grant (field 'g': extra room
+-- this bucket, not spend), in one read.
+local function parts_and_grant(key)
+  local v = redis.call('HMGET', key, 'c', 'f', 'g')
+  return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
+end
+
+-- The effective cap of one counter: caps.resolve / caps.effective, step for step.
+-- field '' means no run-time lookup (a global limit). A run-time value cap is
+-- "<cap> <until>" in the limit's caps hash and holds while TIME < until (0: for
+-- good); then the policy's value cap; then the plan assigned at run time to the
+-- first of plan_fields (comma-separated) found in the plans hash, else file_plan, when plan_caps
+-- ("<plan> <cap> ...", the plans that cap this limit) names it; else the default.
+local function effective_cap(caps_key, plans_key, field, default, value_cap,
+                             plan_fields, plan_caps, file_plan)
+  if field == '' then return tonumber(default) end
+  local rt = redis.call('HGET', caps_key, field)
+  if rt then
+    local cap, untl = string.match(rt, '^(%d+) (%d+)')
+    if cap then
+      untl = tonumber(untl)
+      if untl == 0 or tonumber(redis.call('TIME')[1]) < untl then return tonumber(cap) end
+    end
+  end
+  if value_cap ~= '' then return tonumber(value_cap) end
+  if plan_caps == '' then return tonumber(default) end
+  local plan = false
+  for f in string.gmatch(plan_fields, '[^,]+') do
+    plan = redis.call('HGET', plans_key, f)
+    if plan then break end
+  end
+  if not plan then plan = file_plan end
+  if plan ~= '' then
+    for name, cap in string.gmatch(plan_caps, '(%S+) (%S+)') do
+      if name == plan then return tonumber(cap) end
+    end
+  end
+  return tonumber(default)
+end
+
+-- The shapes of the keys a run-time change may write (caps.caps_key, caps.PLANS_KEY).
+local function change_key_ok(key)
+  return string.find(key, '^mcpbg:v1:_caps:%w[%w_.%-]*$') ~= nil or key == 'mcpbg:v1:_plans'
+end
+
+-- Apply one run-time change (caps.Change; projections/memory_counters.py _change):
+-- cap_set / cap_unset a value cap, plan_assigned (plan '-': unassigned), granted
+-- (adds to the counter's grant) and reset (sets it), the last two only while the
+-- bucket lives, repairing its expiry. why is the change's actor and reason,
+-- percent-encoded (caps.why_token), kept next to the cap ("<cap> <until> <why>")
+-- or in the counter's field 'w', for `mcpbg caps list`.
+local function apply_change(kind, key, field, amount, untl, plan, why, now)
+  if kind == 'cap_set' then
+    redis.call('HSET', key, field, amount .. ' ' .. untl .. ' ' .. why)
+  elseif kind == 'cap_unset' then
+    redis.call('HDEL', key, field)
+  elseif kind == 'plan_assigned' then
+    if plan == '-' then redis.call('HDEL', key, field) else redis.call('HSET', key, field, plan) end
+  elseif tonumber(untl) > now then
+    if kind == 'granted' then
+      redis.call('HINCRBY', key, 'g', amount)
+    else
+      redis.call('HSET', key, 'g', amount)
+    end
+    redis.call('HSET', key, 'w', why)
+    redis.call('EXPIREAT', key, untl)
+  end
+end

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .caps import Plan
 from .context import ANONYMOUS_USER, Context
 from .counters import Backend, ChargeResult
 from .decision import Decision, MeterResult
@@ -81,6 +82,7 @@ __all__ = [
     "MeterResult",
     "ModelPrice",
     "OnExceed",
+    "Plan",
     "Policy",
     "PolicyError",
     "PriceTable",

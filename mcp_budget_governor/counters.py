@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .caps import CapRef, Change
 from .errors import CounterOverflowError
 from .keys import parse_key
 from .money import MAX_AMOUNT
@@ -85,7 +86,10 @@ class CounterOp:
 
     ``amount`` is added when the whole charge is admitted; ``enforce`` makes
     this counter able to refuse it (per :func:`fits`); ``expire_at`` is the
-    absolute expiry (epoch seconds) every write repairs.
+    absolute expiry (epoch seconds) every write repairs. ``cap`` is the limit's
+    default; ``ref`` (when given) lets the backend resolve the counter's
+    effective cap (value cap, plan, run-time cap) and add its grant, in the
+    same atomic step (``caps.resolve``).
     """
 
     key: str
@@ -93,14 +97,18 @@ class CounterOp:
     cap: int
     enforce: bool
     expire_at: int
+    ref: CapRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ChargeResult:
-    """``refused`` is the index of the first refusing op, or -1; ``used`` the totals read."""
+    """``refused`` is the index of the first refusing op, or -1; ``used`` the totals read;
+    ``caps`` (with ``used``) each op's effective cap plus its grant, what ``used``
+    was compared with."""
 
     refused: int
     used: tuple[int, ...]
+    caps: tuple[int, ...] = ()
 
     @property
     def admitted(self) -> bool:
@@ -124,6 +132,7 @@ class AppliedEvent:
     event_id: str
     time: float
     charges: tuple[AppliedCharge, ...]
+    changes: tuple[Change, ...] = ()
 
     @property
     def seen_day(self) -> str:
@@ -143,6 +152,7 @@ class CounterState:
     committed: int
     in_flight: int
     pending: dict[str, int]
+    grant: int = 0
 
     @property
     def used(self) -> int:

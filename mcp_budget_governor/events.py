@@ -32,13 +32,14 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 from pydantic_core import PydanticCustomError
 
+from .caps import Change, ChangeKind
 from .context import Context, cacheable
 from .errors import GovernorError
 from .keys import PREFIX
 from .ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage
 from .limits import NAME_PATTERN
 from .money import MAX_AMOUNT, Unit
-from .provenance import event_problem
+from .provenance import CHANGE_KINDS, change_problem, event_problem
 from .windows import Window
 
 SPECVERSION = "1.0"
@@ -106,12 +107,33 @@ class Decided(_Model):
     degraded: bool = False
 
 
+class ChangeData(_Model):
+    """A run-time change (``caps.Change``): who made it (``actor``), why (``reason``).
+
+    ``key`` is the caps hash (cap_set, cap_unset), the plans hash
+    (plan_assigned) or the counter (granted, reset); ``field`` the scope
+    segment or ``tenant=``/``user=`` field; ``amount`` the cap, the grant
+    added, or the grant a reset sets; ``until`` a cap's end (0: for good) or
+    the counter's expiry; ``plan`` the assigned plan (None: back to the policy's).
+    """
+
+    limit: LimitName
+    key: Annotated[str, StringConstraints(pattern=f"^{PREFIX}:", max_length=1024)]
+    field: Annotated[str, StringConstraints(max_length=1024)] = ""
+    amount: Count = 0
+    until: Annotated[int, Field(strict=True, ge=0)] = 0
+    plan: LimitName | None = None
+    actor: Annotated[str, StringConstraints(max_length=256)] = ""
+    reason: Annotated[str, StringConstraints(max_length=1024)] = ""
+
+
 class EventData(_Model):
     context: EventContext
     charges: tuple[Charge, ...] = ()
     decision: Decided = Decided()
     usage: Tokens | None = None
     reservation: str | None = None
+    change: ChangeData | None = None
 
 
 class _Event(_Model):
@@ -132,6 +154,24 @@ class _Event(_Model):
             self.data.context.__dict__,
             [(c.limit, c.window.value, c.bucket, c.key, c.amount, c.expire_at) for c in charges],
         )
+        kind = _KINDS[self.type]  # type: ignore[attr-defined]
+        change = self.data.change
+        if problem is None and (change is None) == (kind in CHANGE_KINDS):
+            problem = (
+                f"data.change: {kind.value} events carry a change"
+                if change is None
+                else f"data.change: {kind.value} events carry no change"
+            )
+        if problem is None and change is not None:
+            problem = change_problem(
+                kind,
+                change.limit,
+                change.key,
+                change.field,
+                change.amount,
+                change.until,
+                change.plan,
+            )
         if problem is not None:
             # A custom error: the reason reads as is, without pydantic's "Value error, ".
             raise PydanticCustomError("charge", "{problem}", {"problem": problem})
@@ -191,6 +231,36 @@ class RecoveredEvent(_Event):
         super().model_post_init(context)  # and only charges a governor could have written
 
 
+class CapSetEvent(_Event):
+    """A run-time cap for one scope value of a limit (``mcpbg caps set``)."""
+
+    type: Literal["mcpbg.cap_set.v1"]
+
+
+class CapUnsetEvent(_Event):
+    """A run-time cap removed: the policy's caps apply again (``mcpbg caps unset``)."""
+
+    type: Literal["mcpbg.cap_unset.v1"]
+
+
+class PlanAssignedEvent(_Event):
+    """A tenant or user moved to a plan at run time (``mcpbg plans assign``)."""
+
+    type: Literal["mcpbg.plan_assigned.v1"]
+
+
+class GrantedEvent(_Event):
+    """Extra room on one counter for its current period; not a refund (``mcpbg grant``)."""
+
+    type: Literal["mcpbg.granted.v1"]
+
+
+class ResetEvent(_Event):
+    """One counter's room restored to its cap, its spend kept (``mcpbg reset``)."""
+
+    type: Literal["mcpbg.reset.v1"]
+
+
 EVENT_TYPES: tuple[type[_Event], ...] = (
     AdmittedEvent,
     RejectedEvent,
@@ -199,6 +269,11 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     SettledEvent,
     ReleasedEvent,
     RecoveredEvent,
+    CapSetEvent,
+    CapUnsetEvent,
+    PlanAssignedEvent,
+    GrantedEvent,
+    ResetEvent,
 )
 LedgerEvent = Annotated[
     AdmittedEvent
@@ -207,7 +282,12 @@ LedgerEvent = Annotated[
     | ReservedEvent
     | SettledEvent
     | ReleasedEvent
-    | RecoveredEvent,
+    | RecoveredEvent
+    | CapSetEvent
+    | CapUnsetEvent
+    | PlanAssignedEvent
+    | GrantedEvent
+    | ResetEvent,
     Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[LedgerEvent] = TypeAdapter(LedgerEvent)
@@ -332,6 +412,18 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
             "reservation": entry.reservation,
         },
     }
+    change = entry.change
+    if change is not None:  # only run-time changes carry one: other events keep their bytes
+        event["data"]["change"] = {  # type: ignore[index]
+            "limit": change.limit,
+            "key": change.key,
+            "field": change.field,
+            "amount": change.amount,
+            "until": change.until,
+            "plan": change.plan,
+            "actor": change.actor,
+            "reason": change.reason,
+        }
     return orjson.dumps(event)
 
 
@@ -366,6 +458,30 @@ def to_entry(event: LedgerEvent) -> LedgerEntry:
         usage=None if d.usage is None else TokenUsage(**d.usage.model_dump()),
         degraded=d.decision.degraded,
         reservation=d.reservation,
+        change=None if d.change is None else to_change(kind, d.change),
+    )
+
+
+def changes_of(event: LedgerEvent) -> tuple[Change, ...]:
+    """The run-time change an event carries (cap, plan, grant, reset), as a 0/1-tuple."""
+    change = event.data.change
+    if change is None:
+        return ()
+    return (to_change(EntryType(event.type.split(".")[1]), change),)
+
+
+def to_change(kind: EntryType, change: ChangeData) -> Change:
+    """The change an event carries, as the counters store applies it."""
+    return Change(
+        ChangeKind(kind.value),
+        change.limit,
+        change.key,
+        change.field,
+        change.amount,
+        change.until,
+        change.plan,
+        change.actor,
+        change.reason,
     )
 
 

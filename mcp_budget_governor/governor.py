@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import planning
+from . import admin, planning
+from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
@@ -30,6 +31,7 @@ from .errors import (
     BackendUnavailableError,
     BudgetExceeded,
     CounterOverflowError,
+    GovernorError,
     InvalidInputError,
 )
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
@@ -199,7 +201,8 @@ class Governor(Metering[MeterResult]):
         slots = [
             s
             for lim in self.policy.limits
-            if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False)) is not None
+            if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False, policy=self.policy))
+            is not None
         ]
         totals = await self._read(slots) if slots else []
         report: dict[str, dict[str, int | bool | None]] = {}
@@ -218,7 +221,9 @@ class Governor(Metering[MeterResult]):
 
     def _read_slot(self, limit: str, ctx: Context) -> Slot:
         lim = self.policy[limit]
-        s = planning.slot(lim, ctx, self._clock(), self.policy.tz, 0, enforce=False)
+        s = planning.slot(
+            lim, ctx, self._clock(), self.policy.tz, 0, enforce=False, policy=self.policy
+        )
         if s is None:
             missing = [d.value for d in lim.dimensions if getattr(ctx, d.value) is None]
             raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
@@ -262,6 +267,93 @@ class Governor(Metering[MeterResult]):
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    # -- run-time changes (caps per customer) ------------------------------
+
+    async def set_cap(
+        self,
+        limit: str,
+        cap: int,
+        *,
+        until: Any = None,
+        reason: str = "",
+        actor: str = "",
+        **scope: str,
+    ) -> Change:
+        """Give one scope value of ``limit`` its own cap at run time (micros for USD
+        limits), until ``until`` (a datetime or epoch seconds; None: for good).
+
+        Beats the policy's caps and plans (``caps.py``). With a ledger it is an
+        event, enforced by every replica once projected; without one it is
+        written to the counters store now. ``scope``: ``tenant="acme"`` etc.
+        """
+        change, ctx = admin.cap_change(
+            self.policy,
+            limit,
+            scope,
+            cap,
+            until=until,
+            now=self._clock(),
+            reason=reason,
+            actor=actor,
+        )
+        return await self._apply_change(change, ctx)
+
+    async def unset_cap(
+        self, limit: str, *, reason: str = "", actor: str = "", **scope: str
+    ) -> Change:
+        """Remove a run-time cap: the policy's value cap, plan or default applies again."""
+        change, ctx = admin.uncap_change(self.policy, limit, scope, reason=reason, actor=actor)
+        return await self._apply_change(change, ctx)
+
+    async def assign_plan(
+        self,
+        plan: str | None,
+        *,
+        tenant: str | None = None,
+        user: str | None = None,
+        reason: str = "",
+        actor: str = "",
+    ) -> Change:
+        """Move a tenant or a user to ``plan`` at run time (None: back to the policy's)."""
+        change, ctx = admin.plan_change(
+            self.policy, plan, tenant=tenant, user=user, reason=reason, actor=actor
+        )
+        return await self._apply_change(change, ctx)
+
+    async def grant(
+        self, limit: str, amount: int, *, reason: str = "", actor: str = "", **scope: str
+    ) -> Change:
+        """Extra room of ``amount`` on the current period's counter; spend unchanged."""
+        change, ctx = admin.grant_change(
+            self.policy, limit, scope, amount, now=self._clock(), reason=reason, actor=actor
+        )
+        return await self._apply_change(change, ctx)
+
+    async def reset(self, limit: str, *, reason: str = "", actor: str = "", **scope: str) -> Change:
+        """Restore the current period's room to the cap, keeping the recorded spend: the
+        counter's grant becomes what it has spent now (replayed as that same value)."""
+        now = self._clock()
+        probe, _ = admin.grant_change(self.policy, limit, scope, 1, now=now)
+        (used,) = await self.backend.usage([probe.key])
+        change, ctx = admin.grant_change(
+            self.policy, limit, scope, None, now=now, used=used, reason=reason, actor=actor
+        )
+        return await self._apply_change(change, ctx)
+
+    async def _apply_change(self, change: Change, ctx: Context) -> Change:
+        if self.ledger is not None:
+            kind = EntryType(change.kind.value)
+            await self._append(new_id(), kind, self._clock(), ctx, (), change=change)
+            return change
+        writer = getattr(self.backend, "change", None)
+        if writer is None:
+            raise GovernorError(
+                f"{type(self.backend).__name__} stores no run-time changes; use a ledger"
+            )
+        await writer([change])
+        self._plans.clear()
+        return change
+
     # -- internals ----------------------------------------------------------
 
     async def _admit(
@@ -285,7 +377,7 @@ class Governor(Metering[MeterResult]):
             decision = await self._degraded_check(plan.slots, now, op_id)
         else:
             if result.admitted:
-                decision = planning.admitted_by(plan, result.used)
+                decision = planning.admitted_by(plan, result.used, result.caps)
             else:
                 decision = self._decide(plan.slots, result, now)
         if event_id is not None:
@@ -304,8 +396,12 @@ class Governor(Metering[MeterResult]):
 
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
-            return planning.admitted(slots, result.used)
-        remaining = planning.headroom(slots, result.used, charged=False) if result.used else None
+            return planning.admitted(slots, result.used, caps=result.caps)
+        remaining = (
+            planning.headroom(slots, result.used, charged=False, caps=result.caps)
+            if result.used
+            else None
+        )
         return planning.refused(slots[result.refused], now, remaining=remaining)
 
     def _plan(self, ctx: Context, now: float, calls: int = 1) -> planning.Plan:
@@ -398,13 +494,13 @@ class Governor(Metering[MeterResult]):
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
     ) -> MeterResult:
         now = self._clock()
-        slots = planning.meter_slots(charges, ctx, now, self.policy.tz)
+        slots = planning.meter_slots(charges, ctx, now, self.policy.tz, self.policy)
         if not slots:
             return NOTHING_METERED
-        before, degraded = await self._record(
+        before, degraded, cap = await self._record(
             slots, ctx, EntryType.METERED, usage, now, want_used=True
         )
-        return planning.metered(slots[0], before, degraded=degraded)
+        return planning.metered(slots[0], before, degraded=degraded, cap=cap)
 
     async def _record(
         self,
@@ -416,13 +512,15 @@ class Governor(Metering[MeterResult]):
         *,
         reservation: str | None = None,
         want_used: bool = False,
-    ) -> tuple[int | None, bool]:
+    ) -> tuple[int | None, bool, int | None]:
         """Charge ``slots`` in one call and append them as one ledger event.
 
         Returns the first slot's total before the charge (with ``want_used``,
-        when a counter answered, else None) and whether the shared counters
-        were unreachable.
+        when a counter answered, else None), whether the shared counters
+        were unreachable, and the first slot's effective cap with grants (None:
+        its default).
         """
+        cap: int | None = None
         event_id = new_id() if self.ledger is not None else None
         op_id = None if event_id is not None else new_id()
         degraded = False
@@ -433,6 +531,7 @@ class Governor(Metering[MeterResult]):
             )
             if want_used and result.used:
                 before = result.used[0]
+                cap = result.caps[0] if result.caps else None
         except BackendUnavailableError:
             degraded = True
             local = [s.op for s in slots if _local(s.limit)]
@@ -452,7 +551,7 @@ class Governor(Metering[MeterResult]):
                 degraded=degraded,
                 reservation=reservation,
             )
-        return before, degraded
+        return before, degraded, cap
 
     async def _append(
         self,
@@ -519,7 +618,15 @@ class Reservation:
         gov = self._gov
         now = gov._clock()
         enforce = self.limit.on_exceed is OnExceed.DENY
-        s = planning.slot(self.limit, self.ctx, now, gov.policy.tz, self.estimate, enforce=enforce)
+        s = planning.slot(
+            self.limit,
+            self.ctx,
+            now,
+            gov.policy.tz,
+            self.estimate,
+            enforce=enforce,
+            policy=gov.policy,
+        )
         if s is None:
             self.decision = ADMITTED
             return self
@@ -562,7 +669,7 @@ class Reservation:
         s = self._slot.with_amount(final - self.estimate)
         if s.amount == 0 and self._gov.ledger is None and not report:
             return NOTHING_METERED
-        before, degraded = await self._gov._record(
+        before, degraded, cap = await self._gov._record(
             (s,), self.ctx, kind, None, self._gov._clock(), reservation=self.id, want_used=report
         )
-        return planning.metered(s, before, degraded=degraded)
+        return planning.metered(s, before, degraded=degraded, cap=cap)

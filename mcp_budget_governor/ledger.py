@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import uuid_utils
 
+from .caps import Change
 from .context import Context
 from .money import Unit
 from .windows import Window
@@ -53,6 +54,12 @@ class EntryType(StrEnum):
     SETTLED = "settled"
     RELEASED = "released"
     RECOVERED = "recovered"
+    # Run-time changes (caps.ChangeKind): no charges, a ``change`` instead.
+    CAP_SET = "cap_set"
+    CAP_UNSET = "cap_unset"
+    PLAN_ASSIGNED = "plan_assigned"
+    GRANTED = "granted"
+    RESET = "reset"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,7 @@ class LedgerEntry:
     usage: TokenUsage | None = None
     degraded: bool = False
     reservation: str | None = field(default=None)
+    change: Change | None = None
 
 
 def new_id() -> str:

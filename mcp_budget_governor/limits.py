@@ -67,6 +67,8 @@ class Limit:
       limits fed by ``meter()``.
     - ``on_exceed=OnExceed.ALERT`` is shadow mode: never refuses, reports.
     - ``status`` overrides the refusal status (429 quota, 402 spend, 503 breaker).
+    - ``caps`` gives particular scope values their own cap: ``{"acme": usd(100)}``,
+      ``{"user=u_42,tool=search": 5}`` for a composite scope (see ``caps.py``).
 
     >>> Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER).scope
     (<Scope.USER: 'user'>,)
@@ -89,6 +91,7 @@ class Limit:
     #: Billing days of particular scope values (``{"acme": 15}``; composite scopes
     #: name every part: ``"tenant=acme,user=u_42"``); the others get ``anchor_day``.
     anchors: Mapping[str, int] = field(default_factory=dict)
+    caps: Any = None
 
     def __post_init__(self) -> None:
         name = self.name
@@ -126,6 +129,9 @@ class Limit:
             raise PolicyError(f"{where}.status", status, "expected an HTTP status from 400 to 599")
         set_(self, "alert_at", _levels(self.alert_at, f"{where}.alert_at"))
         set_(self, "anchors", _anchors(self, where))
+        from .caps import parse_caps  # caps imports this module's NAME_PATTERN
+
+        set_(self, "caps", parse_caps(dims, self.caps, f"{where}.caps"))
         if not self.gated and not self.breaker and self.on_exceed is OnExceed.DENY:
             # Metered-only limit: fine, check() never consults it; meter() records.
             pass
@@ -140,10 +146,21 @@ class Limit:
         (15, 5)
         """
         if self.anchors:
-            found = self.anchors.get(anchor_key(self.dimensions, values))
+            from .keys import scope_segment  # keys imports this module's NAME_PATTERN
+
+            found = self.anchors.get(scope_segment(self.dimensions, values))
             if found is not None:
                 return found
         return 1 if self.anchor_day is None else self.anchor_day
+
+    @property
+    def value_caps(self) -> dict[str, int]:
+        """The caps of particular scope values, by scope segment (``tenant=acme``).
+
+        >>> Limit("t", cap=5, window=Window.DAY, scope=Scope.TENANT, caps={"acme": 9}).value_caps
+        {'tenant=acme': 9}
+        """
+        return dict(self.caps)
 
     @property
     def dimensions(self) -> Dimensions:
@@ -206,13 +223,6 @@ class FrozenMap(Mapping[str, int]):
 _EMPTY = FrozenMap({})
 
 
-def anchor_key(dims: Dimensions, values: tuple[str, ...]) -> str:
-    """How :attr:`Limit.anchors` names a counter: the value, or ``dim=value,...``."""
-    if len(dims) == 1:
-        return values[0]
-    return ",".join(f"{d.value}={v}" for d, v in zip(dims, values, strict=True))
-
-
 def _anchors(limit: Limit, where: str) -> Mapping[str, int]:
     """Check ``anchor_day`` and ``anchors``: billing days of a MONTH limit with a scope."""
     if limit.anchor_day is None and not limit.anchors:
@@ -230,18 +240,13 @@ def _anchors(limit: Limit, where: str) -> Mapping[str, int]:
         raise PolicyError(f"{where}.anchors", anchors, "expected a mapping of scope value -> day")
     if anchors and not limit.dimensions:
         raise PolicyError(f"{where}.anchors", dict(anchors), "a global limit has no scope values")
+    from .caps import scope_field  # caps imports this module's NAME_PATTERN
+
+    # Keyed by scope segment: one syntax (and one parser) for caps and anchors.
     out: dict[str, int] = {}
-    dims = limit.dimensions
     for value, day in anchors.items():
-        if not isinstance(value, str):
-            raise PolicyError(f"{where}.anchors", value, "expected a scope value (a string)")
-        if len(dims) > 1:
-            parts = dict(p.partition("=")[::2] for p in value.split(","))
-            if sorted(parts) != sorted(d.value for d in dims):
-                names = ",".join(f"{d.value}=..." for d in dims)
-                raise PolicyError(f"{where}.anchors", value, f"expected {names}")
-            value = anchor_key(dims, tuple(parts[d.value] for d in dims))
-        out[value] = check_anchor(day, f"{where}.anchors.{value}")
+        segment = scope_field(limit.dimensions, value, f"{where}.anchors")
+        out[segment] = check_anchor(day, f"{where}.anchors.{value}")
     return FrozenMap(out)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import tzinfo
 from typing import TYPE_CHECKING
 
+from .caps import PLAN_DIMENSIONS, CapRef, caps_key
 from .context import Context
 from .counters import CounterOp, fits
 from .decision import (
@@ -23,7 +24,7 @@ from .decision import (
     at,
 )
 from .errors import GovernorError, InvalidInputError
-from .keys import counter_key, scope_segment
+from .keys import counter_key, escape, scope_segment
 from .ledger import LedgerCharge, TokenUsage
 from .limits import Limit, OnExceed
 from .money import Unit, check_amount
@@ -45,14 +46,17 @@ class Slot:
     amount: int
     enforce: bool
     expire_at: int
+    ref: CapRef | None = None
 
     @property
     def op(self) -> CounterOp:
-        return CounterOp(self.key, self.amount, self.limit.cap, self.enforce, self.expire_at)
+        return CounterOp(
+            self.key, self.amount, self.limit.cap, self.enforce, self.expire_at, self.ref
+        )
 
     def with_amount(self, amount: int, *, enforce: bool = False) -> Slot:
         """The same counter and bucket with another amount (a settlement's delta)."""
-        return Slot(self.limit, self.key, self.bucket, amount, enforce, self.expire_at)
+        return Slot(self.limit, self.key, self.bucket, amount, enforce, self.expire_at, self.ref)
 
     def ledger_charge(self) -> LedgerCharge:
         lim = self.limit
@@ -62,15 +66,46 @@ class Slot:
 
 
 def slot(
-    limit: Limit, ctx: Context, now: float, tz: tzinfo, amount: int, *, enforce: bool
+    limit: Limit,
+    ctx: Context,
+    now: float,
+    tz: tzinfo,
+    amount: int,
+    *,
+    enforce: bool,
+    policy: Policy | None = None,
 ) -> Slot | None:
-    """The counter of ``limit`` for ``ctx`` at ``now``; None if ctx lacks the scope."""
-    values = scope_values(limit.dimensions, ctx)
+    """The counter of ``limit`` for ``ctx`` at ``now``; None if ctx lacks the scope.
+
+    With ``policy``, the slot carries what the backend needs to resolve the
+    counter's effective cap (:func:`cap_ref`)."""
+    dims = limit.dimensions
+    values = scope_values(dims, ctx)
     if values is None:
         return None
     bucket = bucket_for(limit.window, now, tz, limit.anchor_for(values))
-    key = counter_key(limit.name, scope_segment(limit.dimensions, values), bucket.label)
-    return Slot(limit, key, bucket, amount, enforce, bucket.expire_at(now))
+    segment = scope_segment(dims, values)
+    key = counter_key(limit.name, segment, bucket.label)
+    ref = cap_ref(policy, limit, segment, values) if policy is not None else None
+    return Slot(limit, key, bucket, amount, enforce, bucket.expire_at(now), ref)
+
+
+def cap_ref(policy: Policy, limit: Limit, segment: str, values: tuple[str, ...]) -> CapRef:
+    """Where a counter's effective cap comes from: its scope's value cap in the
+    policy, the assignment fields of its user and tenant, every plan's cap. A
+    global limit has only its default and grants (field ``""``: no lookup)."""
+    if not limit.dimensions:
+        return CapRef(caps_key(limit.name), "")
+    plan_caps = policy.plan_caps(limit.name)
+    fields: tuple[str, ...] = ()
+    file_plan = None
+    if plan_caps:
+        by_dim = dict(zip(limit.dimensions, values, strict=True))
+        fields = tuple(f"{d.value}={escape(by_dim[d])}" for d in PLAN_DIMENSIONS if d in by_dim)
+        assigned = policy.assignments
+        file_plan = next((assigned[f] for f in fields if f in assigned), None)
+    value_cap = dict(limit.caps).get(segment) if limit.caps else None
+    return CapRef(caps_key(limit.name), segment, value_cap, fields, file_plan, plan_caps)
 
 
 def named_limits(policy: Policy, limit: str | Sequence[str]) -> tuple[Limit, ...]:
@@ -89,22 +124,30 @@ def named_limits(policy: Policy, limit: str | Sequence[str]) -> tuple[Limit, ...
 
 
 def meter_slots(
-    charges: Sequence[tuple[Limit, int]], ctx: Context, now: float, tz: tzinfo
+    charges: Sequence[tuple[Limit, int]],
+    ctx: Context,
+    now: float,
+    tz: tzinfo,
+    policy: Policy | None = None,
 ) -> tuple[Slot, ...]:
     """The counters one metered event charges: each limit whose scope ``ctx`` supplies."""
     out = []
     for limit, amount in charges:
-        s = slot(limit, ctx, now, tz, amount, enforce=False)
+        s = slot(limit, ctx, now, tz, amount, enforce=False, policy=policy)
         if s is not None:
             out.append(s)
     return tuple(out)
 
 
-def metered(s: Slot, before: int | None, *, degraded: bool = False) -> MeterResult:
-    """The result of charging ``s``, given its total before (None: no counter answered)."""
+def metered(
+    s: Slot, before: int | None, *, degraded: bool = False, cap: int | None = None
+) -> MeterResult:
+    """The result of charging ``s``, given its total before (None: no counter answered)
+    and its effective cap with grants (None: the limit's default)."""
     if before is None:
         return MeterResult(True, 0, False, s.amount, s.limit.name, degraded)
-    cap = s.limit.cap
+    if cap is None:
+        cap = s.limit.cap
     total = before + s.amount
     within = fits(total, 0, cap)
     crossed = not within and fits(before, 0, cap)
@@ -229,7 +272,7 @@ def check_slots(policy: Policy, ctx: Context, now: float, calls: int = 1) -> lis
         if not (limit.gated or limit.breaker):
             continue
         enforce = limit.on_exceed is OnExceed.DENY
-        s = slot(limit, ctx, now, tz, limit.check_charge * calls, enforce=enforce)
+        s = slot(limit, ctx, now, tz, limit.check_charge * calls, enforce=enforce, policy=policy)
         if s is not None:
             out.append(s)
     return out
@@ -240,12 +283,16 @@ def reason(limit: Limit, prefix: str = EXCEEDED) -> str:
     return f"{prefix}:{limit.scope_label}/{limit.window.value}"
 
 
-def headroom(slots: Sequence[Slot], used: Sequence[int], *, charged: bool) -> dict[str, int]:
+def headroom(
+    slots: Sequence[Slot], used: Sequence[int], *, charged: bool, caps: Sequence[int] = ()
+) -> dict[str, int]:
     """Per slot, what can still be charged before its limit is exhausted (its cap
-    reached), from the totals read before the call (``charged``: after its amounts)."""
+    reached), from the totals read before the call (``charged``: after its amounts);
+    ``caps``: the effective caps with grants the backend compared with."""
+    limits = caps or [s.limit.cap for s in slots]
     return {
-        s.limit.name: max(s.limit.cap - total - (s.amount if charged else 0), 0)
-        for s, total in zip(slots, used, strict=True)
+        s.limit.name: max(cap - total - (s.amount if charged else 0), 0)
+        for s, total, cap in zip(slots, used, limits, strict=True)
     }
 
 
@@ -291,11 +338,20 @@ def ledger_full(retry_after: float) -> Decision:
     )
 
 
-def admitted_by(plan: Plan, used: Sequence[int]) -> Decision:
+def admitted_by(plan: Plan, used: Sequence[int], caps: Sequence[int] = ()) -> Decision:
     """:func:`admitted` for a whole plan, on the hot path: no shadow limit to report
-    means the headroom is all there is to compute."""
+    means the headroom is all there is to compute. ``caps``: the effective caps
+    (with grants) the backend compared with, when it said."""
     if plan.shadow or not used:
-        return admitted(plan.slots, used)
+        return admitted(plan.slots, used, caps=caps)
+    if caps:
+        return Decision(
+            admitted=True,
+            remaining={
+                s.limit.name: max(cap - s.amount - u, 0)
+                for s, u, cap in zip(plan.slots, used, caps, strict=True)
+            },
+        )
     return Decision(
         admitted=True,
         remaining={
@@ -305,7 +361,13 @@ def admitted_by(plan: Plan, used: Sequence[int]) -> Decision:
     )
 
 
-def admitted(slots: Sequence[Slot], used: Sequence[int], *, degraded: bool = False) -> Decision:
+def admitted(
+    slots: Sequence[Slot],
+    used: Sequence[int],
+    *,
+    degraded: bool = False,
+    caps: Sequence[int] = (),
+) -> Decision:
     """The decision for an admitted call, naming shadow limits it went over, with
     each limit's :func:`headroom` after the call.
 
@@ -313,10 +375,11 @@ def admitted(slots: Sequence[Slot], used: Sequence[int], *, degraded: bool = Fal
     """
     if not used:
         return Decision(admitted=True, degraded=degraded)
+    limits = caps or [s.limit.cap for s in slots]
     over = tuple(
         s.limit.name
-        for s, total in zip(slots, used, strict=True)
-        if not s.enforce and not fits(total, s.amount, s.limit.cap)
+        for s, total, cap in zip(slots, used, limits, strict=True)
+        if not s.enforce and not fits(total, s.amount, cap)
     )
-    remaining = headroom(slots, used, charged=True)
+    remaining = headroom(slots, used, charged=True, caps=caps)
     return Decision(admitted=True, over=over, degraded=degraded, remaining=remaining)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import tzinfo
 from enum import StrEnum
 from typing import Any
 
+from .caps import Plan, assignment_field
 from .context import ANONYMOUS_USER, Context
 from .decision import Decision
 from .errors import BudgetExceeded, PolicyError
@@ -55,8 +56,11 @@ class Policy:
     """An ordered, validated set of limits with unique names.
 
     ``timezone`` (an IANA name) sets where DAY and MONTH windows begin; UTC
-    when omitted. ``anonymous`` says what integrations do with a caller they
-    cannot identify (:class:`Anonymous`; refused by default).
+    when omitted. ``plans`` are named sets of caps (:class:`Plan`) and
+    ``assignments`` maps tenants (``"acme"``) or users (``"user=u_42"``) to a
+    plan's name (see ``caps.py`` for which cap wins). ``anonymous`` says
+    what integrations do with a caller they cannot identify
+    (:class:`Anonymous`; refused by default).
 
     >>> from mcp_budget_governor import Limit, Scope, Window
     >>> policy = Policy.of(Limit("per_user", cap=100, window=Window.DAY, scope=Scope.USER))
@@ -67,6 +71,8 @@ class Policy:
     limits: tuple[Limit, ...]
     timezone: str | None = None
     anonymous: Anonymous = Anonymous.REFUSE
+    plans: Any = ()
+    assignments: Any = None
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -85,6 +91,22 @@ class Policy:
         object.__setattr__(self, "anonymous", _enum(Anonymous, self.anonymous, "Policy.anonymous"))
         per_user = tuple(lim for lim in limits if Scope.USER in lim.dimensions)
         object.__setattr__(self, "_per_user", per_user)
+        plans, assignments = _plans(self.plans, self.assignments, self.__dict__["_by_name"])
+        object.__setattr__(self, "plans", plans)
+        object.__setattr__(self, "assignments", assignments)
+
+    def plan_caps(self, limit: str) -> tuple[tuple[str, int], ...]:
+        """Each plan's cap for ``limit``, ``(plan, cap)`` sorted; plans without it left out."""
+        return tuple((p.name, p.caps[limit]) for p in self.plans if limit in p.caps)
+
+    def plan(self, name: str) -> Plan:
+        """The plan called ``name``; PolicyError naming the known ones otherwise."""
+        plans: tuple[Plan, ...] = self.plans
+        for p in plans:
+            if p.name == name:
+                return p
+        known = ", ".join(p.name for p in self.plans) or "none"
+        raise PolicyError("plan", name, f"no such plan (known: {known})")
 
     @classmethod
     def of(
@@ -92,10 +114,18 @@ class Policy:
         *limits: Limit,
         timezone: str | None = None,
         anonymous: Anonymous | str = Anonymous.REFUSE,
+        plans: Sequence[Plan] = (),
+        assignments: Mapping[str, str] | None = None,
     ) -> Policy:
         """Build a policy from limits given as arguments."""
         mode: Anonymous = _enum(Anonymous, anonymous, "Policy.anonymous")
-        return cls(tuple(limits), timezone=timezone, anonymous=mode)
+        return cls(
+            tuple(limits),
+            timezone=timezone,
+            anonymous=mode,
+            plans=tuple(plans),
+            assignments=assignments,
+        )
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Policy:
@@ -159,3 +189,42 @@ class Policy:
 
     def __len__(self) -> int:
         return len(self.limits)
+
+
+def _plans(
+    plans: Any, assignments: Any, limits: Mapping[str, Limit]
+) -> tuple[tuple[Plan, ...], dict[str, str]]:
+    """Validate plans (unique names, known limits) and assignments (known plans)."""
+    if not isinstance(plans, tuple | list):
+        raise PolicyError("Policy.plans", plans, "expected a sequence of Plan")
+    names: set[str] = set()
+    for i, plan in enumerate(plans):
+        if not isinstance(plan, Plan):
+            raise PolicyError(f"Policy.plans[{i}]", plan, "expected a Plan")
+        if plan.name in names:
+            raise PolicyError(f"Policy.plans[{i}].name", plan.name, "duplicate plan name")
+        names.add(plan.name)
+        for limit in plan.caps:
+            if limit not in limits:
+                raise PolicyError(
+                    f"Plan({plan.name!r}).caps",
+                    limit,
+                    f"no such limit (known: {', '.join(limits)})",
+                )
+            if not limits[limit].dimensions:
+                raise PolicyError(
+                    f"Plan({plan.name!r}).caps", limit, "a global limit has no tenant or user"
+                )
+    out: dict[str, str] = {}
+    if assignments is None:
+        assignments = {}
+    if not isinstance(assignments, Mapping):
+        raise PolicyError("Policy.assignments", assignments, "expected tenant or user -> plan")
+    for who, plan_name in assignments.items():
+        where = f"Policy.assignments[{who!r}]"
+        field = assignment_field(who, where)
+        if plan_name not in names:
+            known = ", ".join(sorted(names)) or "none"
+            raise PolicyError(where, plan_name, f"no such plan (known: {known})")
+        out[field] = plan_name
+    return tuple(plans), out

@@ -34,6 +34,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from .caps import Plan
 from .errors import InvalidInputError, PolicyError
 from .limits import Limit
 from .money import Unit, usd
@@ -184,7 +185,17 @@ class _Builder:
         if not isinstance(entries, list):
             raise self.error(("limits",), entries, "expected an array of tables ([[limits]])")
         limits = [self.limit(i, entry) for i, entry in enumerate(entries)]
-        options = {k: v for k, v in doc.items() if k != "limits"}
+        options = {k: v for k, v in doc.items() if k not in ("limits", "plans", "assign")}
+        by_name = {lim.name: lim for lim in limits}
+        options["plans"] = self.plans(doc.get("plans", {}), by_name)
+        assign = doc.get("assign", {})
+        if not isinstance(assign, dict):
+            raise self.error(("assign",), assign, 'expected a table: [assign] acme = "pro"')
+        for who, plan in assign.items():
+            if plan not in {p.name for p in options["plans"]}:
+                known = ", ".join(p.name for p in options["plans"]) or "none"
+                raise self.error(("assign", who), plan, f"no such plan (known: {known})")
+        options["assignments"] = assign
         try:
             return Policy.of(*limits, **options)
         except PolicyError as exc:
@@ -194,8 +205,47 @@ class _Builder:
     def policy_keys() -> tuple[str, ...]:
         # Every option Policy.of takes is a top-level key, so a new option is
         # accepted (and validated by Policy.of) without touching this module.
+        # Plans and assignments are tables of their own ([plans.<name>], [assign]).
         options = inspect.signature(Policy.of).parameters.values()
-        return ("limits", *(p.name for p in options if p.kind is p.KEYWORD_ONLY))
+        named = (p.name for p in options if p.kind is p.KEYWORD_ONLY)
+        return (
+            "limits",
+            *(n for n in named if n not in ("plans", "assignments")),
+            "plans",
+            "assign",
+        )
+
+    def plans(self, doc: Any, limits: Mapping[str, Limit]) -> list[Plan]:
+        """``[plans.<name>]`` tables of ``limit = cap`` (dollars for money limits)."""
+        if not isinstance(doc, dict):
+            raise self.error(("plans",), doc, "expected tables: [plans.<name>]")
+        out: list[Plan] = []
+        for name, caps in doc.items():
+            here: KeyPath = ("plans", name)
+            if not isinstance(caps, dict):
+                raise self.error(here, caps, "expected a table of limit = cap")
+            converted: dict[str, int] = {}
+            for limit, cap in caps.items():
+                if limit not in limits:
+                    raise self.error(
+                        (*here, limit), limit, f"no such limit (known: {', '.join(limits)})"
+                    )
+                converted[limit] = self.amount((*here, limit), cap, limits[limit].unit)
+            try:
+                out.append(Plan(name, converted))
+            except PolicyError as exc:
+                raise self.error(here, exc.value, exc.problem) from None
+        return out
+
+    def amount(self, path: KeyPath, value: Any, unit: Unit) -> int:
+        """A cap in a file: dollars for a money limit, else a whole number."""
+        if unit is Unit.USD_MICROS:
+            return self.dollars(path, value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(path, value, "expected a whole number")
+        if value < 0:
+            raise self.error(path, value, "must not be negative")
+        return value
 
     def limit(self, i: int, entry: Any) -> Limit:
         here: KeyPath = ("limits", i)
@@ -225,6 +275,17 @@ class _Builder:
             raise self.error(here, None, "missing required key 'cap' (or 'cap_usd' for money)")
         if fields.get("scope") in ("global", []):
             fields["scope"] = None  # written out explicitly: no dimension
+        if "caps" in fields:
+            caps = fields["caps"]
+            if not isinstance(caps, dict):
+                raise self.error(
+                    (*here, "caps"), caps, 'expected a table: caps = { acme = "100.00" }'
+                )
+            money = "cap_usd" in entry
+            fields["caps"] = {
+                k: self.amount((*here, "caps", k), v, Unit.USD_MICROS if money else Unit.CALLS)
+                for k, v in caps.items()
+            }
         try:
             return Limit(**fields)
         except PolicyError as exc:
@@ -270,6 +331,9 @@ class _Builder:
             return self.error(("limits", int(found[1]), found[2]), value, exc.problem)
         if index is not None:
             key = re.sub(r"^Limit(\(.*\))?\.", "", field)
+            entry = re.fullmatch(r"caps\['(.*)'\]", key)
+            if entry:
+                return self.error(("limits", index, "caps", entry[1]), value, exc.problem)
             problem = exc.problem
             # A cap_usd was range-checked in dollars (dollars()) before Limit saw micros.
             if key == "cap" and isinstance(value, float | str):

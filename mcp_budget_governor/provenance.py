@@ -26,6 +26,7 @@ of :mod:`.events` both call :func:`event_problem`, so the two cannot disagree.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -59,7 +60,62 @@ SIGNS: Mapping[EntryType, Sign] = {
     EntryType.RELEASED: Sign.NEGATIVE,
     # ``mcpbg reconcile --fix``: the in-flight amounts of a lost event, of any kind.
     EntryType.RECOVERED: Sign.NONZERO,
+    # Run-time changes carry a change, never a charge (a grant is not spend).
+    EntryType.CAP_SET: Sign.NONE,
+    EntryType.CAP_UNSET: Sign.NONE,
+    EntryType.PLAN_ASSIGNED: Sign.NONE,
+    EntryType.GRANTED: Sign.NONE,
+    EntryType.RESET: Sign.NONE,
 }
+#: The kinds that carry a ``change`` (and only they do).
+CHANGE_KINDS = frozenset(
+    {
+        EntryType.CAP_SET,
+        EntryType.CAP_UNSET,
+        EntryType.PLAN_ASSIGNED,
+        EntryType.GRANTED,
+        EntryType.RESET,
+    }
+)
+_ASSIGNMENT = re.compile(
+    r"(?:tenant|user)=(?:[A-Za-z0-9_.\-]|%[0-9A-F]{2})+|(?:tenant|user)=#[0-9a-f]{64}"
+)
+
+
+def change_problem(
+    kind: EntryType, limit: str, key: str, field: str, amount: int, until: int, plan: str | None
+) -> str | None:
+    """Why a run-time change cannot be one a governor wrote (None: it can be).
+
+    Caps name their limit's caps hash and a scope segment of that limit's
+    shape; assignments the plans hash and a ``tenant=``/``user=`` field;
+    grants and resets a counter key of their limit, with its expiry."""
+    from .caps import PLANS_KEY, caps_key
+
+    if kind in (EntryType.CAP_SET, EntryType.CAP_UNSET):
+        if key != caps_key(limit):
+            return f"data.change.key: {_show(key)} is not the caps hash of {limit!r}"
+        if parse_key(f"mcpbg:v1:{limit}:{field}:x") is None or field == "global":
+            return f"data.change.field: {_show(field)} is not a scope value"
+        if kind is EntryType.CAP_UNSET and (amount or until):
+            return "data.change: an unset carries no cap"
+        return None
+    if kind is EntryType.PLAN_ASSIGNED:
+        if key != PLANS_KEY:
+            return f"data.change.key: {_show(key)} is not the plans hash"
+        if _ASSIGNMENT.fullmatch(field) is None:
+            return f"data.change.field: {_show(field)} is not tenant=<v> or user=<v>"
+        if amount or until:
+            return "data.change: an assignment carries no amount"
+        return None
+    parsed = parse_key(key)
+    if parsed is None or parsed.limit != limit:
+        return f"data.change.key: {_show(key)} is not a counter of {limit!r}"
+    if until <= 0 or plan is not None or field:
+        return "data.change: a grant or reset names a counter and its expiry only"
+    return None
+
+
 #: How far past its event time a recovery may set a session counter's expiry: the
 #: counter it settles may have been written (and its expiry pushed) long after.
 _RECOVERED_SESSION_SECONDS = 400 * 86_400

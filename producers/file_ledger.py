@@ -50,7 +50,7 @@ from typing import Any
 
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
 from mcp_budget_governor.errors import GovernorError
-from mcp_budget_governor.events import MalformedEventError, encode, parse
+from mcp_budget_governor.events import MalformedEventError, changes_of, encode, parse
 from mcp_budget_governor.ledger import LedgerEntry
 
 from .record_log import (
@@ -254,6 +254,7 @@ class FileProjector:
             event.id,
             event.time.timestamp(),
             tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in event.data.charges),
+            changes_of(event),
         )
 
     async def run(self, poll_interval: float = 0.2) -> None:

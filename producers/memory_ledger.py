@@ -31,6 +31,7 @@ class MemoryLedger:
                 entry.id,
                 entry.time,
                 tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in entry.charges),
+                () if entry.change is None else (entry.change,),
             )
             for offset, entry in enumerate(self.entries[start:stop], start=start)
         ]

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 
+from mcp_budget_governor.caps import Effective, effective
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import Backend, fits
 from mcp_budget_governor.keys import WILDCARD, key_pattern, parse_key
 from mcp_budget_governor.limits import Limit
 from mcp_budget_governor.money import Unit, format_dollars
-from mcp_budget_governor.planning import slot
+from mcp_budget_governor.planning import cap_ref, slot
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.scopes import Scope
 from mcp_budget_governor.windows import Bucket, Window, bucket_for
@@ -43,6 +44,8 @@ class BudgetRow:
     hashed: tuple[bool, ...]
     bucket: Bucket
     spent: int
+    #: The counter's effective cap, its grant and their source (``caps.resolve``).
+    effective: Effective | None = None
 
     @property
     def name(self) -> str:
@@ -66,16 +69,32 @@ class BudgetRow:
 
     @property
     def cap(self) -> int:
-        return self.limit.cap
+        """The effective cap (value cap, plan, run-time cap, or the default)."""
+        return self.limit.cap if self.effective is None else self.effective.cap
+
+    @property
+    def grant(self) -> int:
+        """Extra room granted in this period (not spend)."""
+        return 0 if self.effective is None else self.effective.grant
+
+    @property
+    def source(self) -> str:
+        """Where the cap comes from: ``default``, ``value``, ``plan:pro``, ``run-time until …``."""
+        if self.effective is None:
+            return "default"
+        src = self.effective.source
+        if src.startswith("run-time until "):
+            src = f"run-time until {_iso(int(src.rsplit(' ', 1)[1]))}"
+        return src
 
     @property
     def remaining(self) -> int:
-        return max(0, self.limit.cap - self.spent)
+        return max(0, self.cap + self.grant - self.spent)
 
     @property
     def exceeded(self) -> bool:
         """The limit is spent: the next check it gates is refused (``counters.fits``)."""
-        return not fits(self.spent, 0, self.limit.cap)
+        return not fits(self.spent, 0, self.cap + self.grant)
 
     def as_json(self, tz: tzinfo = UTC) -> dict[str, Any]:
         """The row for machines: amounts as integers in the limit's unit."""
@@ -98,7 +117,10 @@ class BudgetRow:
             "period_end": _iso(self.bucket.end),
             "unit": self.limit.unit.value,
             "spent": self.spent,
-            "limit": self.limit.cap,
+            "limit": self.cap,
+            "limit_source": self.source,
+            "default_limit": self.limit.cap,
+            "grant": self.grant,
             "remaining": self.remaining,
             "exceeded": self.exceeded,
         }
@@ -202,11 +224,51 @@ async def budget_report(
     spent: list[int] = []
     for start in range(0, len(keys_in_order), USAGE_CHUNK):
         spent += await backend.usage(keys_in_order[start : start + USAGE_CHUNK])
+    resolved = await _effective(policy, backend, keys_in_order, found, now)
     rows = tuple(
-        BudgetRow(found[k][0], k, found[k][1], found[k][2], found[k][3], total)
-        for k, total in zip(keys_in_order, spent, strict=True)
+        BudgetRow(found[k][0], k, found[k][1], found[k][2], found[k][3], total, eff)
+        for k, total, eff in zip(keys_in_order, spent, resolved, strict=True)
     )
     return BudgetReport(rows, now, tz, listed, truncated)
+
+
+async def _effective(
+    policy: Policy,
+    backend: Backend,
+    keys: list[str],
+    found: dict[str, tuple[Limit, tuple[str, ...], tuple[bool, ...], Bucket]],
+    now: float,
+) -> list[Effective | None]:
+    """Each key's effective cap, as the admission script resolves it (``caps.effective``)."""
+    overrides = getattr(backend, "overrides", None)
+    grants_of = getattr(backend, "grants_of", None)
+    if overrides is None or grants_of is None:  # a backend without run-time changes
+        return [None] * len(keys)
+    caps, assigned = await overrides()
+    grants: list[int] = []
+    for start in range(0, len(keys), USAGE_CHUNK):
+        grants += await grants_of(keys[start : start + USAGE_CHUNK])
+    out: list[Effective | None] = []
+    for key, grant in zip(keys, grants, strict=True):
+        limit, values, hashed, _ = found[key]
+        parsed = parse_key(key)
+        segment = parsed.scope if parsed is not None else ""
+        ref = cap_ref(policy, limit, segment, values) if not any(hashed) else None
+        if ref is None:
+            out.append(Effective(limit.cap, grant, "default"))
+            continue
+        runtime = caps.get(ref.caps_key, {}).get(ref.field) if ref.field else None
+        out.append(
+            effective(
+                ref,
+                limit.cap,
+                runtime=None if runtime is None else runtime[:2],
+                assigned=assigned,
+                grant=grant,
+                now=now,
+            )
+        )
+    return out
 
 
 def format_amount(unit: Unit, amount: int) -> str:
@@ -243,6 +305,7 @@ HEADERS = (
     "period",
     "spent",
     "limit",
+    "source",
     "remaining",
     "exceeded",
 )
@@ -260,6 +323,8 @@ def table_rows(report: BudgetReport) -> list[tuple[str, ...]]:
             period(row.limit.window, row.bucket, report.tz),
             format_amount(row.limit.unit, row.spent),
             format_amount(row.limit.unit, row.cap),
+            row.source
+            + (f" + grant {format_amount(row.limit.unit, row.grant)}" if row.grant else ""),
             format_amount(row.limit.unit, row.remaining),
             "yes" if row.exceeded else "no",
         )

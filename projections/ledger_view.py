@@ -37,6 +37,7 @@ import duckdb
 import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
+from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
@@ -294,6 +295,10 @@ def _archive_relation(
 _READ_OPTIONS = "hive_partitioning = true, union_by_name = true"
 
 
+#: The event types of run-time changes, which ``costs`` leaves out (a grant is not spend).
+_CHANGE_TYPES = ", ".join(f"'mcpbg.{kind.value}.v1'" for kind in ChangeKind)
+
+
 def open_ledger(
     archive_dir: str | os.PathLike[str] | None = None,
     ledger_dir: str | os.PathLike[str] | None = None,
@@ -406,7 +411,10 @@ def open_ledger(
                    AS usd_micros,
                arg_min("limit", charge_index) FILTER (WHERE unit = 'usd_micros') AS usd_limit,
                count(charge_index) AS charges
-        FROM ledger GROUP BY id
+        FROM ledger
+        -- Run-time changes (caps, plans, grants, resets) are no usage: not a cost row.
+        WHERE "type" NOT IN ({_CHANGE_TYPES})
+        GROUP BY id
         """
     )
     return db

@@ -34,8 +34,10 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from mcp_budget_governor.caps import Change, ChangeKind
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
 from mcp_budget_governor.events import (
+    ChangeData,
     Charge,
     Decided,
     EventContext,
@@ -49,7 +51,13 @@ from mcp_budget_governor.ledger import EntryType
 from mcp_budget_governor.limits import NAME_PATTERN
 from mcp_budget_governor.memo import BytesCache, text_bytes
 from mcp_budget_governor.money import MAX_AMOUNT, Unit
-from mcp_budget_governor.provenance import CounterShape, charge_problem, counter_shape
+from mcp_budget_governor.provenance import (
+    CHANGE_KINDS,
+    CounterShape,
+    change_problem,
+    charge_problem,
+    counter_shape,
+)
 from mcp_budget_governor.windows import Window
 
 __all__ = ["Decoded", "DecodedCharge", "decode"]
@@ -84,6 +92,7 @@ _CONTEXT = frozenset(EventContext.model_fields)
 _CHARGE = frozenset(Charge.model_fields)
 _DECISION = frozenset(Decided.model_fields)
 _USAGE = frozenset(Tokens.model_fields)
+_CHANGE = frozenset(ChangeData.model_fields)
 _USAGE_COUNTS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
 _UNITS = frozenset(u.value for u in Unit)
 _WINDOWS = frozenset(w.value for w in Window)
@@ -233,6 +242,12 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
         return None
     if not _usage_ok(data.get("usage")):
         return None
+    changes: tuple[Change, ...] = ()
+    if "change" in data or _KINDS[kind] in CHANGE_KINDS:
+        change = _change(_KINDS[kind], data.get("change"))
+        if change is None:
+            return None
+        changes = (change,)
     reservation = data.get("reservation")
     if reservation is not None and type(reservation) is not str:
         return None
@@ -301,4 +316,36 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
     # What datetime.timestamp() computes for an aware time: the same float, bit for bit.
     if when is None:
         when = (second * 1_000_000 + int(micros)) / 1_000_000
-    return Decoded(AppliedEvent(offset, event_id, when, tuple(applied)), tuple(decoded))
+    return Decoded(AppliedEvent(offset, event_id, when, tuple(applied), changes), tuple(decoded))
+
+
+def _change(kind: EntryType, change: Any) -> Change | None:
+    """A run-time change of the exact shape events.encode writes, checked as the model
+    checks it (provenance.change_problem); None: ask the full parse."""
+    if kind not in CHANGE_KINDS or type(change) is not dict or change.keys() != _CHANGE:
+        return None
+    limit, key, field = change["limit"], change["key"], change["field"]
+    amount, until, plan = change["amount"], change["until"], change["plan"]
+    actor, reason = change["actor"], change["reason"]
+    if (
+        type(limit) is not str
+        or not _limit_ok(limit)
+        or type(key) is not str
+        or not key.startswith(_KEY_PREFIX)
+        or len(key) > 1024
+        or type(field) is not str
+        or len(field) > 1024
+        or type(amount) is not int
+        or not 0 <= amount <= MAX_AMOUNT
+        or type(until) is not int
+        or until < 0
+        or (plan is not None and (type(plan) is not str or not _limit_ok(plan)))
+        or type(actor) is not str
+        or len(actor) > 256
+        or type(reason) is not str
+        or len(reason) > 1024
+    ):
+        return None
+    if change_problem(kind, limit, key, field, amount, until, plan) is not None:
+        return None
+    return Change(ChangeKind(kind.value), limit, key, field, amount, until, plan, actor, reason)

@@ -35,7 +35,13 @@ from typing import Protocol, runtime_checkable
 import orjson
 
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
-from mcp_budget_governor.events import Charge, LedgerEvent, MalformedEventError, parse
+from mcp_budget_governor.events import (
+    Charge,
+    LedgerEvent,
+    MalformedEventError,
+    changes_of,
+    parse,
+)
 
 from .fastdecode import DecodedCharge, decode
 
@@ -154,6 +160,7 @@ def to_applied(event: LedgerEvent, offset: int) -> AppliedEvent:
         event.id,
         event.time.timestamp(),
         tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in event.data.charges),
+        changes_of(event),
     )
 
 

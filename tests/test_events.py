@@ -17,6 +17,7 @@ from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from mcp_budget_governor.limits import NAME_PATTERN
 from mcp_budget_governor.provenance import SIGNS, Sign
+from testing.change_support import CHANGE_KINDS, changes_for
 
 texts = st.one_of(st.none(), st.text(max_size=40))
 limits = st.builds(
@@ -68,6 +69,7 @@ def entries(draw: Any) -> LedgerEntry:
         usage=draw(usages),
         degraded=draw(st.booleans()),
         reservation=draw(st.one_of(st.none(), st.just(new_id()))),
+        change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
     )
 
 

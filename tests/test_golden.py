@@ -21,7 +21,7 @@ def pair() -> tuple[dict[str, Any], dict[str, Any]]:
     return committed, json.loads(json.dumps(vectors()))
 
 
-@pytest.mark.parametrize("section", ["keys", "escape", "usd", "prices", "scripts"])
+@pytest.mark.parametrize("section", ["keys", "escape", "usd", "prices", "scripts", "caps"])
 def test_contract_unchanged(pair: tuple[dict[str, Any], dict[str, Any]], section: str) -> None:
     committed, current = pair
     if committed[section] != current[section]:

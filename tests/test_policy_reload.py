@@ -18,8 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from services import KafkaService, free_port
-from stream_support import Names, Worker, kafka, names, worker_argv, worker_env, workers
 
 from mcp_budget_governor import (
     Backend,
@@ -41,6 +39,8 @@ from mcp_budget_governor.policy_reload import (
     poll_interval,
     watcher_for,
 )
+from testing.services import KafkaService, free_port
+from testing.stream_support import Names, Worker, kafka, names, worker_argv, worker_env, workers
 
 __all__ = ["kafka", "names", "workers"]  # fixtures, imported for pytest
 

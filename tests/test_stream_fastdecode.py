@@ -38,6 +38,7 @@ from mcp_budget_governor.scopes import Scope
 from mcp_budget_governor.stream.fastdecode import decode
 from mcp_budget_governor.stream.projector import DeadLetter, Projector, to_applied
 from mcp_budget_governor.windows import SESSION_TTL_SECONDS, Window
+from testing.change_support import CHANGE_KINDS, changes_for
 
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -119,6 +120,7 @@ def entries(draw: st.DrawFn) -> LedgerEntry:
         usage=draw(usages),
         degraded=draw(st.booleans()),
         reservation=draw(st.none() | texts),
+        change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
     )
 
 

@@ -350,15 +350,12 @@ async def test_budgets_list_each_value_in_its_own_billing_period() -> None:
 def test_costs_by_iso_week(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``mcpbg costs --by week``: spend per ISO week (UTC), equal to sums made without DuckDB."""
     import json
-    import sys
     from collections import defaultdict
 
     import pyarrow.parquet as pq
 
     from mcp_budget_governor.cli import main
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from ledger_gen import write_archive
+    from testing.ledger_gen import write_archive
 
     archive = write_archive(tmp_path / "archive", 1500, seed=5, month="2026-11").directory
     table = pq.ParquetDataset(archive).read()

@@ -27,6 +27,7 @@ COMMANDS: tuple[str, ...] = (
     # What an operator reaches for first, then the pipeline's jobs, then reference.
     "demo",
     "budgets",
+    "caps",
     "costs",
     "sql",
     "export",

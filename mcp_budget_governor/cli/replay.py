@@ -145,6 +145,12 @@ def _report(result: Any, show: int) -> None:
             ],
             numeric=["before", "after"],
         )
+    if getattr(result, "unreplayed_changes", 0):
+        console().print(
+            f"warning: {result.unreplayed_changes:,} run-time changes (caps, plans, grants, "
+            f"resets) are in the ledger but not in the {result.source}'s columns and were not "
+            "replayed: replay with --source kafka to restore them"
+        )
     if result.dry_run and result.changes and show:
         rows = [
             [c.key, c.committed_before, c.committed_after, c.in_flight_before, c.in_flight_after]

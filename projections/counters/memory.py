@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from mcp_budget_governor.caps import Change, ChangeKind, Effective, effective, why_token
 from mcp_budget_governor.counters import (
     AppliedEvent,
     ChargeResult,
@@ -39,6 +40,7 @@ class _Counter:
     in_flight: int = 0
     pending: dict[str, int] = field(default_factory=dict)
     expire_at: float = float("inf")
+    grant: int = 0
 
 
 class MemoryBackend:
@@ -63,6 +65,12 @@ class MemoryBackend:
         # target has since moved its expiry is stale and skipped when popped.
         self._expiry: list[tuple[float, int, str]] = []
         self._epoch: str | None = None
+        # caps hash key -> scope field -> (cap, until): the run-time value caps
+        self._caps: dict[str, dict[str, tuple[int, int]]] = {}
+        # assignment field -> plan: the run-time plan assignments
+        self._plans: dict[str, str] = {}
+        # caps key or counter key -> field ("" for a grant) -> why (caps.why_token)
+        self._why: dict[tuple[str, str], str] = {}
 
     def _evict(self, now: float) -> None:
         heap = self._expiry
@@ -129,9 +137,12 @@ class MemoryBackend:
                 raise overflow(op.key, op.amount)
             parts.append((c, f))
         used = tuple(c + f for c, f in parts)
+        room = [self._effective(op, now).room_cap for op in ops]
+        # As the script's reply: the caps come back only when some op asked for resolving.
+        caps = tuple(room) if any(op.ref is not None for op in ops) else ()
         for i, (op, total) in enumerate(zip(ops, used, strict=True)):
-            if op.enforce and not fits(total, op.amount, op.cap):
-                return ChargeResult(i, used)
+            if op.enforce and not fits(total, op.amount, room[i]):
+                return ChargeResult(i, used, caps)
         for op, (c, f) in zip(ops, parts, strict=True):
             if not stays_exact(c, f, op.amount, inline=inline):
                 raise overflow(op.key, op.amount)
@@ -144,7 +155,70 @@ class MemoryBackend:
             until = now + OP_HORIZON_SECONDS
             self._ops[op_id] = until
             heapq.heappush(self._expiry, (until, _OP, op_id))
-        return ChargeResult(-1, used)
+        return ChargeResult(-1, used, caps)
+
+    def _effective(self, op: CounterOp, now: float) -> Effective:
+        """The op's effective cap and grant (``caps.effective``, as lua/lib.lua)."""
+        if op.ref is None:  # nothing to resolve: the script reads no grant either
+            return Effective(op.cap, 0, "default")
+        counter = self._get(op.key, now)
+        grant = 0 if counter is None else counter.grant
+        runtime = self._caps.get(op.ref.caps_key, {}).get(op.ref.field) if op.ref.field else None
+        return effective(
+            op.ref, op.cap, runtime=runtime, assigned=self._plans, grant=grant, now=now
+        )
+
+    def _change(self, change: Change, now: float) -> None:
+        """Apply one run-time change (lua/lib.lua: apply_change)."""
+        kind = change.kind
+        why = why_token(change.actor, change.reason)
+        if kind in (ChangeKind.CAP_SET, ChangeKind.GRANTED, ChangeKind.RESET):
+            self._why[(change.key, change.field)] = why
+        if kind is ChangeKind.CAP_SET:
+            self._caps.setdefault(change.key, {})[change.field] = (change.amount, change.until)
+        elif kind is ChangeKind.CAP_UNSET:
+            self._caps.get(change.key, {}).pop(change.field, None)
+        elif kind is ChangeKind.PLAN_ASSIGNED:
+            if change.plan is None:
+                self._plans.pop(change.field, None)
+            else:
+                self._plans[change.field] = change.plan
+        elif change.until > now:  # a grant or reset of a bucket still alive
+            counter = self._get(change.key, now)
+            if counter is None:
+                counter = self._counters[change.key] = _Counter()
+            if kind is ChangeKind.GRANTED:
+                counter.grant += change.amount
+            else:
+                counter.grant = change.amount
+            if counter.expire_at != change.until:
+                counter.expire_at = change.until
+                heapq.heappush(self._expiry, (change.until, _COUNTER, change.key))
+
+    async def change(self, changes: Sequence[Change]) -> None:
+        """Apply run-time changes directly (no ledger), all in one step."""
+        now = self._clock()
+        self._evict(now)
+        for c in changes:
+            self._change(c, now)
+
+    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
+        """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments."""
+        caps = {
+            k: {f: (c, u, self._why.get((k, f), "-")) for f, (c, u) in v.items()}
+            for k, v in self._caps.items()
+            if v
+        }
+        return caps, dict(self._plans)
+
+    async def grants_of(self, keys: Sequence[str]) -> list[int]:
+        """Each counter's grant (0 when none)."""
+        now = self._clock()
+        return [0 if (c := self._get(k, now)) is None else c.grant for k in keys]
+
+    async def grant_reason(self, key: str) -> str:
+        """The why token (``caps.why_token``) of the counter's last grant or reset."""
+        return self._why.get((key, ""), "-")
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         now = self._clock()
@@ -176,6 +250,8 @@ class MemoryBackend:
                     counter.in_flight -= counter.pending.pop(event.event_id)
                 if charge.expire_at > now:
                     self._add(charge.key, charge.amount, None, charge.expire_at, now)
+            for change in event.changes:
+                self._change(change, now)
             applied += 1
         if events or through >= 0:
             self._watermarks[partition] = max(mark, through)
@@ -196,7 +272,9 @@ class MemoryBackend:
         counter = self._get(key, self._clock())
         if counter is None:
             return CounterState(0, 0, {})
-        return CounterState(counter.committed, counter.in_flight, dict(counter.pending))
+        return CounterState(
+            counter.committed, counter.in_flight, dict(counter.pending), counter.grant
+        )
 
     async def watermark(self, partition: str) -> int:
         """The last applied offset of a partition, -1 when none."""

@@ -25,6 +25,7 @@ from typing import Any
 import duckdb
 import redis
 
+from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
@@ -94,6 +95,9 @@ class RebuildReport:
     seen_ids: int = 0
     seconds: float = 0.0
     epoch: str | None = None
+    #: Run-time changes (caps, plans, grants) the ledger view holds but cannot replay:
+    #: it keeps no ``data.change``; ``--source kafka`` applies them.
+    unreplayed_changes: int = 0
 
 
 def rebuild_from_ledger(
@@ -125,6 +129,11 @@ def rebuild_from_ledger(
             ).fetchall()
         )
         ((events,),) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchall()
+        kinds = ", ".join(f"'mcpbg.{k.value}.v1'" for k in ChangeKind)
+        ((changes,),) = con.execute(
+            f'SELECT count(DISTINCT id) FROM ledger_raw WHERE "type" IN ({kinds})'
+        ).fetchall()
+        result.unreplayed_changes = int(changes)
     except duckdb.Error as exc:
         raise query_error(exc) from None
     result.events = int(events)
@@ -264,7 +273,9 @@ class _CurrentOnly:
                 c for c in e.charges if self.all_buckets or is_current(c.key, c.expire_at, self.now)
             )
             self.keys.update(c.key for c in charges)
-            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges))
+            # Run-time changes (caps, plans, grants) are kept whole: a grant of an ended
+            # bucket is dropped by the script itself, as its expiry has passed.
+            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges, e.changes))
         self.events += len(events)
         self.progress("events", self.events, None)
         applied: int = await self.inner.apply(

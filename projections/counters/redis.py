@@ -16,6 +16,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, why_token
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
     AppliedEvent,
@@ -51,6 +52,36 @@ DEFAULT_TIMEOUT = 0.25
 _ADMITTED = ChargeResult(-1, ())
 
 
+def _ref_arg(op: CounterOp) -> bytes:
+    """The argument by which lua/charge.lua resolves ``op``'s effective cap: its scope
+    field, then only when the policy has any, its value cap, plan, plan fields, plan caps."""
+    ref = op.ref
+    if ref is None:
+        return b""
+    if ref.value_cap is None and not ref.plan_caps:
+        return ref.field.encode()
+    parts = [
+        ref.field,
+        "-" if ref.value_cap is None else str(ref.value_cap),
+        ref.file_plan or "-",
+        ",".join(ref.plan_fields),
+        " ".join(f"{name} {cap}" for name, cap in ref.plan_caps),
+    ]
+    return " ".join(parts).rstrip().encode()
+
+
+def _change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
+    """The changes as lua/lib.lua's apply_change reads them, their keys added to ``keys``."""
+    out = []
+    for c in changes:
+        pos = _position(keys, index, c.key)
+        out.append(
+            f"{c.kind.value} {pos} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
+            f"{why_token(c.actor, c.reason)}"
+        )
+    return " ".join(out)
+
+
 def _position(keys: list[str], index: dict[str, int], key: str) -> int:
     """The 1-based position of ``key`` in the script's KEYS, appended when new."""
     pos = index.get(key)
@@ -72,6 +103,7 @@ class RedisBackend:
         self._charge = client.register_script(source("charge"))
         self._apply = client.register_script(source("apply"))
         self._usage = client.register_script(source("usage"))
+        self._change = client.register_script(source("change"))
         # One command, no per-call wrapper: the hot path's only round trip.
         self._execute: Any = client.execute_command
         self._prepared: dict[
@@ -136,6 +168,8 @@ class RedisBackend:
         keys: list[Any] = [EPOCH_KEY.encode()] if self.require_epoch else []
         counters: list[Any] = []
         tail: list[Any] = []
+        resolve = any(op.ref is not None for op in ops)
+        caps_keys: list[Any] = []
         for op in ops:
             counters.append(op.key.encode())
             tail += (
@@ -144,10 +178,16 @@ class RedisBackend:
                 b"1" if op.enforce else b"0",
                 str(op.expire_at).encode(),
             )
+            if resolve:
+                tail.append(_ref_arg(op))
+                caps_keys.append(PLANS_KEY.encode() if op.ref is None else op.ref.caps_key.encode())
+        if resolve:
+            counters += (*caps_keys, PLANS_KEY.encode())
         flags = (
             ("e" if self.require_epoch else "")
             + ("u" if want_used else "")
             + ("o" if with_op else "")
+            + ("c" if resolve else "")
         )
         numkeys = len(keys) + len(counters) + (1 if with_op else 0)
         if with_op:
@@ -190,7 +230,11 @@ class RedisBackend:
             raise overflow(op.key, op.amount)
         if head_value < 0:
             raise BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding")
-        return ChargeResult(head_value - 1, tuple(map(int, reply[1:])))
+        values = tuple(map(int, reply[1:]))
+        if len(values) == 2 * len(ops) and any(op.ref is not None for op in ops):
+            n = len(ops)
+            return ChargeResult(head_value - 1, values[:n], values[n:])
+        return ChargeResult(head_value - 1, values)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:
@@ -230,6 +274,14 @@ class RedisBackend:
             for charge in event.charges:
                 pos = index.get(charge.key) or _position(counters, index, charge.key)
                 tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
+            changes = event.changes
+            tokens.append(str(len(changes)))
+            for c in changes:
+                pos = _position(counters, index, c.key)
+                tokens.append(
+                    f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
+                    f"{why_token(c.actor, c.reason)}"
+                )
         keys = [WATERMARK_KEY, EPOCH_KEY, *seen_sets, *counters]
         args = [
             partition,
@@ -278,9 +330,85 @@ class RedisBackend:
             raw = await self.client.hgetall(key)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError.redis(exc) from exc
-        fields = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+        fields = {
+            name: int(v)
+            for k, v in raw.items()
+            if (name := k.decode() if isinstance(k, bytes) else k) != "w"  # w: the why, text
+        }
         pending = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
-        return CounterState(fields.get("c", 0), fields.get("f", 0), pending)
+        return CounterState(fields.get("c", 0), fields.get("f", 0), pending, fields.get("g", 0))
+
+    async def grants_of(self, keys: Sequence[str]) -> list[int]:
+        """Each counter's grant (0 when none), in one round trip."""
+        if not keys:
+            return []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hget(key, "g")
+                replies = await pipe.execute()
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        return [0 if r is None else int(r) for r in replies]
+
+    async def grants(self, limit: int) -> list[tuple[str, int, str]]:
+        """Up to ``limit`` counters holding a grant: ``(key, grant, why token)``, sorted."""
+        keys = await self.counter_keys(limit)
+        if not keys:
+            return []
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hmget(key, "g", "w")
+                replies = await pipe.execute()
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        out = []
+        for key, (g, w) in zip(keys, replies, strict=True):
+            if g is not None:
+                why = "-" if w is None else w.decode() if isinstance(w, bytes) else str(w)
+                out.append((key, int(g), why))
+        return out
+
+    async def grant_reason(self, key: str) -> str:
+        """The why token (``caps.why_token``) of the counter's last grant or reset."""
+        raw = await self.client.hget(key, "w")
+        return "-" if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    async def change(self, changes: Sequence[Change]) -> None:
+        """Apply run-time changes directly (no ledger), all in one script call."""
+        if not changes:
+            return
+        keys: list[str] = []
+        tokens = _change_tokens(changes, keys, {})
+        try:
+            await self._run(self._change, keys, (tokens,))
+        except redis_errors.ResponseError as exc:
+            if "mcpbg change:" not in str(exc):
+                raise
+            raise ValueError(str(exc)) from None
+
+    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
+        """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments;
+        ``why`` is the token of :func:`caps.why_token`."""
+
+        def text(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+
+        caps: dict[str, dict[str, tuple[int, int, str]]] = {}
+        try:
+            async for raw in self.client.scan_iter(match=f"{CAPS_PREFIX}:*", count=1000):
+                entries = await self.client.hgetall(raw)
+                values = {}
+                for f, v in entries.items():
+                    cap, until, why = ([*text(v).split(" "), "0", "-"])[:3]
+                    values[text(f)] = (int(cap), int(until), why)
+                if values:
+                    caps[text(raw)] = values
+            plans = {text(f): text(v) for f, v in (await self.client.hgetall(PLANS_KEY)).items()}
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        return caps, plans
 
     async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
         """Up to ``limit`` counter keys, sorted, by an incremental SCAN (never KEYS,

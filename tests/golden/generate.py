@@ -114,6 +114,59 @@ def epoch(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC).timestamp()
 
 
+#: Cap resolution cases (caps.resolve; lua/lib.lua effective_cap mirrors it): the
+#: policy's value cap, a run-time cap (cap, until relative to now; 0 = for good),
+#: the run-time assignments by field, the policy's assignment, the plans' caps, a grant.
+CAP_CASES: list[dict[str, Any]] = [
+    {"value_cap": None, "runtime": None, "assigned": {}, "file_plan": None, "grant": 0},
+    {"value_cap": 50, "runtime": None, "assigned": {}, "file_plan": "pro", "grant": 0},
+    {"value_cap": 50, "runtime": [70, 0], "assigned": {}, "file_plan": None, "grant": 0},
+    {"value_cap": 50, "runtime": [70, 3600], "assigned": {}, "file_plan": None, "grant": 5},
+    {"value_cap": 50, "runtime": [70, -3600], "assigned": {}, "file_plan": None, "grant": 0},
+    {"value_cap": None, "runtime": None, "assigned": {}, "file_plan": "pro", "grant": 0},
+    {"value_cap": None, "runtime": None, "assigned": {"tenant=acme": "free"},
+     "file_plan": "pro", "grant": 0},
+    {"value_cap": None, "runtime": None,
+     "assigned": {"tenant=acme": "free", "user=u_42": "team"}, "file_plan": None, "grant": 3},
+    {"value_cap": None, "runtime": None, "assigned": {"user=u_42": "gold"},
+     "file_plan": "pro", "grant": 0},
+    {"value_cap": None, "runtime": [0, 0], "assigned": {}, "file_plan": "pro", "grant": 9},
+]  # fmt: skip
+CAP_PLANS = [["free", 10], ["pro", 100], ["team", 40]]
+CAP_DEFAULT = 25
+
+
+def cap_vectors() -> list[dict[str, Any]]:
+    """Each case with its effective cap, grant and source at now = 10**9."""
+    from mcp_budget_governor.caps import CapRef, effective
+
+    now = 10**9
+    out = []
+    for case in CAP_CASES:
+        runtime = case["runtime"]
+        if runtime is not None:
+            runtime = (runtime[0], now + runtime[1] if runtime[1] else 0)
+        ref = CapRef(
+            "mcpbg:v1:_caps:t",
+            "tenant=acme,user=u_42",
+            case["value_cap"],
+            ("user=u_42", "tenant=acme"),
+            case["file_plan"],
+            tuple((name, cap) for name, cap in CAP_PLANS),
+        )
+        eff = effective(
+            ref,
+            CAP_DEFAULT,
+            runtime=runtime,
+            assigned=case["assigned"],
+            grant=case["grant"],
+            now=now,
+        )
+        source = eff.source if not eff.source.startswith("run-time until") else "run-time until"
+        out.append({**case, "cap": eff.cap, "room": eff.room_cap, "source": source})
+    return out
+
+
 def vectors() -> dict[str, Any]:
     keys = []
     for tz in (None, "America/New_York", "Asia/Kolkata", "Europe/Berlin"):
@@ -156,6 +209,7 @@ def vectors() -> dict[str, Any]:
             for c in PRICE_CASES
         ],
         "scripts": {n: hashlib.sha1(source(n).encode()).hexdigest() for n in SCRIPTS},
+        "caps": cap_vectors(),
     }
 
 

@@ -1,0 +1,379 @@
+"""``mcpbg caps``, ``mcpbg plans``, ``mcpbg grant``, ``mcpbg reset``: budgets changed at run time.
+
+``caps set LIMIT --tenant acme --cap-usd 100 [--until DATE]``, ``caps unset``,
+``caps list``; ``plans assign --tenant acme pro``; ``grant LIMIT --user u_42
+--usd 5 --reason ...``; ``reset LIMIT --user u_42 --reason ...``.
+
+Each change is a ledger event (``--kafka-url``/``MCPBG_KAFKA_URL``, or the file
+ledger of ``--ledger-dir``), applied by the projection on every replica; with
+neither, it is written to the counters in Redis directly (deployments without a
+ledger). Bad input (unknown limit, scope value or plan, a negative or fractional
+amount, an ``--until`` in the past) is one line naming the option and the value,
+exit 2, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from datetime import UTC, datetime, time
+from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING, Any
+
+from .ledger_args import DEFAULT_TOPIC, add_redis_option, required, setting
+
+if TYPE_CHECKING:
+    from ..governor import Governor
+    from ..policy import Policy
+
+_SCOPES = ("tenant", "user", "agent", "session", "tool")
+
+
+def register(sub: Any) -> None:
+    caps = sub.add_parser("caps", help="set, unset or list run-time caps per scope value")
+    verbs = caps.add_subparsers(dest="verb", required=True)
+    p = verbs.add_parser("set", help="give one scope value of LIMIT its own cap")
+    _common(p, limit=True)
+    p.add_argument("--cap-usd", help='the cap in dollars, e.g. "100" or "99.50" (money limits)')
+    p.add_argument("--cap", help="the cap as a whole number (calls and tokens limits)")
+    p.add_argument("--until", help="ISO date or time it lasts until (default: for good)")
+    p.set_defaults(run=run_set)
+    p = verbs.add_parser("unset", help="remove a run-time cap: the policy's caps apply again")
+    _common(p, limit=True)
+    p.set_defaults(run=run_unset)
+    p = verbs.add_parser("list", help="run-time caps, plan assignments and grants, with reasons")
+    p.add_argument("--policy", help="the policy (env MCPBG_POLICY)")
+    add_redis_option(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run_list)
+
+    plans = sub.add_parser("plans", help="assign tenants or users to a plan at run time")
+    verbs = plans.add_subparsers(dest="verb", required=True)
+    p = verbs.add_parser("assign", help="move a tenant or a user to PLAN ('-': the policy's)")
+    _common(p, limit=False)
+    p.add_argument("plan", help="a plan of the policy, or - to unassign")
+    p.set_defaults(run=run_assign)
+
+    p = sub.add_parser("grant", help="extra room in the current period (spend unchanged)")
+    _common(p, limit=True)
+    p.add_argument("--usd", help="dollars to grant (money limits)")
+    p.add_argument("--amount", help="calls or tokens to grant")
+    p.set_defaults(run=run_grant)
+
+    p = sub.add_parser("reset", help="restore the current period's room, keeping the spend")
+    _common(p, limit=True)
+    p.set_defaults(run=run_reset)
+
+
+def _common(p: Any, *, limit: bool) -> None:
+    if limit:
+        p.add_argument("limit", help="the limit's name")
+    p.add_argument("--policy", help="the policy (env MCPBG_POLICY)")
+    add_redis_option(p)
+    p.add_argument("--kafka-url", help="append the event to this broker (env MCPBG_KAFKA_URL)")
+    p.add_argument("--topic", help=f"the ledger topic (default {DEFAULT_TOPIC}; env MCPBG_TOPIC)")
+    p.add_argument("--ledger-dir", help="append to this file ledger (env MCPBG_LEDGER_DIR)")
+    for scope in _SCOPES if limit else ("tenant", "user"):
+        p.add_argument(f"--{scope}", help=f"the {scope}")
+    p.add_argument("--reason", default="", help="why (kept with the change)")
+    p.add_argument("--actor", default="", help="who (default: $USER)")
+
+
+def _scope(args: argparse.Namespace) -> dict[str, str]:
+    return {s: getattr(args, s) for s in _SCOPES if getattr(args, s, None) is not None}
+
+
+def _whole(option: str, text: str | None) -> int | None:
+    from ..errors import InvalidInputError
+
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise InvalidInputError(option, text, "expected a whole number, not negative")
+    return int(text)
+
+
+def _dollars(option: str, text: str | None) -> int | None:
+    from ..errors import InvalidInputError
+    from ..money import usd
+
+    if text is None:
+        return None
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise InvalidInputError(option, text, 'expected dollars, e.g. "5" or "5.25"') from None
+    if not value.is_finite() or value < 0:
+        raise InvalidInputError(option, text, "expected dollars, not negative")
+    if int(value.as_tuple().exponent) < -6:
+        raise InvalidInputError(option, text, "at most six decimals (whole micros)")
+    try:
+        return usd(value)
+    except InvalidInputError as exc:
+        raise InvalidInputError(option, text, exc.problem) from None
+
+
+def _amount(
+    policy: Policy, limit: str, usd_opt: tuple[str, str | None], whole: tuple[str, str | None]
+) -> int:
+    """The amount from the dollar option (money limits) or the whole-number one."""
+    from ..errors import InvalidInputError
+    from ..money import Unit
+
+    lim = policy[limit]
+    money = lim.unit is Unit.USD_MICROS
+    given, other = (usd_opt, whole) if money else (whole, usd_opt)
+    if other[1] is not None:
+        raise InvalidInputError(
+            other[0], other[1], f"limit {limit!r} counts {lim.unit.value}: use {given[0]}"
+        )
+    if given[1] is None:
+        raise InvalidInputError(given[0], None, f"required for limit {limit!r}")
+    value = _dollars(*given) if money else _whole(*given)
+    assert value is not None
+    return value
+
+
+def _until(policy: Policy, text: str | None) -> datetime | None:
+    """``--until``: an ISO date (its start, in the policy's time zone) or time (UTC unless
+    it names an offset)."""
+    from ..errors import InvalidInputError
+
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInputError("--until", text, "expected an ISO date or time") from None
+    if len(text) == 10:  # a date: its start where the policy's days start
+        return datetime.combine(moment.date(), time(), tzinfo=policy.tz)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _actor(args: argparse.Namespace) -> str:
+    import getpass
+
+    if args.actor:
+        return str(args.actor)
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in this environment
+        return ""
+
+
+async def _governor(args: argparse.Namespace, policy: Policy) -> Governor:
+    """A governor over the counters in Redis, appending to the ledger when one is named."""
+    import tempfile
+
+    from ..governor import Governor
+    from ..ledger import Ledger
+    from ..projections.counters.redis import RedisBackend
+    from ..urls import check_redis_url
+
+    url = required(args, "redis_url", "the counters' Redis")
+    check_redis_url(url, "--redis-url")
+    backend = RedisBackend.from_url(url, timeout=5.0)
+    ledger: Ledger | None = None
+    kafka_url, ledger_dir = setting(args, "kafka_url"), setting(args, "ledger_dir")
+    if kafka_url is not None:
+        from ..producers.kafka_ledger import KafkaLedger
+
+        # Acknowledged by the broker before this returns: "done" means on the topic.
+        ledger = KafkaLedger.from_url(
+            kafka_url,
+            topic=setting(args, "topic") or DEFAULT_TOPIC,
+            source="/mcpbg/caps",
+            outbox_dir=tempfile.mkdtemp(prefix="mcpbg-caps-outbox-"),
+            durability="acked",
+            create_topic=False,
+        )
+    elif ledger_dir is not None:
+        from ..producers.file_ledger import FileLedger
+
+        ledger = FileLedger(ledger_dir, source="/mcpbg/caps", fsync="always")
+    return Governor(policy, backend, ledger=ledger)
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    from ..policy_file import load_policy
+
+    return load_policy(required(args, "policy", "a .toml file or module:attribute"))
+
+
+def _run(args: argparse.Namespace, make: Any) -> int:
+    """Validate whole (nothing is opened before), then write the one change."""
+    policy = _policy(args)
+    change_args = make(policy)  # raises on bad input, before any connection
+
+    async def go() -> Any:
+        gov = await _governor(args, policy)
+        try:
+            return await change_args(gov)
+        finally:
+            await gov.aclose()
+
+    change = asyncio.run(go())
+    where = "appended to the ledger" if (args.kafka_url or args.ledger_dir) else "written"
+    print(f"{change.kind.value} {change.limit} {change.field or change.key}: {where}")
+    return 0
+
+
+def run_set(args: argparse.Namespace) -> int:
+    from .. import admin
+
+    def make(policy: Policy) -> Any:
+        cap = _amount(policy, args.limit, ("--cap-usd", args.cap_usd), ("--cap", args.cap))
+        until = _until(policy, args.until)
+        admin.cap_change(policy, args.limit, _scope(args), cap, until=until, now=_now())
+        return lambda gov: gov.set_cap(
+            args.limit, cap, until=until, reason=args.reason, actor=_actor(args), **_scope(args)
+        )
+
+    return _run(args, make)
+
+
+def run_unset(args: argparse.Namespace) -> int:
+    from .. import admin
+
+    def make(policy: Policy) -> Any:
+        admin.uncap_change(policy, args.limit, _scope(args))
+        return lambda gov: gov.unset_cap(
+            args.limit, reason=args.reason, actor=_actor(args), **_scope(args)
+        )
+
+    return _run(args, make)
+
+
+def run_assign(args: argparse.Namespace) -> int:
+    from .. import admin
+
+    plan = None if args.plan == "-" else args.plan
+
+    def make(policy: Policy) -> Any:
+        admin.plan_change(policy, plan, tenant=args.tenant, user=args.user)
+        return lambda gov: gov.assign_plan(
+            plan, tenant=args.tenant, user=args.user, reason=args.reason, actor=_actor(args)
+        )
+
+    return _run(args, make)
+
+
+def run_grant(args: argparse.Namespace) -> int:
+    from .. import admin
+
+    def make(policy: Policy) -> Any:
+        amount = _amount(policy, args.limit, ("--usd", args.usd), ("--amount", args.amount))
+        admin.grant_change(policy, args.limit, _scope(args), amount, now=_now())
+        return lambda gov: gov.grant(
+            args.limit, amount, reason=args.reason, actor=_actor(args), **_scope(args)
+        )
+
+    return _run(args, make)
+
+
+def run_reset(args: argparse.Namespace) -> int:
+    from .. import admin
+
+    def make(policy: Policy) -> Any:
+        admin.grant_change(policy, args.limit, _scope(args), None, now=_now(), used=0)
+        return lambda gov: gov.reset(
+            args.limit, reason=args.reason, actor=_actor(args), **_scope(args)
+        )
+
+    return _run(args, make)
+
+
+def _now() -> float:
+    import time as clock
+
+    return clock.time()
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from ..caps import CAPS_PREFIX, field_value, why_from
+    from ..keys import parse_key
+    from ..money import Unit, format_usd
+    from ..projections.counters.redis import RedisBackend
+    from ..urls import check_redis_url
+    from .render import print_table
+
+    policy = _policy(args)
+    url = required(args, "redis_url", "the counters' Redis")
+    check_redis_url(url, "--redis-url")
+
+    async def read() -> Any:
+        backend = RedisBackend.from_url(url, timeout=5.0)
+        try:
+            return (*await backend.overrides(), await backend.grants(10_000))
+        finally:
+            await backend.aclose()
+
+    caps, plans, grants = asyncio.run(read())
+    rows: list[dict[str, Any]] = []
+    for key, fields in sorted(caps.items()):
+        limit = key.removeprefix(f"{CAPS_PREFIX}:")
+        money = limit in policy and policy[limit].unit is Unit.USD_MICROS
+        for field, (cap, until, why) in sorted(fields.items()):
+            actor, reason = why_from(why)
+            rows.append(
+                {
+                    "kind": "cap",
+                    "limit": limit,
+                    "scope": field,
+                    "cap": cap,
+                    "shown": format_usd(cap) if money else f"{cap:,}",
+                    "until": None if not until else _iso(until),
+                    "expired": bool(until) and until <= _now(),
+                    "actor": actor,
+                    "reason": reason,
+                }
+            )
+    for field, plan in sorted(plans.items()):
+        dim, value = field_value(field)
+        rows.append({"kind": "plan", "scope": field, dim: value, "plan": plan})
+    for key, grant, why in grants:
+        parsed = parse_key(key)
+        limit = parsed.limit if parsed else key
+        money = limit in policy and policy[limit].unit is Unit.USD_MICROS
+        actor, reason = why_from(why)
+        rows.append(
+            {
+                "kind": "grant",
+                "limit": limit,
+                "scope": parsed.scope if parsed else "",
+                "bucket": parsed.bucket if parsed else "",
+                "grant": grant,
+                "shown": format_usd(grant) if money else f"{grant:,}",
+                "actor": actor,
+                "reason": reason,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no run-time caps or plan assignments")
+        return 0
+    print_table(
+        None,
+        ["kind", "limit", "scope", "cap / plan / grant", "until / bucket", "who", "why"],
+        [
+            [
+                r["kind"],
+                r.get("limit", ""),
+                r["scope"],
+                r.get("shown", r.get("plan", "")),
+                (r.get("until") or r.get("bucket") or "")
+                + (" (expired)" if r.get("expired") else ""),
+                r.get("actor", ""),
+                r.get("reason", ""),
+            ]
+            for r in rows
+        ],
+    )
+    return 0
+
+
+def _iso(epoch: int) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
