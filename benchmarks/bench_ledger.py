@@ -12,7 +12,9 @@ finally the outbox drains once the broker is back. The group-commit window
 (the fsync interval, and how long the fsyncs took) is reported: it bounds
 what a machine crash can lose.
 
-    python benchmarks/bench_ledger.py [--calls 2000] [--rounds 5] [--json out.json]
+    python -m benchmarks.bench_ledger [--calls 2000] [--rounds 5] [--ladder] [--json out.json]
+
+``--ladder`` adds an outbox that never ships: the commit point's share alone.
 
 Targets (DESIGN): at most 1.15x with the ledger, at most 2x during an outage.
 """
@@ -30,8 +32,10 @@ import time
 from typing import Any
 
 from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope, Window
+from mcp_budget_governor.events import encode
 from mcp_budget_governor.money import MAX_AMOUNT
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+from mcp_budget_governor.producers.record_log import Flusher, RecordLog
 from testing import services
 from testing.bench import median, percentile, progress, redis_server, table
 
@@ -46,6 +50,23 @@ class NullLedger:
 
     async def aclose(self) -> None:
         return None
+
+
+class OutboxOnlyLedger:
+    """The commit point alone: each entry encoded and written to a record log, fsync'd in
+    group commits by a Flusher, as KafkaLedger's outbox does, and never shipped."""
+
+    def __init__(self, directory: str, batch_interval: float) -> None:
+        self.log = RecordLog(directory, prefix="outbox", batch_interval=batch_interval)
+        self.flusher = Flusher(self.log)
+
+    async def append(self, entry: Any) -> None:
+        self.log.append_line(encode(entry, "/mcpbg/bench"))
+        self.flusher.notify()
+
+    async def aclose(self) -> None:
+        await self.flusher.aclose()
+        self.log.close()
 
 
 def policy() -> Policy:
@@ -115,6 +136,13 @@ async def run(
     # entry per call) with a ledger that keeps nothing: what no ledger can go below.
     null = Governor(policy(), RedisBackend.from_url(redis_url, timeout=5.0), ledger=NullLedger())
     govs = {"ledger=None": plain, "no-op ledger": null, "KafkaLedger": with_ledger}
+    if args.ladder:  # the commit point without the shipping: KafkaLedger's two shares
+        only = OutboxOnlyLedger(
+            tempfile.mkdtemp(prefix="mcpbg-bench-log-"), ledger._flusher.interval
+        )
+        govs["outbox only"] = Governor(
+            policy(), RedisBackend.from_url(redis_url, timeout=5.0), ledger=only
+        )
     up = await compare(govs, args.calls, args.rounds, args.chunk, "broker up")
     await ledger.flush(60)
     result: dict[str, Any] = {"up": up}
@@ -147,6 +175,8 @@ async def run(
     await with_ledger.aclose()
     await null.aclose()
     await plain.aclose()
+    if "outbox only" in govs:
+        await govs["outbox only"].aclose()
     return result
 
 
@@ -170,6 +200,12 @@ def main() -> int:
         type=float,
         default=5.0,
         help="KafkaLedger batch_interval: the group-commit window (default 5 ms, the default)",
+    )
+    parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help="add an 'outbox only' variant: the commit point (encode, write, group "
+        "commit) without shipping, to split KafkaLedger's cost in two",
     )
     parser.add_argument(
         "--broker-nice",
@@ -198,6 +234,9 @@ def main() -> int:
     print(f"\nTarget: KafkaLedger <= 1.15x ledger=None: {up:.2f}x -> {verdict}")
     null = median(result["up"]["no-op ledger"]) / median(result["up"]["ledger=None"])
     print(f"(ledger mode with a no-op ledger alone: {null:.2f}x)")
+    if "outbox only" in result["up"]:
+        only = median(result["up"]["outbox only"]) / median(result["up"]["ledger=None"])
+        print(f"(the commit point alone, an outbox that never ships: {only:.2f}x)")
     code = 0 if up <= 1.15 else 1
     g = result["group_commit"]
     print(

@@ -378,16 +378,68 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
     """One structured-mode CloudEvent as compact UTF-8 JSON, built without validation.
 
     orjson writes it, with the repeating parts cached: a few microseconds an
-    event, and this runs once per governed call.
+    event, and this runs once per governed call. A check's event (no usage, no
+    reservation) of a cacheable context is joined from a cached template around
+    its id and time: the same bytes, a fraction of the work.
     """
+    if entry.usage is None and entry.reservation is None and entry.change is None:
+        key = (
+            entry.context,
+            id(entry.charges),
+            entry.type,
+            entry.limit,
+            entry.status,
+            entry.over,
+            entry.degraded,
+            source,
+        )
+        template = _TEMPLATES.get(key)
+        if template is None or template[0] is not entry.charges:
+            # Only contexts short enough are kept: the cache stays small in bytes.
+            template = _template(entry, source, key) if cacheable(entry.context) else None
+        if template is not None and _PLAIN_ID.fullmatch(entry.id) is not None:
+            _, mid, tail = template
+            return b"".join((_HEAD, entry.id.encode(), mid, rfc3339(entry.time).encode(), tail))
+    return orjson.dumps(_event(entry, source, entry.id, rfc3339(entry.time)))
+
+
+# The templates of check events, keyed by everything but the id and the time; the
+# charges by identity (the governor reuses one tuple per context and minute), the
+# entry keeping that tuple alive, so its id cannot be reused while it is cached.
+_TEMPLATES: dict[tuple[Any, ...], tuple[tuple[LedgerCharge, ...], bytes, bytes]] = {}
+_TEMPLATES_MAX = 4096
+_HEAD = b'{"specversion":"1.0","id":"'
+_TIME = b',"time":"'
+# An id spliced in as is must need no JSON escaping: a UUID (what new_id makes).
+_PLAIN_ID = re.compile(r"[0-9a-fA-F-]{1,64}")
+
+
+def _template(
+    entry: LedgerEntry, source: str, key: tuple[Any, ...]
+) -> tuple[tuple[LedgerCharge, ...], bytes, bytes] | None:
+    """The event's JSON split around an empty id and time: (charges, mid, tail)."""
+    blank = orjson.dumps(_event(entry, source, "", ""))
+    if not blank.startswith(_HEAD + b'"'):  # pragma: no cover - the envelope's order is fixed
+        return None
+    # The first ',"time":"' after the id: the source and type before it are JSON
+    # strings, whose quotes are escaped, so it cannot occur inside them.
+    at = blank.index(_TIME, len(_HEAD)) + len(_TIME)
+    template = (entry.charges, blank[len(_HEAD) : at], blank[at:])
+    if len(_TEMPLATES) >= _TEMPLATES_MAX:
+        _TEMPLATES.clear()
+    _TEMPLATES[key] = template
+    return template
+
+
+def _event(entry: LedgerEntry, source: str, event_id: str, time: str) -> dict[str, Any]:
     context, subject = _context_json(entry.context)
     usage = entry.usage
-    event = {
+    event: dict[str, Any] = {
         "specversion": SPECVERSION,
-        "id": entry.id,
+        "id": event_id,
         "source": source,
         "type": _TYPE_NAMES[entry.type],
-        "time": rfc3339(entry.time),
+        "time": time,
         "subject": subject,
         "datacontenttype": CONTENT_TYPE,
         "data": {
@@ -414,7 +466,7 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
     }
     change = entry.change
     if change is not None:  # only run-time changes carry one: other events keep their bytes
-        event["data"]["change"] = {  # type: ignore[index]
+        event["data"]["change"] = {
             "limit": change.limit,
             "key": change.key,
             "field": change.field,
@@ -424,7 +476,7 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
             "actor": change.actor,
             "reason": change.reason,
         }
-    return orjson.dumps(event)
+    return event
 
 
 def parse(raw: bytes | str) -> LedgerEvent:

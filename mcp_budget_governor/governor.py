@@ -380,17 +380,23 @@ class Governor(Metering[MeterResult]):
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
                 decision = self._decide(plan.slots, result, now)
-        if event_id is not None:
-            await self._append(
-                event_id,
-                kind if decision.admitted else EntryType.REJECTED,
-                now,
-                ctx,
-                plan.charges if decision.admitted else (),
-                limit=decision.limit,
-                status=decision.status,
-                over=decision.over,
-                degraded=decision.degraded,
+        if self.ledger is not None and event_id is not None:
+            # Built here, positionally: once per call, and keyword passing through
+            # _append cost more than the entry itself.
+            admitted = decision.admitted
+            await self.ledger.append(
+                LedgerEntry(
+                    event_id,
+                    kind if admitted else EntryType.REJECTED,
+                    now,
+                    ctx,
+                    plan.charges if admitted else (),
+                    decision.limit,
+                    decision.status,
+                    decision.over,
+                    None,
+                    decision.degraded,
+                )
             )
         return decision, event_id
 

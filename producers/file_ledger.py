@@ -118,7 +118,7 @@ class FileLedger:
 
     async def append(self, entry: LedgerEntry) -> None:
         """Append one entry as a CloudEvent line, durable per the fsync policy."""
-        self.log.append([encode(entry, self.source)], sync=False)
+        self.log.append_line(encode(entry, self.source))
         if self._flusher is None:
             return
         if self.fsync == "always":

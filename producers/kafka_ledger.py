@@ -79,6 +79,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
+from mcp_budget_governor.context import Context
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import encode
 from mcp_budget_governor.ledger import (
@@ -121,8 +122,8 @@ class LedgerStats:
     last_error: str | None = field(default=None)
 
 
-def _partition_key(entry: LedgerEntry) -> bytes:
-    return partition_key(entry.context.tenant, entry.context.user)
+def _partition_key(ctx: Context) -> bytes:
+    return partition_key(ctx.tenant, ctx.user)
 
 
 class KafkaLedger:
@@ -216,9 +217,11 @@ class KafkaLedger:
         )
         self._flusher = Flusher(self.outbox.log)
         self._log = self.outbox.log
-        # Memory copies of appended, unshipped events: (line, partition key,
-        # outbox cursor just past it). Valid only while ``_from_disk`` is false.
-        self._queue: deque[tuple[bytes, bytes, Position]] = deque()
+        # Memory copies of appended, unshipped events: (line, context (its
+        # partition key is made by the shipper), outbox cursor just past it, as
+        # the plain (segment, offset, index) of a Position).
+        # Valid only while ``_from_disk`` is false.
+        self._queue: deque[tuple[bytes, Context, tuple[int, int, int]]] = deque()
         # True while the memory copy is incomplete (leftovers of a previous
         # process, Kafka down, a backlog past queue_size): ship from the files.
         self._from_disk = not self.outbox.empty
@@ -255,33 +258,33 @@ class KafkaLedger:
         raw = encode(entry, self.source)
         size = len(raw) + 1
         box = self.outbox
-        if self._pending_bytes + size > box.max_bytes:
-            if entry.type is EntryType.REJECTED and not entry.charges:
-                self._drop_refusal()
-                return
-            if box.on_full == "admit":
-                first = box.append([raw])  # past the limit, with a rate-limited ERROR
-            else:
-                # Admissions were refused through ``accepting`` before anything was
-                # charged; an event that gets here was charged and must be kept.
-                first = self._log.append((raw,), sync=False)
+        if self._pending_bytes + size <= box.max_bytes:
+            end = self._log.append_line(raw)
+        elif entry.type is EntryType.REJECTED and not entry.charges:
+            self._drop_refusal()
+            return
+        elif box.on_full == "admit":
+            first = box.append([raw])  # past the limit, with a rate-limited ERROR
+            end = (first.segment, first.offset + size, first.index + 1)
         else:
-            first = self._log.append((raw,), sync=False)
-        end = Position(first.segment, first.offset + size, first.index + 1)
+            # Admissions were refused through ``accepting`` before anything was
+            # charged; an event that gets here was charged and must be kept.
+            end = self._log.append_line(raw)
         self._pending_bytes += size
         self.stats.appended += 1
         if not self._from_disk:
             if len(self._queue) < self.queue_size:
-                self._queue.append((raw, _partition_key(entry), end))
+                self._queue.append((raw, entry.context, end))
             else:
                 self._fall_back_to_disk()
-        if self._from_disk:
+                self.stats.spilled += 1
+        else:
             self.stats.spilled += 1
         self._flusher.notify()
         self._kick()
         if self.durability == "acked":
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append((first.seq, waiter))
+            self._waiters.append((end[0] + end[2] - 1, waiter))  # its sequence number
             try:
                 await asyncio.wait_for(asyncio.shield(waiter), self.ack_timeout)
             except TimeoutError:
@@ -423,19 +426,24 @@ class KafkaLedger:
         else:
             n = min(self.batch_size, len(self._queue))
             taken = [self._queue.popleft() for _ in range(n)]
-            batch = [(raw, key) for raw, key, _ in taken]
-            cursor = taken[-1][2]
+            batch = [(raw, _partition_key(ctx)) for raw, ctx, _ in taken]
+            cursor = Position(*taken[-1][2])
         await self._send(batch)
         # The shipped position is recorded (the cursor file replaced, no fsync: the
         # broker has these records, so a cursor ahead of the disk after a machine
         # crash loses nothing, and one behind re-ships): a restart resumes after
         # it. A crash before this completes sends the batch again (at least once).
-        ack = functools.partial(self.outbox.ack, cursor, sync=False)
-        self._acking = asyncio.ensure_future(asyncio.to_thread(ack))
-        try:
-            await asyncio.shield(self._acking)
-        finally:
-            self._acking = None
+        if cursor.segment == self._log.end.segment == self.outbox.acked.segment:
+            # Within the segment being written nothing is deleted: the ack is one
+            # small pwrite, cheaper here than a thread hand-off per batch.
+            self.outbox.ack(cursor, sync=False)
+        else:  # it deletes shipped segments (unlink, fsync of the folder): off the loop
+            ack = functools.partial(self.outbox.ack, cursor, sync=False)
+            self._acking = asyncio.ensure_future(asyncio.to_thread(ack))
+            try:
+                await asyncio.shield(self._acking)
+            finally:
+                self._acking = None
         self._pending_bytes = self.outbox.pending_bytes
         self.stats.shipped += len(batch)
         self._up()

@@ -326,6 +326,27 @@ def test_records_must_be_single_lines(tmp_path: Path) -> None:
         assert outbox.empty
 
 
+def test_append_line_is_append_of_one_record(tmp_path: Path) -> None:
+    """The outbox's hot path writes what append() of one record writes, rotates the
+    same way, returns the cursor just past the record, and refuses the same lines."""
+    with (
+        RecordLog(tmp_path / "one", segment_bytes=64) as one,
+        RecordLog(tmp_path / "batch", segment_bytes=64) as batch,
+    ):
+        for i in range(40):
+            at = one.append_line(rec(i))
+            batch.append([rec(i)])
+            assert Position(*at) == one.end == batch.end
+        for bad in (b'{"a":\n1}', b""):
+            with pytest.raises(ValueError, match="one non-empty line"):
+                one.append_line(bad)
+        assert one.end == batch.end  # nothing written
+    assert segment_files(tmp_path / "one") == segment_files(tmp_path / "batch")
+    assert len(segment_files(tmp_path / "one")) > 3
+    for name in segment_files(tmp_path / "one"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "batch" / name).read_bytes()
+
+
 def test_a_lost_cursor_ships_again_rather_than_drop(tmp_path: Path) -> None:
     with Outbox(tmp_path, max_bytes=1 << 20) as outbox:
         outbox.append([rec(i) for i in range(5)])
