@@ -19,7 +19,8 @@ import redis
 from services import start_kafka
 
 from mcp_budget_governor import format_usd, usd
-from mcp_budget_governor.demo.runner import FOCUS_FILE, MARKER
+from mcp_budget_governor.demo.report import FOCUS_FILE
+from mcp_budget_governor.demo.runner import MARKER
 from mcp_budget_governor.demo.scenario import MODEL, POLICY
 
 #: FOCUS 1.2 columns every cost row must have (a subset of the mandatory ones).
