@@ -1,61 +1,17 @@
 """The Kafka ledger: every event to an append-only topic, through a durable local outbox.
 
-**The commit point is the outbox.** ``append()`` encodes the event and
-writes it to the local :class:`~mcp_budget_governor.producers.outbox.Outbox`
-(one ``write()`` of one JSON line, so the bytes are in the kernel) before it
-returns: a process killed at any instant after ``check()`` / ``meter()``
-returned (SIGKILL, OOM, a script that ends without ``aclose()``) has lost
-nothing, and its events ship at the next start on the same outbox folder.
-A :class:`~mcp_budget_governor.producers.record_log.Flusher` fsyncs in group
-commits, in a thread, at most every ``batch_interval`` (5 ms by default) after
-the previous one: a crash of the *machine* loses at most the events appended
-in the last group-commit window (the interval plus the one fsync in
-progress).
+``append()`` commits each event to the local
+:class:`~mcp_budget_governor.producers.outbox.Outbox` before it returns (a
+killed process loses nothing); a task ships the outbox to the topic in
+per-partition batches keyed by tenant, and the outbox's cursor records what
+was shipped. Shipping, at-least-once delivery and a full outbox are described
+in ``docs/kafka-ledger.md``.
 
-**Shipping.** A task on the same event loop ships the outbox to Kafka in
-per-partition batches (linger, batch size, ``acks="all"``), keyed by tenant
-(else user) so one scope's events stay in order on one partition. It ships
-from a memory copy of what this process appended (``queue_size`` records),
-so the steady state never reads the files back; leftovers of a previous
-process, a broker outage and a backlog past ``queue_size`` ship from the
-files, oldest first. After each batch the broker acknowledges, the outbox's
-cursor (the position just past the batch) is replaced (a new file renamed
-over the old one): the cursor is the record of what was shipped, so a
-restart ships from there and never re-sends what was acknowledged before
-it. It needs no fsync: it survives a killed process as the events do, and
-after a machine crash an older cursor only re-ships, while one ahead of the
-log's surviving end only names events the broker already has.
+Closing the governor closes its ledger (needs a broker):
 
-**Exactly once and at least once.** The test broker (tansu), and many
-managed ones, have no idempotent producer, so shipping is deduplicated by
-the cursor, not by the broker. One window remains: a crash after the broker
-acknowledged a batch and before its cursor reached the disk sends that batch
-again at the next start (at least once on the topic, at most ``batch_size``
-events, once per crash). Consumers count each event ``id`` once: the
-projection skips ids in its seen-id sets, and the DuckDB ``ledger`` view and
-the FOCUS export deduplicate on ``id``, so counters and exports stay exact.
-
-With ``durability="acked"`` each ``append`` also waits for the broker's
-acknowledgement of its event (bounded by ``ack_timeout``); the event is
-committed to the outbox whatever the outcome.
-
-**A full outbox** (``outbox_max_bytes`` of unshipped events, during a long
-outage) refuses new *admissions* when ``on_full="refuse"`` (default):
-:attr:`KafkaLedger.accepting` turns false and the governor answers 503
-before charging anything. Events whose charge was already made (costs of
-completed calls, settlements) are always written: dropping them would make
-spent money vanish (the overshoot is bounded by the calls under way).
-Refusals carry no charge, and anyone (an unidentified caller) can produce
-them for free: past the limit they are dropped, in both modes, counted in
-:attr:`LedgerStats.dropped_refusals` and logged (a WARNING with the count,
-at most every 10 s), so a flood of refused callers cannot grow the disk.
-``on_full="admit"`` writes admissions past the limit with an ERROR log.
-
-Usage (close the governor, which closes its ledger)::
-
-    ledger = KafkaLedger.from_url("kafka://127.0.0.1:9092", topic="mcpbg.ledger")
-    async with Governor(policy, RedisBackend.from_url(url), ledger=ledger) as governor:
-        decision = await governor.check(ctx)
+>>> ledger = KafkaLedger.from_url("kafka://127.0.0.1:9092", topic="mcpbg.ledger")  # doctest: +SKIP
+>>> async with Governor(policy, backend, ledger=ledger) as governor:  # doctest: +SKIP
+...     decision = await governor.check(ctx)
 """
 
 from __future__ import annotations

@@ -1,58 +1,18 @@
-"""The one on-disk record format of the outbox and the file ledger.
+"""The one on-disk record format of the outbox and the file ledger: JSON Lines segments.
 
-**Format.** JSON Lines: one CloudEvent per line, UTF-8, each line ended by
-``\\n``, in segment files ``<prefix>-<first sequence number, 20 digits>.jsonl``
-inside one directory. DuckDB reads a folder as it is::
+One record per line in ``<prefix>-<first sequence number>.jsonl`` files; a
+:class:`Position` says where a record is, the ``fsync`` policy how durable an
+append is, and a torn or bad line is reported, never raised. The format,
+positions, durability and damage rules are in ``docs/record-log.md``.
 
-    SELECT * FROM read_json('<dir>/*.jsonl', format='newline_delimited')
-
-Every record has a **sequence number**, counted from 0 across the whole log
-(deleted segments included); a segment is named by the sequence number of its
-first record, as a Kafka segment is named by its base offset. Nothing else
-ending in ``.jsonl`` is written to the directory (the lock and cursor files
-have other suffixes), so the glob above sees records only.
-
-**Positions.** A :class:`Position` is ``(segment, offset, index)``: the
-segment's first sequence number, the byte offset of the record's first byte in
-that file, and the record's index within the segment (its line number from 0).
-The byte offset lets a reader resume with one ``seek``; the index gives the
-record's sequence number (``segment + index``) and is the per-segment offset
-the file projector hands to ``Backend.apply``. A position may also be the end
-of a segment (``offset`` = file size), which a reader treats as the start of
-the next segment.
-
-**Durability** (``fsync``), the policy a log is opened with:
-
-- ``"always"``: :meth:`RecordLog.append` returns after the batch is fsync'd
-  (one fsync per call, whatever the number of records in it).
-- ``"batch"`` (group commit): appends only ``write()``; one fsync covers every
-  append since the previous one, at most every ``batch_interval`` seconds,
-  done by an attached :class:`Flusher` (off the event loop, in a thread) or,
-  without one, by the first append that finds the interval elapsed. A crash
-  of the *process* loses nothing (written bytes are in the kernel); a crash of
-  the *machine* may lose the appends of the last interval.
-- ``"never"``: the OS writes back when it likes; :meth:`RecordLog.close` still
-  fsyncs once.
-
-Whatever the policy, the directory is fsync'd when a segment is created
-(except under ``"never"``), so a new segment's name survives a machine crash,
-and a segment is fsync'd before the log rotates away from it.
-
-**Damage.** A last line without its ``\\n`` (a crash mid-write) is a *torn
-tail*: a reader skips it with a warning naming the file and byte offset. In
-the newest segment it stops there instead, since a live writer may still be
-completing that line (the next ``read`` from the same position sees it whole);
-it warns only once the file has not changed for ``IN_PROGRESS_SECONDS``, so
-a tailing reader does not cry wolf. A writer opening the log truncates a torn
-tail away, with a warning, so that new records start on a clean line. A complete line that is
-not a valid record (empty, or rejected by the caller's ``validate``) is
-yielded flagged with :attr:`LogRecord.error` and its position; reading never
-raises because of what a file contains.
-
-One writer per directory and prefix, enforced with an advisory ``flock`` on
-``<prefix>.lock`` (the kernel drops it when the process dies, even by
-SIGKILL). Readers (``writable=False``) take no lock and may run in other
-processes while the writer appends.
+>>> import tempfile
+>>> folder = tempfile.mkdtemp()
+>>> with RecordLog(folder, prefix="ledger", fsync="never") as log:
+...     end = log.append([b'{"id": "a"}', b'{"id": "b"}'])
+...     [(r.position.seq, r.data) for r in log.read()]
+[(0, b'{"id": "a"}'), (1, b'{"id": "b"}')]
+>>> sorted(p.name for p in Path(folder).glob("*.jsonl"))
+['ledger-00000000000000000000.jsonl']
 """
 
 from __future__ import annotations

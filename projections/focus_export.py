@@ -43,10 +43,9 @@ from mcp_budget_governor.focus import (
     Kind,
     Meter,
     ascii_text,
-    check_columns,
-    check_row,
     rate_text,
 )
+from mcp_budget_governor.focus_checks import check_columns, check_row
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.record_log import fsync_dir
 from mcp_budget_governor.projections.ledger_view import query_error
@@ -533,7 +532,7 @@ _COMPLETE = (
 
 
 def check_table(con: duckdb.DuckDBPyConnection, version: FocusVersion = FOCUS_1_2) -> list[str]:
-    """Check ``_fx_out`` against ``focus.check_row``; return the problems found.
+    """Check ``_fx_out`` against ``focus_checks.check_row``; return the problems found.
 
     Every row of an export of at most :data:`CHECK_SAMPLE` rows is checked; a
     larger one on a repeatable sample of that many rows (``_fx_sample_out``), plus every distinct

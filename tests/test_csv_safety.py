@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from mcp_budget_governor import Context, Governor, Limit, MemoryBackend, Policy, Unit, Window
 from mcp_budget_governor.cli import main
 from mcp_budget_governor.csv_safety import FORMULA_STARTS, neutralise, neutralise_sql
-from mcp_budget_governor.focus import FOCUS_1_2, Kind, check_row
+from mcp_budget_governor.focus import FOCUS_1_2, Kind
+from mcp_budget_governor.focus_checks import check_row
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger
 from testing.focus_validator_env import validate

@@ -18,7 +18,8 @@ import pytest
 import redis
 
 from mcp_budget_governor import format_usd, usd
-from mcp_budget_governor.demo.runner import FOCUS_FILE, MARKER
+from mcp_budget_governor.demo.report import FOCUS_FILE
+from mcp_budget_governor.demo.runner import MARKER
 from mcp_budget_governor.demo.scenario import MODEL, POLICY
 from testing.services import start_kafka
 

@@ -24,8 +24,6 @@ from mcp_budget_governor.focus import (
     Granularity,
     Meter,
     ascii_text,
-    check_columns,
-    check_row,
     decimal_text,
     list_cost_micros,
     parse_range,
@@ -35,6 +33,7 @@ from mcp_budget_governor.focus import (
     split_cost,
     tier_rates,
 )
+from mcp_budget_governor.focus_checks import check_columns, check_row
 from mcp_budget_governor.prices import ModelPrice, PriceTier
 from mcp_budget_governor.windows import parse_period
 

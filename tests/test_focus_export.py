@@ -5,7 +5,7 @@ tools; model calls with all four token meters; reservations, settlements and
 releases without a model, i.e. tool-call costs; admissions and rejections that
 carry no USD). The export must pass focus-validator 2.2.1 with no real
 failure, bill exactly the ledger's USD, split each call as ``focus.split_cost``
-does, and obey every rule ``focus.check_row`` enforces.
+does, and obey every rule ``focus_checks.check_row`` enforces.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from mcp_budget_governor.cli import main
 from mcp_budget_governor.focus import (
     FOCUS_1_2,
     TOKEN_METERS,
-    check_row,
     decimal_text,
     list_cost_micros,
     split_cost,
     tier_rates,
 )
+from mcp_budget_governor.focus_checks import check_row
 from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.file_ledger import FileLedger

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_budget_governor import MAX_AMOUNT, InvalidInputError, UnknownModelError
-from mcp_budget_governor.prices import ModelPrice, PriceTable, PriceTier, _convert
+from mcp_budget_governor.prices import ModelPrice, PriceTable, PriceTier
+from mcp_budget_governor.prices_builtin import _convert
 
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
 
@@ -424,10 +425,10 @@ def _genai_micros(model: str, mix: tuple[int, int, int, int], now: datetime) -> 
     from genai_prices import Usage
     from genai_prices.data import providers
 
-    from mcp_budget_governor.prices import _builtin_data
+    from mcp_budget_governor.prices_builtin import builtin_data
 
     # The same provider listing the builtin table priced the model from.
-    provider_id = _builtin_data().sources[model]
+    provider_id = builtin_data().sources[model]
     provider = next(p for p in providers if p.id == provider_id)
     info = next(i for i in provider.models if i.id == model)
     prompt, output, read, write = mix
