@@ -301,7 +301,7 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
     replay paths rebuild exactly its counters, and the worker resumes after a replay
     with every counter equal to its ledger sum and nothing in flight."""
     pytest.importorskip("mcp_budget_governor.stream.worker")
-    import stream_support as sw
+    from testing import stream_support as sw
 
     from testing.services import start_kafka
 

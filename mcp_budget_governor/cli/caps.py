@@ -21,7 +21,7 @@ from datetime import UTC, datetime, time
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
 
-from .ledger_args import DEFAULT_TOPIC, add_redis_option, required, setting
+from .ledger_args import DEFAULT_TOPIC, add_option, add_redis_option, required, setting
 
 if TYPE_CHECKING:
     from ..governor import Governor
@@ -43,7 +43,7 @@ def register(sub: Any) -> None:
     _common(p, limit=True)
     p.set_defaults(run=run_unset)
     p = verbs.add_parser("list", help="run-time caps, plan assignments and grants, with reasons")
-    p.add_argument("--policy", help="the policy (env MCPBG_POLICY)")
+    add_option(p, "policy")
     add_redis_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run_list)
@@ -69,11 +69,11 @@ def register(sub: Any) -> None:
 def _common(p: Any, *, limit: bool) -> None:
     if limit:
         p.add_argument("limit", help="the limit's name")
-    p.add_argument("--policy", help="the policy (env MCPBG_POLICY)")
+    add_option(p, "policy")
     add_redis_option(p)
-    p.add_argument("--kafka-url", help="append the event to this broker (env MCPBG_KAFKA_URL)")
-    p.add_argument("--topic", help=f"the ledger topic (default {DEFAULT_TOPIC}; env MCPBG_TOPIC)")
-    p.add_argument("--ledger-dir", help="append to this file ledger (env MCPBG_LEDGER_DIR)")
+    add_option(p, "kafka_url", "append the event to this broker")
+    add_option(p, "topic")
+    add_option(p, "ledger_dir", "append the event to this file ledger")
     for scope in _SCOPES if limit else ("tenant", "user"):
         p.add_argument(f"--{scope}", help=f"the {scope}")
     p.add_argument("--reason", default="", help="why (kept with the change)")
@@ -214,7 +214,8 @@ def _run(args: argparse.Namespace, make: Any) -> int:
             await gov.aclose()
 
     change = asyncio.run(go())
-    where = "appended to the ledger" if (args.kafka_url or args.ledger_dir) else "written"
+    ledgered = setting(args, "kafka_url") or setting(args, "ledger_dir")
+    where = "appended to the ledger" if ledgered else "written"
     print(f"{change.kind.value} {change.limit} {change.field or change.key}: {where}")
     return 0
 
