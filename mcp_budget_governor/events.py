@@ -29,7 +29,15 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .context import Context, cacheable
@@ -72,6 +80,15 @@ class EventContext(_Model):
     tool: str | None = None
     session: str | None = None
     agent: str | None = None
+    #: The session a forked ``session`` descends from (its budget's key); absent
+    #: when the session is its own root.
+    session_root: str | None = None
+
+    @model_validator(mode="after")
+    def _root_has_fork(self) -> EventContext:
+        if self.session_root is not None and self.session is None:
+            raise ValueError(f"session_root {self.session_root!r} needs a session")
+        return self
 
 
 class Charge(_Model):
@@ -271,6 +288,8 @@ def _make_context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
         "session": ctx.session,
         "agent": ctx.agent,
     }
+    if ctx.session_root is not None:  # written only when set: older events read the same
+        fields["session_root"] = ctx.session_root
     return orjson.Fragment(orjson.dumps(fields)), _subject(ctx)
 
 

@@ -229,6 +229,8 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
     for value in context.values():
         if value is not None and type(value) is not str:
             return None
+    if context.get("session_root") is not None and context.get("session") is None:
+        return None  # the model refuses a root without its fork: let it say so
     if "decision" in data and not _decision_ok(data["decision"]):
         return None
     if not _usage_ok(data.get("usage")):
