@@ -37,6 +37,15 @@ A tool's cost comes from two places:
   string keeps it exact) for USD limits, or ``cost`` an integer in the limits'
   unit (calls, tokens, USD micros). The price travels with the tool's listing,
   so an agent can see it before calling.
+- an estimate, for a hard cap: ``estimate_usd`` (dollars, a string: a float
+  is refused) or ``estimate`` in ``meta``, or the middleware's ``estimate=``
+  for tools that declare no cost at all, is reserved before the tool runs
+  (refused when it does not fit the room left, so concurrent calls cannot
+  all pass a check on the same last dollar) and settled after it to the
+  ``cost`` callback's charges, else the fixed price, else the estimate; a
+  failed or cancelled call settles to its fixed price, else its estimate::
+
+      @mcp.tool(meta={"mcpbg": {"estimate_usd": "0.05", "limit": "spend"}})
 - the ``cost`` callback, ``cost(context, result) -> {limit: amount} | None``
   (sync or async), called after a tool completes with its ``ToolResult``; its
   charges replace the ``meta`` price for that call, and None keeps it. A
@@ -68,6 +77,7 @@ from mcp_budget_governor.errors import BudgetExceeded, InvalidInputError
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
+    fixed_charges,
     governed_call,
     identify_with,
     refusal_text,
@@ -76,7 +86,14 @@ from mcp_budget_governor.integrations.flow import (
 from mcp_budget_governor.money import Unit, check_amount, usd
 from mcp_budget_governor.policy import Policy
 
-__all__ = ["META_KEY", "PRICE_TTL", "BudgetMiddleware", "BudgetToolError", "tool_price"]
+__all__ = [
+    "META_KEY",
+    "PRICE_TTL",
+    "BudgetMiddleware",
+    "BudgetToolError",
+    "tool_estimate",
+    "tool_price",
+]
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -109,6 +126,9 @@ class BudgetMiddleware(Middleware):
     - ``governor``: the :class:`~mcp_budget_governor.Governor` to enforce.
     - ``identify``: who is calling (``context -> Context | None``, sync or async).
     - ``cost``: what a completed call cost (``(context, result) -> {limit: amount}``).
+    - ``estimate``: ``{limit: amount}`` reserved before every tool that declares
+      neither a price nor an estimate in its ``meta`` (a hard cap for tools of
+      unknown cost); None leaves them on the soft cap.
     """
 
     def __init__(
@@ -116,6 +136,7 @@ class BudgetMiddleware(Middleware):
         governor: Governor,
         identify: Identify | None = None,
         cost: Cost | None = None,
+        estimate: Charges | None = None,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
@@ -126,7 +147,8 @@ class BudgetMiddleware(Middleware):
         self.governor = governor
         self.identify = identify
         self.cost = cost
-        self._prices: dict[str, tuple[float, Charges | None]] = {}
+        self.estimate = fixed_charges(governor, estimate, "estimate")
+        self._prices: dict[str, tuple[float, Charges | None, Charges | None]] = {}
 
     async def on_call_tool(
         self,
@@ -137,7 +159,7 @@ class BudgetMiddleware(Middleware):
         name = context.message.name
         ctx = (await self._caller(context)).with_tool(name)
         try:
-            fixed = await self._meta_price(context, name)
+            fixed, estimate = await self._meta_price(context, name)
         except InvalidInputError as exc:
             # A server bug, not the caller's: the tool does not run unpriced,
             # and the agent gets a tool error rather than a protocol failure.
@@ -157,6 +179,7 @@ class BudgetMiddleware(Middleware):
                 lambda: call_next(context),
                 fixed=fixed,
                 priced=priced,
+                estimate=estimate,
             )
         except BudgetExceeded as exc:
             raise BudgetToolError(exc.decision) from None
@@ -167,23 +190,30 @@ class BudgetMiddleware(Middleware):
         user = user_of_token(get_access_token())
         return EMPTY if user is None else Context(user=user)
 
-    async def _meta_price(self, context: MiddlewareContext[Any], name: str) -> Charges | None:
+    async def _meta_price(
+        self, context: MiddlewareContext[Any], name: str
+    ) -> tuple[Charges | None, Charges | None]:
+        """The tool's (fixed price, estimate); the default estimate for a tool of unknown cost."""
         # Looking a tool up costs about as much as the Redis round trip of the
         # check, so a price is remembered for PRICE_TTL seconds: a tool
         # re-registered with a new price is charged it within that delay.
         now = time.monotonic()
         cached = self._prices.get(name)
         if cached is not None and cached[0] > now:
-            return cached[1]
+            return cached[1], cached[2]
         server = context.fastmcp_context.fastmcp if context.fastmcp_context else None
         if server is None:
-            return None
+            return None, self.estimate
         tool = await server.get_tool(name)
-        price = None if tool is None else tool_price(self.governor.policy, name, tool.meta)
+        price, estimate = (
+            (None, None) if tool is None else _tool_spec(self.governor.policy, name, tool.meta)
+        )
+        if price is None and estimate is None:
+            estimate = self.estimate
         if len(self._prices) >= 1024:  # names come from callers: keep the cache bounded
             self._prices.clear()
-        self._prices[name] = (now + PRICE_TTL, price)
-        return price
+        self._prices[name] = (now + PRICE_TTL, price, estimate)
+        return price, estimate
 
 
 def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Charges | None:
@@ -198,13 +228,35 @@ def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Cha
     >>> tool_price(p, "search", {"mcpbg": {"cost_usd": "0.01", "limit": "spend"}})
     {'spend': 10000}
     """
+    return _tool_spec(policy, tool, meta)[0]
+
+
+def tool_estimate(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Charges | None:
+    """The estimate a tool's ``meta`` declares (``estimate_usd`` dollars as a string,
+    or ``estimate`` in the limits' unit), validated like :func:`tool_price`.
+
+    >>> from mcp_budget_governor import Limit, Unit, Window, usd
+    >>> p = Policy.of(Limit("spend", cap=usd(5), window=Window.DAY, unit=Unit.USD_MICROS))
+    >>> tool_estimate(p, "browse", {"mcpbg": {"estimate_usd": "0.05", "limit": "spend"}})
+    {'spend': 50000}
+    """
+    return _tool_spec(policy, tool, meta)[1]
+
+
+_FIELDS = frozenset({"limit", "cost", "cost_usd", "estimate", "estimate_usd"})
+
+
+def _tool_spec(
+    policy: Policy, tool: str, meta: Mapping[str, Any] | None
+) -> tuple[Charges | None, Charges | None]:
+    """(fixed price, estimate) of a tool's ``meta``; either may be None."""
     if not meta or META_KEY not in meta:
-        return None
+        return None, None
     spec = meta[META_KEY]
     where = f"tool {tool!r} meta.{META_KEY}"
     if not isinstance(spec, Mapping):
         raise InvalidInputError(where, spec, 'expected {"limit": ..., "cost_usd": ...}')
-    unknown = set(spec) - {"limit", "cost", "cost_usd"}
+    unknown = set(spec) - _FIELDS
     if unknown:
         raise InvalidInputError(f"{where}.{sorted(unknown)[0]}", spec, "unknown field")
     names = spec.get("limit")
@@ -214,25 +266,46 @@ def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Cha
         raise InvalidInputError(
             f"{where}.limit", spec.get("limit"), "expected a limit name or a list"
         )
-    if ("cost" in spec) == ("cost_usd" in spec):
+    has_cost = "cost" in spec or "cost_usd" in spec
+    has_estimate = "estimate" in spec or "estimate_usd" in spec
+    if ("cost" in spec and "cost_usd" in spec) or not (has_cost or has_estimate):
         raise InvalidInputError(where, spec, "give exactly one of cost_usd (dollars) or cost")
-    out: dict[str, int] = {}
+    if "estimate" in spec and "estimate_usd" in spec:
+        raise InvalidInputError(
+            where, spec, "give exactly one of estimate_usd (dollars) or estimate"
+        )
     for limit_name in names:
         if limit_name not in policy:
             problem = f"no such limit (known: {', '.join(lim.name for lim in policy)})"
             raise InvalidInputError(f"{where}.limit", limit_name, problem)
+    price = _amounts(policy, spec, names, where, "cost") if has_cost else None
+    estimate = _amounts(policy, spec, names, where, "estimate") if has_estimate else None
+    return price, estimate
+
+
+def _amounts(
+    policy: Policy, spec: Mapping[str, Any], names: Sequence[str], where: str, kind: str
+) -> dict[str, int]:
+    """``{limit: amount}`` of ``kind`` (``cost`` or ``estimate``), dollars or units."""
+    dollars = f"{kind}_usd"
+    out: dict[str, int] = {}
+    for limit_name in names:
         lim = policy[limit_name]
-        if "cost_usd" in spec:
+        if dollars in spec:
+            value = spec[dollars]
             if lim.unit is not Unit.USD_MICROS:
                 raise InvalidInputError(
-                    f"{where}.cost_usd", spec["cost_usd"], f"limit {limit_name!r} counts {lim.unit}"
+                    f"{where}.{dollars}", value, f"limit {limit_name!r} counts {lim.unit}"
+                )
+            if kind == "estimate" and not isinstance(value, str):
+                # A float is not an exact amount of money: say it as a string.
+                raise InvalidInputError(
+                    f"{where}.{dollars}", value, 'expected dollars as a string, such as "0.05"'
                 )
             try:
-                out[limit_name] = usd(spec["cost_usd"])
+                out[limit_name] = usd(value)
             except InvalidInputError as exc:
-                raise InvalidInputError(
-                    f"{where}.cost_usd", spec["cost_usd"], exc.problem
-                ) from None
+                raise InvalidInputError(f"{where}.{dollars}", value, exc.problem) from None
         else:
-            out[limit_name] = check_amount(spec["cost"], f"{where}.cost")
+            out[limit_name] = check_amount(spec[kind], f"{where}.{kind}")
     return out
