@@ -121,6 +121,8 @@ class Decided(_Model):
     status: Annotated[int, Field(strict=True, ge=100, le=599)] = 200
     over: tuple[LimitName, ...] = ()
     degraded: bool = False
+    #: ``OnExceed.ASK`` limits the user approved going over (written only when any).
+    approved: tuple[LimitName, ...] = ()
 
 
 class EventData(_Model):
@@ -351,6 +353,8 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
             "reservation": entry.reservation,
         },
     }
+    if entry.approved:  # written only when any: other events read as before
+        event["data"]["decision"]["approved"] = entry.approved  # type: ignore[index,assignment]
     return orjson.dumps(event)
 
 
@@ -385,6 +389,7 @@ def to_entry(event: LedgerEvent) -> LedgerEntry:
         usage=None if d.usage is None else TokenUsage(**d.usage.model_dump()),
         degraded=d.decision.degraded,
         reservation=d.reservation,
+        approved=d.decision.approved,
     )
 
 

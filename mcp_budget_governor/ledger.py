@@ -95,6 +95,8 @@ class LedgerEntry:
     usage: TokenUsage | None = None
     degraded: bool = False
     reservation: str | None = field(default=None)
+    #: ``OnExceed.ASK`` limits the user approved going over for this call.
+    approved: tuple[str, ...] = ()
 
 
 def new_id() -> str:

@@ -39,10 +39,13 @@ class FailMode(StrEnum):
 
 
 class OnExceed(StrEnum):
-    """What happens when a limit is exceeded: refuse (DENY), or admit and report (ALERT)."""
+    """What happens when a limit is exceeded: refuse (DENY), admit and report (ALERT),
+    or ask the MCP client's user whether to go over for this call (ASK; refused when
+    the user declines, does not answer, or the client cannot be asked)."""
 
     DENY = "deny"
     ALERT = "alert"
+    ASK = "ask"
 
 
 def _enum(cls: type[Any], value: Any, field_name: str) -> Any:
@@ -66,6 +69,8 @@ class Limit:
       cap, until the window ends; they are typically ``gated=False`` spend
       limits fed by ``meter()``.
     - ``on_exceed=OnExceed.ALERT`` is shadow mode: never refuses, reports.
+    - ``on_exceed=OnExceed.ASK`` refuses like DENY, unless the integration asks
+      the user (MCP elicitation) and the user approves going over for this call.
     - ``status`` overrides the refusal status (429 quota, 402 spend, 503 breaker).
 
     >>> Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER).scope
@@ -126,6 +131,11 @@ class Limit:
             raise PolicyError(f"{where}.status", status, "expected an HTTP status from 400 to 599")
         set_(self, "alert_at", _levels(self.alert_at, f"{where}.alert_at"))
         set_(self, "anchors", _anchors(self, where))
+        if self.breaker and self.on_exceed is OnExceed.ASK:
+            # A tripped breaker protects everyone: nobody may wave it through.
+            raise PolicyError(
+                f"{where}.on_exceed", self.on_exceed.value, "a breaker cannot ask for approval"
+            )
         if not self.gated and not self.breaker and self.on_exceed is OnExceed.DENY:
             # Metered-only limit: fine, check() never consults it; meter() records.
             pass

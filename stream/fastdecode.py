@@ -140,6 +140,8 @@ def _usage_ok(usage: Any) -> bool:
 def _decision_ok(decision: Any) -> bool:
     if type(decision) is not dict or not decision.keys() <= _DECISION:
         return False
+    if "approved" in decision:
+        return False  # an approval is rare: the full parse checks it
     limit = decision.get("limit")
     if limit is not None and (type(limit) is not str or not _limit_ok(limit)):
         return False

@@ -6,6 +6,7 @@ A real FastMCP server and client (in-memory transport), on both backends.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -29,6 +30,8 @@ from mcp_budget_governor.integrations.flow import governed_call
 
 USD = Unit.USD_MICROS
 ANA = Context(user="ana")
+#: One instant for the whole run: no day boundary falls inside a test.
+NOW = time.time()
 
 
 def policy() -> Policy:
@@ -70,7 +73,7 @@ async def calls(client: Client, tool: str, n: int) -> tuple[int, int]:
 
 
 async def test_fifty_concurrent_estimated_calls_stop_at_the_cap(backend: Backend) -> None:
-    gov = Governor(policy(), backend)
+    gov = Governor(policy(), backend, clock=lambda: NOW)
     async with Client(server(gov)) as client:
         admitted, refused = await calls(client, "browse", 50)
     # $1 of room, $0.05 each: exactly twenty fit, whatever the interleaving.
@@ -81,7 +84,7 @@ async def test_fifty_concurrent_estimated_calls_stop_at_the_cap(backend: Backend
 async def test_a_cost_callback_settles_the_reservation_to_the_actual_cost(
     backend: Backend,
 ) -> None:
-    gov = Governor(policy(), backend)
+    gov = Governor(policy(), backend, clock=lambda: NOW)
     mcp = server(gov, cost=lambda ctx, result: {"spend": usd("0.02")})
     async with Client(mcp) as client:
         await client.call_tool("browse", {})
@@ -90,7 +93,7 @@ async def test_a_cost_callback_settles_the_reservation_to_the_actual_cost(
 
 
 async def test_a_failed_call_settles_to_its_estimate(backend: Backend) -> None:
-    gov = Governor(policy(), backend)
+    gov = Governor(policy(), backend, clock=lambda: NOW)
     async with Client(server(gov)) as client:
         with pytest.raises(ToolError):
             await client.call_tool("broken", {})
@@ -98,7 +101,7 @@ async def test_a_failed_call_settles_to_its_estimate(backend: Backend) -> None:
 
 
 async def test_the_default_estimate_hard_caps_a_tool_of_unknown_cost(backend: Backend) -> None:
-    gov = Governor(policy(), backend)
+    gov = Governor(policy(), backend, clock=lambda: NOW)
     async with Client(server(gov, estimate={"spend": usd("0.30")})) as client:
         for _ in range(3):
             await client.call_tool("unpriced", {})  # its estimate stands: no cost is known
@@ -110,7 +113,7 @@ async def test_the_default_estimate_hard_caps_a_tool_of_unknown_cost(backend: Ba
 
 
 async def test_a_refused_reservation_runs_nothing_and_holds_nothing() -> None:
-    gov = Governor(policy(), MemoryBackend())
+    gov = Governor(policy(), MemoryBackend(), clock=lambda: NOW)
     ran: list[int] = []
 
     async def work() -> str:
@@ -130,7 +133,7 @@ async def test_a_refused_reservation_runs_nothing_and_holds_nothing() -> None:
 async def test_a_cancelled_call_settles_to_its_fixed_price_else_its_estimate(
     fixed: dict[str, int] | None, charged: int
 ) -> None:
-    gov = Governor(policy(), MemoryBackend())
+    gov = Governor(policy(), MemoryBackend(), clock=lambda: NOW)
     started = asyncio.Event()
 
     async def work() -> str:

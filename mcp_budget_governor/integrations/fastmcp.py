@@ -52,6 +52,15 @@ A tool's cost comes from two places:
   callback that raises or returns invalid charges is logged with the tool's
   name and the ``meta`` price is charged; the agent still gets the result.
 
+A limit with ``on_exceed=OnExceed.ASK`` that refuses a call makes the
+middleware ask the client's user, through MCP elicitation, whether this one
+call may go over it (``approval_timeout`` seconds to answer). Approved, the
+call is admitted and its ``admitted`` event names the limit in ``over`` and in
+``approved``; declined, unanswered, or a client that cannot elicit: the usual
+refusal. A breaker never asks. Elicitation needs the back-channel of the
+handshake-era protocol (a client connected with ``mode="legacy"``, or any
+pre-2026-07-28 client); a client on the 2026-07-28 protocol cannot be asked.
+
 Inside the tool and the callback,
 :func:`~mcp_budget_governor.integrations.flow.governed_context` is the
 caller's context as it was checked (identified, with the tool), for a tool
@@ -65,9 +74,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+import anyio
 import mcp_types as mt
 from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_access_token
+from fastmcp.server.elicitation import AcceptedElicitation
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import ToolResult
 
@@ -129,6 +140,8 @@ class BudgetMiddleware(Middleware):
     - ``estimate``: ``{limit: amount}`` reserved before every tool that declares
       neither a price nor an estimate in its ``meta`` (a hard cap for tools of
       unknown cost); None leaves them on the soft cap.
+    - ``approval_timeout``: seconds the user has to answer an ``OnExceed.ASK``
+      approval (MCP elicitation); unanswered, the call is refused as usual.
     """
 
     def __init__(
@@ -137,6 +150,7 @@ class BudgetMiddleware(Middleware):
         identify: Identify | None = None,
         cost: Cost | None = None,
         estimate: Charges | None = None,
+        approval_timeout: float = 120.0,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
@@ -148,6 +162,7 @@ class BudgetMiddleware(Middleware):
         self.identify = identify
         self.cost = cost
         self.estimate = fixed_charges(governor, estimate, "estimate")
+        self.approval_timeout = approval_timeout
         self._prices: dict[str, tuple[float, Charges | None, Charges | None]] = {}
 
     async def on_call_tool(
@@ -180,9 +195,36 @@ class BudgetMiddleware(Middleware):
                 fixed=fixed,
                 priced=priced,
                 estimate=estimate,
+                ask=lambda decision: self._ask(context, decision),
             )
         except BudgetExceeded as exc:
             raise BudgetToolError(exc.decision) from None
+
+    async def _ask(self, context: MiddlewareContext[Any], decision: Decision) -> bool:
+        """Ask the client's user (MCP elicitation) whether this call may go over the
+        ``OnExceed.ASK`` limit that refused it; False for no, no answer in time, or a
+        client that cannot be asked."""
+        fc = context.fastmcp_context
+        if fc is None:
+            return False
+        tool = context.message.name
+        message = (
+            f"Budget {decision.limit!r} is spent ({decision.reason}). "
+            f"Allow this one call to {tool!r} to go over it?"
+        )
+        answer: Any = None
+        try:
+            with anyio.move_on_after(self.approval_timeout):
+                answer = await fc.elicit(message, bool, response_title="Go over budget")
+        except Exception as exc:  # the client cannot elicit: the normal refusal
+            log.info("tool %r: could not ask for approval over %r: %s", tool, decision.limit, exc)
+            return False
+        approved = isinstance(answer, AcceptedElicitation) and answer.data is True
+        log.info(
+            "tool %r: the user %s going over %r",
+            tool, "approved" if approved else "did not approve", decision.limit,
+        )  # fmt: skip
+        return approved
 
     async def _caller(self, context: MiddlewareContext[Any]) -> Context:
         if self.identify is not None:

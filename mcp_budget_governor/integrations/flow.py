@@ -51,9 +51,10 @@ from datetime import UTC
 from typing import Any, TypeAlias, TypeVar
 
 from mcp_budget_governor.context import EMPTY, Context
-from mcp_budget_governor.decision import Decision
+from mcp_budget_governor.decision import EXCEEDED, Decision
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.governor import Governor, Reservation
+from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
 
@@ -79,6 +80,9 @@ Charges: TypeAlias = Mapping[str, int]
 
 PricedCost: TypeAlias = Callable[[Any], "Charges | Awaitable[Charges | None] | None"]
 
+Ask: TypeAlias = Callable[[Decision], Awaitable[bool]]
+"""Whether the user lets a call refused by an ``OnExceed.ASK`` limit go over it."""
+
 
 async def governed_call(
     governor: Governor | Recorder,
@@ -88,6 +92,7 @@ async def governed_call(
     fixed: Charges | None = None,
     priced: PricedCost | None = None,
     estimate: Charges | None = None,
+    ask: Ask | None = None,
 ) -> R:
     """Check (a Governor only), run ``work``, meter what it cost; see the module docstring.
 
@@ -100,10 +105,23 @@ async def governed_call(
     not fit, so calls in flight cannot overshoot by more than their estimates'
     error), and settled afterwards to what the call is charged; a limit the
     charges do not name keeps its estimate.
+
+    ``ask(decision)`` (a Governor only) is asked when the check refuses by an
+    ``OnExceed.ASK`` limit: True admits the call over that limit (the ledger
+    records the approval), False refuses it as usual. A breaker never asks.
     """
     held: list[Reservation] = []
     if isinstance(governor, Governor):
-        (await governor.check(ctx)).raise_for_status()
+        approved: list[str] = []
+        while True:
+            decision = await governor.check(ctx, approved=approved)
+            limit = None if ask is None else askable(governor, decision, approved)
+            if ask is None or limit is None or not await ask(decision):
+                break
+            approved.append(limit)  # a refused check charged nothing: check again
+        decision.raise_for_status()
+        if estimate:
+            estimate = {k: v for k, v in estimate.items() if k not in approved}
         if estimate:
             # After the check: a reservation that fills its limit to the cap
             # exactly must not make that check refuse the very call it holds.
@@ -128,6 +146,22 @@ async def governed_call(
         return result
     finally:
         _current.reset(token)
+
+
+def askable(governor: Governor, decision: Decision, approved: Sequence[str]) -> str | None:
+    """The ``OnExceed.ASK`` limit whose refusal the user may wave through, else None:
+    never a breaker, an unnamed caller, unreachable counters or a full ledger."""
+    name = decision.limit
+    if decision.admitted or decision.degraded or name is None or name in approved:
+        return None
+    if not decision.reason.startswith(EXCEEDED):
+        return None
+    if name not in governor.policy:
+        return None
+    limit = governor.policy[name]
+    if limit.on_exceed is not OnExceed.ASK or limit.breaker:
+        return None
+    return name
 
 
 async def _reserve_all(governor: Governor, estimate: Charges, ctx: Context) -> list[Reservation]:
