@@ -69,6 +69,8 @@ that meters more itself (``governor.meter_tokens(..., ctx=governed_context())``)
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -115,6 +117,7 @@ PRICE_TTL = 1.0
 """Seconds a tool's ``meta`` price is remembered between lookups."""
 
 Identify: TypeAlias = Callable[[MiddlewareContext[Any]], Context | Awaitable[Context | None] | None]
+SessionRoot: TypeAlias = Callable[[str], str | Awaitable[str | None] | None]
 Cost: TypeAlias = Callable[
     [MiddlewareContext[Any], ToolResult], Charges | Awaitable[Charges | None] | None
 ]
@@ -140,6 +143,9 @@ class BudgetMiddleware(Middleware):
     - ``estimate``: ``{limit: amount}`` reserved before every tool that declares
       neither a price nor an estimate in its ``meta`` (a hard cap for tools of
       unknown cost); None leaves them on the soft cap.
+    - ``session_root``: ``session -> root session | None`` (sync or async), for
+      callers whose ``identify`` names a session but not its root: a fork then
+      spends its root's session budget (a context naming its root keeps it).
     - ``approval_timeout``: seconds the user has to answer an ``OnExceed.ASK``
       approval (MCP elicitation); unanswered, the call is refused as usual.
     """
@@ -151,6 +157,7 @@ class BudgetMiddleware(Middleware):
         cost: Cost | None = None,
         estimate: Charges | None = None,
         approval_timeout: float = 120.0,
+        session_root: SessionRoot | None = None,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
@@ -163,6 +170,9 @@ class BudgetMiddleware(Middleware):
         self.cost = cost
         self.estimate = fixed_charges(governor, estimate, "estimate")
         self.approval_timeout = approval_timeout
+        if session_root is not None and not callable(session_root):
+            raise TypeError("BudgetMiddleware: session_root= must be callable (session -> root)")
+        self.session_root = session_root
         self._prices: dict[str, tuple[float, Charges | None, Charges | None]] = {}
 
     async def on_call_tool(
@@ -228,7 +238,15 @@ class BudgetMiddleware(Middleware):
 
     async def _caller(self, context: MiddlewareContext[Any]) -> Context:
         if self.identify is not None:
-            return await identify_with(self.identify, context)
+            ctx = await identify_with(self.identify, context)
+            resolve = self.session_root
+            if resolve is not None and ctx.session is not None and ctx.session_root is None:
+                root = resolve(ctx.session)
+                if inspect.isawaitable(root):
+                    root = await root
+                if root is not None and root != ctx.session:
+                    ctx = dataclasses.replace(ctx, session_root=root)
+            return ctx
         user = user_of_token(get_access_token())
         return EMPTY if user is None else Context(user=user)
 
