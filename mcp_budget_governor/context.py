@@ -13,8 +13,15 @@ from .errors import InvalidInputError
 class Context:
     """The caller's identity along every scope dimension; any may be unknown (None).
 
+    ``session_root`` names the session a forked ``session`` descends from:
+    every ``Scope.SESSION`` counter (so every ``Window.SESSION`` budget) keys
+    on the root, so a session and its forks share one budget; the ledger
+    records both. Without it a session is its own root.
+
     >>> Context(user="u_42", tool="search").with_tool("fetch").tool
     'fetch'
+    >>> Context(session="fork-7", session_root="fix-4821").session_key
+    'fix-4821'
     """
 
     user: str | None = None
@@ -22,6 +29,7 @@ class Context:
     tool: str | None = None
     session: str | None = None
     agent: str | None = None
+    session_root: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -39,6 +47,15 @@ class Context:
                     raise InvalidInputError(
                         f"Context.{f.name}", value, "not valid Unicode (lone surrogate)"
                     ) from None
+        if self.session_root is not None and self.session is None:
+            raise InvalidInputError(
+                "Context.session_root", self.session_root, "needs a session (the fork it roots)"
+            )
+
+    @property
+    def session_key(self) -> str | None:
+        """The session whose budget this caller spends: its root, else the session itself."""
+        return self.session if self.session_root is None else self.session_root
 
     def with_tool(self, tool: str | None) -> Context:
         """The same caller, using another tool."""
@@ -54,7 +71,7 @@ CACHED_CONTEXT_CHARS = 512
 def cacheable(ctx: Context) -> bool:
     """Whether caches may keep ``ctx`` (see :data:`CACHED_CONTEXT_CHARS`)."""
     total = 0
-    for value in (ctx.user, ctx.tenant, ctx.tool, ctx.session, ctx.agent):
+    for value in (ctx.user, ctx.tenant, ctx.tool, ctx.session, ctx.agent, ctx.session_root):
         if value is not None:
             total += len(value)
     return total <= CACHED_CONTEXT_CHARS

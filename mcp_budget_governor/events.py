@@ -29,7 +29,15 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .caps import Change, ChangeKind
@@ -73,6 +81,15 @@ class EventContext(_Model):
     tool: str | None = None
     session: str | None = None
     agent: str | None = None
+    #: The session a forked ``session`` descends from (its budget's key); absent
+    #: when the session is its own root.
+    session_root: str | None = None
+
+    @model_validator(mode="after")
+    def _root_has_fork(self) -> EventContext:
+        if self.session_root is not None and self.session is None:
+            raise ValueError(f"session_root {self.session_root!r} needs a session")
+        return self
 
 
 class Charge(_Model):
@@ -105,6 +122,8 @@ class Decided(_Model):
     status: Annotated[int, Field(strict=True, ge=100, le=599)] = 200
     over: tuple[LimitName, ...] = ()
     degraded: bool = False
+    #: ``OnExceed.ASK`` limits the user approved going over (written only when any).
+    approved: tuple[LimitName, ...] = ()
 
 
 class ChangeData(_Model):
@@ -351,6 +370,8 @@ def _make_context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
         "session": ctx.session,
         "agent": ctx.agent,
     }
+    if ctx.session_root is not None:  # written only when set: older events read the same
+        fields["session_root"] = ctx.session_root
     return orjson.Fragment(orjson.dumps(fields)), _subject(ctx)
 
 
@@ -382,7 +403,12 @@ def encode(entry: LedgerEntry, source: str) -> bytes:
     reservation) of a cacheable context is joined from a cached template around
     its id and time: the same bytes, a fraction of the work.
     """
-    if entry.usage is None and entry.reservation is None and entry.change is None:
+    if (
+        entry.usage is None
+        and entry.reservation is None
+        and entry.change is None
+        and not entry.approved
+    ):
         key = (
             entry.context,
             id(entry.charges),
@@ -464,6 +490,8 @@ def _event(entry: LedgerEntry, source: str, event_id: str, time: str) -> dict[st
             "reservation": entry.reservation,
         },
     }
+    if entry.approved:  # written only when any: other events read as before
+        event["data"]["decision"]["approved"] = entry.approved
     change = entry.change
     if change is not None:  # only run-time changes carry one: other events keep their bytes
         event["data"]["change"] = {
@@ -511,6 +539,7 @@ def to_entry(event: LedgerEvent) -> LedgerEntry:
         degraded=d.decision.degraded,
         reservation=d.reservation,
         change=None if d.change is None else to_change(kind, d.change),
+        approved=d.decision.approved,
     )
 
 

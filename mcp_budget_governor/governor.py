@@ -109,22 +109,41 @@ class Governor(Metering[MeterResult]):
 
     # -- the hot path -------------------------------------------------------
 
-    async def check(self, ctx: Context | None = None, *, amount: int = 1) -> Decision:
+    async def check(
+        self, ctx: Context | None = None, *, amount: int = 1, approved: Sequence[str] = ()
+    ) -> Decision:
         """Admit or refuse a call, charging every gated limit all or nothing.
 
         A refusal charges nothing anywhere. One backend round trip, however
         many limits apply. ``amount`` is how many calls this one counts as on
         gated CALLS limits (spend and token limits are read, whatever it is).
+        ``approved`` names ``OnExceed.ASK`` limits the user let this call go
+        over: they count it without refusing, and the ledger records the approval.
         """
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
         ctx = ctx or EMPTY
         now = self._clock()
+        if approved:
+            allowed = self._approvable(approved)
+            plan = planning.check_plan(self.policy, ctx, now, amount, allowed)
+            decision, _ = await self._admit(
+                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed))
+            )
+            return decision
         plan = self._plan(ctx, now, amount)
         if self.ledger is None and not plan.slots:
             return ADMITTED
         decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
         return decision
+
+    def _approvable(self, approved: Sequence[str]) -> frozenset[str]:
+        for name in approved:
+            if self.policy[name].on_exceed is not OnExceed.ASK:
+                raise InvalidInputError(
+                    "approved", name, "only an on_exceed=ASK limit can be approved"
+                )
+        return frozenset(approved)
 
     async def identified(self, ctx: Context) -> Context:
         """:meth:`Policy.identified` for a caller, with a refusal recorded in the ledger.
@@ -357,7 +376,12 @@ class Governor(Metering[MeterResult]):
     # -- internals ----------------------------------------------------------
 
     async def _admit(
-        self, plan: planning.Plan, ctx: Context, now: float, kind: EntryType
+        self,
+        plan: planning.Plan,
+        ctx: Context,
+        now: float,
+        kind: EntryType,
+        approved: tuple[str, ...] = (),
     ) -> tuple[Decision, str | None]:
         """The admission step of check() and reserved(), one round trip.
 
@@ -396,6 +420,9 @@ class Governor(Metering[MeterResult]):
                     decision.over,
                     None,
                     decision.degraded,
+                    None,
+                    None,
+                    approved if admitted else (),
                 )
             )
         return decision, event_id
@@ -623,7 +650,7 @@ class Reservation:
     async def __aenter__(self) -> Reservation:
         gov = self._gov
         now = gov._clock()
-        enforce = self.limit.on_exceed is OnExceed.DENY
+        enforce = planning.enforces(self.limit)
         s = planning.slot(
             self.limit,
             self.ctx,

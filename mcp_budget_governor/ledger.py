@@ -103,6 +103,8 @@ class LedgerEntry:
     degraded: bool = False
     reservation: str | None = field(default=None)
     change: Change | None = None
+    #: ``OnExceed.ASK`` limits the user approved going over for this call.
+    approved: tuple[str, ...] = ()
 
 
 def new_id() -> str:

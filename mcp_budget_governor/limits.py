@@ -39,10 +39,13 @@ class FailMode(StrEnum):
 
 
 class OnExceed(StrEnum):
-    """What happens when a limit is exceeded: refuse (DENY), or admit and report (ALERT)."""
+    """What happens when a limit is exceeded: refuse (DENY), admit and report (ALERT),
+    or ask the MCP client's user whether to go over for this call (ASK; refused when
+    the user declines, does not answer, or the client cannot be asked)."""
 
     DENY = "deny"
     ALERT = "alert"
+    ASK = "ask"
 
 
 def _enum(cls: type[Any], value: Any, field_name: str) -> Any:
@@ -66,6 +69,8 @@ class Limit:
       cap, until the window ends; they are typically ``gated=False`` spend
       limits fed by ``meter()``.
     - ``on_exceed=OnExceed.ALERT`` is shadow mode: never refuses, reports.
+    - ``on_exceed=OnExceed.ASK`` refuses like DENY, unless the integration asks
+      the user (MCP elicitation) and the user approves going over for this call.
     - ``status`` overrides the refusal status (429 quota, 402 spend, 503 breaker).
     - ``caps`` gives particular scope values their own cap: ``{"acme": usd(100)}``,
       ``{"user=u_42,tool=search": 5}`` for a composite scope (see ``caps.py``).
@@ -132,6 +137,11 @@ class Limit:
         from .caps import parse_caps  # caps imports this module's NAME_PATTERN
 
         set_(self, "caps", parse_caps(dims, self.caps, f"{where}.caps"))
+        if self.breaker and self.on_exceed is OnExceed.ASK:
+            # A tripped breaker protects everyone: nobody may wave it through.
+            raise PolicyError(
+                f"{where}.on_exceed", self.on_exceed.value, "a breaker cannot ask for approval"
+            )
         if not self.gated and not self.breaker and self.on_exceed is OnExceed.DENY:
             # Metered-only limit: fine, check() never consults it; meter() records.
             pass

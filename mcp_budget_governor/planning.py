@@ -249,10 +249,13 @@ class Plan:
         )
 
 
-def check_plan(policy: Policy, ctx: Context, now: float, calls: int = 1) -> Plan:
+def check_plan(
+    policy: Policy, ctx: Context, now: float, calls: int = 1, approved: frozenset[str] = frozenset()
+) -> Plan:
     """The plan of a check at ``now`` counting ``calls`` calls. Valid for the whole
-    minute: every bucket boundary (UTC or zoned) falls on a whole minute."""
-    return Plan.of(check_slots(policy, ctx, now, calls))
+    minute: every bucket boundary (UTC or zoned) falls on a whole minute.
+    ``approved``: ASK limits the user let this call go over (counted, not enforced)."""
+    return Plan.of(check_slots(policy, ctx, now, calls, approved))
 
 
 def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:
@@ -260,7 +263,9 @@ def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:
     return tuple(s.ledger_charge() for s in slots if s.amount)
 
 
-def check_slots(policy: Policy, ctx: Context, now: float, calls: int = 1) -> list[Slot]:
+def check_slots(
+    policy: Policy, ctx: Context, now: float, calls: int = 1, approved: frozenset[str] = frozenset()
+) -> list[Slot]:
     """Every counter a check consults: gated limits (charged) and breakers (read).
 
     ``calls`` is how many calls the check counts on gated CALLS limits; other
@@ -271,11 +276,16 @@ def check_slots(policy: Policy, ctx: Context, now: float, calls: int = 1) -> lis
     for limit in policy.limits:
         if not (limit.gated or limit.breaker):
             continue
-        enforce = limit.on_exceed is OnExceed.DENY
+        enforce = enforces(limit) and limit.name not in approved
         s = slot(limit, ctx, now, tz, limit.check_charge * calls, enforce=enforce, policy=policy)
         if s is not None:
             out.append(s)
     return out
+
+
+def enforces(limit: Limit) -> bool:
+    """Whether ``limit`` refuses when exceeded (DENY, and ASK until approved)."""
+    return limit.on_exceed is not OnExceed.ALERT
 
 
 def reason(limit: Limit, prefix: str = EXCEEDED) -> str:

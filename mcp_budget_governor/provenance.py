@@ -208,6 +208,8 @@ def charge_problem(
         return f"amount {amount}: the charges of {kind.value} events are {sign.value}"
     for dim, value, hashed in shape.scope:
         mine = context.get(dim)
+        if dim == "session" and context.get("session_root") is not None:
+            mine = context.get("session_root")  # a fork counts on its root's counter
         if mine is None and hashed and kind is EntryType.RECOVERED:
             continue  # a recovery's context comes from its keys: a hashed value has none
         if mine is None or (escape(mine) != value if hashed else mine != value):

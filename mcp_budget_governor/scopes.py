@@ -56,10 +56,12 @@ def scope_values(dims: Dimensions, ctx: Context) -> tuple[str, ...] | None:
 
     A limit whose scope the context cannot supply is skipped, so a per-tenant
     limit stays inert until the caller starts passing a tenant.
+    A session dimension takes the session's root (:attr:`Context.session_key`),
+    so a session and its forks count on one counter.
     """
     values: list[str] = []
     for dim in dims:
-        value = getattr(ctx, dim.value)
+        value = ctx.session_key if dim is Scope.SESSION else getattr(ctx, dim.value)
         if value is None:
             return None
         values.append(value)

@@ -14,6 +14,7 @@ as Python ints of USD micros; nothing here goes through a float.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,6 +24,9 @@ import duckdb
 
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.limits import NAME_PATTERN
+from mcp_budget_governor.money import Unit
+from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.scopes import Scope
 
 from .ledger_view import query_error
 from .sql_quote import quote_ident
@@ -32,6 +36,8 @@ __all__ = [
     "Filter",
     "Report",
     "breaker_trips",
+    "session_budget",
+    "session_split",
     "spend",
     "summary",
 ]
@@ -68,6 +74,8 @@ class Filter:
     """Which events count: a time range ``[start, end)`` and exact context values.
 
     ``limit``: read USD from this limit's charges instead of the one-per-event rule.
+    ``session``: a session and its forks (events whose ``session_root``, else
+    ``session``, is this one).
     """
 
     start: datetime | None = None
@@ -77,6 +85,7 @@ class Filter:
     tool: str | None = None
     model: str | None = None
     limit: str | None = None
+    session: str | None = None
 
     def __post_init__(self) -> None:
         if self.limit is not None and not NAME_PATTERN.fullmatch(self.limit):
@@ -104,6 +113,9 @@ class Filter:
             if value is not None:
                 parts.append(f"{column} = ?")
                 params.append(value)
+        if self.session is not None:
+            parts.append('coalesce(session_root, "session") = ?')
+            params.append(self.session)
         return (" AND ".join(parts) or "TRUE"), params
 
     def relation(self) -> tuple[str, list[Any]]:
@@ -190,6 +202,41 @@ def summary(con: duckdb.DuckDBPyConnection, flt: Filter) -> Report:
         FROM {relation} AS e WHERE {where}
     """
     return Report("summary", ["first", "last", *METRICS], _run(con, sql, [*rel_params, *params]))
+
+
+def session_split(con: duckdb.DuckDBPyConnection, flt: Filter) -> Report:
+    """Spend of the filtered events split into ``tools`` (tool calls, priced per call)
+    and ``models`` (metered model tokens): an event with a model is a model's."""
+    relation, rel_params = flt.relation()
+    where, params = flt.where()
+    sql = f"""
+        SELECT kind, {_SUMS} FROM (
+            SELECT *, CASE WHEN model IS NULL THEN 'tools' ELSE 'models' END AS kind
+            FROM {relation} AS e WHERE {where})
+        GROUP BY kind ORDER BY kind DESC
+    """
+    return Report("spend split", ["kind", *METRICS], _run(con, sql, [*rel_params, *params]))
+
+
+def session_budget(con: duckdb.DuckDBPyConnection, flt: Filter, policy: Policy) -> Report:
+    """The budget line of ``flt.session``: per USD limit of ``policy`` counting per
+    session, what the session and its forks were charged on it, its cap and what is left."""
+    rows = []
+    for lim in policy.limits:
+        if Scope.SESSION not in lim.dimensions or lim.unit is not Unit.USD_MICROS:
+            continue
+        one = dataclasses.replace(flt, limit=lim.name)
+        relation, rel_params = one.relation()
+        where, params = one.where()
+        sql = f"SELECT coalesce(sum(usd_micros), 0) FROM {relation} AS e WHERE {where}"
+        ((spent,),) = _run(con, sql, [*rel_params, *params])
+        rows.append([lim.name, int(spent), lim.cap, max(lim.cap - int(spent), 0)])
+    return Report(
+        "session budget",
+        ["limit", "usd_micros", "cap_usd_micros", "remaining_usd_micros"],
+        rows,
+        money=("usd_micros", "cap_usd_micros", "remaining_usd_micros"),
+    )
 
 
 def breaker_trips(con: duckdb.DuckDBPyConnection, flt: Filter, *, top: int | None = None) -> Report:

@@ -103,6 +103,7 @@ COLUMNS: tuple[str, ...] = (
     "event_source",
     "subject",
     "over",
+    "session_root",
 )
 # Event-level columns: the same on every charge row of an event.
 _EVENT_COLUMNS = tuple(c for c in COLUMNS if c not in CHARGE_COLUMNS)
@@ -158,7 +159,9 @@ def _folder_date(path: Path, folder: Path) -> date | None:
         return None
 
 
-_REQUIRED = frozenset(SCHEMA.names)
+#: Columns appended to the archive later: segments written before lack them.
+_OPTIONAL = frozenset({"session_root"})
+_REQUIRED = frozenset(SCHEMA.names) - _OPTIONAL
 
 
 def _check_archive(paths: Iterable[Path]) -> int:
@@ -229,17 +232,35 @@ def _file_rows(
 
 
 def _select(
-    relation: str, source: str, *, hive_date: bool, partition_name: str, where: str = ""
+    relation: str,
+    source: str,
+    *,
+    hive_date: bool,
+    partition_name: str,
+    where: str = "",
+    session_root: bool = True,
 ) -> str:
     day = '"date"' if hive_date else 'CAST("time" AS DATE)'
+    # Segments written before the column existed have none (``session_root=False``).
+    root = "session_root" if session_root else "CAST(NULL AS VARCHAR) AS session_root"
     return f"""
         SELECT "time", {day} AS "date", "type", id, "user", tenant, tool, "session", agent,
                model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
                price_version, charge_index, "limit", unit, amount, "window", bucket, "key",
                expire_at, CAST(status AS INTEGER) AS status, decision_limit, degraded,
                reservation, "partition", "offset", {quote_string(source)} AS source, topic,
-               {partition_name} AS partition_name, "source" AS event_source, subject, "over"
+               {partition_name} AS partition_name, "source" AS event_source, subject, "over",
+               {root}
         FROM {relation} {where}"""
+
+
+def _has_column(db: duckdb.DuckDBPyConnection, relation: str, column: str) -> bool:
+    """Whether any file of an archive relation has ``column`` (reads footers only)."""
+    try:
+        names = [d[0] for d in db.execute(f"SELECT * FROM {relation} LIMIT 0").description]
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    return column in names
 
 
 def _archive_relation(
@@ -354,7 +375,13 @@ def open_ledger(
         partition_name = "topic || ':' || \"partition\""
         if relation is not None:
             parts.append(
-                _select(relation, "archive", hive_date=True, partition_name=partition_name)
+                _select(
+                    relation,
+                    "archive",
+                    hive_date=True,
+                    partition_name=partition_name,
+                    session_root=_has_column(db, relation, "session_root"),
+                )
             )
         elif files:  # the archive holds events, none on the range's days
             db.register(_EMPTY_TABLE, SCHEMA.empty_table())

@@ -101,6 +101,8 @@ SCHEMA = pa.schema(
         pa.field("cache_write_tokens", _INT),
         pa.field("price_version", _STR),
         pa.field("reservation", _STR),
+        # Appended (older segments lack it; readers null-fill): a fork's root session.
+        pa.field("session_root", _STR),
     ],
     metadata={"mcpbg.archive.schema": SCHEMA_VERSION},
 )
@@ -129,6 +131,7 @@ _EVENT_COLUMNS = (
     "cache_write_tokens",
     "price_version",
     "reservation",
+    "session_root",
 )
 #: Columns taken once per charge (None on the row of an event without charges).
 CHARGE_COLUMNS = (
@@ -348,6 +351,7 @@ def ledger_table(
                 decision.degraded,
                 *tokens,
                 data.reservation,
+                ctx.session_root,
             )
         )
         charges = data.charges

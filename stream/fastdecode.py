@@ -149,6 +149,8 @@ def _usage_ok(usage: Any) -> bool:
 def _decision_ok(decision: Any) -> bool:
     if type(decision) is not dict or not decision.keys() <= _DECISION:
         return False
+    if "approved" in decision:
+        return False  # an approval is rare: the full parse checks it
     limit = decision.get("limit")
     if limit is not None and (type(limit) is not str or not _limit_ok(limit)):
         return False
@@ -238,6 +240,8 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
     for value in context.values():
         if value is not None and type(value) is not str:
             return None
+    if context.get("session_root") is not None and context.get("session") is None:
+        return None  # the model refuses a root without its fork: let it say so
     if "decision" in data and not _decision_ok(data["decision"]):
         return None
     if not _usage_ok(data.get("usage")):

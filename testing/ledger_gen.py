@@ -446,6 +446,7 @@ def write_archive(
         "cache_write_tokens": rows.column("cache_write_tokens"),
         "price_version": rows.column("price_version"),
         "reservation": rows.column("reservation"),
+        "session_root": pa.nulls(count, _STR),
     }
     table = pa.Table.from_arrays(
         [_as_array(columns[name], SCHEMA.field(name).type) for name in SCHEMA.names],

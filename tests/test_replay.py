@@ -302,7 +302,6 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
     with every counter equal to its ledger sum and nothing in flight."""
     pytest.importorskip("mcp_budget_governor.stream.worker")
     from testing import stream_support as sw
-
     from testing.services import start_kafka
 
     kafka = start_kafka()

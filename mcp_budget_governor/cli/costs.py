@@ -12,7 +12,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .ledger_args import add_ledger_options, open_ledger_from
+from .ledger_args import add_ledger_options, add_option, open_ledger_from, setting
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -39,6 +39,12 @@ def register(sub: Any) -> None:
         p.add_argument(f"--{name}", help=f"only this {name}")
     p.add_argument("--limit", help="USD of this limit's charges (instead of once per event)")
     p.add_argument(
+        "--session",
+        help="one session and its forks: the spend split into tools and models, by tool and "
+        "model, and (with --policy) the session budget line",
+    )
+    add_option(p, "policy", "with --session: the policy whose session limits give the budget")
+    p.add_argument(
         "--by",
         help="group by these, comma-separated: user, tenant, tool, model, agent, day, hour, "
         "month, type",
@@ -50,7 +56,14 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.costs import Filter, breaker_trips, spend, summary
+    from ..projections.costs import (
+        Filter,
+        breaker_trips,
+        session_budget,
+        session_split,
+        spend,
+        summary,
+    )
     from ..windows import parse_period, parse_range
 
     start: datetime | None
@@ -63,11 +76,28 @@ def run(args: argparse.Namespace) -> int:
         start, end = parse_range(args.start, args.end)
     if args.top is not None and args.top < 1:
         raise InvalidInputError("--top", args.top, "at least 1")
-    flt = Filter(start, end, args.user, args.tenant, args.tool, args.model, args.limit)
+    policy = None
+    policy_spec = setting(args, "policy") if args.session is not None else None
+    if policy_spec is not None:
+        from ..policy_file import load_policy
+
+        policy = load_policy(policy_spec)  # a bad policy file is the error to see first
+    flt = Filter(
+        start, end, args.user, args.tenant, args.tool, args.model, args.limit, args.session
+    )
     # A period or --from/--to reads only those days' archive folders.
     con = open_ledger_from(args, since=start, until=end)
     try:
-        if args.by:
+        if args.session is not None and not args.by:
+            reports = [
+                summary(con, flt),
+                session_split(con, flt),
+                spend(con, ["tool"], flt, top=args.top),
+                spend(con, ["model"], flt, top=args.top),
+            ]
+            if policy is not None:
+                reports.append(session_budget(con, flt, policy))
+        elif args.by:
             by = [b.strip() for b in args.by.split(",") if b.strip()]
             reports = [spend(con, by, flt, top=args.top)]
         else:
@@ -96,8 +126,9 @@ def _json_rows(report: Any) -> list[dict[str, Any]]:
     out = []
     for row in report.rows:
         item = dict(zip(report.headers, row, strict=True))
-        if "usd_micros" in item:
-            item["usd"] = format_usd(int(item["usd_micros"]))
+        for h in report.money:
+            if h in item:
+                item[h.removesuffix("_micros")] = format_usd(int(item[h]))
         out.append(item)
     return out
 
@@ -108,7 +139,13 @@ def _print(report: Any) -> None:
 
     # Cache-token sums stay in --json: the table must fit a terminal.
     keep = [i for i, h in enumerate(report.headers) if h not in _JSON_ONLY]
-    headers = ["usd" if report.headers[i] == "usd_micros" else report.headers[i] for i in keep]
+    money = set(report.money)
+    headers = [
+        report.headers[i].removesuffix("_usd_micros").removesuffix("_micros")
+        if report.headers[i] in money
+        else report.headers[i]
+        for i in keep
+    ]
     numeric = [
         h
         for h in headers
@@ -125,6 +162,8 @@ def _print(report: Any) -> None:
             "month",
             "type",
             "breaker",
+            "kind",
+            "limit",
             "first",
             "last",
         )
@@ -133,7 +172,7 @@ def _print(report: Any) -> None:
     for row in report.rows:
         cells = []
         for h, v in ((report.headers[i], row[i]) for i in keep):
-            if h == "usd_micros":
+            if h in money:
                 cells.append(format_dollars(int(v)))
             elif isinstance(v, int):
                 cells.append(f"{v:,}")

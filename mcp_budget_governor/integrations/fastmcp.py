@@ -37,11 +37,29 @@ A tool's cost comes from two places:
   string keeps it exact) for USD limits, or ``cost`` an integer in the limits'
   unit (calls, tokens, USD micros). The price travels with the tool's listing,
   so an agent can see it before calling.
+- an estimate, for a hard cap: ``estimate_usd`` (dollars, a string: a float
+  is refused) or ``estimate`` in ``meta``, or the middleware's ``estimate=``
+  for tools that declare no cost at all, is reserved before the tool runs
+  (refused when it does not fit the room left, so concurrent calls cannot
+  all pass a check on the same last dollar) and settled after it to the
+  ``cost`` callback's charges, else the fixed price, else the estimate; a
+  failed or cancelled call settles to its fixed price, else its estimate::
+
+      @mcp.tool(meta={"mcpbg": {"estimate_usd": "0.05", "limit": "spend"}})
 - the ``cost`` callback, ``cost(context, result) -> {limit: amount} | None``
   (sync or async), called after a tool completes with its ``ToolResult``; its
   charges replace the ``meta`` price for that call, and None keeps it. A
   callback that raises or returns invalid charges is logged with the tool's
   name and the ``meta`` price is charged; the agent still gets the result.
+
+A limit with ``on_exceed=OnExceed.ASK`` that refuses a call makes the
+middleware ask the client's user, through MCP elicitation, whether this one
+call may go over it (``approval_timeout`` seconds to answer). Approved, the
+call is admitted and its ``admitted`` event names the limit in ``over`` and in
+``approved``; declined, unanswered, or a client that cannot elicit: the usual
+refusal. A breaker never asks. Elicitation needs the back-channel of the
+handshake-era protocol (a client connected with ``mode="legacy"``, or any
+pre-2026-07-28 client); a client on the 2026-07-28 protocol cannot be asked.
 
 Inside the tool and the callback,
 :func:`~mcp_budget_governor.integrations.flow.governed_context` is the
@@ -51,14 +69,18 @@ that meters more itself (``governor.meter_tokens(..., ctx=governed_context())``)
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
+import anyio
 import mcp_types as mt
 from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_access_token
+from fastmcp.server.elicitation import AcceptedElicitation
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import ToolResult
 
@@ -68,6 +90,7 @@ from mcp_budget_governor.errors import BudgetExceeded, InvalidInputError
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
+    fixed_charges,
     governed_call,
     identify_with,
     refusal_text,
@@ -76,7 +99,14 @@ from mcp_budget_governor.integrations.flow import (
 from mcp_budget_governor.money import Unit, check_amount, usd
 from mcp_budget_governor.policy import Policy
 
-__all__ = ["META_KEY", "PRICE_TTL", "BudgetMiddleware", "BudgetToolError", "tool_price"]
+__all__ = [
+    "META_KEY",
+    "PRICE_TTL",
+    "BudgetMiddleware",
+    "BudgetToolError",
+    "tool_estimate",
+    "tool_price",
+]
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -87,6 +117,7 @@ PRICE_TTL = 1.0
 """Seconds a tool's ``meta`` price is remembered between lookups."""
 
 Identify: TypeAlias = Callable[[MiddlewareContext[Any]], Context | Awaitable[Context | None] | None]
+SessionRoot: TypeAlias = Callable[[str], str | Awaitable[str | None] | None]
 Cost: TypeAlias = Callable[
     [MiddlewareContext[Any], ToolResult], Charges | Awaitable[Charges | None] | None
 ]
@@ -109,6 +140,14 @@ class BudgetMiddleware(Middleware):
     - ``governor``: the :class:`~mcp_budget_governor.Governor` to enforce.
     - ``identify``: who is calling (``context -> Context | None``, sync or async).
     - ``cost``: what a completed call cost (``(context, result) -> {limit: amount}``).
+    - ``estimate``: ``{limit: amount}`` reserved before every tool that declares
+      neither a price nor an estimate in its ``meta`` (a hard cap for tools of
+      unknown cost); None leaves them on the soft cap.
+    - ``session_root``: ``session -> root session | None`` (sync or async), for
+      callers whose ``identify`` names a session but not its root: a fork then
+      spends its root's session budget (a context naming its root keeps it).
+    - ``approval_timeout``: seconds the user has to answer an ``OnExceed.ASK``
+      approval (MCP elicitation); unanswered, the call is refused as usual.
     """
 
     def __init__(
@@ -116,6 +155,9 @@ class BudgetMiddleware(Middleware):
         governor: Governor,
         identify: Identify | None = None,
         cost: Cost | None = None,
+        estimate: Charges | None = None,
+        approval_timeout: float = 120.0,
+        session_root: SessionRoot | None = None,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
@@ -126,7 +168,12 @@ class BudgetMiddleware(Middleware):
         self.governor = governor
         self.identify = identify
         self.cost = cost
-        self._prices: dict[str, tuple[float, Charges | None]] = {}
+        self.estimate = fixed_charges(governor, estimate, "estimate")
+        self.approval_timeout = approval_timeout
+        if session_root is not None and not callable(session_root):
+            raise TypeError("BudgetMiddleware: session_root= must be callable (session -> root)")
+        self.session_root = session_root
+        self._prices: dict[str, tuple[float, Charges | None, Charges | None]] = {}
 
     async def on_call_tool(
         self,
@@ -137,7 +184,7 @@ class BudgetMiddleware(Middleware):
         name = context.message.name
         ctx = (await self._caller(context)).with_tool(name)
         try:
-            fixed = await self._meta_price(context, name)
+            fixed, estimate = await self._meta_price(context, name)
         except InvalidInputError as exc:
             # A server bug, not the caller's: the tool does not run unpriced,
             # and the agent gets a tool error rather than a protocol failure.
@@ -157,33 +204,76 @@ class BudgetMiddleware(Middleware):
                 lambda: call_next(context),
                 fixed=fixed,
                 priced=priced,
+                estimate=estimate,
+                ask=lambda decision: self._ask(context, decision),
             )
         except BudgetExceeded as exc:
             raise BudgetToolError(exc.decision) from None
 
+    async def _ask(self, context: MiddlewareContext[Any], decision: Decision) -> bool:
+        """Ask the client's user (MCP elicitation) whether this call may go over the
+        ``OnExceed.ASK`` limit that refused it; False for no, no answer in time, or a
+        client that cannot be asked."""
+        fc = context.fastmcp_context
+        if fc is None:
+            return False
+        tool = context.message.name
+        message = (
+            f"Budget {decision.limit!r} is spent ({decision.reason}). "
+            f"Allow this one call to {tool!r} to go over it?"
+        )
+        answer: Any = None
+        try:
+            with anyio.move_on_after(self.approval_timeout):
+                answer = await fc.elicit(message, bool, response_title="Go over budget")
+        except Exception as exc:  # the client cannot elicit: the normal refusal
+            log.info("tool %r: could not ask for approval over %r: %s", tool, decision.limit, exc)
+            return False
+        approved = isinstance(answer, AcceptedElicitation) and answer.data is True
+        log.info(
+            "tool %r: the user %s going over %r",
+            tool, "approved" if approved else "did not approve", decision.limit,
+        )  # fmt: skip
+        return approved
+
     async def _caller(self, context: MiddlewareContext[Any]) -> Context:
         if self.identify is not None:
-            return await identify_with(self.identify, context)
+            ctx = await identify_with(self.identify, context)
+            resolve = self.session_root
+            if resolve is not None and ctx.session is not None and ctx.session_root is None:
+                root = resolve(ctx.session)
+                if inspect.isawaitable(root):
+                    root = await root
+                if root is not None and root != ctx.session:
+                    ctx = dataclasses.replace(ctx, session_root=root)
+            return ctx
         user = user_of_token(get_access_token())
         return EMPTY if user is None else Context(user=user)
 
-    async def _meta_price(self, context: MiddlewareContext[Any], name: str) -> Charges | None:
+    async def _meta_price(
+        self, context: MiddlewareContext[Any], name: str
+    ) -> tuple[Charges | None, Charges | None]:
+        """The tool's (fixed price, estimate); the default estimate for a tool of unknown cost."""
         # Looking a tool up costs about as much as the Redis round trip of the
         # check, so a price is remembered for PRICE_TTL seconds: a tool
         # re-registered with a new price is charged it within that delay.
         now = time.monotonic()
         cached = self._prices.get(name)
         if cached is not None and cached[0] > now:
-            return cached[1]
+            return cached[1], cached[2]
         server = context.fastmcp_context.fastmcp if context.fastmcp_context else None
         if server is None:
-            return None
+            return None, self.estimate
         tool = await server.get_tool(name)
-        price = None if tool is None else tool_price(self.governor.policy, name, tool.meta)
+        price, estimate = (
+            (None, None) if tool is None else _tool_spec(self.governor.policy, name, tool.meta)
+        )
+        if price is None and estimate is None:
+            estimate = self.estimate
         if len(self._prices) >= 1024:  # names come from callers: keep the cache bounded
             self._prices.clear()
-        self._prices[name] = (now + PRICE_TTL, price)
-        return price
+        self._prices[name] = (now + PRICE_TTL, price, estimate)
+        return price, estimate
 
 
 def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Charges | None:
@@ -198,13 +288,35 @@ def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Cha
     >>> tool_price(p, "search", {"mcpbg": {"cost_usd": "0.01", "limit": "spend"}})
     {'spend': 10000}
     """
+    return _tool_spec(policy, tool, meta)[0]
+
+
+def tool_estimate(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Charges | None:
+    """The estimate a tool's ``meta`` declares (``estimate_usd`` dollars as a string,
+    or ``estimate`` in the limits' unit), validated like :func:`tool_price`.
+
+    >>> from mcp_budget_governor import Limit, Unit, Window, usd
+    >>> p = Policy.of(Limit("spend", cap=usd(5), window=Window.DAY, unit=Unit.USD_MICROS))
+    >>> tool_estimate(p, "browse", {"mcpbg": {"estimate_usd": "0.05", "limit": "spend"}})
+    {'spend': 50000}
+    """
+    return _tool_spec(policy, tool, meta)[1]
+
+
+_FIELDS = frozenset({"limit", "cost", "cost_usd", "estimate", "estimate_usd"})
+
+
+def _tool_spec(
+    policy: Policy, tool: str, meta: Mapping[str, Any] | None
+) -> tuple[Charges | None, Charges | None]:
+    """(fixed price, estimate) of a tool's ``meta``; either may be None."""
     if not meta or META_KEY not in meta:
-        return None
+        return None, None
     spec = meta[META_KEY]
     where = f"tool {tool!r} meta.{META_KEY}"
     if not isinstance(spec, Mapping):
         raise InvalidInputError(where, spec, 'expected {"limit": ..., "cost_usd": ...}')
-    unknown = set(spec) - {"limit", "cost", "cost_usd"}
+    unknown = set(spec) - _FIELDS
     if unknown:
         raise InvalidInputError(f"{where}.{sorted(unknown)[0]}", spec, "unknown field")
     names = spec.get("limit")
@@ -214,25 +326,46 @@ def tool_price(policy: Policy, tool: str, meta: Mapping[str, Any] | None) -> Cha
         raise InvalidInputError(
             f"{where}.limit", spec.get("limit"), "expected a limit name or a list"
         )
-    if ("cost" in spec) == ("cost_usd" in spec):
+    has_cost = "cost" in spec or "cost_usd" in spec
+    has_estimate = "estimate" in spec or "estimate_usd" in spec
+    if ("cost" in spec and "cost_usd" in spec) or not (has_cost or has_estimate):
         raise InvalidInputError(where, spec, "give exactly one of cost_usd (dollars) or cost")
-    out: dict[str, int] = {}
+    if "estimate" in spec and "estimate_usd" in spec:
+        raise InvalidInputError(
+            where, spec, "give exactly one of estimate_usd (dollars) or estimate"
+        )
     for limit_name in names:
         if limit_name not in policy:
             problem = f"no such limit (known: {', '.join(lim.name for lim in policy)})"
             raise InvalidInputError(f"{where}.limit", limit_name, problem)
+    price = _amounts(policy, spec, names, where, "cost") if has_cost else None
+    estimate = _amounts(policy, spec, names, where, "estimate") if has_estimate else None
+    return price, estimate
+
+
+def _amounts(
+    policy: Policy, spec: Mapping[str, Any], names: Sequence[str], where: str, kind: str
+) -> dict[str, int]:
+    """``{limit: amount}`` of ``kind`` (``cost`` or ``estimate``), dollars or units."""
+    dollars = f"{kind}_usd"
+    out: dict[str, int] = {}
+    for limit_name in names:
         lim = policy[limit_name]
-        if "cost_usd" in spec:
+        if dollars in spec:
+            value = spec[dollars]
             if lim.unit is not Unit.USD_MICROS:
                 raise InvalidInputError(
-                    f"{where}.cost_usd", spec["cost_usd"], f"limit {limit_name!r} counts {lim.unit}"
+                    f"{where}.{dollars}", value, f"limit {limit_name!r} counts {lim.unit}"
+                )
+            if kind == "estimate" and not isinstance(value, str):
+                # A float is not an exact amount of money: say it as a string.
+                raise InvalidInputError(
+                    f"{where}.{dollars}", value, 'expected dollars as a string, such as "0.05"'
                 )
             try:
-                out[limit_name] = usd(spec["cost_usd"])
+                out[limit_name] = usd(value)
             except InvalidInputError as exc:
-                raise InvalidInputError(
-                    f"{where}.cost_usd", spec["cost_usd"], exc.problem
-                ) from None
+                raise InvalidInputError(f"{where}.{dollars}", value, exc.problem) from None
         else:
-            out[limit_name] = check_amount(spec["cost"], f"{where}.cost")
+            out[limit_name] = check_amount(spec[kind], f"{where}.{kind}")
     return out

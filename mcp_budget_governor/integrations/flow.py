@@ -45,15 +45,16 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from datetime import UTC
 from typing import Any, TypeAlias, TypeVar
 
 from mcp_budget_governor.context import EMPTY, Context
-from mcp_budget_governor.decision import Decision
+from mcp_budget_governor.decision import EXCEEDED, Decision
 from mcp_budget_governor.errors import InvalidInputError
-from mcp_budget_governor.governor import Governor
+from mcp_budget_governor.governor import Governor, Reservation
+from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
 
@@ -79,6 +80,9 @@ Charges: TypeAlias = Mapping[str, int]
 
 PricedCost: TypeAlias = Callable[[Any], "Charges | Awaitable[Charges | None] | None"]
 
+Ask: TypeAlias = Callable[[Decision], Awaitable[bool]]
+"""Whether the user lets a call refused by an ``OnExceed.ASK`` limit go over it."""
+
 
 async def governed_call(
     governor: Governor | Recorder,
@@ -87,34 +91,114 @@ async def governed_call(
     *,
     fixed: Charges | None = None,
     priced: PricedCost | None = None,
+    estimate: Charges | None = None,
+    ask: Ask | None = None,
 ) -> R:
     """Check (a Governor only), run ``work``, meter what it cost; see the module docstring.
 
     A :class:`Recorder` has no counters: the work always runs and its cost is
     appended to the ledger. ``ctx`` is governed as given: integrations that
     identify callers pass it through :meth:`Governor.identified` first.
+
+    ``estimate`` (``{limit: amount}``, a Governor only) makes the call a hard
+    cap: each estimate is reserved before the work runs (refused when it does
+    not fit, so calls in flight cannot overshoot by more than their estimates'
+    error), and settled afterwards to what the call is charged; a limit the
+    charges do not name keeps its estimate.
+
+    ``ask(decision)`` (a Governor only) is asked when the check refuses by an
+    ``OnExceed.ASK`` limit: True admits the call over that limit (the ledger
+    records the approval), False refuses it as usual. A breaker never asks.
     """
+    held: list[Reservation] = []
     if isinstance(governor, Governor):
-        (await governor.check(ctx)).raise_for_status()
+        approved: list[str] = []
+        while True:
+            decision = await governor.check(ctx, approved=approved)
+            limit = None if ask is None else askable(governor, decision, approved)
+            if ask is None or limit is None or not await ask(decision):
+                break
+            approved.append(limit)  # a refused check charged nothing: check again
+        decision.raise_for_status()
+        if estimate:
+            estimate = {k: v for k, v in estimate.items() if k not in approved}
+        if estimate:
+            # After the check: a reservation that fills its limit to the cap
+            # exactly must not make that check refuse the very call it holds.
+            # A call refused here has used its call quota (the check admitted it).
+            held = await _reserve_all(governor, estimate, ctx)
     token = _current.set(ctx)
     try:
         try:
             result = await work()
         except asyncio.CancelledError:
-            if fixed:
+            if fixed or held:
                 try:
-                    await _to_the_end(meter_all(governor, fixed, ctx))
+                    await _to_the_end(_charge(governor, ctx, fixed, held))
                 except Exception:  # the cancellation goes on, whatever the charge met
                     log.exception("tool %r: charging the cancelled call failed", ctx.tool)
             raise
         except Exception:
-            if fixed:
-                await _to_the_end(meter_all(governor, fixed, ctx))
+            if fixed or held:
+                await _to_the_end(_charge(governor, ctx, fixed, held))
             raise
-        await _to_the_end(_settle(governor, ctx, result, fixed, priced))
+        await _to_the_end(_settle(governor, ctx, result, fixed, priced, held))
         return result
     finally:
         _current.reset(token)
+
+
+def askable(governor: Governor, decision: Decision, approved: Sequence[str]) -> str | None:
+    """The ``OnExceed.ASK`` limit whose refusal the user may wave through, else None:
+    never a breaker, an unnamed caller, unreachable counters or a full ledger."""
+    name = decision.limit
+    if decision.admitted or decision.degraded or name is None or name in approved:
+        return None
+    if not decision.reason.startswith(EXCEEDED):
+        return None
+    if name not in governor.policy:
+        return None
+    limit = governor.policy[name]
+    if limit.on_exceed is not OnExceed.ASK or limit.breaker:
+        return None
+    return name
+
+
+async def _reserve_all(governor: Governor, estimate: Charges, ctx: Context) -> list[Reservation]:
+    """Reserve every estimate, or none: a refusal returns those already held."""
+    held: list[Reservation] = []
+    try:
+        for limit, amount in _validated(governor, estimate).items():
+            held.append(await governor.reserve(limit, amount, ctx))
+    except BaseException:
+        for r in held:
+            r.release()
+        await _to_the_end(_settle_all(held, {}))
+        raise
+    return held
+
+
+async def _settle_all(held: Sequence[Reservation], charges: Charges) -> None:
+    for r in held:
+        if r.limit_name in charges:
+            r.actual = charges[r.limit_name]
+        await r.__aexit__(None, None, None)
+
+
+async def _charge(
+    governor: Governor | Recorder,
+    ctx: Context,
+    charges: Charges | None,
+    held: Sequence[Reservation],
+) -> None:
+    """Charge ``charges``: reserved limits settle to them (else keep their estimate),
+    the others are metered as one event."""
+    charges = charges or {}
+    await _settle_all(held, charges)
+    reserved = {r.limit_name for r in held}
+    rest = {limit: amount for limit, amount in charges.items() if limit not in reserved}
+    if rest:
+        await meter_all(governor, rest, ctx)
 
 
 async def _settle(
@@ -123,8 +207,9 @@ async def _settle(
     result: Any,
     fixed: Charges | None,
     priced: PricedCost | None,
+    held: Sequence[Reservation] = (),
 ) -> None:
-    """Meter a completed call: ``priced(result)`` when it gives valid charges, else ``fixed``."""
+    """Charge a completed call: ``priced(result)`` when it gives valid charges, else ``fixed``."""
     charges = fixed
     if priced is not None:
         try:
@@ -140,8 +225,8 @@ async def _settle(
                 "tool %r: its cost callback failed, so the call is charged %s: %s",
                 ctx.tool, price, exc,
             )  # fmt: skip
-    if charges:
-        await meter_all(governor, charges, ctx)
+    if charges or held:
+        await _charge(governor, ctx, charges, held)
 
 
 async def _to_the_end(step: Awaitable[None]) -> None:

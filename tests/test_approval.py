@@ -1,0 +1,160 @@
+"""Approval instead of refusal: ``OnExceed.ASK`` asks the MCP client's user.
+
+A real FastMCP server and a real FastMCP client with an elicitation handler
+(in-memory transport): accepted, the over-budget call runs and its admission
+is marked over in the ledger with the approval; declined, unanswered, or a
+client that cannot elicit, it is refused as usual. A breaker never asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from fastmcp import Client, FastMCP
+from fastmcp.exceptions import ToolError
+
+from mcp_budget_governor import (
+    Backend,
+    Context,
+    Governor,
+    Limit,
+    OnExceed,
+    Policy,
+    PolicyError,
+    Scope,
+    Window,
+)
+from mcp_budget_governor.events import encode, parse, to_entry
+from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware
+from mcp_budget_governor.ledger import EntryType
+from mcp_budget_governor.policy_file import loads
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+from mcp_budget_governor.stream.fastdecode import decode
+
+ANA = Context(user="ana")
+#: One instant for the whole run: no day boundary falls inside a test.
+NOW = time.time()
+
+
+def governed(backend: Backend, **middleware: Any) -> tuple[Governor, MemoryLedger, FastMCP]:
+    ledger = MemoryLedger()
+    gov = Governor(
+        Policy.of(
+            Limit("daily", cap=1, window=Window.DAY, scope=Scope.USER, on_exceed=OnExceed.ASK)
+        ),
+        backend,
+        ledger=ledger,
+        clock=lambda: NOW,
+    )
+    mcp = FastMCP("asking")
+    mcp.add_middleware(BudgetMiddleware(gov, identify=lambda c: ANA, **middleware))
+
+    @mcp.tool
+    async def search(q: str) -> str:
+        return f"results for {q}"
+
+    return gov, ledger, mcp
+
+
+def answering(action: str, value: bool = True) -> Any:
+    asked: list[str] = []
+
+    async def handler(message: str, response_type: Any, params: Any, context: Any) -> Any:
+        asked.append(message)
+        if action == "accept":
+            return response_type(value=value)
+        if action == "hang":
+            await asyncio.Event().wait()
+        from fastmcp.client.elicitation import ElicitResult
+
+        return ElicitResult(action=action)
+
+    handler.asked = asked  # type: ignore[attr-defined]
+    return handler
+
+
+async def test_an_accepted_approval_admits_the_call_marked_over(backend: Backend) -> None:
+    gov, ledger, mcp = governed(backend)
+    handler = answering("accept")
+    async with Client(mcp, mode="legacy", elicitation_handler=handler) as client:
+        await client.call_tool("search", {"q": "a"})  # within the cap: nobody is asked
+        assert handler.asked == []
+        result = await client.call_tool("search", {"q": "b"})
+    assert result.data == "results for b"
+    assert len(handler.asked) == 1 and "'daily'" in handler.asked[0]
+    assert await gov.usage("daily", ANA) == 2
+    kinds = [(e.type, e.over, e.approved) for e in ledger.entries]
+    assert kinds == [
+        (EntryType.ADMITTED, (), ()),
+        (EntryType.REJECTED, (), ()),  # the refusal that asked
+        (EntryType.ADMITTED, ("daily",), ("daily",)),
+    ]
+    # The approval survives the topic: the full parse keeps it, the fast path defers.
+    raw = encode(ledger.entries[-1], "test")
+    assert to_entry(parse(raw)).approved == ("daily",)
+    assert decode(raw, 0) is None
+
+
+@pytest.mark.parametrize("action", ["decline", "cancel"])
+async def test_a_declined_approval_refuses_as_usual(backend: Backend, action: str) -> None:
+    gov, ledger, mcp = governed(backend)
+    handler = answering(action)
+    async with Client(mcp, mode="legacy", elicitation_handler=handler) as client:
+        await client.call_tool("search", {"q": "a"})
+        with pytest.raises(ToolError, match="budget_exceeded:user/day"):
+            await client.call_tool("search", {"q": "b"})
+    assert len(handler.asked) == 1
+    assert await gov.usage("daily", ANA) == 1
+    assert [e.approved for e in ledger.entries] == [(), ()]
+
+
+async def test_answering_no_in_an_accepted_form_refuses(backend: Backend) -> None:
+    gov, _, mcp = governed(backend)
+    async with Client(mcp, mode="legacy", elicitation_handler=answering("accept", False)) as client:
+        await client.call_tool("search", {"q": "a"})
+        with pytest.raises(ToolError, match="budget_exceeded"):
+            await client.call_tool("search", {"q": "b"})
+    assert await gov.usage("daily", ANA) == 1
+
+
+async def test_an_unanswered_approval_times_out_into_the_refusal(backend: Backend) -> None:
+    gov, _, mcp = governed(backend, approval_timeout=0.2)
+    async with Client(mcp, mode="legacy", elicitation_handler=answering("hang")) as client:
+        await client.call_tool("search", {"q": "a"})
+        with pytest.raises(ToolError, match="budget_exceeded"):
+            await client.call_tool("search", {"q": "b"})
+    assert await gov.usage("daily", ANA) == 1
+
+
+@pytest.mark.parametrize(
+    "connect",
+    [
+        {"mode": "legacy"},  # no elicitation handler: the client declares no such capability
+        {"elicitation_handler": answering("accept")},  # the 2026-07-28 era has no back-channel
+    ],
+    ids=["no-handler", "modern-protocol"],
+)
+async def test_a_client_that_cannot_elicit_gets_the_normal_refusal(
+    backend: Backend, connect: dict[str, Any]
+) -> None:
+    gov, _, mcp = governed(backend)
+    async with Client(mcp, **connect) as client:
+        await client.call_tool("search", {"q": "a"})
+        with pytest.raises(ToolError, match="budget_exceeded:user/day"):
+            await client.call_tool("search", {"q": "b"})
+    assert await gov.usage("daily", ANA) == 1
+
+
+def test_a_breaker_cannot_ask() -> None:
+    with pytest.raises(PolicyError, match="on_exceed"):
+        Limit("trip", cap=1, window=Window.DAY, breaker=True, on_exceed=OnExceed.ASK)
+
+
+def test_the_policy_file_accepts_ask() -> None:
+    policy = loads(
+        '[[limits]]\nname = "daily"\ncap = 5\nwindow = "day"\nscope = "user"\non_exceed = "ask"\n'
+    )
+    assert policy["daily"].on_exceed is OnExceed.ASK
