@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .caps import Plan
 from .context import ANONYMOUS_USER, Context
 from .counters import Backend, ChargeResult
-from .decision import Decision, MeterResult
+from .decision import Decision, Lease, MeterResult
 from .errors import (
     BackendUnavailable,
     BackendUnavailableError,
@@ -33,7 +33,7 @@ from .errors import (
     UnknownModel,
     UnknownModelError,
 )
-from .governor import Governor, Reservation
+from .governor import Admission, Governor, Reservation
 from .ledger import Ledger, LedgerEntry
 from .limits import FailMode, Limit, OnExceed
 from .money import MAX_AMOUNT, Unit, format_usd, usd
@@ -70,6 +70,8 @@ __all__ = [
     "Context",
     "CounterOverflowError",
     "Decision",
+    "Lease",
+    "Admission",
     "FailMode",
     "Governor",
     "GovernorError",

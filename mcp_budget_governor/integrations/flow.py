@@ -94,8 +94,11 @@ async def governed_call(
     appended to the ledger. ``ctx`` is governed as given: integrations that
     identify callers pass it through :meth:`Governor.identified` first.
     """
-    if isinstance(governor, Governor):
-        (await governor.check(ctx)).raise_for_status()
+    # A Governor admits for the whole call: its concurrency-cap leases are
+    # renewed while the work runs and given back when it ends, however it ends.
+    admission = governor.admitted(ctx) if isinstance(governor, Governor) else None
+    if admission is not None:
+        (await admission.__aenter__()).raise_for_status()  # refused: no lease held
     token = _current.set(ctx)
     try:
         try:
@@ -115,6 +118,8 @@ async def governed_call(
         return result
     finally:
         _current.reset(token)
+        if admission is not None:
+            await _to_the_end(admission.__aexit__(None, None, None))
 
 
 async def _settle(
