@@ -126,10 +126,9 @@ class Limit:
                     f"{where}.unit", self.unit.value, "a concurrency cap is gated, never a breaker"
                 )
             if self.anchor_day is not None or self.anchors:
-                raise PolicyError(f"{where}.anchor_day", self.anchor_day, "no window, no billing day")
-        elif self.window is None:
-            raise PolicyError(f"{where}.window", None, "required (minute, hour, day, week, "
-                              "month or session)")  # fmt: skip
+                raise PolicyError(
+                    f"{where}.anchor_day", self.anchor_day, "no window, no billing day"
+                )
         else:
             set_(self, "window", _enum(Window, self.window, f"{where}.window"))
         set_(self, "fail_mode", _enum(FailMode, self.fail_mode, f"{where}.fail_mode"))
