@@ -130,6 +130,17 @@ def lease_key(limit: str, scope: str) -> str:
     return f"{LEASE_PREFIX}:{limit}:{scope}"
 
 
+def parse_lease_key(key: str) -> ParsedKey | None:
+    """Take a lease-set key apart (bucket ``lease``); None for anything else.
+
+    >>> parse_lease_key("mcpbg:v1:_lease:parallel:user=u_42").values
+    ('u_42',)
+    """
+    if not key.startswith(LEASE_PREFIX + ":"):
+        return None
+    return parse_key(f"{PREFIX}:{key[len(LEASE_PREFIX) + 1 :]}:lease")
+
+
 def op_key(op_id: str) -> str:
     """The marker key of an inline charge's operation id (see ``lua/charge.lua``)."""
     return f"{OP_PREFIX}:{op_id}"

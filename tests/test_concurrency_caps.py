@@ -256,3 +256,31 @@ async def test_100_concurrent_fastmcp_calls_against_cap_5(backend: Backend) -> N
     assert state["peak"] <= 5 and state["ran"] == ok
     assert ok >= 5 and ok + sum("user/concurrent" in a for a in answers) == 100
     assert await held(backend) == 0
+
+
+async def test_the_budgets_report_shows_calls_in_progress(backend: Backend) -> None:
+    from mcp_budget_governor.projections.budgets import budget_report, table_rows
+
+    burst = Limit("burst", cap=9, window=Window.MINUTE, scope=Scope.USER)
+    pol = Policy.of(parallel(cap=3, caps={"vip": 7}), burst)
+    gov = Governor(pol, backend)
+    decisions = [await gov.check(U1), await gov.check(U1), await gov.check(Context(user="vip"))]
+    for report in (
+        await budget_report(pol, backend),
+        await budget_report(pol, backend, user="u_1"),
+    ):
+        rows = {(r.name, r.values): r for r in report.rows}
+        mine = rows[("parallel", ("u_1",))]
+        assert (mine.spent, mine.cap, mine.remaining) == (2, 3, 1)
+        assert mine.as_json()["window"] == "concurrent"
+        assert mine.key == lease_key("parallel", "user=u_1")
+        assert rows[("burst", ("u_1",))].spent == 2
+        cells = dict(zip(("name", "scope", "key", "window", "period"), table_rows(report)[0]))
+        assert (cells["window"], cells["period"]) == ("concurrent", "in progress")
+    everyone = await budget_report(pol, backend)
+    vip = next(r for r in everyone.rows if r.values == ("vip",) and r.name == "parallel")
+    assert (vip.spent, vip.cap) == (1, 7)
+    for d in decisions:
+        await gov.release(d)
+    after = await budget_report(pol, backend)
+    assert all(r.name != "parallel" for r in after.rows)  # no call in progress, no row
