@@ -275,7 +275,9 @@ async def test_the_budgets_report_shows_calls_in_progress(backend: Backend) -> N
         assert mine.as_json()["window"] == "concurrent"
         assert mine.key == lease_key("parallel", "user=u_1")
         assert rows[("burst", ("u_1",))].spent == 2
-        cells = dict(zip(("name", "scope", "key", "window", "period"), table_rows(report)[0]))
+        cells = dict(
+            zip(("name", "scope", "key", "window", "period"), table_rows(report)[0], strict=False)
+        )
         assert (cells["window"], cells["period"]) == ("concurrent", "in progress")
     everyone = await budget_report(pol, backend)
     vip = next(r for r in everyone.rows if r.values == ("vip",) and r.name == "parallel")
