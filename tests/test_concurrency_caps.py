@@ -286,3 +286,29 @@ async def test_the_budgets_report_shows_calls_in_progress(backend: Backend) -> N
         await gov.release(d)
     after = await budget_report(pol, backend)
     assert all(r.name != "parallel" for r in after.rows)  # no call in progress, no row
+
+
+def test_a_policy_file_declares_a_concurrency_cap_without_a_window() -> None:
+    from mcp_budget_governor.policy_file import PolicyFileError, loads
+
+    pol = loads('[[limits]]\nname = "parallel"\ncap = 5\nscope = "user"\nunit = "concurrent"\n')
+    assert pol["parallel"].concurrent and pol["parallel"].window is None
+    with pytest.raises(PolicyFileError, match=r"limits\[0\]\.window.*no window"):
+        loads('[[limits]]\nname = "p"\ncap = 5\nunit = "concurrent"\nwindow = "day"\n')
+
+
+async def test_unreachable_counters_follow_the_fail_mode() -> None:
+    dead = RedisBackend.from_url("redis://127.0.0.1:1/0", timeout=0.2)
+    try:
+        gov = Governor(Policy.of(parallel(cap=2)), dead)
+        first, second, third = [await gov.check(U1) for _ in range(3)]
+        # Fail-open: the per-replica fallback holds the cap and its leases.
+        assert first.admitted and first.degraded and second.admitted
+        assert third.limit == "parallel" and third.degraded
+        await gov.release(first)  # the shared store is down: never raises
+        assert (await gov.check(U1)).admitted
+        closed = Governor(Policy.of(parallel(cap=2, fail_mode="closed")), dead)
+        refused = await closed.check(U1)
+        assert refused.status == 503 and refused.reason == "budget_unavailable:user/concurrent"
+    finally:
+        await dead.aclose()
