@@ -223,6 +223,9 @@ class Governor(Metering[MeterResult]):
         """What ``limit`` has counted in the current window for ``ctx`` (committed + in-flight)."""
         s = self._read_slot(limit, ctx or EMPTY)
         await self._flush_pending()
+        if s.limit.concurrent:  # a concurrency cap: its calls in progress
+            (held,) = await self.backend.in_progress([s.key])  # type: ignore[attr-defined]
+            return int(held)
         (total,) = await self.backend.usage([s.key])
         return total
 
@@ -235,6 +238,8 @@ class Governor(Metering[MeterResult]):
         fallback (not tripped without one).
         """
         s = self._read_slot(limit, ctx or EMPTY)
+        if s.limit.concurrent:  # full: the next call is refused
+            return not fits(await self.usage(limit, ctx), 1, s.limit.cap)
         (total,) = await self._read((s,))
         return total is not None and not fits(total, 0, s.limit.cap)
 

@@ -145,6 +145,7 @@ async def test_all_or_nothing_with_the_other_limits(backend: Backend) -> None:
     # Refused by the concurrency cap: the burst counter is not charged.
     second = await gov.check(U1)
     assert second.limit == "parallel" and await gov.usage("burst", U1) == 1
+    assert await gov.usage("parallel", U1) == 1 and await gov.is_tripped("parallel", U1)
     await gov.release(first)
     await gov.release(first)  # twice: nothing more happens
     third = await gov.check(U1)
