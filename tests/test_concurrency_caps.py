@@ -254,7 +254,7 @@ async def test_100_concurrent_fastmcp_calls_against_cap_5(backend: Backend) -> N
     async with Client(mcp) as client:
         answers = await asyncio.gather(*(one(client) for _ in range(100)))
     ok = answers.count("ok")
-    assert state["peak"] <= 5 and state["ran"] == ok
+    assert 1 < state["peak"] <= 5 and state["ran"] == ok  # calls did overlap
     assert ok >= 5 and ok + sum("user/concurrent" in a for a in answers) == 100
     assert await held(backend) == 0
 
