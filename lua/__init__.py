@@ -12,7 +12,7 @@ from importlib.resources import files
 if __name__ != "mcp_budget_governor.lua":  # one name per module (README, Layout)
     raise ImportError("import mcp_budget_governor.lua, not lua")
 
-SCRIPTS = ("charge", "apply", "usage", "rewrite", "change")
+SCRIPTS = ("charge", "apply", "usage", "rewrite", "change", "lease")
 
 
 @cache

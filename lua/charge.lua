@@ -8,6 +8,9 @@
 --              empty counters); 'u' to reply with every counter's total;
 --              'o' when the next key is the marker of operation ARGV[1]
 --              'c' when each counter's effective cap is resolved here (caps.py)
+--              'l' when some counters are lease sets (keys.lease_key): then
+--              ARGV[3] is the lease id, ARGV[4] its time to live (ms), and the
+--              counters' arguments start at ARGV[5]
 -- ARGV[3..]    per counter: amount, cap, enforce ('1' may refuse), expire_at;
 --              flagged 'c', one more: the scope field ('' for none), then only
 --              when the policy has them, space-separated: the policy's value cap
@@ -29,6 +32,11 @@
 -- {-2, i} when counter i is outside the exact range, or an admitted charge would take it out
 -- (stays_exact; nothing was written). used holds
 -- each counter's total before the charge.
+--
+-- A lease set (a concurrency cap) counts its live leases: expired ones are
+-- pruned (ZREMRANGEBYSCORE up to Redis' TIME), the rest counted (ZCARD) and
+-- compared with the cap like any counter (amount 1); admitted, the lease id is
+-- added scored by its expiry. No grant, no in-flight part, nothing for the ledger.
 --
 -- An operation marker makes an inline charge idempotent: a charge replayed
 -- after its reply came too late finds the marker and changes nothing ({0}).
@@ -57,6 +65,13 @@ end
 local inline = event_id == ''
 local resolve = string.find(flags, 'c', 1, true) ~= nil
 local width = resolve and 5 or 4
+local off = 3
+local lease_id, lease_until = nil, 0
+if string.find(flags, 'l', 1, true) then
+  lease_id = ARGV[3]
+  lease_until = now_ms() + tonumber(ARGV[4])
+  off = 5
+end
 
 -- Exactness first (a counter read inexactly cannot be compared), then the
 -- refusal, then whether the admitted amounts keep every counter exact.
@@ -66,10 +81,16 @@ local result = {0}
 local refused = 0
 local cs, fs, caps = {}, {}, {}
 for i = 1, n do
-  local base = 3 + (i - 1) * width
-  local c, f, g = parts_and_grant(KEYS[first + i - 1])
-  if not stays_exact(c, f, 0, inline) then
-    return {-2, i}
+  local base = off + (i - 1) * width
+  local key = KEYS[first + i - 1]
+  local c, f, g
+  if lease_id and is_lease(key) then
+    c, f, g = live_leases(key), 0, 0
+  else
+    c, f, g = parts_and_grant(key)
+    if not stays_exact(c, f, 0, inline) then
+      return {-2, i}
+    end
   end
   cs[i], fs[i] = c, f
   local used = c + f
@@ -107,17 +128,21 @@ if refused > 0 then
   return result
 end
 for i = 1, n do
-  if not stays_exact(cs[i], fs[i], tonumber(ARGV[3 + (i - 1) * width]), inline) then
+  if not (lease_id and is_lease(KEYS[first + i - 1]))
+      and not stays_exact(cs[i], fs[i], tonumber(ARGV[off + (i - 1) * width]), inline) then
     return {-2, i}
   end
 end
 
 local wrote = false
 for i = 1, n do
-  local base = 3 + (i - 1) * width
+  local base = off + (i - 1) * width
   local amount = ARGV[base]
-  if amount ~= '0' then
-    add(KEYS[first + i - 1], amount, event_id, ARGV[base + 3])
+  local key = KEYS[first + i - 1]
+  if lease_id and is_lease(key) then
+    take_lease(key, lease_id, lease_until)
+  elseif amount ~= '0' then
+    add(key, amount, event_id, ARGV[base + 3])
     wrote = true
   end
 end

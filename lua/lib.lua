@@ -134,3 +134,33 @@ local function apply_change(kind, key, field, amount, untl, plan, why, now)
     redis.call('EXPIREAT', key, untl)
   end
 end
+
+-- Leases (concurrency caps): a sorted set per cap and scope value
+-- (mcpbg:v1:_lease:<limit>:<scope>), member the lease id, score its expiry in
+-- epoch milliseconds of Redis' own clock, so replicas with skewed clocks agree.
+local LEASE_PREFIX = 'mcpbg:v1:_lease:'
+
+local function is_lease(key)
+  return string.sub(key, 1, #LEASE_PREFIX) == LEASE_PREFIX
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The leases still alive: the expired ones (a process that died holding them)
+-- are dropped first.
+local function live_leases(key)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%.0f', now_ms()))
+  return redis.call('ZCARD', key)
+end
+
+-- Take (or renew) a lease until 'until' (ms); the set lives as long as its
+-- last lease, so an abandoned set disappears by itself.
+local function take_lease(key, lease_id, until_ms)
+  local score = string.format('%.0f', until_ms)
+  redis.call('ZADD', key, score, lease_id)
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIREAT', key, string.format('%.0f', tonumber(last[2])))
+end

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .caps import Plan
 from .context import ANONYMOUS_USER, Context
 from .counters import Backend, ChargeResult
-from .decision import Decision, MeterResult
+from .decision import Decision, Lease, MeterResult
 from .errors import (
     BackendUnavailable,
     BackendUnavailableError,
@@ -33,7 +33,7 @@ from .errors import (
     UnknownModel,
     UnknownModelError,
 )
-from .governor import Governor, Reservation
+from .governor import Admission, Governor, Reservation
 from .ledger import Ledger, LedgerEntry
 from .limits import FailMode, Limit, OnExceed
 from .money import MAX_AMOUNT, Unit, format_usd, usd
@@ -59,6 +59,7 @@ __all__ = [
     "BUILTIN_AS_OF",
     "MAX_AMOUNT",
     "AccumulateResult",
+    "Admission",
     "Anonymous",
     "Backend",
     "BackendUnavailable",
@@ -74,6 +75,7 @@ __all__ = [
     "Governor",
     "GovernorError",
     "InvalidInputError",
+    "Lease",
     "Ledger",
     "LedgerEntry",
     "Limit",

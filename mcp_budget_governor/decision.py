@@ -23,6 +23,16 @@ def _no_headroom() -> Mapping[str, int]:
 
 
 @dataclass(frozen=True, slots=True)
+class Lease:
+    """The slots an admitted call holds on concurrency caps: lease ``id`` in each
+    lease set of ``keys`` (``keys.lease_key``), given back by
+    :meth:`Governor.release` (``Governor.admitted`` does it on exit)."""
+
+    id: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """Admit or refuse, and why.
 
@@ -39,6 +49,8 @@ class Decision:
     - ``remaining``: per limit the check read (gated limits and breakers),
       what can still be charged before it is exhausted, after this call's
       charge; empty when no counter answered. Not part of equality.
+    - ``lease``: the concurrency-cap leases an admitted call holds (None when
+      the policy has no concurrency cap for it). Not part of equality.
     """
 
     admitted: bool
@@ -50,6 +62,7 @@ class Decision:
     over: tuple[str, ...] = field(default=())
     degraded: bool = False
     remaining: Mapping[str, int] = field(default_factory=_no_headroom, compare=False)
+    lease: Lease | None = field(default=None, compare=False)
 
     @property
     def allowed(self) -> bool:

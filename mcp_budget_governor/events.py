@@ -36,6 +36,7 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -102,6 +103,14 @@ class Charge(_Model):
     bucket: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     key: Annotated[str, StringConstraints(pattern=f"^{PREFIX}:")]
     expire_at: Annotated[int, Field(strict=True, gt=0)]
+
+    @field_validator("unit")
+    @classmethod
+    def _spend(cls, unit: Unit) -> Unit:
+        # A concurrency cap's leases never reach the ledger: no governor writes this.
+        if unit is Unit.CONCURRENT:
+            raise ValueError("a concurrency cap holds leases, never ledger charges")
+        return unit
 
 
 class Tokens(_Model):

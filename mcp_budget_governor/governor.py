@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -26,7 +28,7 @@ from . import admin, planning
 from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
-from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
+from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
     BackendUnavailableError,
     BudgetExceeded,
@@ -56,6 +58,9 @@ class Governor(Metering[MeterResult]):
     - ``prices``: needed by :meth:`meter_tokens` on USD limits.
     - ``retry_interval``: after the backend fails, how long (seconds) to use
       the fail modes before trying it again.
+    - ``lease_ttl``: how long (seconds) a concurrency-cap lease outlives a
+      process that died holding it; :meth:`admitted` renews a running call's
+      lease every third of it.
     """
 
     def __init__(
@@ -68,9 +73,17 @@ class Governor(Metering[MeterResult]):
         clock: Callable[[], float] = time.time,
         retry_interval: float = 1.0,
         max_pending: int = 100_000,
+        lease_ttl: float = 30.0,
     ) -> None:
         if not isinstance(policy, Policy):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
+        if (
+            isinstance(lease_ttl, bool)
+            or not isinstance(lease_ttl, int | float)
+            or not 0.01 <= lease_ttl <= 86_400
+        ):
+            raise InvalidInputError("lease_ttl", lease_ttl, "expected seconds from 0.01 to 86400")
+        self.lease_ttl = float(lease_ttl)
         from mcp_budget_governor.projections.counters.memory import MemoryBackend
 
         self.policy = policy
@@ -145,6 +158,44 @@ class Governor(Metering[MeterResult]):
                 )
         return frozenset(approved)
 
+    def admitted(
+        self, ctx: Context | None = None, *, amount: int = 1, approved: Sequence[str] = ()
+    ) -> Admission:
+        """:meth:`check` for the duration of a block: concurrency-cap leases the call
+        takes are renewed while it runs and given back on exit, however it ends.
+
+        ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
+        (a refused decision holds no lease).
+        """
+        return Admission(self, ctx, amount, approved)
+
+    async def release(self, decision: Decision) -> None:
+        """Give back the concurrency-cap leases of an admitted ``decision`` (from
+        :meth:`check`); a no-op without leases or when given back already. Never
+        raises for unreachable counters: the lease then expires after ``lease_ttl``."""
+        lease = decision.lease
+        if lease is None:
+            return
+        await self._fallback.release(lease.keys, lease.id)
+        try:
+            await self.backend.release(lease.keys, lease.id)  # type: ignore[attr-defined]
+        except BackendUnavailableError:
+            log.warning("leases %s not given back (counters unreachable): expire in %.0fs",
+                        lease.id, self.lease_ttl)  # fmt: skip
+
+    async def renew(self, decision: Decision) -> bool:
+        """Extend the leases of ``decision`` by ``lease_ttl`` from now; False when one
+        had already expired (its slot may belong to another call now)."""
+        lease = decision.lease
+        if lease is None:
+            return True
+        await self._fallback.renew(lease.keys, lease.id, self.lease_ttl)
+        try:
+            n = await self.backend.renew(lease.keys, lease.id, self.lease_ttl)  # type: ignore[attr-defined]
+        except BackendUnavailableError:
+            return False
+        return int(n) == len(lease.keys)
+
     async def identified(self, ctx: Context) -> Context:
         """:meth:`Policy.identified` for a caller, with a refusal recorded in the ledger.
 
@@ -171,7 +222,10 @@ class Governor(Metering[MeterResult]):
         Entering raises :class:`BudgetExceeded` when the estimate does not fit.
         """
         return Reservation(
-            self, self.policy[limit], check_amount(estimate, "estimate"), ctx or EMPTY
+            self,
+            planning.metered_limit(self.policy, limit),
+            check_amount(estimate, "estimate"),
+            ctx or EMPTY,
         )
 
     async def reserve(self, limit: str, estimate: int, ctx: Context | None = None) -> Reservation:
@@ -190,6 +244,9 @@ class Governor(Metering[MeterResult]):
         """What ``limit`` has counted in the current window for ``ctx`` (committed + in-flight)."""
         s = self._read_slot(limit, ctx or EMPTY)
         await self._flush_pending()
+        if s.limit.concurrent:  # a concurrency cap: its calls in progress
+            (held,) = await self.backend.in_progress([s.key])  # type: ignore[attr-defined]
+            return int(held)
         (total,) = await self.backend.usage([s.key])
         return total
 
@@ -202,6 +259,8 @@ class Governor(Metering[MeterResult]):
         fallback (not tripped without one).
         """
         s = self._read_slot(limit, ctx or EMPTY)
+        if s.limit.concurrent:  # full: the next call is refused
+            return not fits(await self.usage(limit, ctx), 1, s.limit.cap)
         (total,) = await self._read((s,))
         return total is not None and not fits(total, 0, s.limit.cap)
 
@@ -217,14 +276,30 @@ class Governor(Metering[MeterResult]):
         ctx = ctx or EMPTY
         now = self._clock()
         tz = self.policy.tz
-        slots = [
+        every = [
             s
             for lim in self.policy.limits
             if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False, policy=self.policy))
             is not None
         ]
+        slots = [s for s in every if not s.limit.concurrent]
         totals = await self._read(slots) if slots else []
         report: dict[str, dict[str, int | bool | None]] = {}
+        leases = [s for s in every if s.limit.concurrent]
+        if leases:
+            try:
+                held = await self.backend.in_progress([s.key for s in leases])  # type: ignore[attr-defined]
+            except BackendUnavailableError:
+                held = None
+            for s, n in zip(leases, held or (), strict=False):
+                cap = s.limit.cap
+                report[s.limit.name] = {
+                    "total": n,
+                    "cap": cap,
+                    "remaining": max(cap - n, 0),
+                    "exceeded": not fits(n, 1, cap),
+                    "resets_in": None,
+                }
         for s, total in zip(slots, totals, strict=True):
             if total is None:
                 continue
@@ -394,16 +469,21 @@ class Governor(Metering[MeterResult]):
             return planning.ledger_full(self._retry_interval), None
         event_id = new_id() if self.ledger is not None else None
         op_id = None if event_id is not None else new_id()
+        lease = new_id() if plan.leases else None
         try:
             # The totals come back in the same reply: they give Decision.remaining.
-            result = await self._charge(plan.ops, event_id, want_used=True, op_id=op_id)
+            result = await self._charge(
+                plan.ops, event_id, want_used=True, op_id=op_id, lease=lease
+            )
         except BackendUnavailableError:
-            decision = await self._degraded_check(plan.slots, now, op_id)
+            decision = await self._degraded_check(plan.slots, now, op_id, lease)
         else:
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
                 decision = self._decide(plan.slots, result, now)
+        if lease is not None and decision.admitted:
+            decision = dataclasses.replace(decision, lease=Lease(lease, plan.leases))
         if self.ledger is not None and event_id is not None:
             # Built here, positionally: once per call, and keyword passing through
             # _append cost more than the entry itself.
@@ -458,12 +538,18 @@ class Governor(Metering[MeterResult]):
         *,
         want_used: bool = True,
         op_id: str | None = None,
+        lease: str | None = None,
     ) -> ChargeResult:
         if self._down_until:
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
             await self._flush_pending()
         try:
+            if lease is not None:  # only a policy with concurrency caps needs leases
+                return await self.backend.charge(  # type: ignore[call-arg]
+                    ops, event_id=event_id, want_used=want_used, op_id=op_id,
+                    lease=lease, lease_ttl=self.lease_ttl,
+                )  # fmt: skip
             if op_id is None:  # ledger mode: a Backend predating op_id works as before
                 return await self.backend.charge(ops, event_id=event_id, want_used=want_used)
             return await self.backend.charge(
@@ -500,7 +586,9 @@ class Governor(Metering[MeterResult]):
         if self.ledger is not None or op_id is None:
             return  # the ledger carries them; the projection will count them
         ops = tuple(
-            CounterOp(s.key, s.amount, s.limit.cap, False, s.expire_at) for s in slots if s.amount
+            CounterOp(s.key, s.amount, s.limit.cap, False, s.expire_at)
+            for s in slots
+            if s.amount and not s.limit.concurrent  # a lease is not spend to replay
         )
         if not ops:
             return
@@ -510,13 +598,15 @@ class Governor(Metering[MeterResult]):
         self._pending.append((op_id, ops))
 
     async def _degraded_check(
-        self, slots: Sequence[Slot], now: float, op_id: str | None
+        self, slots: Sequence[Slot], now: float, op_id: str | None, lease: str | None = None
     ) -> Decision:
         for s in slots:
             if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
                 return planning.unavailable(s, self._retry_interval)
         local = [s for s in slots if _local(s.limit)]
-        result = await self._fallback.charge([s.op for s in local])
+        result = await self._fallback.charge(
+            [s.op for s in local], lease=lease, lease_ttl=self.lease_ttl
+        )
         if not result.admitted:
             remaining = planning.headroom(local, result.used, charged=False)
             return planning.refused(local[result.refused], now, degraded=True, remaining=remaining)
@@ -601,6 +691,57 @@ class Governor(Metering[MeterResult]):
 
 def _local(limit: Limit) -> bool:
     return limit.fail_mode is FailMode.OPEN and limit.local_fallback
+
+
+class Admission:
+    """A call admitted for the duration of a block; see :meth:`Governor.admitted`.
+
+    Entering checks (the decision is what ``check()`` returns: refused or
+    admitted, never raising for a refusal); while the block runs a task renews
+    the call's concurrency-cap leases every third of ``lease_ttl``; exiting gives
+    them back, on success, exception and cancellation alike.
+    """
+
+    def __init__(
+        self, gov: Governor, ctx: Context | None, amount: int, approved: Sequence[str] = ()
+    ) -> None:
+        self._gov = gov
+        self._ctx = ctx
+        self._amount = amount
+        self._approved = tuple(approved)
+        self.decision: Decision | None = None
+        self._renewer: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Decision:
+        decision = await self._gov.check(self._ctx, amount=self._amount, approved=self._approved)
+        self.decision = decision
+        if decision.lease is not None:
+            self._renewer = asyncio.ensure_future(self._renew(decision))
+        return decision
+
+    async def _renew(self, decision: Decision) -> None:
+        gov = self._gov
+        while True:
+            await asyncio.sleep(gov.lease_ttl / 3)
+            try:
+                if not await gov.renew(decision):
+                    log.warning("lease %s expired before its call ended", decision.lease)
+            except Exception:  # a failed renewal must not end the call
+                log.exception("renewing lease %s failed", decision.lease)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.cancel()
+        if self.decision is not None:
+            decision, self.decision = self.decision, None
+            # Shielded: a cancelled call still gives its slot back at once.
+            await asyncio.shield(self._gov.release(decision))
 
 
 class Reservation:

@@ -115,6 +115,32 @@ OP_PREFIX = f"{PREFIX}:_op"
 OP_HORIZON_SECONDS = 900
 
 
+#: The sorted set of one concurrency cap's leases for one scope value:
+#: ``mcpbg:v1:_lease:<limit>:<scope>``, member the lease id, score its expiry
+#: (epoch milliseconds). Internal (``_``): never a counter, never on the ledger.
+LEASE_PREFIX = f"{PREFIX}:_lease"
+
+
+def lease_key(limit: str, scope: str) -> str:
+    """The key of the leases of concurrency cap ``limit`` for one scope value.
+
+    >>> lease_key("parallel", "user=u_42")
+    'mcpbg:v1:_lease:parallel:user=u_42'
+    """
+    return f"{LEASE_PREFIX}:{limit}:{scope}"
+
+
+def parse_lease_key(key: str) -> ParsedKey | None:
+    """Take a lease-set key apart (bucket ``lease``); None for anything else.
+
+    >>> parse_lease_key("mcpbg:v1:_lease:parallel:user=u_42").values
+    ('u_42',)
+    """
+    if not key.startswith(LEASE_PREFIX + ":"):
+        return None
+    return parse_key(f"{PREFIX}:{key[len(LEASE_PREFIX) + 1 :]}:lease")
+
+
 def op_key(op_id: str) -> str:
     """The marker key of an inline charge's operation id (see ``lua/charge.lua``)."""
     return f"{OP_PREFIX}:{op_id}"

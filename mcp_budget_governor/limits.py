@@ -81,7 +81,8 @@ class Limit:
 
     name: str
     cap: int
-    window: Window
+    #: None only for a concurrency cap (``unit=Unit.CONCURRENT``), which has no window.
+    window: Window = None  # type: ignore[assignment]
     scope: Any = None
     unit: Unit = Unit.CALLS
     breaker: bool = False
@@ -115,8 +116,26 @@ class Limit:
         if cap > MAX_AMOUNT:
             raise PolicyError(f"{where}.cap", cap, f"exceeds the largest amount ({MAX_AMOUNT})")
         set_ = object.__setattr__
-        set_(self, "window", _enum(Window, self.window, f"{where}.window"))
         set_(self, "unit", _enum(Unit, self.unit, f"{where}.unit"))
+        if self.unit is Unit.CONCURRENT:
+            # Calls in progress are counted now, not per period: a window would
+            # be silently inert, so giving one is an error.
+            if self.window is not None:
+                raise PolicyError(
+                    f"{where}.window",
+                    self.window,
+                    "a concurrency cap counts calls in progress and has no window: omit it",
+                )
+            if self.breaker or not self.gated:
+                raise PolicyError(
+                    f"{where}.unit", self.unit.value, "a concurrency cap is gated, never a breaker"
+                )
+            if self.anchor_day is not None or self.anchors:
+                raise PolicyError(
+                    f"{where}.anchor_day", self.anchor_day, "no window, no billing day"
+                )
+        else:
+            set_(self, "window", _enum(Window, self.window, f"{where}.window"))
         set_(self, "fail_mode", _enum(FailMode, self.fail_mode, f"{where}.fail_mode"))
         set_(self, "on_exceed", _enum(OnExceed, self.on_exceed, f"{where}.on_exceed"))
         dims: Dimensions = normalize_scope(self.scope, f"{where}.scope")
@@ -182,6 +201,16 @@ class Limit:
     def scope_label(self) -> str:
         """``user``, ``tenant+tool`` or ``global``: how refusals name the scope."""
         return "+".join(d.value for d in self.dimensions) or "global"
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether this is a concurrency cap: leases on calls in progress, no window."""
+        return self.unit is Unit.CONCURRENT
+
+    @property
+    def window_label(self) -> str:
+        """``day``, ``minute``... or ``concurrent`` (a concurrency cap): refusals and reports."""
+        return Unit.CONCURRENT.value if self.window is None else self.window.value
 
     @property
     def refusal_status(self) -> int:

@@ -28,6 +28,8 @@ class Unit(StrEnum):
     CALLS = "calls"
     TOKENS = "tokens"
     USD_MICROS = "usd_micros"
+    #: Calls in progress (a concurrency cap: leases, not spend; no window).
+    CONCURRENT = "concurrent"
 
 
 def to_decimal(value: Any, field: str) -> Decimal:

@@ -24,13 +24,16 @@ from .decision import (
     at,
 )
 from .errors import GovernorError, InvalidInputError
-from .keys import counter_key, escape, scope_segment
+from .keys import counter_key, escape, lease_key, scope_segment
 from .ledger import LedgerCharge, TokenUsage
 from .limits import Limit, OnExceed
 from .money import Unit, check_amount
 from .policy import Policy
 from .scopes import scope_values
 from .windows import Bucket, bucket_for
+
+#: The bucket of a concurrency cap's leases: no period, no end.
+LEASE_BUCKET = Bucket("lease", None, None)
 
 if TYPE_CHECKING:
     from .prices import PriceTable
@@ -83,6 +86,12 @@ def slot(
     values = scope_values(dims, ctx)
     if values is None:
         return None
+    if limit.concurrent:
+        # One lease per call in progress; the script prunes expired leases, so
+        # the key needs no expiry of its own here.
+        segment = scope_segment(dims, values)
+        ref = cap_ref(policy, limit, segment, values) if policy is not None else None
+        return Slot(limit, lease_key(limit.name, segment), LEASE_BUCKET, 1, enforce, 0, ref)
     bucket = bucket_for(limit.window, now, tz, limit.anchor_for(values))
     segment = scope_segment(dims, values)
     key = counter_key(limit.name, segment, bucket.label)
@@ -120,7 +129,17 @@ def named_limits(policy: Policy, limit: str | Sequence[str]) -> tuple[Limit, ...
         raise InvalidInputError("limit", limit, "name at least one limit")
     if len(set(names)) != len(names):
         raise InvalidInputError("limit", limit, "names a limit twice")
-    return tuple(policy[name] for name in names)
+    return tuple(metered_limit(policy, name) for name in names)
+
+
+def metered_limit(policy: Policy, name: str) -> Limit:
+    """The limit ``name`` as something a meter, reserve or settle may charge."""
+    lim = policy[name]
+    if lim.concurrent:
+        raise InvalidInputError(
+            "limit", name, "is a concurrency cap: it holds calls in progress, nothing is metered"
+        )
+    return lim
 
 
 def meter_slots(
@@ -159,7 +178,7 @@ def charge_pairs(policy: Policy, charges: Mapping[str, int]) -> list[tuple[Limit
     if not isinstance(charges, Mapping):
         raise InvalidInputError("charges", charges, "expected a mapping of limit name -> amount")
     return [
-        (policy[name], check_amount(amount, f"charges[{name!r}]"))
+        (metered_limit(policy, name), check_amount(amount, f"charges[{name!r}]"))
         for name, amount in charges.items()
     ]
 
@@ -235,6 +254,8 @@ class Plan:
     shadow: bool
     charges: tuple[LedgerCharge, ...]
     room: tuple[tuple[str, int], ...] = ()
+    #: The lease sets of the concurrency caps the call takes a slot of.
+    leases: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, slots: Sequence[Slot]) -> Plan:
@@ -246,6 +267,7 @@ class Plan:
             any(not s.enforce for s in slots),
             ledger_charges(slots),
             tuple((s.limit.name, s.limit.cap - s.amount) for s in slots),
+            tuple(s.key for s in slots if s.limit.concurrent),
         )
 
 
@@ -259,8 +281,9 @@ def check_plan(
 
 
 def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:
-    """What the ledger records of these slots: every non-zero amount."""
-    return tuple(s.ledger_charge() for s in slots if s.amount)
+    """What the ledger records of these slots: every non-zero amount. Leases are not
+    spend (they are given back at the end of the call): they never reach the ledger."""
+    return tuple(s.ledger_charge() for s in slots if s.amount and not s.limit.concurrent)
 
 
 def check_slots(
@@ -290,7 +313,7 @@ def enforces(limit: Limit) -> bool:
 
 def reason(limit: Limit, prefix: str = EXCEEDED) -> str:
     """``budget_exceeded:user/day``: what an agent reads in a refusal."""
-    return f"{prefix}:{limit.scope_label}/{limit.window.value}"
+    return f"{prefix}:{limit.scope_label}/{limit.window_label}"
 
 
 def headroom(
@@ -311,7 +334,8 @@ def refused(
 ) -> Decision:
     """The decision when ``s`` refuses a call; ``remaining``: :func:`headroom` of the check."""
     status = s.limit.refusal_status
-    left = s.bucket.seconds_left(now)
+    # A concurrency slot frees when a call ends: a second is the honest hint.
+    left = 1 if s.limit.concurrent else s.bucket.seconds_left(now)
     return Decision(
         admitted=False,
         limit=s.limit.name,

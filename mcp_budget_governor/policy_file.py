@@ -255,7 +255,8 @@ class _Builder:
             if key not in LIMIT_KEYS:
                 raise self.unknown((*here, key), LIMIT_KEYS)
         for key in _REQUIRED:
-            if key not in entry:
+            concurrent = str(entry.get("unit", "")).lower() == Unit.CONCURRENT.value
+            if key not in entry and not (key == "window" and concurrent):
                 raise self.error(here, None, f"missing required key {key!r}")
         fields = dict(entry)
         if "cap_usd" in fields:

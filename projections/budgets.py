@@ -19,10 +19,10 @@ from typing import Any
 from mcp_budget_governor.caps import Effective, effective
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import Backend, fits
-from mcp_budget_governor.keys import WILDCARD, key_pattern, parse_key
+from mcp_budget_governor.keys import WILDCARD, key_pattern, parse_key, parse_lease_key
 from mcp_budget_governor.limits import Limit
 from mcp_budget_governor.money import Unit, format_dollars
-from mcp_budget_governor.planning import cap_ref, slot
+from mcp_budget_governor.planning import LEASE_BUCKET, cap_ref, slot
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.scopes import Scope
 from mcp_budget_governor.windows import Bucket, Window, bucket_for
@@ -110,7 +110,7 @@ class BudgetRow:
                 d.value for d, h in zip(self.limit.dimensions, self.hashed, strict=True) if h
             ],
             "key": self.key,
-            "window": self.limit.window.value,
+            "window": self.limit.window_label,
             "period": period(self.limit.window, self.bucket, tz),
             "bucket": self.bucket.label,
             "period_start": _iso(self.bucket.start),
@@ -198,6 +198,13 @@ async def budget_report(
             continue  # read directly above, or about none of the given values
         if progress is not None:
             progress(limit.name, listed)
+        if limit.concurrent:
+            listed, truncated = await _lease_sets(
+                limit, backend, known, found, listed, max_keys, truncated
+            )
+            if truncated:
+                break
+            continue
         bucket = bucket_for(limit.window, now, tz, limit.anchor_day or 1)
         # Per-value billing days: each value's current period has its own label.
         label = WILDCARD if limit.anchors else bucket.label
@@ -221,15 +228,62 @@ async def budget_report(
             break
     order = {limit.name: i for i, limit in enumerate(policy)}
     keys_in_order = sorted(found, key=lambda k: (order[found[k][0].name], found[k][1]))
-    spent: list[int] = []
-    for start in range(0, len(keys_in_order), USAGE_CHUNK):
-        spent += await backend.usage(keys_in_order[start : start + USAGE_CHUNK])
+    leases = {k for k in keys_in_order if found[k][0].concurrent}
+    counters = [k for k in keys_in_order if k not in leases]
+    by_key: dict[str, int] = {}
+    for start in range(0, len(counters), USAGE_CHUNK):
+        chunk = counters[start : start + USAGE_CHUNK]
+        by_key.update(zip(chunk, await backend.usage(chunk), strict=True))
+    if leases:  # calls in progress: live leases, not spend
+        held = sorted(leases)
+        by_key.update(zip(held, await _in_progress(backend, held), strict=True))
+    spent = [by_key[k] for k in keys_in_order]
     resolved = await _effective(policy, backend, keys_in_order, found, now)
     rows = tuple(
         BudgetRow(found[k][0], k, found[k][1], found[k][2], found[k][3], total, eff)
         for k, total, eff in zip(keys_in_order, spent, resolved, strict=True)
     )
     return BudgetReport(rows, now, tz, listed, truncated)
+
+
+async def _in_progress(backend: Backend, keys: list[str]) -> list[int]:
+    """Live leases per lease set (0 each for a backend without concurrency caps)."""
+    count = getattr(backend, "in_progress", None)
+    if count is None:
+        return [0] * len(keys)
+    out: list[int] = []
+    for start in range(0, len(keys), USAGE_CHUNK):
+        out += await count(keys[start : start + USAGE_CHUNK])
+    return out
+
+
+async def _lease_sets(
+    limit: Limit,
+    backend: Backend,
+    known: dict[Scope, Any],
+    found: dict[str, tuple[Limit, tuple[str, ...], tuple[bool, ...], Bucket]],
+    listed: int,
+    max_keys: int,
+    truncated: bool,
+) -> tuple[int, bool]:
+    """Add the lease sets of concurrency cap ``limit`` holding a lease, for the values
+    asked about; returns the keys listed so far and whether the listing was cut."""
+    lister = getattr(backend, "lease_keys", None)
+    if lister is None:
+        return listed, truncated
+    keys = await lister(max_keys - listed + 1)
+    for key in keys:
+        parsed = parse_lease_key(key)
+        if parsed is None or parsed.limit != limit.name or parsed.dims != limit.dimensions:
+            continue
+        by_dim = dict(zip(parsed.dims, parsed.values, strict=True))
+        if any(by_dim.get(d) != v for d, v in known.items()):
+            continue
+        if listed >= max_keys:
+            return listed, True
+        listed += 1
+        found.setdefault(key, (limit, parsed.values, parsed.hashed, LEASE_BUCKET))
+    return listed, truncated
 
 
 async def _effective(
@@ -246,12 +300,15 @@ async def _effective(
         return [None] * len(keys)
     caps, assigned = await overrides()
     grants: list[int] = []
-    for start in range(0, len(keys), USAGE_CHUNK):
-        grants += await grants_of(keys[start : start + USAGE_CHUNK])
+    counters = [k for k in keys if not found[k][0].concurrent]  # a lease set has no grant
+    for start in range(0, len(counters), USAGE_CHUNK):
+        grants += await grants_of(counters[start : start + USAGE_CHUNK])
+    granted = dict(zip(counters, grants, strict=True))
+    grants = [granted.get(k, 0) for k in keys]
     out: list[Effective | None] = []
     for key, grant in zip(keys, grants, strict=True):
         limit, values, hashed, _ = found[key]
-        parsed = parse_key(key)
+        parsed = parse_lease_key(key) if limit.concurrent else parse_key(key)
         segment = parsed.scope if parsed is not None else ""
         ref = cap_ref(policy, limit, segment, values) if not any(hashed) else None
         if ref is None:
@@ -281,6 +338,8 @@ def format_amount(unit: Unit, amount: int) -> str:
 def period(window: Window, bucket: Bucket, tz: tzinfo = UTC) -> str:
     """A bucket for people: ``2026-11-29 19:14 UTC``, ``2026-11-29``, ``2026-W48``,
     ``2026-11 (Europe/Paris)``, a billing month ``2026-11-15 to 2026-12-14``."""
+    if bucket is LEASE_BUCKET or window is None:
+        return "in progress"
     if bucket.start is None:
         return "this session"
     if window in (Window.MINUTE, Window.HOUR):
@@ -319,7 +378,7 @@ def table_rows(report: BudgetReport) -> list[tuple[str, ...]]:
             row.name,
             row.scope,
             row.who,
-            row.limit.window.value,
+            row.limit.window_label,
             period(row.limit.window, row.bucket, report.tz),
             format_amount(row.limit.unit, row.spent),
             format_amount(row.limit.unit, row.cap),

@@ -94,7 +94,8 @@ _DECISION = frozenset(Decided.model_fields)
 _USAGE = frozenset(Tokens.model_fields)
 _CHANGE = frozenset(ChangeData.model_fields)
 _USAGE_COUNTS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
-_UNITS = frozenset(u.value for u in Unit)
+# A concurrency cap's leases never reach the ledger (events.Charge refuses them too).
+_UNITS = frozenset(u.value for u in Unit if u is not Unit.CONCURRENT)
 _WINDOWS = frozenset(w.value for w in Window)
 _KEY_PREFIX = f"{PREFIX}:"
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")

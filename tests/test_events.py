@@ -26,7 +26,7 @@ limits = st.builds(
     Limit,
     st.from_regex(NAME_PATTERN, fullmatch=True),
     cap=st.just(10),
-    unit=st.sampled_from(Unit),
+    unit=st.sampled_from([u for u in Unit if u is not Unit.CONCURRENT]),
     window=st.sampled_from(Window),
     scope=st.lists(st.sampled_from(Scope), unique=True, max_size=2).map(tuple),
 )

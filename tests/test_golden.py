@@ -21,7 +21,9 @@ def pair() -> tuple[dict[str, Any], dict[str, Any]]:
     return committed, json.loads(json.dumps(vectors()))
 
 
-@pytest.mark.parametrize("section", ["keys", "escape", "usd", "prices", "scripts", "caps"])
+@pytest.mark.parametrize(
+    "section", ["keys", "escape", "usd", "prices", "scripts", "caps", "leases"]
+)
 def test_contract_unchanged(pair: tuple[dict[str, Any], dict[str, Any]], section: str) -> None:
     committed, current = pair
     if committed[section] != current[section]:

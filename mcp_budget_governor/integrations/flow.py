@@ -53,7 +53,7 @@ from typing import Any, TypeAlias, TypeVar
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import EXCEEDED, Decision
 from mcp_budget_governor.errors import InvalidInputError
-from mcp_budget_governor.governor import Governor, Reservation
+from mcp_budget_governor.governor import Admission, Governor, Reservation
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
@@ -111,10 +111,14 @@ async def governed_call(
     records the approval), False refuses it as usual. A breaker never asks.
     """
     held: list[Reservation] = []
+    # A Governor admits for the whole call: its concurrency-cap leases are
+    # renewed while the work runs and given back when it ends, however it ends.
+    admission: Admission | None = None
     if isinstance(governor, Governor):
         approved: list[str] = []
         while True:
-            decision = await governor.check(ctx, approved=approved)
+            admission = governor.admitted(ctx, approved=approved)
+            decision = await admission.__aenter__()  # refused: no lease held
             limit = None if ask is None else askable(governor, decision, approved)
             if ask is None or limit is None or not await ask(decision):
                 break
@@ -126,7 +130,11 @@ async def governed_call(
             # After the check: a reservation that fills its limit to the cap
             # exactly must not make that check refuse the very call it holds.
             # A call refused here has used its call quota (the check admitted it).
-            held = await _reserve_all(governor, estimate, ctx)
+            try:
+                held = await _reserve_all(governor, estimate, ctx)
+            except BaseException:
+                await _to_the_end(admission.__aexit__(None, None, None))  # its leases back
+                raise
     token = _current.set(ctx)
     try:
         try:
@@ -146,6 +154,8 @@ async def governed_call(
         return result
     finally:
         _current.reset(token)
+        if admission is not None:
+            await _to_the_end(admission.__aexit__(None, None, None))
 
 
 def askable(governor: Governor, decision: Decision, approved: Sequence[str]) -> str | None:

@@ -28,7 +28,12 @@ from mcp_budget_governor.counters import (
     stays_exact,
 )
 from mcp_budget_governor.errors import EpochMissingError
-from mcp_budget_governor.keys import INTERNAL_PREFIX, OP_HORIZON_SECONDS, pattern_regex
+from mcp_budget_governor.keys import (
+    INTERNAL_PREFIX,
+    LEASE_PREFIX,
+    OP_HORIZON_SECONDS,
+    pattern_regex,
+)
 
 # What an expiry-heap entry names.
 _COUNTER, _OP, _SEEN = 0, 1, 2
@@ -71,6 +76,19 @@ class MemoryBackend:
         self._plans: dict[str, str] = {}
         # caps key or counter key -> field ("" for a grant) -> why (caps.why_token)
         self._why: dict[tuple[str, str], str] = {}
+        # lease set key -> lease id -> expiry (epoch seconds): lua/lib.lua's lease sets
+        self._leases: dict[str, dict[str, float]] = {}
+
+    def _live(self, key: str, now: float) -> dict[str, float]:
+        """The live leases of a set, the expired ones dropped (lib.lua live_leases)."""
+        held = self._leases.get(key)
+        if held is None:
+            return {}
+        for lease_id in [i for i, until in held.items() if until <= now]:
+            del held[lease_id]
+        if not held:
+            del self._leases[key]
+        return held
 
     def _evict(self, now: float) -> None:
         heap = self._expiry
@@ -119,6 +137,8 @@ class MemoryBackend:
         event_id: str | None = None,
         want_used: bool = True,
         op_id: str | None = None,
+        lease: str | None = None,
+        lease_ttl: float = 0.0,
     ) -> ChargeResult:
         now = self._clock()
         self._evict(now)
@@ -131,6 +151,9 @@ class MemoryBackend:
         inline = event_id is None
         parts = []
         for op in ops:
+            if lease is not None and op.key.startswith(LEASE_PREFIX):
+                parts.append((len(self._live(op.key, now)), 0))
+                continue
             counter = self._get(op.key, now)
             c, f = (0, 0) if counter is None else (counter.committed, counter.in_flight)
             if not stays_exact(c, f, 0, inline=inline):
@@ -143,12 +166,17 @@ class MemoryBackend:
         for i, (op, total) in enumerate(zip(ops, used, strict=True)):
             if op.enforce and not fits(total, op.amount, room[i]):
                 return ChargeResult(i, used, caps)
+        leased = lease is not None
         for op, (c, f) in zip(ops, parts, strict=True):
-            if not stays_exact(c, f, op.amount, inline=inline):
+            if not (leased and op.key.startswith(LEASE_PREFIX)) and not stays_exact(
+                c, f, op.amount, inline=inline
+            ):
                 raise overflow(op.key, op.amount)
         wrote = False
         for op in ops:
-            if op.amount:
+            if lease is not None and op.key.startswith(LEASE_PREFIX):
+                self._leases.setdefault(op.key, {})[lease] = now + lease_ttl
+            elif op.amount:
                 self._add(op.key, op.amount, event_id, op.expire_at, now)
                 wrote = True
         if op_id is not None and wrote:
@@ -219,6 +247,39 @@ class MemoryBackend:
     async def grant_reason(self, key: str) -> str:
         """The why token (``caps.why_token``) of the counter's last grant or reset."""
         return self._why.get((key, ""), "-")
+
+    async def release(self, keys: Sequence[str], lease: str) -> int:
+        """Give lease ``lease`` back on every set in ``keys``; how many held it."""
+        now = self._clock()
+        found = 0
+        for key in keys:
+            held = self._live(key, now)
+            if held.pop(lease, None) is not None:
+                found += 1
+            if not held:
+                self._leases.pop(key, None)
+        return found
+
+    async def renew(self, keys: Sequence[str], lease: str, ttl: float) -> int:
+        """Extend lease ``lease`` to now + ``ttl`` where it is still alive; how many."""
+        now = self._clock()
+        renewed = 0
+        for key in keys:
+            held = self._live(key, now)
+            if lease in held:
+                held[lease] = now + ttl
+                renewed += 1
+        return renewed
+
+    async def in_progress(self, keys: Sequence[str]) -> list[int]:
+        """How many live leases each set holds (calls in progress)."""
+        now = self._clock()
+        return [len(self._live(key, now)) for key in keys]
+
+    async def lease_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` lease sets holding a live lease, sorted."""
+        now = self._clock()
+        return sorted(k for k in list(self._leases) if self._live(k, now))[: max(limit, 0)]
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         now = self._clock()

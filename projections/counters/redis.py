@@ -33,6 +33,7 @@ from mcp_budget_governor.errors import (
 from mcp_budget_governor.keys import (
     EPOCH_KEY,
     EPOCH_VALUE,
+    LEASE_PREFIX,
     PREFIX,
     SEEN_PREFIX,
     WATERMARK_KEY,
@@ -104,10 +105,11 @@ class RedisBackend:
         self._apply = client.register_script(source("apply"))
         self._usage = client.register_script(source("usage"))
         self._change = client.register_script(source("change"))
+        self._lease = client.register_script(source("lease"))
         # One command, no per-call wrapper: the hot path's only round trip.
         self._execute: Any = client.execute_command
         self._prepared: dict[
-            tuple[int, bool, bool], tuple[object, list[Any], list[Any], list[Any]]
+            tuple[int, bool, bool], tuple[object, list[Any], list[Any], list[Any], bool]
         ] = {}
 
     @classmethod
@@ -152,7 +154,7 @@ class RedisBackend:
 
     def _charge_args(
         self, ops: Sequence[CounterOp], want_used: bool, with_op: bool
-    ) -> tuple[list[Any], list[Any], list[Any]]:
+    ) -> tuple[list[Any], list[Any], list[Any], bool]:
         """The EVALSHA arguments around the event id, encoded once per op list:
         ``(head, counter keys, tail)``; ``counter keys`` is empty unless
         ``with_op``, when the operation marker goes between head and them.
@@ -164,7 +166,7 @@ class RedisBackend:
         cache_key = (id(ops), want_used, with_op)
         hit = self._prepared.get(cache_key)
         if hit is not None and hit[0] is ops:
-            return hit[1], hit[2], hit[3]
+            return hit[1], hit[2], hit[3], hit[4]
         keys: list[Any] = [EPOCH_KEY.encode()] if self.require_epoch else []
         counters: list[Any] = []
         tail: list[Any] = []
@@ -183,8 +185,10 @@ class RedisBackend:
                 caps_keys.append(PLANS_KEY.encode() if op.ref is None else op.ref.caps_key.encode())
         if resolve:
             counters += (*caps_keys, PLANS_KEY.encode())
+        leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
         flags = (
-            ("e" if self.require_epoch else "")
+            ("l" if leases else "")
+            + ("e" if self.require_epoch else "")
             + ("u" if want_used else "")
             + ("o" if with_op else "")
             + ("c" if resolve else "")
@@ -197,8 +201,8 @@ class RedisBackend:
         tail.insert(0, flags.encode() or b"-")
         if len(self._prepared) >= 8192:
             self._prepared.clear()
-        self._prepared[cache_key] = (ops, head, counters, tail)
-        return head, counters, tail
+        self._prepared[cache_key] = (ops, head, counters, tail, leases)
+        return head, counters, tail, leases
 
     async def charge(
         self,
@@ -207,13 +211,21 @@ class RedisBackend:
         event_id: str | None = None,
         want_used: bool = True,
         op_id: str | None = None,
+        lease: str | None = None,
+        lease_ttl: float = 0.0,
     ) -> ChargeResult:
         if op_id is not None and event_id is None:
-            head, counters, tail = self._charge_args(ops, want_used, True)
+            head, counters, tail, leases = self._charge_args(ops, want_used, True)
             args = [*head, op_key(op_id).encode(), *counters, op_id, *tail]
         else:
-            head, _, tail = self._charge_args(ops, want_used, False)
+            head, _, tail, leases = self._charge_args(ops, want_used, False)
             args = [*head, event_id or "", *tail]
+        if leases:
+            if lease is None:
+                raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
+            # After the flags: the lease id and its time to live (lua/charge.lua 'l').
+            at = len(args) - len(tail) + 1
+            args[at:at] = [lease, str(max(1, round(lease_ttl * 1000)))]
         try:
             try:
                 reply = await self._execute("EVALSHA", *args)
@@ -235,6 +247,37 @@ class RedisBackend:
             n = len(ops)
             return ChargeResult(head_value - 1, values[:n], values[n:])
         return ChargeResult(head_value - 1, values)
+
+    async def _leases(self, keys: Sequence[str], *args: Any) -> list[int]:
+        if not keys:
+            return []
+        return [int(v) for v in await self._run(self._lease, keys, args)]
+
+    async def release(self, keys: Sequence[str], lease: str) -> int:
+        """Give lease ``lease`` back on every set in ``keys`` (one round trip); how many held it."""
+        return sum(await self._leases(keys, "r", lease))
+
+    async def renew(self, keys: Sequence[str], lease: str, ttl: float) -> int:
+        """Extend lease ``lease`` to Redis' now + ``ttl`` seconds where it is still alive."""
+        return sum(await self._leases(keys, "n", lease, str(max(1, round(ttl * 1000)))))
+
+    async def in_progress(self, keys: Sequence[str]) -> list[int]:
+        """How many live leases each set holds (calls in progress)."""
+        return await self._leases(keys, "c")
+
+    async def lease_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` lease sets, sorted (each expires with its last lease)."""
+        found: set[str] = set()
+        if limit <= 0:
+            return []
+        try:
+            async for raw in self.client.scan_iter(match=f"{LEASE_PREFIX}:*", count=1000):
+                found.add(raw.decode() if isinstance(raw, bytes) else raw)
+                if len(found) >= limit:
+                    break
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        return sorted(found)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:

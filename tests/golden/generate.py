@@ -20,7 +20,7 @@ from typing import Any
 from mcp_budget_governor import Context, Limit, Policy, PriceTable, Scope, Unit, Window, usd
 from mcp_budget_governor.keys import escape
 from mcp_budget_governor.lua import SCRIPTS, source
-from mcp_budget_governor.planning import slot
+from mcp_budget_governor.planning import reason, slot
 
 INSTANTS = [
     "2026-11-29T19:14:37Z",
@@ -167,6 +167,26 @@ def cap_vectors() -> list[dict[str, Any]]:
     return out
 
 
+LEASE_LIMITS = [
+    Limit("parallel", cap=5, scope=Scope.USER, unit=Unit.CONCURRENT),
+    Limit("tenant_parallel", cap=50, scope=Scope.TENANT, unit=Unit.CONCURRENT),
+    Limit("tool_parallel", cap=2, scope=(Scope.USER, Scope.TOOL), unit=Unit.CONCURRENT),
+    Limit("all_parallel", cap=500, unit=Unit.CONCURRENT),
+]
+
+
+def lease_vectors() -> list[dict[str, Any]]:
+    """Each concurrency cap's lease-set key and refusal reason per context (no bucket,
+    no expiry: a lease set lives as long as its last lease)."""
+    out = []
+    for limit in LEASE_LIMITS:
+        for i, ctx in enumerate(CONTEXTS):
+            s = slot(limit, ctx, 0.0, UTC, 1, enforce=True)
+            assert s is not None
+            out.append({"limit": limit.name, "context": i, "key": s.key, "reason": reason(limit)})
+    return out
+
+
 def vectors() -> dict[str, Any]:
     keys = []
     for tz in (None, "America/New_York", "Asia/Kolkata", "Europe/Berlin"):
@@ -210,6 +230,7 @@ def vectors() -> dict[str, Any]:
         ],
         "scripts": {n: hashlib.sha1(source(n).encode()).hexdigest() for n in SCRIPTS},
         "caps": cap_vectors(),
+        "leases": lease_vectors(),
     }
 
 
