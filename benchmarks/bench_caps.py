@@ -83,8 +83,10 @@ async def run(url: str, rid: str, args: argparse.Namespace) -> dict[str, Any]:
 
     legacy._plan = without_refs  # type: ignore[method-assign]
 
+    noop_script = bench.noop(backend.client)
+
     async def noop() -> Any:
-        return await backend.noop()
+        return await noop_script()
 
     async def check_plain() -> Any:
         return await plain.check(ctx)
