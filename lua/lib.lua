@@ -79,6 +79,11 @@ end
 -- good); then the policy's value cap; then the plan assigned at run time to the
 -- first of plan_fields (comma-separated) found in the plans hash, else file_plan, when plan_caps
 -- ("<plan> <cap> ...", the plans that cap this limit) names it; else the default.
+-- One call's counters share their user and tenant, so each plan assignment and
+-- Redis' clock are read once per script call, not once per counter.
+local assigned_plan = {}
+local clock_s = nil
+
 local function effective_cap(caps_key, plans_key, field, default, value_cap,
                              plan_fields, plan_caps, file_plan)
   if field == '' then return tonumber(default) end
@@ -87,14 +92,19 @@ local function effective_cap(caps_key, plans_key, field, default, value_cap,
     local cap, untl = string.match(rt, '^(%d+) (%d+)')
     if cap then
       untl = tonumber(untl)
-      if untl == 0 or tonumber(redis.call('TIME')[1]) < untl then return tonumber(cap) end
+      if untl ~= 0 and clock_s == nil then clock_s = tonumber(redis.call('TIME')[1]) end
+      if untl == 0 or clock_s < untl then return tonumber(cap) end
     end
   end
   if value_cap ~= '' then return tonumber(value_cap) end
   if plan_caps == '' then return tonumber(default) end
   local plan = false
   for f in string.gmatch(plan_fields, '[^,]+') do
-    plan = redis.call('HGET', plans_key, f)
+    plan = assigned_plan[f]
+    if plan == nil then
+      plan = redis.call('HGET', plans_key, f)
+      assigned_plan[f] = plan
+    end
     if plan then break end
   end
   if not plan then plan = file_plan end
