@@ -292,25 +292,13 @@ class Governor(Metering[MeterResult]):
             except BackendUnavailableError:
                 held = None
             for s, n in zip(leases, held or (), strict=False):
-                cap = s.limit.cap
-                report[s.limit.name] = {
-                    "total": n,
-                    "cap": cap,
-                    "remaining": max(cap - n, 0),
-                    "exceeded": not fits(n, 1, cap),
-                    "resets_in": None,
-                }
+                # A concurrency cap is reached when one more call would not fit.
+                report[s.limit.name] = _status_row(n, s.limit.cap, 1, None)
         for s, total in zip(slots, totals, strict=True):
-            if total is None:
-                continue
-            cap = s.limit.cap
-            report[s.limit.name] = {
-                "total": total,
-                "cap": cap,
-                "remaining": max(cap - total, 0),
-                "exceeded": not fits(total, 0, cap),
-                "resets_in": s.bucket.seconds_left(now),
-            }
+            if total is not None:
+                report[s.limit.name] = _status_row(
+                    total, s.limit.cap, 0, s.bucket.seconds_left(now)
+                )
         return report
 
     def _read_slot(self, limit: str, ctx: Context) -> Slot:
@@ -691,6 +679,19 @@ class Governor(Metering[MeterResult]):
 
 def _local(limit: Limit) -> bool:
     return limit.fail_mode is FailMode.OPEN and limit.local_fallback
+
+
+def _status_row(
+    total: int, cap: int, more: int, resets_in: int | None
+) -> dict[str, int | bool | None]:
+    """One limit's row of :meth:`Governor.status`."""
+    return {
+        "total": total,
+        "cap": cap,
+        "remaining": max(cap - total, 0),
+        "exceeded": not fits(total, more, cap),
+        "resets_in": resets_in,
+    }
 
 
 class Admission:

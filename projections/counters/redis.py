@@ -267,17 +267,7 @@ class RedisBackend:
 
     async def lease_keys(self, limit: int) -> list[str]:
         """Up to ``limit`` lease sets, sorted (each expires with its last lease)."""
-        found: set[str] = set()
-        if limit <= 0:
-            return []
-        try:
-            async for raw in self.client.scan_iter(match=f"{LEASE_PREFIX}:*", count=1000):
-                found.add(raw.decode() if isinstance(raw, bytes) else raw)
-                if len(found) >= limit:
-                    break
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailableError.redis(exc) from exc
-        return sorted(found)
+        return await self._scan(f"{LEASE_PREFIX}:*", limit)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:
@@ -460,11 +450,14 @@ class RedisBackend:
         Redis does the matching; a ``keys.key_pattern`` starts with a limit
         name, which never starts with "_", so internal keys cannot match it.
         """
+        # [^_]: the projection's own keys (mcpbg:v1:_*) never come back.
+        return await self._scan(f"{PREFIX}:[^_]*" if match is None else match, limit)
+
+    async def _scan(self, pattern: str, limit: int) -> list[str]:
+        """Up to ``limit`` keys matching ``pattern``, sorted, by an incremental SCAN."""
         found: set[str] = set()
         if limit <= 0:
             return []
-        # [^_]: the projection's own keys (mcpbg:v1:_*) never come back.
-        pattern = f"{PREFIX}:[^_]*" if match is None else match
         try:
             async for raw in self.client.scan_iter(match=pattern, count=1000):
                 found.add(raw.decode() if isinstance(raw, bytes) else raw)
