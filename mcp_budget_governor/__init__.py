@@ -33,7 +33,8 @@ from .errors import (
     UnknownModel,
     UnknownModelError,
 )
-from .governor import Admission, Governor, Reservation
+from .governor import Governor
+from .holds import Admission, Reservation
 from .ledger import Ledger, LedgerEntry
 from .limits import FailMode, Limit, OnExceed
 from .money import MAX_AMOUNT, Unit, format_usd, usd

@@ -15,13 +15,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Any
 
 from . import admin, planning
@@ -36,6 +34,7 @@ from .errors import (
     GovernorError,
     InvalidInputError,
 )
+from .holds import Admission, Reservation
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from .limits import FailMode, Limit, OnExceed
 from .metering import Metering
@@ -692,159 +691,3 @@ def _status_row(
         "exceeded": not fits(total, more, cap),
         "resets_in": resets_in,
     }
-
-
-class Admission:
-    """A call admitted for the duration of a block; see :meth:`Governor.admitted`.
-
-    Entering checks (the decision is what ``check()`` returns: refused or
-    admitted, never raising for a refusal); while the block runs a task renews
-    the call's concurrency-cap leases every third of ``lease_ttl``; exiting gives
-    them back, on success, exception and cancellation alike.
-    """
-
-    def __init__(
-        self, gov: Governor, ctx: Context | None, amount: int, approved: Sequence[str] = ()
-    ) -> None:
-        self._gov = gov
-        self._ctx = ctx
-        self._amount = amount
-        self._approved = tuple(approved)
-        self.decision: Decision | None = None
-        self._renewer: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Decision:
-        decision = await self._gov.check(self._ctx, amount=self._amount, approved=self._approved)
-        self.decision = decision
-        if decision.lease is not None:
-            self._renewer = asyncio.ensure_future(self._renew(decision))
-        return decision
-
-    async def _renew(self, decision: Decision) -> None:
-        gov = self._gov
-        while True:
-            await asyncio.sleep(gov.lease_ttl / 3)
-            try:
-                if not await gov.renew(decision):
-                    log.warning("lease %s expired before its call ended", decision.lease)
-            except Exception:  # a failed renewal must not end the call
-                log.exception("renewing lease %s failed", decision.lease)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None:
-            renewer.cancel()
-        if self.decision is not None:
-            decision, self.decision = self.decision, None
-            # Shielded: a cancelled call still gives its slot back at once.
-            await asyncio.shield(self._gov.release(decision))
-
-
-class Reservation:
-    """An estimate held on a limit while work runs; see :meth:`Governor.reserved`.
-
-    Set ``actual`` to the real cost before the block ends; left unset, the
-    estimate stands (the safe direction: an unknown cost is not assumed zero).
-    ``release()`` returns the whole estimate, for work that never started.
-    Outside a block, :meth:`Governor.reserve` enters and :meth:`settle` exits;
-    a reservation settles once, so an explicit settle inside a block wins.
-    """
-
-    def __init__(self, gov: Governor, limit: Limit, estimate: int, ctx: Context) -> None:
-        self._gov = gov
-        self.limit = limit
-        self.estimate = estimate
-        self.ctx = ctx
-        self.actual: int | None = None
-        self.decision: Decision | None = None
-        self.id: str | None = None
-        self._slot: Slot | None = None
-        self._released = False
-        self._settled = False
-
-    @property
-    def settled(self) -> bool:
-        """Whether the reservation has been settled (or released)."""
-        return self._settled
-
-    @property
-    def limit_name(self) -> str:
-        return self.limit.name
-
-    @property
-    def amount(self) -> int:
-        """The estimate held."""
-        return self.estimate
-
-    @property
-    def context(self) -> Context:
-        return self.ctx
-
-    def release(self) -> None:
-        """Return the whole reservation on exit (the work did not happen)."""
-        self._released = True
-
-    async def __aenter__(self) -> Reservation:
-        gov = self._gov
-        now = gov._clock()
-        enforce = planning.enforces(self.limit)
-        s = planning.slot(
-            self.limit,
-            self.ctx,
-            now,
-            gov.policy.tz,
-            self.estimate,
-            enforce=enforce,
-            policy=gov.policy,
-        )
-        if s is None:
-            self.decision = ADMITTED
-            return self
-        decision, event_id = await gov._admit(
-            planning.Plan.of((s,)), self.ctx, now, EntryType.RESERVED
-        )
-        self.decision = decision
-        if not decision.admitted:
-            raise BudgetExceeded(decision)
-        self._slot = s
-        self.id = event_id
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._finish(report=False)
-
-    async def settle(self, actual: int) -> MeterResult:
-        """Settle to ``actual`` now (see :meth:`Governor.settle`); reports the limit's total."""
-        if not self._settled:
-            self.actual = check_amount(actual, "actual")
-        return await self._finish(report=True)
-
-    async def _finish(self, *, report: bool) -> MeterResult:
-        """Settle or release once; ``report``: read the total even when nothing changes."""
-        if self._slot is None or self._settled:
-            return NOTHING_METERED
-        if self._released:
-            final, kind = 0, EntryType.RELEASED
-        elif self.actual is None:
-            self._settled = True
-            return NOTHING_METERED  # the estimate stands as the charge
-        else:
-            final, kind = check_amount(self.actual, "actual"), EntryType.SETTLED
-        self._settled = True
-        s = self._slot.with_amount(final - self.estimate)
-        if s.amount == 0 and self._gov.ledger is None and not report:
-            return NOTHING_METERED
-        before, degraded, cap = await self._gov._record(
-            (s,), self.ctx, kind, None, self._gov._clock(), reservation=self.id, want_used=report
-        )
-        return planning.metered(s, before, degraded=degraded, cap=cap)

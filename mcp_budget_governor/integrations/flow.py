@@ -53,7 +53,8 @@ from typing import Any, TypeAlias, TypeVar
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import EXCEEDED, Decision
 from mcp_budget_governor.errors import InvalidInputError
-from mcp_budget_governor.governor import Admission, Governor, Reservation
+from mcp_budget_governor.governor import Governor
+from mcp_budget_governor.holds import Admission, Reservation
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
