@@ -30,9 +30,11 @@ import pytest
 from mcp_budget_governor import Governor
 from mcp_budget_governor.events import encode
 from mcp_budget_governor.ledger import partition_key, partition_of
+from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.producers.outbox import Outbox
 from mcp_budget_governor.producers.record_log import RecordLogError
+from testing.services import free_port
 from testing.stream_support import (
     PARTITIONS,
     Stream,
@@ -187,10 +189,20 @@ async def test_typescript_events_are_projected_exactly_once(stream: Stream, tsx:
                 str(start), str(n), "7"]  # fmt: skip
         return Driver(argv, stream.tmp_path / f"driver-{run}.log")
 
+    # The folder starts with a Python KafkaLedger's leftovers (written while its broker
+    # was unreachable): the TypeScript ledger ships them first, in the same format.
+    python_part = 20
+    dead = KafkaLedger(f"127.0.0.1:{free_port()}", topic=stream.topic, outbox_dir=outbox,
+                       request_timeout=0.3, retry_interval=0.1)  # fmt: skip
+    for entry in entries[:python_part]:
+        await dead.append(entry)
+    await dead.aclose(within=0.2)
+    assert dead.unshipped == python_part
+
     # Three SIGKILLs, at about a quarter, half and three quarters of the appends; each
     # restart resumes after the last append the killed run reported (the one it may
     # have appended unreported is appended again: the same id, counted once).
-    start, kills = 0, []
+    start, kills = python_part, []
     for run, point in enumerate((n // 4, n // 2, 3 * n // 4)):
         d = driver(start, run)
         d.until(lambda line, p=point: line == f"appended {p}")

@@ -121,6 +121,23 @@ interface Queued {
   end: Position;
 }
 
+/** Ledgers not closed yet: at exit, any with unshipped events says so (Python warns in __del__). */
+const open = new Set<KafkaLedger>();
+let exitHook = false;
+
+function warnUnclosedAtExit(): void {
+  for (const ledger of open) {
+    const left = ledger.unshipped;
+    if (left > 0) {
+      ledger.warnUnclosed(
+        `KafkaLedger(topic=${JSON.stringify(ledger.topic)}) was not closed and has ${left} events not yet ` +
+          `shipped; they are kept in the outbox ${ledger.outboxDir} and ship at the next start on that folder ` +
+          "(close it: await ledger.close())",
+      );
+    }
+  }
+}
+
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 
 function positive(field: string, value: number | undefined, fallback: number): number {
@@ -207,6 +224,16 @@ export class KafkaLedger implements Ledger {
       return box;
     });
     this.opening.catch(() => undefined); // reported by the first append, start() or close()
+    open.add(this);
+    if (!exitHook) {
+      exitHook = true;
+      process.once("exit", warnUnclosedAtExit);
+    }
+  }
+
+  /** @internal the exit hook's voice. */
+  warnUnclosed(message: string): void {
+    this.warn(message);
   }
 
   /** `KafkaLedger.fromUrl("kafka://host:9092", { topic })`; see the options. */
@@ -482,6 +509,7 @@ export class KafkaLedger implements Ledger {
   async close(withinMs = 10_000): Promise<void> {
     if (this.closing) return;
     let box: Outbox;
+    open.delete(this);
     try {
       box = await this.opening;
     } catch {
