@@ -14,7 +14,7 @@
 
 import { randomFillSync } from "node:crypto";
 
-import type { Amount, EntryType, LedgerContext, LedgerEntry } from "./types.js";
+import type { Amount, EntryType, LedgerCharge, LedgerContext, LedgerEntry } from "./types.js";
 
 export const SPECVERSION = "1.0";
 export const CONTENT_TYPE = "application/json";
@@ -97,6 +97,17 @@ export function subject(ctx: LedgerContext): string | null {
   return null;
 }
 
+const subjectCache = new WeakMap<LedgerContext, string>();
+
+function subjectOf(ctx: LedgerContext): string {
+  let json = subjectCache.get(ctx);
+  if (json === undefined) {
+    json = str(subject(ctx));
+    subjectCache.set(ctx, json);
+  }
+  return json;
+}
+
 function contextJson(ctx: LedgerContext): string {
   let out =
     `{"user":${str(ctx.user)},"tenant":${str(ctx.tenant)},"tool":${str(ctx.tool)},` +
@@ -106,23 +117,46 @@ function contextJson(ctx: LedgerContext): string {
   return out + "}";
 }
 
-/**
- * One structured-mode CloudEvent as compact JSON (a string; UTF-8 on the wire), byte
- * for byte what Python's `events.encode(entry, source)` writes.
- */
-export function encode(entry: LedgerEntry, source: string): string {
-  const charges = entry.charges ?? [];
-  let chargesJson = "[";
+// The context and the charges of a hot caller repeat call after call (a governor reuses
+// one plan per context and minute), so their JSON is made once per object: entries,
+// their contexts and their charge arrays are immutable once appended (readonly types).
+const contextCache = new WeakMap<LedgerContext, string>();
+const chargesCache = new WeakMap<readonly LedgerCharge[], string>();
+const NO_CHARGES: readonly LedgerCharge[] = [];
+
+function contextOf(ctx: LedgerContext): string {
+  let json = contextCache.get(ctx);
+  if (json === undefined) {
+    json = contextJson(ctx);
+    contextCache.set(ctx, json);
+  }
+  return json;
+}
+
+function chargesOf(charges: readonly LedgerCharge[]): string {
+  let json = chargesCache.get(charges);
+  if (json !== undefined) return json;
+  json = "[";
   for (let i = 0; i < charges.length; i++) {
     const c = charges[i]!;
-    if (i > 0) chargesJson += ",";
-    chargesJson +=
+    if (i > 0) json += ",";
+    json +=
       `{"limit":${JSON.stringify(c.limit)},"unit":${JSON.stringify(c.unit)},` +
       `"amount":${int(c.amount, `charges[${i}].amount`)},"window":${JSON.stringify(c.window)},` +
       `"bucket":${JSON.stringify(c.bucket)},"key":${JSON.stringify(c.key)},` +
       `"expire_at":${int(c.expireAt, `charges[${i}].expireAt`)}}`;
   }
-  chargesJson += "]";
+  json += "]";
+  chargesCache.set(charges, json);
+  return json;
+}
+
+/**
+ * One structured-mode CloudEvent as compact JSON (a string; UTF-8 on the wire), byte
+ * for byte what Python's `events.encode(entry, source)` writes.
+ */
+export function encode(entry: LedgerEntry, source: string): string {
+  const chargesJson = chargesOf(entry.charges ?? NO_CHARGES);
   let decision =
     `{"limit":${str(entry.limit)},"status":${int(entry.status, "status", 200)},` +
     `"over":${strings(entry.over)},"degraded":${entry.degraded === true ? "true" : "false"}`;
@@ -140,7 +174,7 @@ export function encode(entry: LedgerEntry, source: string): string {
         `"cache_write_tokens":${int(u.cacheWriteTokens, "usage.cacheWriteTokens")},` +
         `"price_version":${str(u.priceVersion)}}`;
   let data =
-    `{"context":${contextJson(entry.context)},"charges":${chargesJson},"decision":${decision},` +
+    `{"context":${contextOf(entry.context)},"charges":${chargesJson},"decision":${decision},` +
     `"usage":${usage},"reservation":${str(entry.reservation)}`;
   const ch = entry.change;
   if (ch != null) {
@@ -154,7 +188,7 @@ export function encode(entry: LedgerEntry, source: string): string {
   data += "}";
   return (
     `{"specversion":"${SPECVERSION}","id":${JSON.stringify(entry.id)},"source":${JSON.stringify(source)},` +
-    `"type":"${typeName(entry.type)}","time":"${rfc3339(entry.time)}","subject":${str(subject(entry.context))},` +
+    `"type":"${typeName(entry.type)}","time":"${rfc3339(entry.time)}","subject":${subjectOf(entry.context)},` +
     `"datacontenttype":"${CONTENT_TYPE}","data":${data}}`
   );
 }
