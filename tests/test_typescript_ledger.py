@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import shutil
 import signal
@@ -132,10 +133,10 @@ def _open_outbox(folder: Path, within: float = 10.0) -> Outbox:
 class Driver:
     """One driver process; ``lines`` are what it printed so far."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log.open("wb")
         self.proc = subprocess.Popen(
-            argv, cwd=TS, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log
+            argv, cwd=TS, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, env=env
         )
         self.lines: list[str] = []
 
@@ -184,10 +185,11 @@ async def test_typescript_events_are_projected_exactly_once(stream: Stream, tsx:
     file.write_text(json.dumps([to_ts(e) for e in entries]), encoding="utf-8")
     outbox = stream.tmp_path / "ts-outbox"
 
-    def driver(start: int, run: int) -> Driver:
+    def driver(start: int, stop: int, run: int, kill_at: str = "") -> Driver:
         argv = [*tsx, "kafka", stream.kafka.bootstrap, stream.topic, str(outbox), str(file),
-                str(start), str(n), "7"]  # fmt: skip
-        return Driver(argv, stream.tmp_path / f"driver-{run}.log")
+                str(start), str(stop), "7"]  # fmt: skip
+        env = {**os.environ, "MCPBG_TS_KILL_AT": kill_at}
+        return Driver(argv, stream.tmp_path / f"driver-{run}.log", env)
 
     # The folder starts with a Python KafkaLedger's leftovers (written while its broker
     # was unreachable): the TypeScript ledger ships them first, in the same format.
@@ -199,20 +201,31 @@ async def test_typescript_events_are_projected_exactly_once(stream: Stream, tsx:
     await dead.aclose(within=0.2)
     assert dead.unshipped == python_part
 
-    # Three SIGKILLs, at about a quarter, half and three quarters of the appends; each
-    # restart resumes after the last append the killed run reported (the one it may
-    # have appended unreported is appended again: the same id, counted once).
+    # Six SIGKILLs. Three from outside, after the appends at about 20, 50 and 80 %;
+    # three inside the shipper (ledgerDriver.ts' MCPBG_TS_KILL_AT): about to send its
+    # 3rd batch, after the broker acknowledged its 2nd (the cursor not yet written: that
+    # batch is sent again), right after its 2nd cursor was written. Each restart resumes
+    # after the last append the killed run reported (one it may have appended unreported
+    # is appended again: the same id, counted once).
+    assert n >= 250, n
+    stages = [("", n * 2 // 10), ("before_send:3", 40), ("", n * 5 // 10),
+              ("after_send:2", 40), ("", n * 8 // 10), ("after_ack:2", 25)]  # fmt: skip
     start, kills = python_part, []
-    for run, point in enumerate((n // 4, n // 2, 3 * n // 4)):
-        d = driver(start, run)
-        d.until(lambda line, p=point: line == f"appended {p}")
-        d.kill()
+    for run, (kill_at, point) in enumerate(stages):
+        if kill_at:  # appends `point` entries; dies in the shipper
+            d = driver(start, start + point, run, kill_at)
+            code = d.finish()
+            assert code == -signal.SIGKILL, (kill_at, code, d.lines[-3:])
+        else:
+            d = driver(start, n, run)
+            d.until(lambda line, p=point: line == f"appended {p}")
+            d.kill()
         with _open_outbox(outbox) as left:  # what the restart must ship
-            kills.append((d.last_appended, len(left)))
+            kills.append((kill_at or "outside", d.last_appended, len(left)))
         start = d.last_appended + 1
-    last = driver(start, 3)
+    last = driver(start, n, len(stages))
     code = last.finish()
-    log = (stream.tmp_path / "driver-3.log").read_text(errors="replace")
+    log = (stream.tmp_path / f"driver-{len(stages)}.log").read_text(errors="replace")
     assert code == 0, log
     assert last.lines[-1] == "closed 0", (last.lines[-3:], log)
 
@@ -239,8 +252,9 @@ async def test_typescript_events_are_projected_exactly_once(stream: Stream, tsx:
     assert charge_totals(events) == dict(expected)
     assert await assert_exact(stream.backend, records) == n
     duplicates = len(records) - n
-    # At most one batch (25) re-sent per kill, plus the one unreported append each.
-    assert duplicates <= 3 * 26, f"{duplicates} re-sent records for kills {kills}"
+    # At most one batch (25) re-sent per kill, plus the one unreported append each; the
+    # kill after the broker's acknowledgement re-sends its batch for certain.
+    assert 1 <= duplicates <= len(kills) * 26, f"{duplicates} re-sent records for kills {kills}"
     print(
         f"{n} entries; killed after appends (last reported, left unshipped): {kills}; "
         f"{duplicates} records re-sent"

@@ -5,6 +5,9 @@
 //   tsx test/ledgerDriver.ts kafka BOOTSTRAP TOPIC OUTBOX ENTRIES.json FROM TO [PAUSE_EVERY]
 //       append entries [FROM, TO) of the JSON array through a KafkaLedger, printing
 //       "appended I" after each append resolved, then close() and print "closed"
+//       MCPBG_TS_KILL_AT=POINT:N SIGKILLs the process inside the shipper at its Nth
+//       batch: before_send (about to send), after_send (the broker acknowledged, the
+//       cursor not yet written), after_ack (the cursor written)
 //   tsx test/ledgerDriver.ts outbox-append OUTBOX LINES.json [kill]
 //       append the JSON array of strings to the outbox ("appended I"); "kill": SIGKILL
 //       itself after the last one instead of closing
@@ -22,7 +25,32 @@ import type { LedgerEntry } from "../src/ledger/types.js";
 const [command, ...args] = process.argv.slice(2);
 const say = (line: string) => process.stdout.write(line + "\n");
 
+/** Wrap the shipper's steps so the process dies at a chosen one (MCPBG_TS_KILL_AT). */
+function killPoints(): void {
+  const spec = process.env.MCPBG_TS_KILL_AT;
+  if (!spec) return;
+  const [point, nth] = spec.split(":") as [string, string];
+  let batches = 0;
+  const die = () => process.kill(process.pid, "SIGKILL");
+  type Step = (this: unknown, ...args: unknown[]) => Promise<void>;
+  const ledger = KafkaLedger.prototype as unknown as { send: Step };
+  const box = Outbox.prototype as unknown as { ack: Step };
+  const send = ledger.send;
+  ledger.send = async function (this: unknown, ...args: unknown[]) {
+    batches += 1;
+    if (point === "before_send" && batches === Number(nth)) die();
+    await send.apply(this, args);
+    if (point === "after_send" && batches === Number(nth)) die();
+  };
+  const ack = box.ack;
+  box.ack = async function (this: unknown, ...args: unknown[]) {
+    await ack.apply(this, args);
+    if (point === "after_ack" && batches === Number(nth)) die();
+  };
+}
+
 async function kafka(): Promise<void> {
+  killPoints();
   const [bootstrap, topic, outbox, file, from, to, pauseEvery] = args as [
     string, string, string, string, string, string, string | undefined,
   ];
