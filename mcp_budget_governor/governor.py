@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -122,7 +124,12 @@ class Governor(Metering[MeterResult]):
     # -- the hot path -------------------------------------------------------
 
     async def check(
-        self, ctx: Context | None = None, *, amount: int = 1, approved: Sequence[str] = ()
+        self,
+        ctx: Context | None = None,
+        *,
+        amount: int = 1,
+        approved: Sequence[str] = (),
+        wait: float = 0,
     ) -> Decision:
         """Admit or refuse a call, charging every gated limit all or nothing.
 
@@ -131,10 +138,16 @@ class Governor(Metering[MeterResult]):
         gated CALLS limits (spend and token limits are read, whatever it is).
         ``approved`` names ``OnExceed.ASK`` limits the user let this call go
         over: they count it without refusing, and the ledger records the approval.
+        ``wait``: seconds a call refused by a full concurrency cap may wait for a
+        slot, first come, first served across replicas (lua/lib.lua
+        ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through
+        :meth:`admitted`, which gives the slot back.
         """
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
         ctx = ctx or EMPTY
+        if wait:
+            return await self._check_waiting(ctx, amount, approved, _wait_seconds(wait))
         now = self._clock()
         if approved:
             allowed = self._approvable(approved)
@@ -149,6 +162,51 @@ class Governor(Metering[MeterResult]):
         decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
         return decision
 
+    async def _check_waiting(
+        self, ctx: Context, amount: int, approved: Sequence[str], wait: float
+    ) -> Decision:
+        """:meth:`check` retried while a concurrency cap refuses, holding a place in
+        the caps' queues: a slot that frees goes to the oldest waiter, on every
+        replica (the scripts admit nobody else while it waits ahead). The retries
+        back off from 5 ms to 100 ms; only the outcome reaches the ledger."""
+        allowed = self._approvable(approved) if approved else frozenset()
+        ticket = f"{new_id()}/{math.ceil(wait * 1000)}"
+        deadline = time.monotonic() + wait
+        delay = 0.005
+        while True:
+            now = self._clock()
+            plan = (
+                planning.check_plan(self.policy, ctx, now, amount, allowed)
+                if allowed
+                else self._plan(ctx, now, amount)
+            )
+            decision, event_id = await self._admit(
+                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed)),
+                ticket=ticket if plan.leases else None, record_refusal=False,
+            )  # fmt: skip
+            if decision.admitted:
+                return decision
+            left = deadline - time.monotonic()
+            full = decision.limit is not None and self.policy[decision.limit].concurrent
+            if left <= 0 or not plan.leases or not full or decision.status == 503:
+                await self._leave(plan.leases, ticket)
+                if event_id is not None:  # the one refusal the ledger records
+                    await self._log(event_id, EntryType.ADMITTED, now, ctx, plan, decision, ())
+                return decision
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.1)
+
+    async def _leave(self, leases: Sequence[str], ticket: str) -> None:
+        """Take a waiting call that gives up out of the queues (else its place
+        holds until its wait ends)."""
+        if not leases:
+            return
+        await self._fallback.leave(leases, ticket)
+        try:
+            await self.backend.leave(leases, ticket)  # type: ignore[attr-defined]
+        except BackendUnavailableError:
+            log.warning("waiting ticket %s left queued (counters unreachable)", ticket)
+
     def _approvable(self, approved: Sequence[str]) -> frozenset[str]:
         for name in approved:
             if self.policy[name].on_exceed is not OnExceed.ASK:
@@ -158,15 +216,21 @@ class Governor(Metering[MeterResult]):
         return frozenset(approved)
 
     def admitted(
-        self, ctx: Context | None = None, *, amount: int = 1, approved: Sequence[str] = ()
+        self,
+        ctx: Context | None = None,
+        *,
+        amount: int = 1,
+        approved: Sequence[str] = (),
+        wait: float = 0,
     ) -> Admission:
         """:meth:`check` for the duration of a block: concurrency-cap leases the call
         takes are renewed while it runs and given back on exit, however it ends.
+        ``wait``: seconds to wait for a concurrency slot (see :meth:`check`).
 
         ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
         (a refused decision holds no lease).
         """
-        return Admission(self, ctx, amount, approved)
+        return Admission(self, ctx, amount, approved, _wait_seconds(wait))
 
     async def release(self, decision: Decision) -> None:
         """Give back the concurrency-cap leases of an admitted ``decision`` (from
@@ -444,13 +508,18 @@ class Governor(Metering[MeterResult]):
         now: float,
         kind: EntryType,
         approved: tuple[str, ...] = (),
+        *,
+        ticket: str | None = None,
+        record_refusal: bool = True,
     ) -> tuple[Decision, str | None]:
         """The admission step of check() and reserved(), one round trip.
 
         New work the ledger cannot record is refused before anything is
         charged; otherwise the plan is charged all or nothing (each limit's fail
         mode when the backend is down), and the outcome goes to the ledger as
-        ``kind`` or as a rejection. Returns the decision and the event id.
+        ``kind`` or as a rejection (not ``record_refusal``: an admission only).
+        ``ticket``: a waiting call's place in the concurrency caps' queues.
+        Returns the decision and the event id.
         """
         if self.ledger is not None and not getattr(self.ledger, "accepting", True):
             return planning.ledger_full(self._retry_interval), None
@@ -460,10 +529,10 @@ class Governor(Metering[MeterResult]):
         try:
             # The totals come back in the same reply: they give Decision.remaining.
             result = await self._charge(
-                plan.ops, event_id, want_used=True, op_id=op_id, lease=lease
+                plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
             )
         except BackendUnavailableError:
-            decision = await self._degraded_check(plan.slots, now, op_id, lease)
+            decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
         else:
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
@@ -471,28 +540,42 @@ class Governor(Metering[MeterResult]):
                 decision = self._decide(plan.slots, result, now)
         if lease is not None and decision.admitted:
             decision = dataclasses.replace(decision, lease=Lease(lease, plan.leases))
-        if self.ledger is not None and event_id is not None:
-            # Built here, positionally: once per call, and keyword passing through
-            # _append cost more than the entry itself.
-            admitted = decision.admitted
-            await self.ledger.append(
-                LedgerEntry(
-                    event_id,
-                    kind if admitted else EntryType.REJECTED,
-                    now,
-                    ctx,
-                    plan.charges if admitted else (),
-                    decision.limit,
-                    decision.status,
-                    decision.over,
-                    None,
-                    decision.degraded,
-                    None,
-                    None,
-                    approved if admitted else (),
-                )
-            )
+        if event_id is not None and (record_refusal or decision.admitted):
+            await self._log(event_id, kind, now, ctx, plan, decision, approved)
         return decision, event_id
+
+    async def _log(
+        self,
+        event_id: str,
+        kind: EntryType,
+        now: float,
+        ctx: Context,
+        plan: planning.Plan,
+        decision: Decision,
+        approved: tuple[str, ...],
+    ) -> None:
+        """The ledger entry of an admission step: ``kind``, or a rejection."""
+        assert self.ledger is not None
+        # Built here, positionally: once per call, and keyword passing through
+        # _append cost more than the entry itself.
+        admitted = decision.admitted
+        await self.ledger.append(
+            LedgerEntry(
+                event_id,
+                kind if admitted else EntryType.REJECTED,
+                now,
+                ctx,
+                plan.charges if admitted else (),
+                decision.limit,
+                decision.status,
+                decision.over,
+                None,
+                decision.degraded,
+                None,
+                None,
+                approved if admitted else (),
+            )
+        )
 
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
@@ -526,12 +609,18 @@ class Governor(Metering[MeterResult]):
         want_used: bool = True,
         op_id: str | None = None,
         lease: str | None = None,
+        ticket: str | None = None,
     ) -> ChargeResult:
         if self._down_until:
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
             await self._flush_pending()
         try:
+            if ticket is not None:  # a call waiting for a concurrency slot
+                return await self.backend.charge(  # type: ignore[call-arg]
+                    ops, event_id=event_id, want_used=want_used, op_id=op_id,
+                    lease=lease, lease_ttl=self.lease_ttl, ticket=ticket,
+                )  # fmt: skip
             if lease is not None:  # only a policy with concurrency caps needs leases
                 return await self.backend.charge(  # type: ignore[call-arg]
                     ops, event_id=event_id, want_used=want_used, op_id=op_id,
@@ -585,14 +674,19 @@ class Governor(Metering[MeterResult]):
         self._pending.append((op_id, ops))
 
     async def _degraded_check(
-        self, slots: Sequence[Slot], now: float, op_id: str | None, lease: str | None = None
+        self,
+        slots: Sequence[Slot],
+        now: float,
+        op_id: str | None,
+        lease: str | None = None,
+        ticket: str | None = None,
     ) -> Decision:
         for s in slots:
             if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
                 return planning.unavailable(s, self._retry_interval)
         local = [s for s in slots if _local(s.limit)]
         result = await self._fallback.charge(
-            [s.op for s in local], lease=lease, lease_ttl=self.lease_ttl
+            [s.op for s in local], lease=lease, lease_ttl=self.lease_ttl, ticket=ticket
         )
         if not result.admitted:
             remaining = planning.headroom(local, result.used, charged=False)
@@ -674,6 +768,16 @@ class Governor(Metering[MeterResult]):
     ) -> None:
         assert self.ledger is not None
         await self.ledger.append(LedgerEntry(event_id, kind, now, ctx, charges, **extra))
+
+
+#: The longest a call may wait for a concurrency slot (seconds).
+MAX_WAIT = 3600.0
+
+
+def _wait_seconds(wait: Any) -> float:
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_WAIT:
+        raise InvalidInputError("wait", wait, f"expected seconds from 0 to {MAX_WAIT:.0f}")
+    return float(wait)
 
 
 def _local(limit: Limit) -> bool:

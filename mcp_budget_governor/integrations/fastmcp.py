@@ -148,6 +148,8 @@ class BudgetMiddleware(Middleware):
       spends its root's session budget (a context naming its root keeps it).
     - ``approval_timeout``: seconds the user has to answer an ``OnExceed.ASK``
       approval (MCP elicitation); unanswered, the call is refused as usual.
+    - ``wait``: seconds a call refused by a full concurrency cap waits for a slot
+      (first come, first served across replicas); past it, the refusal.
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class BudgetMiddleware(Middleware):
         estimate: Charges | None = None,
         approval_timeout: float = 120.0,
         session_root: SessionRoot | None = None,
+        wait: float = 0,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
@@ -173,6 +176,8 @@ class BudgetMiddleware(Middleware):
         if session_root is not None and not callable(session_root):
             raise TypeError("BudgetMiddleware: session_root= must be callable (session -> root)")
         self.session_root = session_root
+        governor.admitted(wait=wait)  # InvalidInputError naming a bad wait, now
+        self.wait = wait
         self._prices: dict[str, tuple[float, Charges | None, Charges | None]] = {}
 
     async def on_call_tool(
@@ -206,6 +211,7 @@ class BudgetMiddleware(Middleware):
                 priced=priced,
                 estimate=estimate,
                 ask=lambda decision: self._ask(context, decision),
+                wait=self.wait,
             )
         except BudgetExceeded as exc:
             raise BudgetToolError(exc.decision) from None
