@@ -103,6 +103,10 @@ class Governor(Metering[MeterResult]):
         self._max_pending = max_pending
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
+        # Counter key -> its effective cap with grants, as the backend last answered:
+        # what the fallback and the fail-open reads compare with while it is down
+        # (a run-time cap or grant still applies, per replica, during an outage).
+        self._caps_seen: dict[str, int] = {}
 
     def replace_policy(self, policy: Policy) -> Policy:
         """Govern every call from now on by ``policy`` (a reload); returns the old one.
@@ -322,15 +326,16 @@ class Governor(Metering[MeterResult]):
         fallback (not tripped without one).
         """
         s = self._read_slot(limit, ctx or EMPTY)
+        ((total, cap),) = await self._read((s,))
         if s.limit.concurrent:  # full: the next call is refused
-            return not fits(await self.usage(limit, ctx), 1, s.limit.cap)
-        (total,) = await self._read((s,))
-        return total is not None and not fits(total, 0, s.limit.cap)
+            return not fits(await self.usage(limit, ctx), 1, cap)
+        return total is not None and not fits(total, 0, cap)
 
     async def status(self, ctx: Context | None = None) -> dict[str, dict[str, int | bool | None]]:
         """Usage of every limit whose scope ``ctx`` supplies, in one read-only round trip.
 
-        Per limit name: ``total``, ``cap``, ``remaining`` (before exhausted),
+        Per limit name: ``total``, ``cap`` (the effective cap: value cap, plan or
+        run-time cap, plus this period's grants), ``remaining`` (before exhausted),
         ``exceeded`` (the cap is reached) and ``resets_in`` (seconds; None for
         a session window). Writes nothing and appends no ledger event. With the
         counters unreachable, fail modes apply as in :meth:`is_tripped`; a
@@ -345,23 +350,20 @@ class Governor(Metering[MeterResult]):
             if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False, policy=self.policy))
             is not None
         ]
-        slots = [s for s in every if not s.limit.concurrent]
-        totals = await self._read(slots) if slots else []
+        read = await self._read(every) if every else []
         report: dict[str, dict[str, int | bool | None]] = {}
-        leases = [s for s in every if s.limit.concurrent]
+        leases = [(s, cap) for s, (_, cap) in zip(every, read, strict=True) if s.limit.concurrent]
         if leases:
             try:
-                held = await self.backend.in_progress([s.key for s in leases])  # type: ignore[attr-defined]
+                held = await self.backend.in_progress([s.key for s, _ in leases])  # type: ignore[attr-defined]
             except BackendUnavailableError:
                 held = None
-            for s, n in zip(leases, held or (), strict=False):
+            for (s, cap), n in zip(leases, held or (), strict=False):
                 # A concurrency cap is reached when one more call would not fit.
-                report[s.limit.name] = _status_row(n, s.limit.cap, 1, None)
-        for s, total in zip(slots, totals, strict=True):
-            if total is not None:
-                report[s.limit.name] = _status_row(
-                    total, s.limit.cap, 0, s.bucket.seconds_left(now)
-                )
+                report[s.limit.name] = _status_row(n, cap, 1, None)
+        for s, (total, cap) in zip(every, read, strict=True):
+            if total is not None and not s.limit.concurrent:
+                report[s.limit.name] = _status_row(total, cap, 0, s.bucket.seconds_left(now))
         return report
 
     def _read_slot(self, limit: str, ctx: Context) -> Slot:
@@ -374,21 +376,39 @@ class Governor(Metering[MeterResult]):
             raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
         return s
 
-    async def _read(self, slots: Sequence[Slot]) -> list[int | None]:
-        """The totals of ``slots``, writing nothing (outage charges not yet replayed
-        are left for the next charge); unreachable counters: each limit's fail mode."""
+    async def _read(self, slots: Sequence[Slot]) -> list[tuple[int | None, int]]:
+        """The totals of ``slots`` and their effective caps with grants, writing nothing
+        (outage charges not yet replayed are left for the next charge); unreachable
+        counters: each limit's fail mode, against the caps last seen.
+
+        One round trip: the admission script with every amount zero and nothing
+        enforced reads each counter and resolves its cap as a check would (the
+        same rule, one home), and writes nothing. A lease set's cap is resolved on
+        a key that never exists (no counter, no grant); its calls in progress
+        are read by ``in_progress``."""
         if not self._down_until or self._clock() >= self._down_until:
+            probe = [
+                CounterOp(_CAP_PROBE + s.key if s.limit.concurrent else s.key, 0,
+                          s.limit.cap, False, s.expire_at, s.ref)
+                for s in slots
+            ]  # fmt: skip
             try:
-                return list(await self.backend.usage([s.key for s in slots]))
+                result = await self.backend.charge(probe, want_used=True)
             except BackendUnavailableError:
                 self._mark_down()
+            else:
+                caps = result.caps or tuple(s.limit.cap for s in slots)
+                return list(zip(result.used, caps, strict=True))
         for s in slots:
             if s.limit.fail_mode is FailMode.CLOSED:
                 raise BackendUnavailableError(
                     f"limit {s.limit.name!r} fails closed and its counters cannot be reached"
                 )
         local = await self._fallback.usage([s.key for s in slots])
-        return [t if _local(s.limit) else None for s, t in zip(slots, local, strict=True)]
+        return [
+            (t if _local(s.limit) else None, self._caps_seen.get(s.key, s.limit.cap))
+            for s, t in zip(slots, local, strict=True)
+        ]
 
     async def aclose(self) -> None:
         """Flush what can be flushed and close the backend and ledger."""
@@ -534,6 +554,8 @@ class Governor(Metering[MeterResult]):
         except BackendUnavailableError:
             decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
         else:
+            if result.caps:
+                self._saw_caps(plan.ops, result.caps)
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
@@ -576,6 +598,20 @@ class Governor(Metering[MeterResult]):
                 approved if admitted else (),
             )
         )
+
+    def _saw_caps(self, ops: Sequence[CounterOp], caps: Sequence[int]) -> None:
+        seen = self._caps_seen
+        if len(seen) >= 65_536:
+            seen.clear()
+        for op, cap in zip(ops, caps, strict=True):
+            seen[op.key] = cap
+
+    def _local_op(self, s: Slot) -> CounterOp:
+        """The fallback's op of ``s``: against the effective cap last seen, else its default."""
+        cap = self._caps_seen.get(s.key)
+        if cap is None:
+            return s.op
+        return CounterOp(s.key, s.amount, cap, s.enforce, s.expire_at)
 
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
@@ -685,14 +721,16 @@ class Governor(Metering[MeterResult]):
             if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
                 return planning.unavailable(s, self._retry_interval)
         local = [s for s in slots if _local(s.limit)]
+        ops = [self._local_op(s) for s in local]
         result = await self._fallback.charge(
-            [s.op for s in local], lease=lease, lease_ttl=self.lease_ttl, ticket=ticket
+            ops, lease=lease, lease_ttl=self.lease_ttl, ticket=ticket
         )
+        caps = result.caps or [op.cap for op in ops]
         if not result.admitted:
-            remaining = planning.headroom(local, result.used, charged=False)
+            remaining = planning.headroom(local, result.used, charged=False, caps=caps)
             return planning.refused(local[result.refused], now, degraded=True, remaining=remaining)
         self._keep_for_later(slots, op_id)
-        return planning.admitted(local, result.used, degraded=True)
+        return planning.admitted(local, result.used, degraded=True, caps=caps)
 
     async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
@@ -769,6 +807,10 @@ class Governor(Metering[MeterResult]):
         assert self.ledger is not None
         await self.ledger.append(LedgerEntry(event_id, kind, now, ctx, charges, **extra))
 
+
+#: Put before a lease set's key, a counter key that never exists: where
+#: :meth:`Governor._read` resolves a concurrency cap's effective cap.
+_CAP_PROBE = "mcpbg:v1:_probe:"
 
 #: The longest a call may wait for a concurrency slot (seconds).
 MAX_WAIT = 3600.0

@@ -513,3 +513,60 @@ def test_archive_replay_says_it_cannot_restore_run_time_changes(
     )
     out = capsys.readouterr().out
     assert code == 0 and "1 run-time changes" in out and "--source kafka" in out, out
+
+
+async def test_status_and_is_tripped_read_the_effective_caps(backend: Backend) -> None:
+    gov = Governor(policy(), backend)
+    acme, beta, pro = Context(tenant="acme"), Context(tenant="beta"), Context(user="u_pro")
+    assert (await gov.status(acme))["tenant_calls"]["cap"] == 5  # its value cap
+    assert (await gov.status(pro))["burst"]["cap"] == 4  # its plan
+    await gov.set_cap("tenant_calls", 6, tenant="beta")
+    await gov.grant("tenant_calls", 2, tenant="beta")
+    row = (await gov.status(beta))["tenant_calls"]
+    assert (row["cap"], row["remaining"], row["exceeded"]) == (8, 8, False)
+    assert await admitted(gov, beta, 9) == 8
+    assert await gov.is_tripped("tenant_calls", beta)
+    assert not await gov.is_tripped("tenant_calls", acme)
+    assert await admitted(gov, acme, 4) == 4
+    assert not await gov.is_tripped("tenant_calls", acme)  # 4 of its 5
+    assert (await gov.status(acme))["tenant_calls"]["remaining"] == 1
+
+
+class Outage:
+    """A backend that can be switched off: every call then raises as an unreachable one."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.down = False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.down:
+                from mcp_budget_governor.errors import BackendUnavailableError
+
+                raise BackendUnavailableError("switched off")
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+async def test_the_fail_open_fallback_keeps_the_effective_caps(backend: Backend) -> None:
+    from mcp_budget_governor import FailMode
+
+    pol = Policy.of(
+        Limit("calls", cap=2, window=Window.DAY, scope=Scope.TENANT, fail_mode=FailMode.OPEN)
+    )
+    outage = Outage(backend)
+    gov = Governor(pol, outage, retry_interval=3600)  # type: ignore[arg-type]
+    beta = Context(tenant="beta")
+    await gov.set_cap("calls", 4, tenant="beta")
+    assert (await gov.check(beta)).admitted  # the effective cap (4) seen once
+    outage.down = True
+    # The per-replica fallback counts from zero, against 4, not the default 2.
+    assert await admitted(gov, beta, 6) == 4
+    row = (await gov.status(beta))["calls"]
+    assert (row["cap"], row["total"]) == (4, 4)
