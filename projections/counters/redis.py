@@ -72,7 +72,7 @@ def _ref_arg(op: CounterOp) -> bytes:
     return " ".join(parts).rstrip().encode()
 
 
-def _change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
+def change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
     """The changes as lua/lib.lua's apply_change reads them, their keys added to ``keys``."""
     out = []
     for c in changes:
@@ -425,7 +425,7 @@ class RedisBackend:
         if not changes:
             return
         keys: list[str] = []
-        tokens = _change_tokens(changes, keys, {})
+        tokens = change_tokens(changes, keys, {})
         try:
             await self._run(self._change, keys, (tokens,))
         except redis_errors.ResponseError as exc:
