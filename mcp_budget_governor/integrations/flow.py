@@ -95,6 +95,7 @@ async def governed_call(
     estimate: Charges | None = None,
     ask: Ask | None = None,
     wait: float = 0,
+    approved: Sequence[str] = (),
 ) -> R:
     """Check (a Governor only), run ``work``, meter what it cost; see the module docstring.
 
@@ -114,14 +115,15 @@ async def governed_call(
 
     ``wait`` (seconds, a Governor only): how long a call refused by a full
     concurrency cap waits for a slot, first come, first served
-    (:meth:`Governor.check`).
+    (:meth:`Governor.check`). ``approved``: ``OnExceed.ASK`` limits the user
+    already let this call go over (an answer from an earlier round).
     """
     held: list[Reservation] = []
     # A Governor admits for the whole call: its concurrency-cap leases are
     # renewed while the work runs and given back when it ends, however it ends.
     admission: Admission | None = None
     if isinstance(governor, Governor):
-        approved: list[str] = []
+        approved = list(approved)
         while True:
             admission = governor.admitted(ctx, approved=approved, wait=wait)
             decision = await admission.__aenter__()  # refused: no lease held
