@@ -220,3 +220,27 @@ async def test_fastmcp_calls_that_wait_all_run_never_more_than_the_cap(backend: 
     assert await queued(backend) == 0
     with pytest.raises(InvalidInputError, match="wait"):
         BudgetMiddleware(gov, wait=-1)
+
+
+async def test_only_the_outcome_of_a_wait_reaches_the_ledger(backend: Backend) -> None:
+    from mcp_budget_governor.ledger import EntryType
+    from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+
+    ledger = MemoryLedger()
+    gov = Governor(Policy.of(parallel()), backend, ledger=ledger)
+    holder = await gov.check(U1)
+    assert not (await gov.check(U1, wait=0.3)).admitted  # many retries, one refusal
+
+    async def later() -> None:
+        await until_queued(backend, 1)
+        await gov.release(holder)
+
+    releasing = asyncio.ensure_future(later())
+    async with gov.admitted(U1, wait=60) as decision:
+        assert decision.admitted
+    await releasing
+    assert [e.type for e in ledger.entries] == [
+        EntryType.ADMITTED,
+        EntryType.REJECTED,
+        EntryType.ADMITTED,
+    ]
