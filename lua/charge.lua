@@ -9,8 +9,11 @@
 --              'o' when the next key is the marker of operation ARGV[1]
 --              'c' when each counter's effective cap is resolved here (caps.py)
 --              'l' when some counters are lease sets (keys.lease_key): then
---              ARGV[3] is the lease id, ARGV[4] its time to live (ms), and the
---              counters' arguments start at ARGV[5]
+--              ARGV[3] is the lease id, ARGV[4] its time to live (ms), ARGV[5]
+--              the waiting call's ticket ('-': not waiting; lib.lua
+--              waiters_ahead), ARGV[6] how many lease sets (each one's queue
+--              key comes last in KEYS, in counter order), and the counters'
+--              arguments start at ARGV[7]
 -- ARGV[3..]    per counter: amount, cap, enforce ('1' may refuse), expire_at;
 --              flagged 'c', one more: the scope field ('' for none), then only
 --              when the policy has them, space-separated: the policy's value cap
@@ -20,7 +23,8 @@
 -- KEYS         the epoch marker first when flagged 'e', then the operation
 --              marker when flagged 'o', then the counters; flagged 'c', then
 --              each counter's caps hash (mcpbg:v1:_caps:<limit>) and last the
---              plans hash (mcpbg:v1:_plans)
+--              plans hash (mcpbg:v1:_plans); flagged 'l', last the queue of
+--              each lease set (keys.queue_key)
 --
 -- Flagged 'c', a counter is compared with its effective cap plus its grant
 -- (field 'g' of the counter: room for this bucket, not spend), and the reply
@@ -37,6 +41,10 @@
 -- pruned (ZREMRANGEBYSCORE up to Redis' TIME), the rest counted (ZCARD) and
 -- compared with the cap like any counter (amount 1); admitted, the lease id is
 -- added scored by its expiry. No grant, no in-flight part, nothing for the ledger.
+-- Calls waiting for a slot come first: a lease set with r free slots admits
+-- only a caller with fewer than r live waiters ahead of it (lib.lua
+-- waiters_ahead); a refused waiting call joins the queue of every lease set of
+-- the call, and an admitted one leaves them.
 --
 -- An operation marker makes an inline charge idempotent: a charge replayed
 -- after its reply came too late finds the marker and changes nothing ({0}).
@@ -66,26 +74,32 @@ local inline = event_id == ''
 local resolve = string.find(flags, 'c', 1, true) ~= nil
 local width = resolve and 5 or 4
 local off = 3
-local lease_id, lease_until = nil, 0
+local lease_id, lease_until, ticket, queues, now = nil, 0, '-', 0, 0
 if string.find(flags, 'l', 1, true) then
   lease_id = ARGV[3]
-  lease_until = now_ms() + tonumber(ARGV[4])
-  off = 5
+  now = now_ms()
+  lease_until = now + tonumber(ARGV[4])
+  ticket = ARGV[5]
+  queues = tonumber(ARGV[6])
+  off = 7
 end
 
 -- Exactness first (a counter read inexactly cannot be compared), then the
 -- refusal, then whether the admitted amounts keep every counter exact.
-local n = #KEYS - first + 1
+local n = #KEYS - first + 1 - queues
 if resolve then n = (n - 1) / 2 end
 local result = {0}
 local refused = 0
 local cs, fs, caps = {}, {}, {}
+local queue_of, q = {}, 0
 for i = 1, n do
   local base = off + (i - 1) * width
   local key = KEYS[first + i - 1]
   local c, f, g
   if lease_id and is_lease(key) then
     c, f, g = live_leases(key), 0, 0
+    q = q + 1
+    queue_of[i] = KEYS[#KEYS - queues + q]
   else
     c, f, g = parts_and_grant(key)
     if not stays_exact(c, f, 0, inline) then
@@ -112,8 +126,12 @@ for i = 1, n do
       value_cap, plan_fields, plan_caps, file_plan) + g
     caps[i] = cap
   end
+  local waiting = 0
+  if queue_of[i] and cap > used then
+    waiting = waiters_ahead(queue_of[i], ticket, cap - used, now)
+  end
   if refused == 0 and ARGV[base + 2] == '1'
-      and not fits(used, tonumber(ARGV[base]), cap) then
+      and not fits(used + waiting, tonumber(ARGV[base]), cap) then
     refused = i
   end
 end
@@ -124,6 +142,11 @@ if not string.find(flags, 'u', 1, true) then
   result = {0}
 end
 if refused > 0 then
+  if ticket ~= '-' and queue_of[refused] then  -- only a full lease set is worth waiting for
+    for i = 1, n do
+      if queue_of[i] then join_queue(queue_of[i], ticket, now) end
+    end
+  end
   result[1] = refused
   return result
 end
@@ -141,6 +164,7 @@ for i = 1, n do
   local key = KEYS[first + i - 1]
   if lease_id and is_lease(key) then
     take_lease(key, lease_id, lease_until)
+    if ticket ~= '-' then redis.call('ZREM', queue_of[i], ticket) end
   elseif amount ~= '0' then
     add(key, amount, event_id, ARGV[base + 3])
     wrote = true

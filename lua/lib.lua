@@ -174,3 +174,49 @@ local function take_lease(key, lease_id, until_ms)
   local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   redis.call('PEXPIREAT', key, string.format('%.0f', tonumber(last[2])))
 end
+
+-- Waiting calls (Governor.admitted(wait=)): a queue per lease set
+-- (keys.queue_key: mcpbg:v1:_wait:{<lease set>}, the lease set's own cluster
+-- slot), member the caller's ticket "<id>/<wait ms>", score its arrival (ms of
+-- Redis' clock). A ticket holds its place until arrival + wait; expired ones
+-- are dropped as the scan meets them.
+--
+-- How many live waiters come before `ticket` ('-': everyone, the caller waits
+-- in no queue), counting at most `room` of them: the caller fits in a lease
+-- set with `room` free slots only when fewer than `room` wait ahead of it, so
+-- a slot that frees goes to the oldest waiter, whoever polls first.
+-- Returns that count and whether the ticket was found among them.
+local QUEUE_PREFIX = 'mcpbg:v1:_wait:{'
+
+local function waiters_ahead(queue, ticket, room, now)
+  local ahead, start, dead = 0, 0, {}
+  while ahead < room do
+    local batch = redis.call('ZRANGE', queue, start, start + room - 1, 'WITHSCORES')
+    if #batch == 0 then break end
+    for j = 1, #batch, 2 do
+      local member = batch[j]
+      local wait_ms = tonumber(string.match(member, '/(%d+)$')) or 0
+      if tonumber(batch[j + 1]) + wait_ms <= now then
+        dead[#dead + 1] = member
+      elseif member == ticket then
+        if #dead > 0 then redis.call('ZREM', queue, unpack(dead)) end
+        return ahead, true
+      else
+        ahead = ahead + 1
+        if ahead >= room then break end
+      end
+    end
+    start = start + #batch / 2
+  end
+  if #dead > 0 then redis.call('ZREM', queue, unpack(dead)) end
+  return ahead, false
+end
+
+-- Join a queue (a refused waiting call; a ticket already queued keeps its place).
+local function join_queue(queue, ticket, now)
+  local wait_ms = tonumber(string.match(ticket, '/(%d+)$')) or 0
+  redis.call('ZADD', queue, 'NX', string.format('%.0f', now), ticket)
+  if redis.call('PTTL', queue) < wait_ms then
+    redis.call('PEXPIRE', queue, wait_ms)
+  end
+end

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -101,6 +103,10 @@ class Governor(Metering[MeterResult]):
         self._max_pending = max_pending
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
+        # Counter key -> its effective cap with grants, as the backend last answered:
+        # what the fallback and the fail-open reads compare with while it is down
+        # (a run-time cap or grant still applies, per replica, during an outage).
+        self._caps_seen: dict[str, int] = {}
 
     def replace_policy(self, policy: Policy) -> Policy:
         """Govern every call from now on by ``policy`` (a reload); returns the old one.
@@ -122,7 +128,12 @@ class Governor(Metering[MeterResult]):
     # -- the hot path -------------------------------------------------------
 
     async def check(
-        self, ctx: Context | None = None, *, amount: int = 1, approved: Sequence[str] = ()
+        self,
+        ctx: Context | None = None,
+        *,
+        amount: int = 1,
+        approved: Sequence[str] = (),
+        wait: float = 0,
     ) -> Decision:
         """Admit or refuse a call, charging every gated limit all or nothing.
 
@@ -131,10 +142,16 @@ class Governor(Metering[MeterResult]):
         gated CALLS limits (spend and token limits are read, whatever it is).
         ``approved`` names ``OnExceed.ASK`` limits the user let this call go
         over: they count it without refusing, and the ledger records the approval.
+        ``wait``: seconds a call refused by a full concurrency cap may wait for a
+        slot, first come, first served across replicas (lua/lib.lua
+        ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through
+        :meth:`admitted`, which gives the slot back.
         """
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
         ctx = ctx or EMPTY
+        if wait:
+            return await self._check_waiting(ctx, amount, approved, _wait_seconds(wait))
         now = self._clock()
         if approved:
             allowed = self._approvable(approved)
@@ -149,6 +166,51 @@ class Governor(Metering[MeterResult]):
         decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
         return decision
 
+    async def _check_waiting(
+        self, ctx: Context, amount: int, approved: Sequence[str], wait: float
+    ) -> Decision:
+        """:meth:`check` retried while a concurrency cap refuses, holding a place in
+        the caps' queues: a slot that frees goes to the oldest waiter, on every
+        replica (the scripts admit nobody else while it waits ahead). The retries
+        back off from 5 ms to 100 ms; only the outcome reaches the ledger."""
+        allowed = self._approvable(approved) if approved else frozenset()
+        ticket = f"{new_id()}/{math.ceil(wait * 1000)}"
+        deadline = time.monotonic() + wait
+        delay = 0.005
+        while True:
+            now = self._clock()
+            plan = (
+                planning.check_plan(self.policy, ctx, now, amount, allowed)
+                if allowed
+                else self._plan(ctx, now, amount)
+            )
+            decision, event_id = await self._admit(
+                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed)),
+                ticket=ticket if plan.leases else None, record_refusal=False,
+            )  # fmt: skip
+            if decision.admitted:
+                return decision
+            left = deadline - time.monotonic()
+            full = decision.limit is not None and self.policy[decision.limit].concurrent
+            if left <= 0 or not plan.leases or not full or decision.status == 503:
+                await self._leave(plan.leases, ticket)
+                if event_id is not None:  # the one refusal the ledger records
+                    await self._log(event_id, EntryType.ADMITTED, now, ctx, plan, decision, ())
+                return decision
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.1)
+
+    async def _leave(self, leases: Sequence[str], ticket: str) -> None:
+        """Take a waiting call that gives up out of the queues (else its place
+        holds until its wait ends)."""
+        if not leases:
+            return
+        await self._fallback.leave(leases, ticket)
+        try:
+            await self.backend.leave(leases, ticket)  # type: ignore[attr-defined]
+        except BackendUnavailableError:
+            log.warning("waiting ticket %s left queued (counters unreachable)", ticket)
+
     def _approvable(self, approved: Sequence[str]) -> frozenset[str]:
         for name in approved:
             if self.policy[name].on_exceed is not OnExceed.ASK:
@@ -158,15 +220,21 @@ class Governor(Metering[MeterResult]):
         return frozenset(approved)
 
     def admitted(
-        self, ctx: Context | None = None, *, amount: int = 1, approved: Sequence[str] = ()
+        self,
+        ctx: Context | None = None,
+        *,
+        amount: int = 1,
+        approved: Sequence[str] = (),
+        wait: float = 0,
     ) -> Admission:
         """:meth:`check` for the duration of a block: concurrency-cap leases the call
         takes are renewed while it runs and given back on exit, however it ends.
+        ``wait``: seconds to wait for a concurrency slot (see :meth:`check`).
 
         ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
         (a refused decision holds no lease).
         """
-        return Admission(self, ctx, amount, approved)
+        return Admission(self, ctx, amount, approved, _wait_seconds(wait))
 
     async def release(self, decision: Decision) -> None:
         """Give back the concurrency-cap leases of an admitted ``decision`` (from
@@ -258,15 +326,16 @@ class Governor(Metering[MeterResult]):
         fallback (not tripped without one).
         """
         s = self._read_slot(limit, ctx or EMPTY)
+        ((total, cap),) = await self._read((s,))
         if s.limit.concurrent:  # full: the next call is refused
-            return not fits(await self.usage(limit, ctx), 1, s.limit.cap)
-        (total,) = await self._read((s,))
-        return total is not None and not fits(total, 0, s.limit.cap)
+            return not fits(await self.usage(limit, ctx), 1, cap)
+        return total is not None and not fits(total, 0, cap)
 
     async def status(self, ctx: Context | None = None) -> dict[str, dict[str, int | bool | None]]:
         """Usage of every limit whose scope ``ctx`` supplies, in one read-only round trip.
 
-        Per limit name: ``total``, ``cap``, ``remaining`` (before exhausted),
+        Per limit name: ``total``, ``cap`` (the effective cap: value cap, plan or
+        run-time cap, plus this period's grants), ``remaining`` (before exhausted),
         ``exceeded`` (the cap is reached) and ``resets_in`` (seconds; None for
         a session window). Writes nothing and appends no ledger event. With the
         counters unreachable, fail modes apply as in :meth:`is_tripped`; a
@@ -281,23 +350,20 @@ class Governor(Metering[MeterResult]):
             if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False, policy=self.policy))
             is not None
         ]
-        slots = [s for s in every if not s.limit.concurrent]
-        totals = await self._read(slots) if slots else []
+        read = await self._read(every) if every else []
         report: dict[str, dict[str, int | bool | None]] = {}
-        leases = [s for s in every if s.limit.concurrent]
+        leases = [(s, cap) for s, (_, cap) in zip(every, read, strict=True) if s.limit.concurrent]
         if leases:
             try:
-                held = await self.backend.in_progress([s.key for s in leases])  # type: ignore[attr-defined]
+                held = await self.backend.in_progress([s.key for s, _ in leases])  # type: ignore[attr-defined]
             except BackendUnavailableError:
                 held = None
-            for s, n in zip(leases, held or (), strict=False):
+            for (s, cap), n in zip(leases, held or (), strict=False):
                 # A concurrency cap is reached when one more call would not fit.
-                report[s.limit.name] = _status_row(n, s.limit.cap, 1, None)
-        for s, total in zip(slots, totals, strict=True):
-            if total is not None:
-                report[s.limit.name] = _status_row(
-                    total, s.limit.cap, 0, s.bucket.seconds_left(now)
-                )
+                report[s.limit.name] = _status_row(n, cap, 1, None)
+        for s, (total, cap) in zip(every, read, strict=True):
+            if total is not None and not s.limit.concurrent:
+                report[s.limit.name] = _status_row(total, cap, 0, s.bucket.seconds_left(now))
         return report
 
     def _read_slot(self, limit: str, ctx: Context) -> Slot:
@@ -310,21 +376,39 @@ class Governor(Metering[MeterResult]):
             raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
         return s
 
-    async def _read(self, slots: Sequence[Slot]) -> list[int | None]:
-        """The totals of ``slots``, writing nothing (outage charges not yet replayed
-        are left for the next charge); unreachable counters: each limit's fail mode."""
+    async def _read(self, slots: Sequence[Slot]) -> list[tuple[int | None, int]]:
+        """The totals of ``slots`` and their effective caps with grants, writing nothing
+        (outage charges not yet replayed are left for the next charge); unreachable
+        counters: each limit's fail mode, against the caps last seen.
+
+        One round trip: the admission script with every amount zero and nothing
+        enforced reads each counter and resolves its cap as a check would (the
+        same rule, one home), and writes nothing. A lease set's cap is resolved on
+        a key that never exists (no counter, no grant); its calls in progress
+        are read by ``in_progress``."""
         if not self._down_until or self._clock() >= self._down_until:
+            probe = [
+                CounterOp(_CAP_PROBE + s.key if s.limit.concurrent else s.key, 0,
+                          s.limit.cap, False, s.expire_at, s.ref)
+                for s in slots
+            ]  # fmt: skip
             try:
-                return list(await self.backend.usage([s.key for s in slots]))
+                result = await self.backend.charge(probe, want_used=True)
             except BackendUnavailableError:
                 self._mark_down()
+            else:
+                caps = result.caps or tuple(s.limit.cap for s in slots)
+                return list(zip(result.used, caps, strict=True))
         for s in slots:
             if s.limit.fail_mode is FailMode.CLOSED:
                 raise BackendUnavailableError(
                     f"limit {s.limit.name!r} fails closed and its counters cannot be reached"
                 )
         local = await self._fallback.usage([s.key for s in slots])
-        return [t if _local(s.limit) else None for s, t in zip(slots, local, strict=True)]
+        return [
+            (t if _local(s.limit) else None, self._caps_seen.get(s.key, s.limit.cap))
+            for s, t in zip(slots, local, strict=True)
+        ]
 
     async def aclose(self) -> None:
         """Flush what can be flushed and close the backend and ledger."""
@@ -444,13 +528,18 @@ class Governor(Metering[MeterResult]):
         now: float,
         kind: EntryType,
         approved: tuple[str, ...] = (),
+        *,
+        ticket: str | None = None,
+        record_refusal: bool = True,
     ) -> tuple[Decision, str | None]:
         """The admission step of check() and reserved(), one round trip.
 
         New work the ledger cannot record is refused before anything is
         charged; otherwise the plan is charged all or nothing (each limit's fail
         mode when the backend is down), and the outcome goes to the ledger as
-        ``kind`` or as a rejection. Returns the decision and the event id.
+        ``kind`` or as a rejection (not ``record_refusal``: an admission only).
+        ``ticket``: a waiting call's place in the concurrency caps' queues.
+        Returns the decision and the event id.
         """
         if self.ledger is not None and not getattr(self.ledger, "accepting", True):
             return planning.ledger_full(self._retry_interval), None
@@ -460,39 +549,69 @@ class Governor(Metering[MeterResult]):
         try:
             # The totals come back in the same reply: they give Decision.remaining.
             result = await self._charge(
-                plan.ops, event_id, want_used=True, op_id=op_id, lease=lease
+                plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
             )
         except BackendUnavailableError:
-            decision = await self._degraded_check(plan.slots, now, op_id, lease)
+            decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
         else:
+            if result.caps:
+                self._saw_caps(plan.ops, result.caps)
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
                 decision = self._decide(plan.slots, result, now)
         if lease is not None and decision.admitted:
             decision = dataclasses.replace(decision, lease=Lease(lease, plan.leases))
-        if self.ledger is not None and event_id is not None:
-            # Built here, positionally: once per call, and keyword passing through
-            # _append cost more than the entry itself.
-            admitted = decision.admitted
-            await self.ledger.append(
-                LedgerEntry(
-                    event_id,
-                    kind if admitted else EntryType.REJECTED,
-                    now,
-                    ctx,
-                    plan.charges if admitted else (),
-                    decision.limit,
-                    decision.status,
-                    decision.over,
-                    None,
-                    decision.degraded,
-                    None,
-                    None,
-                    approved if admitted else (),
-                )
-            )
+        if event_id is not None and (record_refusal or decision.admitted):
+            await self._log(event_id, kind, now, ctx, plan, decision, approved)
         return decision, event_id
+
+    async def _log(
+        self,
+        event_id: str,
+        kind: EntryType,
+        now: float,
+        ctx: Context,
+        plan: planning.Plan,
+        decision: Decision,
+        approved: tuple[str, ...],
+    ) -> None:
+        """The ledger entry of an admission step: ``kind``, or a rejection."""
+        assert self.ledger is not None
+        # Built here, positionally: once per call, and keyword passing through
+        # _append cost more than the entry itself.
+        admitted = decision.admitted
+        await self.ledger.append(
+            LedgerEntry(
+                event_id,
+                kind if admitted else EntryType.REJECTED,
+                now,
+                ctx,
+                plan.charges if admitted else (),
+                decision.limit,
+                decision.status,
+                decision.over,
+                None,
+                decision.degraded,
+                None,
+                None,
+                approved if admitted else (),
+            )
+        )
+
+    def _saw_caps(self, ops: Sequence[CounterOp], caps: Sequence[int]) -> None:
+        seen = self._caps_seen
+        if len(seen) >= 65_536:
+            seen.clear()
+        for op, cap in zip(ops, caps, strict=True):
+            seen[op.key] = cap
+
+    def _local_op(self, s: Slot) -> CounterOp:
+        """The fallback's op of ``s``: against the effective cap last seen, else its default."""
+        cap = self._caps_seen.get(s.key)
+        if cap is None:
+            return s.op
+        return CounterOp(s.key, s.amount, cap, s.enforce, s.expire_at)
 
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
@@ -526,12 +645,18 @@ class Governor(Metering[MeterResult]):
         want_used: bool = True,
         op_id: str | None = None,
         lease: str | None = None,
+        ticket: str | None = None,
     ) -> ChargeResult:
         if self._down_until:
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
             await self._flush_pending()
         try:
+            if ticket is not None:  # a call waiting for a concurrency slot
+                return await self.backend.charge(  # type: ignore[call-arg]
+                    ops, event_id=event_id, want_used=want_used, op_id=op_id,
+                    lease=lease, lease_ttl=self.lease_ttl, ticket=ticket,
+                )  # fmt: skip
             if lease is not None:  # only a policy with concurrency caps needs leases
                 return await self.backend.charge(  # type: ignore[call-arg]
                     ops, event_id=event_id, want_used=want_used, op_id=op_id,
@@ -585,20 +710,27 @@ class Governor(Metering[MeterResult]):
         self._pending.append((op_id, ops))
 
     async def _degraded_check(
-        self, slots: Sequence[Slot], now: float, op_id: str | None, lease: str | None = None
+        self,
+        slots: Sequence[Slot],
+        now: float,
+        op_id: str | None,
+        lease: str | None = None,
+        ticket: str | None = None,
     ) -> Decision:
         for s in slots:
             if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
                 return planning.unavailable(s, self._retry_interval)
         local = [s for s in slots if _local(s.limit)]
+        ops = [self._local_op(s) for s in local]
         result = await self._fallback.charge(
-            [s.op for s in local], lease=lease, lease_ttl=self.lease_ttl
+            ops, lease=lease, lease_ttl=self.lease_ttl, ticket=ticket
         )
+        caps = result.caps or [op.cap for op in ops]
         if not result.admitted:
-            remaining = planning.headroom(local, result.used, charged=False)
+            remaining = planning.headroom(local, result.used, charged=False, caps=caps)
             return planning.refused(local[result.refused], now, degraded=True, remaining=remaining)
         self._keep_for_later(slots, op_id)
-        return planning.admitted(local, result.used, degraded=True)
+        return planning.admitted(local, result.used, degraded=True, caps=caps)
 
     async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
@@ -674,6 +806,20 @@ class Governor(Metering[MeterResult]):
     ) -> None:
         assert self.ledger is not None
         await self.ledger.append(LedgerEntry(event_id, kind, now, ctx, charges, **extra))
+
+
+#: Put before a lease set's key, a counter key that never exists: where
+#: :meth:`Governor._read` resolves a concurrency cap's effective cap.
+_CAP_PROBE = "mcpbg:v1:_probe:"
+
+#: The longest a call may wait for a concurrency slot (seconds).
+MAX_WAIT = 3600.0
+
+
+def _wait_seconds(wait: Any) -> float:
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_WAIT:
+        raise InvalidInputError("wait", wait, f"expected seconds from 0 to {MAX_WAIT:.0f}")
+    return float(wait)
 
 
 def _local(limit: Limit) -> bool:

@@ -51,17 +51,25 @@ class Admission:
     """
 
     def __init__(
-        self, gov: Governor, ctx: Context | None, amount: int, approved: Sequence[str] = ()
+        self,
+        gov: Governor,
+        ctx: Context | None,
+        amount: int,
+        approved: Sequence[str] = (),
+        wait: float = 0.0,
     ) -> None:
         self._gov = gov
         self._ctx = ctx
         self._amount = amount
         self._approved = tuple(approved)
+        self._wait = wait
         self.decision: Decision | None = None
         self._renewer: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Decision:
-        decision = await self._gov.check(self._ctx, amount=self._amount, approved=self._approved)
+        decision = await self._gov.check(
+            self._ctx, amount=self._amount, approved=self._approved, wait=self._wait
+        )
         self.decision = decision
         if decision.lease is not None:
             self._renewer = asyncio.ensure_future(self._renew(decision))

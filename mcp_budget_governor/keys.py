@@ -130,6 +130,20 @@ def lease_key(limit: str, scope: str) -> str:
     return f"{LEASE_PREFIX}:{limit}:{scope}"
 
 
+QUEUE_PREFIX = f"{PREFIX}:_wait"
+
+
+def queue_key(lease_set: str) -> str:
+    """The queue of calls waiting for a slot of lease set ``lease_set`` (lua/lib.lua
+    ``waiters_ahead``). The lease set is its hash tag, so in Redis Cluster both share
+    one slot (scope values escape braces, so the set's name holds none).
+
+    >>> queue_key("mcpbg:v1:_lease:parallel:user=u_42")
+    'mcpbg:v1:_wait:{mcpbg:v1:_lease:parallel:user=u_42}'
+    """
+    return f"{QUEUE_PREFIX}:{{{lease_set}}}"
+
+
 def parse_lease_key(key: str) -> ParsedKey | None:
     """Take a lease-set key apart (bucket ``lease``); None for anything else.
 

@@ -104,6 +104,7 @@ COLUMNS: tuple[str, ...] = (
     "subject",
     "over",
     "session_root",
+    "change",
 )
 # Event-level columns: the same on every charge row of an event.
 _EVENT_COLUMNS = tuple(c for c in COLUMNS if c not in CHARGE_COLUMNS)
@@ -160,7 +161,7 @@ def _folder_date(path: Path, folder: Path) -> date | None:
 
 
 #: Columns appended to the archive later: segments written before lack them.
-_OPTIONAL = frozenset({"session_root"})
+_OPTIONAL = frozenset({"session_root", "change"})
 _REQUIRED = frozenset(SCHEMA.names) - _OPTIONAL
 
 
@@ -239,10 +240,12 @@ def _select(
     partition_name: str,
     where: str = "",
     session_root: bool = True,
+    change: bool = True,
 ) -> str:
     day = '"date"' if hive_date else 'CAST("time" AS DATE)'
     # Segments written before the column existed have none (``session_root=False``).
     root = "session_root" if session_root else "CAST(NULL AS VARCHAR) AS session_root"
+    root += ', "change"' if change else ', CAST(NULL AS VARCHAR) AS "change"'
     return f"""
         SELECT "time", {day} AS "date", "type", id, "user", tenant, tool, "session", agent,
                model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
@@ -381,6 +384,7 @@ def open_ledger(
                     hive_date=True,
                     partition_name=partition_name,
                     session_root=_has_column(db, relation, "session_root"),
+                    change=_has_column(db, relation, "change"),
                 )
             )
         elif files:  # the archive holds events, none on the range's days

@@ -103,6 +103,8 @@ SCHEMA = pa.schema(
         pa.field("reservation", _STR),
         # Appended (older segments lack it; readers null-fill): a fork's root session.
         pa.field("session_root", _STR),
+        # Appended: a run-time change's data.change as JSON (mcpbg replay restores it).
+        pa.field("change", _STR),
     ],
     metadata={"mcpbg.archive.schema": SCHEMA_VERSION},
 )
@@ -132,6 +134,7 @@ _EVENT_COLUMNS = (
     "price_version",
     "reservation",
     "session_root",
+    "change",
 )
 #: Columns taken once per charge (None on the row of an event without charges).
 CHARGE_COLUMNS = (
@@ -352,6 +355,7 @@ def ledger_table(
                 *tokens,
                 data.reservation,
                 ctx.session_root,
+                None if data.change is None else data.change.model_dump_json(),
             )
         )
         charges = data.charges

@@ -40,6 +40,7 @@ from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.stream.archiver import Archiver
 from mcp_budget_governor.stream.projector import Projector
+from testing.stream_support import policy as stream_policy
 from testing.stream_support import tenants_per_partition
 
 TOPIC = "mcpbg.ledger"
@@ -52,27 +53,17 @@ TENANTS = tenants_per_partition(PARTITIONS, 1, "t")
 
 
 def policy() -> Policy:
-    return Policy.of(
-        Limit("burst", cap=6, window=Window.MINUTE, scope=Scope.USER),
-        Limit("daily", cap=400, window=Window.DAY, scope=Scope.USER),
-        Limit("tenant_calls", cap=100_000, window=Window.DAY, scope=Scope.TENANT),
-        Limit(
-            "spend",
-            cap=usd(50),
-            window=Window.DAY,
-            unit=Unit.USD_MICROS,
-            scope=Scope.TENANT,
-            gated=False,
-        ),
-        Limit(
-            "user_spend",
-            cap=usd(20),
-            window=Window.MONTH,
-            unit=Unit.USD_MICROS,
-            scope=Scope.USER,
-            gated=False,
-        ),
+    """The stream workloads' policy with a tighter burst, more tenant spend and a
+    monthly user spend (testing/stream_support.py ``policy``)."""
+    user_spend = Limit(
+        "user_spend",
+        cap=usd(20),
+        window=Window.MONTH,
+        unit=Unit.USD_MICROS,
+        scope=Scope.USER,
+        gated=False,
     )
+    return stream_policy(user_spend, burst=6, spend=usd(50))
 
 
 class Clock:

@@ -84,14 +84,16 @@ def tenants_per_partition(partitions: int, each: int, prefix: str) -> list[str]:
 TENANTS = tenants(PARTITIONS, 6, "t")
 
 
-def policy(*extra: Limit) -> Policy:
+def policy(*extra: Limit, burst: int = 8, spend: int = usd(20)) -> Policy:
+    """The test workloads' policy: a user's burst and day, a tenant's calls and spend,
+    then ``extra`` (the ledger runs add a monthly user spend, see testing/ledger_run.py)."""
     return Policy.of(
-        Limit("burst", cap=8, window=Window.MINUTE, scope=Scope.USER),
+        Limit("burst", cap=burst, window=Window.MINUTE, scope=Scope.USER),
         Limit("daily", cap=400, window=Window.DAY, scope=Scope.USER),
         Limit("tenant_calls", cap=100_000, window=Window.DAY, scope=Scope.TENANT),
         Limit(
             "spend",
-            cap=usd(20),
+            cap=spend,
             window=Window.DAY,
             unit=Unit.USD_MICROS,
             scope=Scope.TENANT,

@@ -133,9 +133,9 @@ async def test_an_unanswered_approval_times_out_into_the_refusal(backend: Backen
     "connect",
     [
         {"mode": "legacy"},  # no elicitation handler: the client declares no such capability
-        {"elicitation_handler": answering("accept")},  # the 2026-07-28 era has no back-channel
+        {},  # the 2026-07-28 protocol, no handler: the question has nobody to answer it
     ],
-    ids=["no-handler", "modern-protocol"],
+    ids=["no-handler", "modern-protocol-no-handler"],
 )
 async def test_a_client_that_cannot_elicit_gets_the_normal_refusal(
     backend: Backend, connect: dict[str, Any]
@@ -145,6 +145,38 @@ async def test_a_client_that_cannot_elicit_gets_the_normal_refusal(
         await client.call_tool("search", {"q": "a"})
         with pytest.raises(ToolError, match="budget_exceeded:user/day"):
             await client.call_tool("search", {"q": "b"})
+    assert await gov.usage("daily", ANA) == 1
+
+
+async def test_a_modern_client_is_asked_in_the_next_round_and_admitted(backend: Backend) -> None:
+    """The 2026-07-28 protocol has no back-channel: the question is the call's
+    input_required result (SEP-2322), and the retry carrying the answer is admitted."""
+    gov, ledger, mcp = governed(backend)
+    handler = answering("accept")
+    async with Client(mcp, elicitation_handler=handler) as client:
+        await client.call_tool("search", {"q": "a"})
+        result = await client.call_tool("search", {"q": "b"})
+    assert result.data == "results for b"
+    assert len(handler.asked) == 1 and "'daily'" in handler.asked[0]
+    assert await gov.usage("daily", ANA) == 2
+    assert [(e.type, e.approved) for e in ledger.entries] == [
+        (EntryType.ADMITTED, ()),
+        (EntryType.REJECTED, ()),  # the refusal that asked
+        (EntryType.ADMITTED, ("daily",)),
+    ]
+
+
+@pytest.mark.parametrize("answer", [("decline", True), ("accept", False)])
+async def test_a_modern_client_that_declines_is_refused(
+    backend: Backend, answer: tuple[str, bool]
+) -> None:
+    gov, _, mcp = governed(backend)
+    handler = answering(*answer)
+    async with Client(mcp, elicitation_handler=handler) as client:
+        await client.call_tool("search", {"q": "a"})
+        with pytest.raises(ToolError, match="budget_exceeded:user/day"):
+            await client.call_tool("search", {"q": "b"})
+    assert len(handler.asked) == 1
     assert await gov.usage("daily", ANA) == 1
 
 

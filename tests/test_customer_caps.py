@@ -494,22 +494,123 @@ async def test_cli_change_through_the_file_ledger_waits_for_the_projection(
     await gov.aclose()
 
 
-def test_archive_replay_says_it_cannot_restore_run_time_changes(
+def test_file_ledger_replay_restores_run_time_changes_after_flushall(
     redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """`mcpbg replay` (the file ledger through the DuckDB path, as the archive) restores
+    caps, plans, grants and resets in ledger order, and a second replay changes nothing."""
     import asyncio
 
-    from mcp_budget_governor.producers.file_ledger import FileLedger
+    import redis as redis_sync
+
+    from mcp_budget_governor import RedisBackend
+    from mcp_budget_governor.caps import PLANS_KEY, caps_key
+    from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+
+    beta = Context(tenant="beta", user="u_9")
 
     async def write() -> None:
         gov = Governor(policy(), ledger=FileLedger(tmp_path, fsync="always"))
-        await gov.check(Context(tenant="acme"))
+        for _ in range(2):
+            await gov.check(beta)
         await gov.set_cap("tenant_calls", 9, tenant="acme", reason="r")
+        await gov.set_cap("tenant_calls", 4, tenant="beta", reason="upgrade")
+        await gov.assign_plan("pro", user="u_9", reason="sold")
+        await gov.grant("tenant_calls", 2, tenant="beta", reason="goodwill")
+        await gov.grant("tenant_calls", 1, tenant="beta", reason="more")
         await gov.aclose()
 
     asyncio.run(write())
-    code = _cli(
-        "replay", "--source", "file", "--ledger-dir", str(tmp_path), "--redis-url", redis_url
-    )
+    client = redis_sync.Redis.from_url(redis_url)
+
+    def state() -> tuple[Any, ...]:
+        counters = sorted(client.scan_iter(match="mcpbg:v1:tenant_calls:tenant=beta:*"))
+        return (
+            client.hgetall(caps_key("tenant_calls")),
+            client.hgetall(PLANS_KEY),
+            [client.hmget(k, "c", "g") for k in counters],
+        )
+
+    async def project() -> None:  # the live path: what replay must reproduce
+        backend = RedisBackend.from_url(redis_url)
+        await FileProjector(tmp_path, backend).catch_up()
+        await backend.aclose()
+
+    asyncio.run(project())
+    live = state()
+    assert live[0] and live[1] and live[2] == [[b"2", b"3"]]
+    client.flushdb()
+    argv = ("replay", "--source", "file", "--ledger-dir", str(tmp_path), "--redis-url", redis_url)
+    assert _cli(*argv) == 0
     out = capsys.readouterr().out
-    assert code == 0 and "1 run-time changes" in out and "--source kafka" in out, out
+    assert "5 run-time changes" in out and "restored" in out, out
+    assert state() == live
+    assert _cli(*argv) == 0  # again, onto the restored state: grants not doubled
+    assert state() == live
+    client.close()
+
+    async def enforced() -> int:
+        gov = Governor(policy(), RedisBackend.from_url(redis_url))
+        n = await admitted(gov, Context(tenant="beta", user="u_8"), 9)
+        burst = (await gov.status(beta))["burst"]["cap"]
+        await gov.aclose()
+        return n, burst
+
+    assert asyncio.run(enforced()) == (5, 4)  # cap 4 + grants 3 - spent 2; u_9 on pro
+
+
+async def test_status_and_is_tripped_read_the_effective_caps(backend: Backend) -> None:
+    gov = Governor(policy(), backend)
+    acme, beta, pro = Context(tenant="acme"), Context(tenant="beta"), Context(user="u_pro")
+    assert (await gov.status(acme))["tenant_calls"]["cap"] == 5  # its value cap
+    assert (await gov.status(pro))["burst"]["cap"] == 4  # its plan
+    await gov.set_cap("tenant_calls", 6, tenant="beta")
+    await gov.grant("tenant_calls", 2, tenant="beta")
+    row = (await gov.status(beta))["tenant_calls"]
+    assert (row["cap"], row["remaining"], row["exceeded"]) == (8, 8, False)
+    assert await admitted(gov, beta, 9) == 8
+    assert await gov.is_tripped("tenant_calls", beta)
+    assert not await gov.is_tripped("tenant_calls", acme)
+    assert await admitted(gov, acme, 4) == 4
+    assert not await gov.is_tripped("tenant_calls", acme)  # 4 of its 5
+    assert (await gov.status(acme))["tenant_calls"]["remaining"] == 1
+
+
+class Outage:
+    """A backend that can be switched off: every call then raises as an unreachable one."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.down = False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self.down:
+                from mcp_budget_governor.errors import BackendUnavailableError
+
+                raise BackendUnavailableError("switched off")
+            return await attr(*args, **kwargs)
+
+        return call
+
+
+async def test_the_fail_open_fallback_keeps_the_effective_caps(backend: Backend) -> None:
+    from mcp_budget_governor import FailMode
+
+    pol = Policy.of(
+        Limit("calls", cap=2, window=Window.DAY, scope=Scope.TENANT, fail_mode=FailMode.OPEN)
+    )
+    outage = Outage(backend)
+    gov = Governor(pol, outage, retry_interval=3600)  # type: ignore[arg-type]
+    beta = Context(tenant="beta")
+    await gov.set_cap("calls", 4, tenant="beta")
+    assert (await gov.check(beta)).admitted  # the effective cap (4) seen once
+    outage.down = True
+    # The per-replica fallback counts from zero, against 4, not the default 2.
+    assert await admitted(gov, beta, 6) == 4
+    row = (await gov.status(beta))["calls"]
+    assert (row["cap"], row["total"]) == (4, 4)

@@ -9,13 +9,9 @@ once spend reaches the global breaker's cap the next call is shed.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +22,8 @@ from fastmcp.exceptions import ToolError
 
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
 from mcp_budget_governor.stream.topic_reader import read_topic
-from testing.services import KafkaService, free_port, start_kafka
+from testing.example_server import example_server
+from testing.services import KafkaService, start_kafka
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH_PRICE = usd(0.004)  # examples/server.py's flat price
@@ -63,54 +60,12 @@ def kafka() -> Iterator[KafkaService]:
     svc.stop()
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, within: float = 60) -> bytes:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                body: bytes = reply.read()
-                return body
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.2)
-    pytest.fail(f"no answer from {url} within {within}s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture
 def server(tmp_path: Path, redis_url: str, kafka: KafkaService) -> Iterator[tuple[str, str, Path]]:
     """The example server on a free port; yields (base URL, ledger topic, policy file)."""
-    policy = tmp_path / "policy.toml"
-    policy.write_text(POLICY)
-    topic = f"ledger-{uuid.uuid4().hex[:10]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
-    env.update(
-        MCPBG_REDIS_URL=redis_url,
-        MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}",
-        MCPBG_TOPIC=topic,
-        MCPBG_POLICY=str(policy),
-        MCPBG_OUTBOX_DIR=str(tmp_path / "outbox"),
-    )
-    port = free_port()
-    log = tmp_path / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples/server.py"), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        assert b'"status":"ok"' in wait_healthy(f"{base}/health", proc, log)
-        yield base, topic, policy
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with example_server(tmp_path, POLICY, redis_url, kafka.bootstrap) as srv:
+        srv.wait_health('"status":"ok"')
+        yield srv.base, srv.topic, srv.policy
 
 
 def client(base: str, user: str | None) -> Client[StreamableHttpTransport]:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +38,8 @@ from mcp_budget_governor.policy_reload import (
     poll_interval,
     watcher_for,
 )
-from testing.services import KafkaService, free_port
+from testing.example_server import ExampleServer, example_server
+from testing.services import KafkaService
 from testing.stream_support import Names, Worker, kafka, names, worker_argv, worker_env, workers
 
 __all__ = ["kafka", "names", "workers"]  # fixtures, imported for pytest
@@ -295,74 +295,17 @@ ONE_LIMIT = SERVER_POLICY.split('\n\n[[limits]]\nname = "user_spend"')[0] + "\n"
 
 
 @pytest.fixture
-def server(tmp_path: Path, redis_url: str, kafka: KafkaService) -> Iterator[Server]:
+def server(tmp_path: Path, redis_url: str, kafka: KafkaService) -> Iterator[ExampleServer]:
     """examples/server.py on a free port, polling its policy every 0.2 s."""
-    policy = tmp_path / "policy.toml"
-    policy.write_text(SERVER_POLICY)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MCPBG_")}
-    env.update(
-        MCPBG_REDIS_URL=redis_url,
-        MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}",
-        MCPBG_TOPIC=f"ledger-{uuid.uuid4().hex[:10]}",
-        MCPBG_POLICY=str(policy),
-        MCPBG_OUTBOX_DIR=str(tmp_path / "outbox"),
-        MCPBG_POLICY_POLL="0.2",
-    )
-    port = free_port()
-    log = tmp_path / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples/server.py"), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    srv = Server(f"http://127.0.0.1:{port}", policy, log, proc)
-    try:
+    with example_server(
+        tmp_path, SERVER_POLICY, redis_url, kafka.bootstrap, MCPBG_POLICY_POLL="0.2"
+    ) as srv:
         srv.wait_health('"limits":2')
         yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class Server:
-    def __init__(self, base: str, policy: Path, log: Path, proc: subprocess.Popen[bytes]) -> None:
-        self.base, self.policy, self.log, self.proc = base, policy, log, proc
-
-    def fail(self, problem: str) -> None:
-        pytest.fail(f"{problem}:\n{self.log.read_text()[-3000:]}")
-
-    def wait_health(self, want: str, within: float = 60.0) -> None:
-        deadline = time.monotonic() + within
-        body = ""
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.fail(f"server exited {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as reply:
-                    body = reply.read().decode()
-                if want in body:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.fail(f"/health never said {want} (last: {body})")
-
-    def wait_log(self, text: str, within: float = 30.0) -> None:
-        deadline = time.monotonic() + within
-        while text not in self.log.read_text(errors="replace"):
-            if time.monotonic() > deadline:
-                self.fail(f"no {text!r} in the server's log")
-            time.sleep(0.1)
 
 
 @pytest.mark.slow
-def test_the_example_server_reloads_its_policy(server: Server) -> None:
+def test_the_example_server_reloads_its_policy(server: ExampleServer) -> None:
     write(server.policy, ONE_LIMIT)  # picked up by polling
     server.wait_health('"limits":1')
     write(server.policy, BAD)

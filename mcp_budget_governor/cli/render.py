@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
-
 def install_hint(extra: str) -> str:
     """How to add an extra's dependencies to this installation.
 

@@ -145,10 +145,15 @@ def _report(result: Any, show: int) -> None:
             ],
             numeric=["before", "after"],
         )
+    if getattr(result, "replayed_changes", 0):
+        console().print(
+            f"{result.replayed_changes:,} run-time changes (caps, plans, grants, resets) "
+            f"{'would be ' if result.dry_run else ''}restored in ledger order"
+        )
     if getattr(result, "unreplayed_changes", 0):
         console().print(
             f"warning: {result.unreplayed_changes:,} run-time changes (caps, plans, grants, "
-            f"resets) are in the ledger but not in the {result.source}'s columns and were not "
+            f"resets) are in archive segments older than the change column and were not "
             "replayed: replay with --source kafka to restore them"
         )
     if result.dry_run and result.changes and show:

@@ -57,9 +57,13 @@ middleware ask the client's user, through MCP elicitation, whether this one
 call may go over it (``approval_timeout`` seconds to answer). Approved, the
 call is admitted and its ``admitted`` event names the limit in ``over`` and in
 ``approved``; declined, unanswered, or a client that cannot elicit: the usual
-refusal. A breaker never asks. Elicitation needs the back-channel of the
-handshake-era protocol (a client connected with ``mode="legacy"``, or any
-pre-2026-07-28 client); a client on the 2026-07-28 protocol cannot be asked.
+refusal. A breaker never asks. A client on the handshake-era protocol
+(``mode="legacy"``, or any pre-2026-07-28 client) is asked over its
+back-channel while the call waits; one on the 2026-07-28 protocol, which has
+no back-channel, gets the question as the call's ``input_required`` result
+(SEP-2322: an elicitation under the key ``mcpbg_approval``, the refusing
+limit in the framework-sealed ``request_state``) and is admitted over that
+limit when it retries the call with the answer accepted.
 
 Inside the tool and the callback,
 :func:`~mcp_budget_governor.integrations.flow.governed_context` is the
@@ -82,7 +86,7 @@ from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_access_token
 from fastmcp.server.elicitation import AcceptedElicitation
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
-from fastmcp.tools.base import ToolResult
+from fastmcp.tools.base import InputRequiredToolResult, ToolResult
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
@@ -96,6 +100,7 @@ from mcp_budget_governor.integrations.flow import (
     refusal_text,
     user_of_token,
 )
+from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import Unit, check_amount, usd
 from mcp_budget_governor.policy import Policy
 
@@ -148,6 +153,8 @@ class BudgetMiddleware(Middleware):
       spends its root's session budget (a context naming its root keeps it).
     - ``approval_timeout``: seconds the user has to answer an ``OnExceed.ASK``
       approval (MCP elicitation); unanswered, the call is refused as usual.
+    - ``wait``: seconds a call refused by a full concurrency cap waits for a slot
+      (first come, first served across replicas); past it, the refusal.
     """
 
     def __init__(
@@ -158,6 +165,7 @@ class BudgetMiddleware(Middleware):
         estimate: Charges | None = None,
         approval_timeout: float = 120.0,
         session_root: SessionRoot | None = None,
+        wait: float = 0,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
@@ -173,6 +181,8 @@ class BudgetMiddleware(Middleware):
         if session_root is not None and not callable(session_root):
             raise TypeError("BudgetMiddleware: session_root= must be callable (session -> root)")
         self.session_root = session_root
+        governor.admitted(wait=wait)  # InvalidInputError naming a bad wait, now
+        self.wait = wait
         self._prices: dict[str, tuple[float, Charges | None, Charges | None]] = {}
 
     async def on_call_tool(
@@ -206,9 +216,13 @@ class BudgetMiddleware(Middleware):
                 priced=priced,
                 estimate=estimate,
                 ask=lambda decision: self._ask(context, decision),
+                wait=self.wait,
+                approved=self._approved_in_round(context),
             )
         except BudgetExceeded as exc:
             raise BudgetToolError(exc.decision) from None
+        except _AskInRound as ask:  # a 2026-07-28 client: the question is the result
+            return InputRequiredToolResult(ask.result)
 
     async def _ask(self, context: MiddlewareContext[Any], decision: Decision) -> bool:
         """Ask the client's user (MCP elicitation) whether this call may go over the
@@ -222,6 +236,8 @@ class BudgetMiddleware(Middleware):
             f"Budget {decision.limit!r} is spent ({decision.reason}). "
             f"Allow this one call to {tool!r} to go over it?"
         )
+        if fc._is_modern_protocol():
+            return _answered_in_round(fc, decision, message, tool)
         answer: Any = None
         try:
             with anyio.move_on_after(self.approval_timeout):
@@ -235,6 +251,18 @@ class BudgetMiddleware(Middleware):
             tool, "approved" if approved else "did not approve", decision.limit,
         )  # fmt: skip
         return approved
+
+    def _approved_in_round(self, context: MiddlewareContext[Any]) -> tuple[str, ...]:
+        """The limit a 2026-07-28 client's retry answers yes for (SEP-2322), so the
+        retry is admitted over it at once (one refusal in the ledger, not two)."""
+        fc = context.fastmcp_context
+        if fc is None or not fc._is_modern_protocol():
+            return ()
+        limit = fc.request_state
+        asking = {lim.name for lim in self.governor.policy.limits if lim.on_exceed is OnExceed.ASK}
+        if limit not in asking:
+            return ()  # a policy reloaded since the question: ask again, or refuse
+        return (limit,) if _yes(fc.input_responses) else ()
 
     async def _caller(self, context: MiddlewareContext[Any]) -> Context:
         if self.identify is not None:
@@ -369,3 +397,59 @@ def _amounts(
         else:
             out[limit_name] = check_amount(spec[kind], f"{where}.{kind}")
     return out
+
+
+#: The key of the approval question in an ``input_required`` result.
+APPROVAL_REQUEST = "mcpbg_approval"
+
+
+class _AskInRound(Exception):
+    """The call ends in an ``input_required`` result: the approval question."""
+
+    def __init__(self, result: mt.InputRequiredResult) -> None:
+        self.result = result
+
+
+def _answered_in_round(fc: Any, decision: Decision, message: str, tool: str) -> bool:
+    """The approval of a 2026-07-28 client (SEP-2322 multi round trip): on the retry
+    that answers our question about this very limit, True for an accepted "yes" and
+    False otherwise; asked nothing yet, the question goes out as the call's result
+    (raises :class:`_AskInRound`). The limit travels in ``request_state``, which the
+    framework seals, so a client cannot approve a question it was never asked. A
+    client that declares no elicitation capability in the request is not asked."""
+    limit = decision.limit or ""
+    meta = fc.request_context.meta or {}
+    declared = meta.get("io.modelcontextprotocol/clientCapabilities") or {}
+    if not isinstance(declared, Mapping) or "elicitation" not in declared:
+        return False  # a client that cannot elicit: the normal refusal
+    responses = fc.input_responses
+    if fc.request_state == limit and responses is not None:
+        approved = _yes(responses)
+        log.info(
+            "tool %r: the user %s going over %r",
+            tool, "approved" if approved else "did not approve", limit,
+        )  # fmt: skip
+        return approved
+    schema = {
+        "type": "object",
+        "properties": {"value": {"type": "boolean", "title": "Go over budget"}},
+        "required": ["value"],
+    }
+    question = mt.ElicitRequest(
+        params=mt.ElicitRequestFormParams(message=message, requested_schema=schema)
+    )
+    raise _AskInRound(
+        mt.InputRequiredResult(input_requests={APPROVAL_REQUEST: question}, request_state=limit)
+    )
+
+
+def _yes(responses: Any) -> bool:
+    """Whether the answer to our approval question is an accepted "yes"."""
+    answer = (responses or {}).get(APPROVAL_REQUEST)
+    if isinstance(answer, Mapping):
+        answer = mt.ElicitResult.model_validate(answer)
+    return (
+        isinstance(answer, mt.ElicitResult)
+        and answer.action == "accept"
+        and (answer.content or {}).get("value") is True
+    )

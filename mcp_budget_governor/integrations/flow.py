@@ -94,6 +94,8 @@ async def governed_call(
     priced: PricedCost | None = None,
     estimate: Charges | None = None,
     ask: Ask | None = None,
+    wait: float = 0,
+    approved: Sequence[str] = (),
 ) -> R:
     """Check (a Governor only), run ``work``, meter what it cost; see the module docstring.
 
@@ -110,15 +112,20 @@ async def governed_call(
     ``ask(decision)`` (a Governor only) is asked when the check refuses by an
     ``OnExceed.ASK`` limit: True admits the call over that limit (the ledger
     records the approval), False refuses it as usual. A breaker never asks.
+
+    ``wait`` (seconds, a Governor only): how long a call refused by a full
+    concurrency cap waits for a slot, first come, first served
+    (:meth:`Governor.check`). ``approved``: ``OnExceed.ASK`` limits the user
+    already let this call go over (an answer from an earlier round).
     """
     held: list[Reservation] = []
     # A Governor admits for the whole call: its concurrency-cap leases are
     # renewed while the work runs and given back when it ends, however it ends.
     admission: Admission | None = None
     if isinstance(governor, Governor):
-        approved: list[str] = []
+        approved = list(approved)
         while True:
-            admission = governor.admitted(ctx, approved=approved)
+            admission = governor.admitted(ctx, approved=approved, wait=wait)
             decision = await admission.__aenter__()  # refused: no lease held
             limit = None if ask is None else askable(governor, decision, approved)
             if ask is None or limit is None or not await ask(decision):

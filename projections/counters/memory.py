@@ -78,6 +78,9 @@ class MemoryBackend:
         self._why: dict[tuple[str, str], str] = {}
         # lease set key -> lease id -> expiry (epoch seconds): lua/lib.lua's lease sets
         self._leases: dict[str, dict[str, float]] = {}
+        # lease set key -> waiting ticket -> (arrival, deadline): lib.lua's queues,
+        # in arrival order (dicts keep insertion order)
+        self._queues: dict[str, dict[str, tuple[float, float]]] = {}
 
     def _live(self, key: str, now: float) -> dict[str, float]:
         """The live leases of a set, the expired ones dropped (lib.lua live_leases)."""
@@ -89,6 +92,21 @@ class MemoryBackend:
         if not held:
             del self._leases[key]
         return held
+
+    def _ahead(self, key: str, ticket: str | None, room: int, now: float) -> int:
+        """Live waiters before ``ticket`` (None: all) in the queue of lease set ``key``,
+        at most ``room`` (lib.lua waiters_ahead)."""
+        queue = self._queues.get(key)
+        if not queue:
+            return 0
+        for t in [t for t, (_, until) in queue.items() if until <= now]:
+            del queue[t]
+        ahead = 0
+        for t in queue:
+            if t == ticket or ahead >= room:
+                break
+            ahead += 1
+        return ahead
 
     def _evict(self, now: float) -> None:
         heap = self._expiry
@@ -139,6 +157,7 @@ class MemoryBackend:
         op_id: str | None = None,
         lease: str | None = None,
         lease_ttl: float = 0.0,
+        ticket: str | None = None,
     ) -> ChargeResult:
         now = self._clock()
         self._evict(now)
@@ -163,9 +182,21 @@ class MemoryBackend:
         room = [self._effective(op, now).room_cap for op in ops]
         # As the script's reply: the caps come back only when some op asked for resolving.
         caps = tuple(room) if any(op.ref is not None for op in ops) else ()
+        queued = [lease is not None and op.key.startswith(LEASE_PREFIX) for op in ops]
+        refused = -1
         for i, (op, total) in enumerate(zip(ops, used, strict=True)):
-            if op.enforce and not fits(total, op.amount, room[i]):
-                return ChargeResult(i, used, caps)
+            waiting = 0
+            if queued[i] and room[i] > total:
+                waiting = self._ahead(op.key, ticket, room[i] - total, now)
+            if refused < 0 and op.enforce and not fits(total + waiting, op.amount, room[i]):
+                refused = i
+        if refused >= 0:
+            if ticket is not None and queued[refused]:
+                wait_s = int(ticket.rsplit("/", 1)[1]) / 1000
+                for op, q in zip(ops, queued, strict=True):
+                    if q:
+                        self._queues.setdefault(op.key, {}).setdefault(ticket, (now, now + wait_s))
+            return ChargeResult(refused, used, caps)
         leased = lease is not None
         for op, (c, f) in zip(ops, parts, strict=True):
             if not (leased and op.key.startswith(LEASE_PREFIX)) and not stays_exact(
@@ -176,6 +207,8 @@ class MemoryBackend:
         for op in ops:
             if lease is not None and op.key.startswith(LEASE_PREFIX):
                 self._leases.setdefault(op.key, {})[lease] = now + lease_ttl
+                if ticket is not None:
+                    self._queues.get(op.key, {}).pop(ticket, None)
             elif op.amount:
                 self._add(op.key, op.amount, event_id, op.expire_at, now)
                 wrote = True
@@ -270,6 +303,10 @@ class MemoryBackend:
                 held[lease] = now + ttl
                 renewed += 1
         return renewed
+
+    async def leave(self, keys: Sequence[str], ticket: str) -> int:
+        """Take waiting ticket ``ticket`` out of the queues of lease sets ``keys``."""
+        return sum(self._queues.get(k, {}).pop(ticket, None) is not None for k in keys)
 
     async def in_progress(self, keys: Sequence[str]) -> list[int]:
         """How many live leases each set holds (calls in progress)."""

@@ -25,13 +25,17 @@ from typing import Any
 import duckdb
 import redis
 
+from mcp_budget_governor.caps import Change as CapsChange
 from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError
+from mcp_budget_governor.events import ChangeData, to_change
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
-from mcp_budget_governor.ledger import new_id
+from mcp_budget_governor.ledger import EntryType, new_id
+from mcp_budget_governor.lua import source
 
 from ..ledger_view import query_error
+from .redis import change_tokens
 from .sync import (
     is_current,
     ledger_ids,
@@ -95,8 +99,10 @@ class RebuildReport:
     seen_ids: int = 0
     seconds: float = 0.0
     epoch: str | None = None
-    #: Run-time changes (caps, plans, grants) the ledger view holds but cannot replay:
-    #: it keeps no ``data.change``; ``--source kafka`` applies them.
+    #: Run-time changes (caps, plans, grants, resets) restored from the ledger, in order.
+    replayed_changes: int = 0
+    #: Run-time changes in archive segments written before the ``change`` column
+    #: (they keep no ``data.change``): ``--source kafka`` applies them.
     unreplayed_changes: int = 0
 
 
@@ -129,11 +135,7 @@ def rebuild_from_ledger(
             ).fetchall()
         )
         ((events,),) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchall()
-        kinds = ", ".join(f"'mcpbg.{k.value}.v1'" for k in ChangeKind)
-        ((changes,),) = con.execute(
-            f'SELECT count(DISTINCT id) FROM ledger_raw WHERE "type" IN ({kinds})'
-        ).fetchall()
-        result.unreplayed_changes = int(changes)
+        run_time = _run_time_changes(con)
     except duckdb.Error as exc:
         raise query_error(exc) from None
     result.events = int(events)
@@ -185,6 +187,8 @@ def rebuild_from_ledger(
         changes += (Change(k, 0, a, 0, 0) for k, a, _ in fresh if a != 0)
         changes.sort(key=lambda c: c.key)
     result.counters = len(writes)
+    result.unreplayed_changes = sum(c is None for c in run_time)
+    result.replayed_changes = len(run_time) - result.unreplayed_changes
     seen = _seen_ids(con, clock)
     result.seen_ids = sum(len(ids) for ids, _ in seen.values())
     progress("read", 1, 1)
@@ -219,12 +223,55 @@ def rebuild_from_ledger(
                 pipe.execute()
                 added += len(ids[i : i + _SEEN_CHUNK])
                 progress("seen", added, result.seen_ids)
+        result.replayed_changes = _restore_changes(client, run_time)
         result.epoch = new_id()
         client.set(EPOCH_KEY, result.epoch)
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         raise BackendUnavailableError.redis(exc) from None
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _run_time_changes(con: duckdb.DuckDBPyConnection) -> list[CapsChange | None]:
+    """The ledger's run-time changes in ledger order (each event once); None for one
+    whose row keeps no ``data.change`` (an archive segment older than that column)."""
+    kinds = ", ".join(f"'mcpbg.{k.value}.v1'" for k in ChangeKind)
+    rows = con.execute(
+        f"""SELECT "type", "change" FROM ledger_raw WHERE "type" IN ({kinds})
+            QUALIFY row_number() OVER (PARTITION BY id ORDER BY "offset") = 1
+            ORDER BY "time", partition_name, "offset", id"""
+    ).fetchall()
+    out: list[CapsChange | None] = []
+    for kind, change in rows:
+        if change is None:
+            out.append(None)
+            continue
+        entry = EntryType(str(kind).split(".")[1])
+        out.append(to_change(entry, ChangeData.model_validate_json(change)))
+    return out
+
+
+def _restore_changes(client: redis.Redis, changes: Sequence[CapsChange | None]) -> int:
+    """Apply run-time changes in ledger order through lua/change.lua, as the projection
+    does. A grant adds to its counter's: the grants of the counters they touch start
+    again from none, so a replay onto live counters does not count one twice."""
+    todo = [c for c in changes if c is not None]
+    room = {c.key for c in todo if c.kind in (ChangeKind.GRANTED, ChangeKind.RESET)}
+    if room:
+        pipe = client.pipeline(transaction=False)
+        for key in room:
+            pipe.hdel(key, "g", "w")
+        pipe.execute()
+    script = client.register_script(source("change"))
+    for start in range(0, len(todo), _CHANGES_PER_CALL):
+        keys: list[str] = []
+        tokens = change_tokens(todo[start : start + _CHANGES_PER_CALL], keys, {})
+        script(keys=keys, args=[tokens])
+    return len(todo)
+
+
+#: Run-time changes applied per script call (a script blocks Redis while it runs).
+_CHANGES_PER_CALL = 500
 
 
 def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[str], int]]:

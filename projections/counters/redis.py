@@ -38,6 +38,7 @@ from mcp_budget_governor.keys import (
     SEEN_PREFIX,
     WATERMARK_KEY,
     op_key,
+    queue_key,
 )
 from mcp_budget_governor.lua import source
 from mcp_budget_governor.urls import check_redis_url
@@ -71,7 +72,7 @@ def _ref_arg(op: CounterOp) -> bytes:
     return " ".join(parts).rstrip().encode()
 
 
-def _change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
+def change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
     """The changes as lua/lib.lua's apply_change reads them, their keys added to ``keys``."""
     out = []
     for c in changes:
@@ -109,7 +110,7 @@ class RedisBackend:
         # One command, no per-call wrapper: the hot path's only round trip.
         self._execute: Any = client.execute_command
         self._prepared: dict[
-            tuple[int, bool, bool], tuple[object, list[Any], list[Any], list[Any], bool]
+            tuple[int, bool, bool], tuple[object, list[Any], list[Any], list[Any], int]
         ] = {}
 
     @classmethod
@@ -154,9 +155,9 @@ class RedisBackend:
 
     def _charge_args(
         self, ops: Sequence[CounterOp], want_used: bool, with_op: bool
-    ) -> tuple[list[Any], list[Any], list[Any], bool]:
+    ) -> tuple[list[Any], list[Any], list[Any], int]:
         """The EVALSHA arguments around the event id, encoded once per op list:
-        ``(head, counter keys, tail)``; ``counter keys`` is empty unless
+        ``(head, counter keys, tail, lease sets)``; ``counter keys`` is empty unless
         ``with_op``, when the operation marker goes between head and them.
 
         The governor reuses one ops tuple per context and minute, so the cache
@@ -185,7 +186,10 @@ class RedisBackend:
                 caps_keys.append(PLANS_KEY.encode() if op.ref is None else op.ref.caps_key.encode())
         if resolve:
             counters += (*caps_keys, PLANS_KEY.encode())
-        leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
+        # Every lease set's queue comes last (lua/charge.lua 'l'): waiting calls go first.
+        queues = [queue_key(op.key).encode() for op in ops if op.key.startswith(LEASE_PREFIX)]
+        counters += queues
+        leases = len(queues)
         flags = (
             ("l" if leases else "")
             + ("e" if self.require_epoch else "")
@@ -213,7 +217,11 @@ class RedisBackend:
         op_id: str | None = None,
         lease: str | None = None,
         lease_ttl: float = 0.0,
+        ticket: str | None = None,
     ) -> ChargeResult:
+        """Charge ``ops`` all or nothing (lua/charge.lua); ``lease``: the id concurrency
+        caps hold for ``lease_ttl`` seconds; ``ticket``: the place of a call waiting for a
+        slot (``"<id>/<wait ms>"``, keys.queue_key), which a refusal queues."""
         if op_id is not None and event_id is None:
             head, counters, tail, leases = self._charge_args(ops, want_used, True)
             args = [*head, op_key(op_id).encode(), *counters, op_id, *tail]
@@ -225,7 +233,7 @@ class RedisBackend:
                 raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
             # After the flags: the lease id and its time to live (lua/charge.lua 'l').
             at = len(args) - len(tail) + 1
-            args[at:at] = [lease, str(max(1, round(lease_ttl * 1000)))]
+            args[at:at] = [lease, str(max(1, round(lease_ttl * 1000))), ticket or "-", str(leases)]
         try:
             try:
                 reply = await self._execute("EVALSHA", *args)
@@ -260,6 +268,10 @@ class RedisBackend:
     async def renew(self, keys: Sequence[str], lease: str, ttl: float) -> int:
         """Extend lease ``lease`` to Redis' now + ``ttl`` seconds where it is still alive."""
         return sum(await self._leases(keys, "n", lease, str(max(1, round(ttl * 1000)))))
+
+    async def leave(self, keys: Sequence[str], ticket: str) -> int:
+        """Take waiting ticket ``ticket`` out of the queues of lease sets ``keys``."""
+        return sum(await self._leases([queue_key(k) for k in keys], "q", ticket))
 
     async def in_progress(self, keys: Sequence[str]) -> list[int]:
         """How many live leases each set holds (calls in progress)."""
@@ -413,7 +425,7 @@ class RedisBackend:
         if not changes:
             return
         keys: list[str] = []
-        tokens = _change_tokens(changes, keys, {})
+        tokens = change_tokens(changes, keys, {})
         try:
             await self._run(self._change, keys, (tokens,))
         except redis_errors.ResponseError as exc:
