@@ -39,6 +39,7 @@ from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, ne
 from .limits import FailMode, Limit, OnExceed
 from .metering import Metering
 from .money import check_amount
+from .observe import Observer
 from .planning import Slot
 from .policy import Policy
 from .prices import PriceTable
@@ -60,6 +61,9 @@ class Governor(Metering[MeterResult]):
     - ``lease_ttl``: how long (seconds) a concurrency-cap lease outlives a
       process that died holding it; :meth:`admitted` renews a running call's
       lease every third of it.
+    - ``observer``: told every decision (:mod:`.observe`: refusal logs;
+      ``integrations.otel.Telemetry``: OpenTelemetry metrics and spans). None
+      (the default) costs one ``is not None`` test per check.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class Governor(Metering[MeterResult]):
         retry_interval: float = 1.0,
         max_pending: int = 100_000,
         lease_ttl: float = 30.0,
+        observer: Observer | None = None,
     ) -> None:
         if not isinstance(policy, Policy):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
@@ -101,6 +106,9 @@ class Governor(Metering[MeterResult]):
         self._max_pending = max_pending
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
+        self._obs = observer
+        if observer is not None:
+            observer.attach(self)
 
     def replace_policy(self, policy: Policy) -> Policy:
         """Govern every call from now on by ``policy`` (a reload); returns the old one.
@@ -119,6 +127,16 @@ class Governor(Metering[MeterResult]):
         self._plans.clear()  # plans hold limits and caps of the old policy
         return old
 
+    @property
+    def degraded(self) -> bool:
+        """Whether the shared counters are marked unreachable (fail modes decide)."""
+        return bool(self._down_until) and self._clock() < self._down_until
+
+    @property
+    def pending_charges(self) -> int:
+        """Outage charges (inline mode) kept for the counters, replayed when they answer."""
+        return len(self._pending)
+
     # -- the hot path -------------------------------------------------------
 
     async def check(
@@ -132,6 +150,12 @@ class Governor(Metering[MeterResult]):
         ``approved`` names ``OnExceed.ASK`` limits the user let this call go
         over: they count it without refusing, and the ledger records the approval.
         """
+        if self._obs is not None:
+            return await self._obs.observe_check(self._check, ctx, amount, approved)
+        return await self._check(ctx, amount, approved)
+
+    async def _check(self, ctx: Context | None, amount: int, approved: Sequence[str]) -> Decision:
+        """:meth:`check` without its observer."""
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
         ctx = ctx or EMPTY
