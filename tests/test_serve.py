@@ -1,0 +1,294 @@
+"""``mcpbg serve``: every route behind its token, and the same numbers as the CLI's JSON.
+
+A real uvicorn on a loopback port (testing.thread_server), a real Redis, a file ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("duckdb")
+
+from mcp_budget_governor import Context, Governor, RedisBackend, usd
+from mcp_budget_governor.cli import main
+from mcp_budget_governor.console.api import ROUTES, Console, build_app
+from mcp_budget_governor.console.auth import Tokens
+from mcp_budget_governor.policy_file import load_policy
+from mcp_budget_governor.producers.file_ledger import FileLedger
+from testing.thread_server import ThreadServer
+
+READ = "read-token-0123456789abcdef"
+WRITE = "write-token-0123456789abcdef"
+
+POLICY = """
+[[limits]]
+name = "burst"
+cap = 3
+window = "minute"
+scope = "user"
+
+[[limits]]
+name = "tenant_spend"
+cap_usd = "1.00"
+window = "day"
+scope = "tenant"
+
+[[limits]]
+name = "global_spend"
+cap_usd = "1.50"
+window = "day"
+breaker = true
+gated = false
+"""
+
+
+@dataclass
+class Served:
+    url: str
+    policy: Path
+    ledger: Path
+    redis_url: str
+    server: ThreadServer
+
+
+async def governed_calls(policy: Path, redis_url: str, ledger: Path) -> None:
+    """Calls of two tenants: admitted, metered, refused by burst, then by the breaker."""
+    gov = Governor(
+        load_policy(str(policy)),
+        RedisBackend.from_url(redis_url, timeout=5.0),
+        ledger=FileLedger(ledger, fsync="always"),
+    )
+    async with gov:
+        for user, tenant, cost in (
+            ("u1", "acme", 200_000),
+            ("u2", "acme", 50_000),
+            ("u3", "globex", 300_000),
+        ):
+            ctx = Context(user=user, tenant=tenant, tool="search")
+            for _ in range(4):  # the 4th is refused by burst
+                d = await gov.check(ctx)
+                if d.admitted:
+                    await gov.meter("tenant_spend", cost, ctx)
+                    await gov.meter("global_spend", cost, ctx)
+        # $1.65 spent: the breaker sheds the next caller.
+        assert not (await gov.check(Context(user="u4", tenant="globex", tool="fetch"))).admitted
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, redis_service: Any) -> Iterator[Served]:
+    import redis
+
+    folder = tmp_path_factory.mktemp("serve")
+    policy = folder / "policy.toml"
+    policy.write_text(POLICY)
+    ledger = folder / "ledger"
+    url = redis_service.url.rsplit("/", 1)[0] + "/7"  # a db of its own
+    redis.Redis.from_url(url).flushdb()
+    asyncio.run(governed_calls(policy, url, ledger))
+
+    async def build() -> tuple[Any, Any]:
+        pol = load_policy(str(policy))
+        backend = RedisBackend.from_url(url, timeout=5.0)
+        gov = Governor(pol, backend)  # writes straight to the counters (no ledger)
+        console = Console(pol, backend, Tokens(READ, WRITE), ledger_dir=str(ledger), governor=gov)
+        return build_app(console), gov
+
+    server = ThreadServer(build).start()
+    try:
+        yield Served(server.url, policy, ledger, url, server)
+    finally:
+        server.stop()
+
+
+def call(
+    served: Served, method: str, path: str, token: str | None, body: Any = None
+) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(
+        served.url + path,
+        data=None if body is None else json.dumps(body).encode(),
+        method=method,
+        headers=headers,
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def cli_json(*argv: str) -> Any:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    assert code in (0, 1), out.getvalue()
+    return json.loads(out.getvalue())
+
+
+def _concrete(path: str) -> str:
+    return path.replace("{id}", "0190-no-such-event")
+
+
+_WRITE_BODY = {"limit": "tenant_spend", "scope": {"tenant": "acme"}, "cap_usd": "2"}
+
+
+@pytest.mark.parametrize(
+    ("path", "method"), [(p, m) for p, m, *_ in ROUTES] + [("/static/chart.umd.min.js", "GET")]
+)
+def test_every_route_refuses_a_missing_or_wrong_token(
+    served: Served, path: str, method: str
+) -> None:
+    body = _WRITE_BODY if method != "GET" else None
+    for token in (None, "wrong-token-0123456789abcdef", READ[:-1]):
+        status, reply = call(served, method, _concrete(path), token, body)
+        assert status == 401, (path, method, token, reply)
+        assert reply == {"error": "missing or wrong bearer token"}
+
+
+@pytest.mark.parametrize(("path", "method"), [(p, m) for p, m, *_ in ROUTES if m != "GET"])
+def test_a_read_token_on_a_write_route_is_403(served: Served, path: str, method: str) -> None:
+    status, reply = call(served, method, path, READ, _WRITE_BODY)
+    assert status == 403 and "write token" in reply["error"]
+
+
+def test_read_routes_answer_either_token(served: Served) -> None:
+    for path, method, *_ in ROUTES:
+        if method != "GET" or "{id}" in path:
+            continue
+        for token in (READ, WRITE):
+            status, _ = call(served, "GET", path, token)
+            assert status == 200, (path, token)
+
+
+def test_budgets_agree_with_the_cli_json(served: Served) -> None:
+    for flt in ([], ["--tenant", "acme"], ["--user", "u1"]):
+        cli = cli_json(
+            "budgets",
+            "--policy",
+            str(served.policy),
+            "--redis-url",
+            served.redis_url,
+            "--json",
+            *flt,
+        )
+        query = "&".join(f"{flt[i][2:]}={flt[i + 1]}" for i in range(0, len(flt), 2))
+        status, api = call(served, "GET", "/v1/budgets" + (f"?{query}" if query else ""), READ)
+        assert status == 200
+        cli.pop("at"), api.pop("at")
+        assert api == cli and api["rows"]
+    rows = {
+        r["name"]: r
+        for r in cli_json(
+            "budgets",
+            "--policy",
+            str(served.policy),
+            "--redis-url",
+            served.redis_url,
+            "--json",
+            "--tenant",
+            "acme",
+        )["rows"]
+    }
+    assert rows["tenant_spend"]["spent"] == 750_000
+
+
+def test_costs_agree_with_the_cli_json(served: Served) -> None:
+    for args, query in (
+        ([], ""),
+        (["--by", "tenant,user"], "?by=tenant,user"),
+        (["--tenant", "globex"], "?tenant=globex"),
+    ):
+        cli = cli_json("costs", "--ledger-dir", str(served.ledger), "--json", *args)
+        status, api = call(served, "GET", "/v1/costs" + query, READ)
+        assert status == 200 and api == cli, query
+
+
+def test_alerts_events_and_errors_name_field_and_value(served: Served) -> None:
+    status, alerts = call(served, "GET", "/v1/alerts", READ)
+    assert status == 200
+    assert alerts["breaker_trips"][0]["breaker"] == "global_spend"
+    reasons = {r["reason"]: r["refusals"] for r in alerts["refusals_by_reason"]}
+    assert reasons == {"burst: quota (429)": 3, "global_spend: breaker tripped (503)": 1}
+    latest = alerts["latest_refusals"][0]
+    status, ev = call(served, "GET", f"/v1/events/{latest['id']}", READ)
+    assert status == 200 and ev["type"] == "mcpbg.rejected.v1"
+    assert call(served, "GET", "/v1/events/nope", READ) == (
+        404,
+        {"error": "no such event in the ledger", "field": "id", "value": "nope"},
+    )
+    status, err = call(served, "GET", "/v1/costs?by=planet", READ)
+    assert status == 400 and err["field"] == "by" and err["value"] == "planet"
+    status, err = call(served, "GET", "/v1/budgets?colour=red", READ)
+    assert (status, err["field"], err["value"]) == (400, "colour", "red")
+    bad = {**_WRITE_BODY, "cap_usd": "-3"}
+    status, err = call(served, "POST", "/v1/caps", WRITE, bad)
+    assert (status, err["field"], err["value"]) == (400, "cap_usd", "-3"), err
+    status, err = call(served, "POST", "/v1/caps", WRITE, {**_WRITE_BODY, "scope": {"user": "u1"}})
+    assert status == 400 and err["field"] == "scope", err
+    status, doc = call(served, "GET", "/openapi.json", READ)
+    assert status == 200 and doc["openapi"].startswith("3.")
+    assert {"/v1/budgets", "/v1/costs", "/v1/caps", "/v1/grants"} <= set(doc["paths"])
+
+
+def test_writes_through_the_api_and_the_cli_api_option(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    status, change = call(served, "POST", "/v1/caps", WRITE, _WRITE_BODY)
+    assert status == 200 and change["kind"] == "cap_set" and change["amount"] == usd(2)
+    monkeypatch.setenv("MCPBG_READ_TOKEN", READ)
+    monkeypatch.setenv("MCPBG_WRITE_TOKEN", WRITE)
+    listed = cli_json("caps", "list", "--api", served.url, "--json")
+    assert [r["scope"] for r in listed if r["kind"] == "cap"] == ["tenant=acme"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert (
+            main(
+                [
+                    "grant",
+                    "tenant_spend",
+                    "--tenant",
+                    "globex",
+                    "--usd",
+                    "1",
+                    "--api",
+                    served.url,
+                    "--reason",
+                    "goodwill",
+                ]
+            )
+            == 0
+        )
+    assert "granted tenant_spend" in out.getvalue()
+    rows = {
+        r["name"]: r
+        for r in cli_json("budgets", "--api", served.url, "--tenant", "acme", "--json")["rows"]
+    }
+    assert rows["tenant_spend"]["limit"] == usd(2)
+    assert rows["tenant_spend"]["limit_source"].startswith("run-time")
+    status, _ = call(
+        served, "DELETE", "/v1/caps", WRITE, {"limit": "tenant_spend", "scope": {"tenant": "acme"}}
+    )
+    assert status == 200
+    status, _ = call(
+        served, "POST", "/v1/resets", WRITE, {"limit": "burst", "scope": {"user": "u1"}}
+    )
+    assert status == 200
