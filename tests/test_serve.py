@@ -292,3 +292,24 @@ def test_writes_through_the_api_and_the_cli_api_option(
         served, "POST", "/v1/resets", WRITE, {"limit": "burst", "scope": {"user": "u1"}}
     )
     assert status == 200
+
+
+def test_costs_html_writes_the_report_for_any_period(served: Served, tmp_path: Path) -> None:
+    path = tmp_path / "costs.html"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(
+            [
+                "costs",
+                "--ledger-dir",
+                str(served.ledger),
+                "--policy",
+                str(served.policy),
+                "--html",
+                str(path),
+            ]
+        )
+    assert code == 0
+    html = path.read_text()
+    assert 'id="spend"' in html and 'id="reasons"' in html and "Chart.js v4" in html
+    assert '"tenant": "acme"' in html and "breaker tripped" in html  # caps and the trip drawn

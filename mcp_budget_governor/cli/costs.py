@@ -43,7 +43,7 @@ def register(sub: Any) -> None:
         help="one session and its forks: the spend split into tools and models, by tool and "
         "model, and (with --policy) the session budget line",
     )
-    add_option(p, "policy", "with --session: the policy whose session limits give the budget")
+    add_option(p, "policy", "with --session: the session budget line; with --html: the caps drawn")
     p.add_argument(
         "--by",
         help="group by these, comma-separated: user, tenant, tool, model, agent, day, hour, "
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top is not None and args.top < 1:
         raise InvalidInputError("--top", args.top, "at least 1")
     policy = None
-    policy_spec = setting(args, "policy") if args.session is not None else None
+    policy_spec = setting(args, "policy") if args.session is not None or args.html else None
     if policy_spec is not None:
         from ..policy_file import load_policy
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
         con = open_ledger_from(args, since=start, until=end)
         try:
-            path = write_costs_report(con, flt, args.html)
+            path = write_costs_report(con, flt, args.html, policy=policy)
         finally:
             con.close()
         print(f"report written: {path}", file=sys.stderr)

@@ -58,11 +58,8 @@ def spend_series(con: Any, flt: Filter, points: int = 120) -> dict[str, Any]:
     """Cumulative spend per tenant over the filter's span, in at most ``points`` steps:
     ``{"t": [epoch s...], "tenants": {tenant: [micros...]}}``."""
     where, params = flt.where()
-    span = _rows(
-        con,
-        f'SELECT min("time"), max("time") FROM costs WHERE usd_micros > 0 AND {where}',
-        params,
-    )
+    # The span of every event (refusals too), so the breaker's moment is on the axis.
+    span = _rows(con, f'SELECT min("time"), max("time") FROM costs WHERE {where}', params)
     if not span or span[0][0] is None:
         return {"t": [], "tenants": {}}
     first, last = _epoch(span[0][0]), _epoch(span[0][1])

@@ -135,7 +135,7 @@ def render(
     reasons: list[dict[str, Any]],
     sections: list[tuple[str, str]],
     *,
-    kpis: list[tuple[str, str, str]] = (),  # type: ignore[assignment]
+    kpis: list[tuple[str, str, str]] | None = None,
     relative: bool = False,
 ) -> str:
     """The report page: KPI tiles, the spend chart, the refusals chart, then ``sections``
@@ -146,7 +146,7 @@ def render(
     tiles = "".join(
         f'<div class="kpi {esc(cls)}"><div class="v">{esc(v)}</div><div class="l">{esc(label)}'
         f"</div></div>"
-        for label, v, cls in kpis
+        for label, v, cls in kpis or []
     )
     cards = "".join(
         f'<section class="card wide"><h2>{esc(t)}</h2>{body}</section>' for t, body in sections
@@ -182,8 +182,26 @@ mcpbgReasonChart(document.getElementById("reasons"), D.reasons);
 """
 
 
+def _tripped(trip: float | None, first: float | None, relative: bool) -> str:
+    """The breaker tile: when it tripped (from the first event, or the UTC time)."""
+    from datetime import UTC, datetime
+
+    if trip is None:
+        return "not tripped"
+    if relative and first is not None:
+        s = round(trip - first)
+        return f"tripped at +{s // 60}m{s % 60:02d}s"
+    return "tripped " + datetime.fromtimestamp(trip, UTC).strftime("%H:%M:%SZ")
+
+
 def write_costs_report(
-    con: Any, flt: Any, path: str | Path, *, policy: Policy | None = None, title: str = ""
+    con: Any,
+    flt: Any,
+    path: str | Path,
+    *,
+    policy: Policy | None = None,
+    title: str = "",
+    relative: bool = False,
 ) -> Path:
     """``mcpbg costs --html``: the report of the filter's period, written to ``path``."""
     from ..cli.costs import costs_reports
@@ -193,7 +211,7 @@ def write_costs_report(
     reasons = refusals_by_reason(con, flt)
     trip = first_trip(con, flt)
     reports = {r.title: r for r in costs_reports(con, flt, top=10)}
-    total = reports["total"]
+    total = reports["summary"]
     row = dict(zip(total.headers, total.rows[0], strict=True)) if total.rows else {}
     span = f"{row.get('first') or '-'} to {row.get('last') or '-'}"
     kpis = [
@@ -206,7 +224,7 @@ def write_costs_report(
         ),
         (
             "breaker",
-            "tripped" if trip is not None else "not tripped",
+            _tripped(trip, series["t"][0] if series["t"] else None, relative),
             "bad" if trip is not None else "ok",
         ),
     ]
@@ -240,6 +258,7 @@ def write_costs_report(
         reasons,
         sections,
         kpis=kpis,
+        relative=relative,
     )
     out = Path(path)
     out.write_text(html, "utf-8")

@@ -8,14 +8,36 @@
     return "$" + (v >= 100 ? v.toFixed(0) : v.toFixed(2));
   }
 
-  function clock(t, t0, relative) {
+  function clock(t, t0, relative, seconds) {
     if (relative) {
       var s = Math.max(0, Math.round(t - t0));
-      var h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
-      return "+" + (h ? h + "h" : "") + String(m).padStart(h ? 2 : 1, "0") + "m";
+      var h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+      var text = "+" + (h ? h + "h" + String(m).padStart(2, "0") : m) + "m";
+      return seconds && sec ? text + String(sec).padStart(2, "0") + "s" : text;
     }
-    return new Date(t * 1000).toISOString().slice(11, 16) + "Z";
+    return new Date(t * 1000).toISOString().slice(11, seconds ? 19 : 16) + "Z";
   }
+
+  /* A round tick step (seconds) giving about six ticks over span. */
+  function niceStep(span) {
+    var steps = [1, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+    for (var i = 0; i < steps.length; i++) if (span / steps[i] <= 7) return steps[i];
+    return Math.ceil(span / 6 / 86400) * 86400;
+  }
+
+  /* Each bar's value at its end. */
+  var barValues = {
+    id: "mcpbgValues",
+    afterDatasetsDraw: function (chart) {
+      var ctx = chart.ctx, meta = chart.getDatasetMeta(0), data = chart.data.datasets[0].data;
+      ctx.save(); ctx.fillStyle = "#334155"; ctx.font = "600 12px system-ui, sans-serif";
+      ctx.textBaseline = "middle";
+      meta.data.forEach(function (bar, i) {
+        ctx.fillText(Number(data[i]).toLocaleString("en-US"), bar.x + 6, bar.y);
+      });
+      ctx.restore();
+    }
+  };
 
   /* A vertical line where the breaker tripped. */
   var tripLine = {
@@ -54,22 +76,47 @@
         });
       });
     });
-    (caps || []).forEach(function (cap) {
-      if (cap.tenant != null || !t.length) return;
+    var globals = (caps || []).filter(function (cap) { return cap.tenant == null; });
+    if (globals.length && names.length > 1) {
+      datasets.push({
+        label: "all tenants", borderColor: "#334155", borderWidth: 1.5, pointRadius: 0, fill: false,
+        data: t.map(function (x, j) {
+          return {x: x, y: names.reduce(function (sum, n) { return sum + series.tenants[n][j]; }, 0)};
+        })
+      });
+    }
+    globals.forEach(function (cap) {
+      if (!t.length) return;
       datasets.push({
         label: cap.label + " " + dollars(cap.value), data: [{x: t[0], y: cap.value}, {x: t[t.length - 1], y: cap.value}],
         borderColor: "#dc2626", borderDash: [2, 3], borderWidth: 1.5, pointRadius: 0, fill: false
       });
     });
-    if (old) { old.data.datasets = datasets; old.options.plugins.mcpbgTrip.at = trip; old.update("none"); return old; }
+    var span = t.length ? t[t.length - 1] - t0 : 0, step = niceStep(Math.max(span, 1));
+    var xmin = t.length ? t0 : undefined, xmax = t.length ? t[t.length - 1] : undefined;
+    var tick = function (v) { return clock(v, t0, relative, step < 60); };
+    /* Ticks every step from the first point (relative) or on round clock times. */
+    var ticksFrom = function (axis) {
+      if (!t.length) return;
+      var start = relative ? t0 : Math.ceil(t0 / step) * step, out = [];
+      for (var v = start; v <= xmax + 1e-6 && out.length < 60; v += step) out.push({value: v});
+      axis.ticks = out;
+    };
+    if (old) {
+      old.data.datasets = datasets; old.options.plugins.mcpbgTrip.at = trip;
+      Object.assign(old.options.scales.x, {min: xmin, max: xmax, afterBuildTicks: ticksFrom});
+      Object.assign(old.options.scales.x.ticks, {stepSize: step, callback: tick});
+      old.update("none"); return old;
+    }
     return new Chart(canvas, {
       type: "line", data: {datasets: datasets}, plugins: [tripLine],
       options: {
         animation: false, responsive: true, maintainAspectRatio: false, parsing: false,
         interaction: {mode: "nearest", axis: "x", intersect: false},
         scales: {
-          x: {type: "linear", ticks: {callback: function (v) { return clock(v, t0, relative); }, maxTicksLimit: 8},
-              grid: {color: "#eef0f3"}},
+          x: {type: "linear", min: xmin, max: xmax, afterBuildTicks: ticksFrom, ticks: {callback: tick, stepSize: step, maxTicksLimit: 9},
+              grid: {color: "#eef0f3"},
+              title: {display: true, text: relative ? "simulated time from the first event" : "time (UTC)"}},
           y: {beginAtZero: true, ticks: {callback: function (v) { return dollars(v); }}, grid: {color: "#eef0f3"},
               title: {display: true, text: "spent (cumulative)"}}
         },
@@ -77,7 +124,7 @@
           mcpbgTrip: {at: trip},
           legend: {position: "bottom", labels: {boxWidth: 14, usePointStyle: false}},
           tooltip: {callbacks: {
-            title: function (items) { return items.length ? clock(items[0].parsed.x, t0, relative) : ""; },
+            title: function (items) { return items.length ? clock(items[0].parsed.x, t0, relative, true) : ""; },
             label: function (item) { return item.dataset.label + ": " + dollars(item.parsed.y); }
           }}
         }
@@ -95,8 +142,11 @@
     if (old) { old.data.labels = labels; old.data.datasets[0].data = data; old.data.datasets[0].backgroundColor = colors; old.update("none"); return old; }
     return new Chart(canvas, {
       type: "bar",
-      data: {labels: labels, datasets: [{label: "refused calls", data: data, backgroundColor: colors, borderRadius: 4}]},
+      data: {labels: labels, datasets: [{label: "refused calls", data: data, backgroundColor: colors, borderRadius: 4,
+                                         minBarLength: 4, maxBarThickness: 28}]},
+      plugins: [barValues],
       options: {
+        layout: {padding: {right: 48}},
         indexAxis: "y", animation: false, responsive: true, maintainAspectRatio: false,
         plugins: {legend: {display: false}},
         scales: {x: {beginAtZero: true, ticks: {precision: 0}, grid: {color: "#eef0f3"}}, y: {grid: {display: false}}}
