@@ -5,14 +5,12 @@ A real uvicorn on a loopback port (testing.thread_server), a real Redis, a file 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,95 +19,16 @@ import pytest
 pytest.importorskip("starlette")
 pytest.importorskip("duckdb")
 
-from mcp_budget_governor import Context, Governor, RedisBackend, usd
+from mcp_budget_governor import usd
 from mcp_budget_governor.cli import main
-from mcp_budget_governor.console.api import ROUTES, Console, build_app
-from mcp_budget_governor.console.auth import Tokens
-from mcp_budget_governor.policy_file import load_policy
-from mcp_budget_governor.producers.file_ledger import FileLedger
-from testing.thread_server import ThreadServer
-
-READ = "read-token-0123456789abcdef"
-WRITE = "write-token-0123456789abcdef"
-
-POLICY = """
-[[limits]]
-name = "burst"
-cap = 3
-window = "minute"
-scope = "user"
-
-[[limits]]
-name = "tenant_spend"
-cap_usd = "1.00"
-window = "day"
-scope = "tenant"
-
-[[limits]]
-name = "global_spend"
-cap_usd = "1.50"
-window = "day"
-breaker = true
-gated = false
-"""
-
-
-@dataclass
-class Served:
-    url: str
-    policy: Path
-    ledger: Path
-    redis_url: str
-    server: ThreadServer
-
-
-async def governed_calls(policy: Path, redis_url: str, ledger: Path) -> None:
-    """Calls of two tenants: admitted, metered, refused by burst, then by the breaker."""
-    gov = Governor(
-        load_policy(str(policy)),
-        RedisBackend.from_url(redis_url, timeout=5.0),
-        ledger=FileLedger(ledger, fsync="always"),
-    )
-    async with gov:
-        for user, tenant, cost in (
-            ("u1", "acme", 200_000),
-            ("u2", "acme", 50_000),
-            ("u3", "globex", 300_000),
-        ):
-            ctx = Context(user=user, tenant=tenant, tool="search")
-            for _ in range(4):  # the 4th is refused by burst
-                d = await gov.check(ctx)
-                if d.admitted:
-                    await gov.meter("tenant_spend", cost, ctx)
-                    await gov.meter("global_spend", cost, ctx)
-        # $1.65 spent: the breaker sheds the next caller.
-        assert not (await gov.check(Context(user="u4", tenant="globex", tool="fetch"))).admitted
+from mcp_budget_governor.console.api import ROUTES
+from testing.console_server import READ, WRITE, Served, serve_console
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, redis_service: Any) -> Iterator[Served]:
-    import redis
-
-    folder = tmp_path_factory.mktemp("serve")
-    policy = folder / "policy.toml"
-    policy.write_text(POLICY)
-    ledger = folder / "ledger"
-    url = redis_service.url.rsplit("/", 1)[0] + "/7"  # a db of its own
-    redis.Redis.from_url(url).flushdb()
-    asyncio.run(governed_calls(policy, url, ledger))
-
-    async def build() -> tuple[Any, Any]:
-        pol = load_policy(str(policy))
-        backend = RedisBackend.from_url(url, timeout=5.0)
-        gov = Governor(pol, backend)  # writes straight to the counters (no ledger)
-        console = Console(pol, backend, Tokens(READ, WRITE), ledger_dir=str(ledger), governor=gov)
-        return build_app(console), gov
-
-    server = ThreadServer(build).start()
-    try:
-        yield Served(server.url, policy, ledger, url, server)
-    finally:
-        server.stop()
+    with serve_console(tmp_path_factory.mktemp("serve"), redis_service.url, 7) as s:
+        yield s
 
 
 def call(

@@ -41,7 +41,7 @@ header h1 { margin:0; font-size:18px; font-weight:650; letter-spacing:.2px; }
 header .sub { color:#cbd5e1; font-size:13px; }
 header .right { margin-left:auto; color:#94a3b8; font-size:12px; }
 main { padding:20px 28px 40px; display:grid; gap:18px;
-       grid-template-columns:repeat(auto-fit,minmax(420px,1fr)); max-width:1500px; }
+       grid-template-columns:repeat(auto-fit,minmax(520px,1fr)); max-width:1500px; }
 .card { background:var(--card); border:1px solid var(--line); border-radius:10px;
         padding:16px 18px; box-shadow:0 1px 2px rgba(15,23,42,.04); min-width:0; }
 .card.wide { grid-column:1/-1; }
