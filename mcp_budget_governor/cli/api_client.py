@@ -22,7 +22,10 @@ def _token(write: bool) -> str:
     tokens = Tokens.from_env()
     token = tokens.write if write else (tokens.read or tokens.write)
     if not token:
-        raise InvalidInputError("token", None, "this needs MCPBG_WRITE_TOKEN (or its file)")
+        from ..settings import SETTINGS
+
+        env = SETTINGS["write_token"].env
+        raise InvalidInputError("token", None, f"this needs {env} (or its file)")
     return token
 
 

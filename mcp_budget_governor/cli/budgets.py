@@ -27,6 +27,8 @@ _SCOPES = ("user", "tenant", "tool", "session", "agent")
 
 
 def register(sub: Any) -> None:
+    from ..console.auth import variables
+
     p = sub.add_parser(
         "budgets",
         help="one row per limit and counter: spent, limit, remaining, exceeded",
@@ -48,8 +50,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--api",
         metavar="URL",
-        help="read the rows from a running `mcpbg serve` at URL (read token from "
-        "MCPBG_READ_TOKEN or MCPBG_READ_TOKEN_FILE) instead of Redis",
+        help="read the rows from a running `mcpbg serve` at URL instead of Redis (token: "
+        f"{variables()})",
     )
     p.set_defaults(run=run)
 

@@ -68,11 +68,13 @@ def register(sub: Any) -> None:
 
 
 def _api_option(p: Any) -> None:
+    from ..console.auth import variables
+
     p.add_argument(
         "--api",
         metavar="URL",
         help="talk to a running `mcpbg serve` at URL instead of Redis and the ledger "
-        "(token from MCPBG_READ_TOKEN / MCPBG_WRITE_TOKEN or their _FILE variables)",
+        f"(token: {variables()})",
     )
 
 

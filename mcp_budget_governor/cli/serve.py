@@ -18,11 +18,13 @@ from .ledger_args import add_ledger_options, add_option, add_redis_option, requi
 
 
 def register(sub: Any) -> None:
+    from ..console.auth import variables
+
     p = sub.add_parser(
         "serve",
         help="the admin HTTP API and the live dashboard (bearer tokens)",
-        description="Every route needs a bearer token: MCPBG_READ_TOKEN for reads, "
-        "MCPBG_WRITE_TOKEN for writes (or MCPBG_*_TOKEN_FILE).",
+        description=f"Every route needs a bearer token: {variables()}, the read token "
+        "for reads, the write token for both.",
     )
     add_option(p, "policy")
     add_redis_option(p)

@@ -26,6 +26,12 @@ from ..settings import SETTINGS, resolve
 MIN_LENGTH = 16
 
 
+def variables() -> str:
+    """The token variables, for help texts: ``MCPBG_READ_TOKEN / MCPBG_WRITE_TOKEN (or ...)``."""
+    read, write = SETTINGS["read_token"].env, SETTINGS["write_token"].env
+    return f"{read} / {write} (or their _FILE variables)"
+
+
 @dataclass(frozen=True, slots=True)
 class Tokens:
     read: str

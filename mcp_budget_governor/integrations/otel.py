@@ -47,14 +47,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, start_http_server
 
 from ..context import EMPTY, Context
 from ..decision import Decision
 from ..observe import CheckFn, Observer
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
     from ..governor import Governor
 
 __all__ = ["LATENCY_BUCKETS", "Telemetry", "serve_prometheus"]
@@ -149,7 +148,6 @@ class Telemetry(Observer):
         own registry: :meth:`scrape` gives the text, :func:`serve_prometheus` serves it."""
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from opentelemetry.sdk.metrics import MeterProvider
-        from prometheus_client import REGISTRY, CollectorRegistry
 
         reader = PrometheusMetricReader()
         # The reader registers itself in prometheus_client's global registry: move it
@@ -173,8 +171,6 @@ class Telemetry(Observer):
 
     def scrape(self) -> str:
         """The Prometheus text exposition of :attr:`registry`, as ``/metrics`` serves it."""
-        from prometheus_client import generate_latest
-
         return generate_latest(self.registry).decode()
 
     def close(self) -> None:
@@ -182,8 +178,6 @@ class Telemetry(Observer):
         if self._provider is not None:
             collector = getattr(self._reader, "_collector", None)
             if collector is not None and self._registry is not None:
-                from prometheus_client import REGISTRY
-
                 # The reader's shutdown takes it out of the global registry.
                 self._registry.unregister(collector)
                 REGISTRY.register(collector)
@@ -295,7 +289,5 @@ def _event_time(raw: bytes) -> float | None:
 def serve_prometheus(telemetry: Telemetry, port: int, addr: str = "127.0.0.1") -> Any:
     """Serve ``/metrics`` of ``telemetry`` (from :meth:`Telemetry.prometheus`) on ``port``
     from a background thread; returns the server (``.shutdown()`` stops it)."""
-    from prometheus_client import start_http_server
-
     server, _thread = start_http_server(port, addr=addr, registry=telemetry.registry)
     return server
