@@ -36,7 +36,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import GovernorError, InvalidInputError
+from ..errors import BackendUnavailableError, GovernorError, InvalidInputError
 from ..policy import Policy
 from .auth import Tokens
 
@@ -98,6 +98,8 @@ def _guard(handler: Handler) -> Handler:
             return error(400, exc.problem, _field(exc.field), exc.value)
         except KeyError as exc:  # an unknown limit, plan...
             return error(400, str(exc).strip("'\""))
+        except BackendUnavailableError as exc:  # the counters' Redis: try again later
+            return error(503, str(exc))
         except GovernorError as exc:
             return error(400, str(exc))
 
