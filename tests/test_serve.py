@@ -8,6 +8,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -232,3 +237,48 @@ def test_costs_html_writes_the_report_for_any_period(served: Served, tmp_path: P
     html = path.read_text()
     assert 'id="spend"' in html and 'id="reasons"' in html and "Chart.js v4" in html
     assert '"tenant": "acme"' in html and "breaker tripped" in html  # caps and the trip drawn
+
+
+def test_mcpbg_serve_runs_and_refuses_without_tokens(served: Served) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MCPBG_READ_TOKEN": READ, "MCPBG_WRITE_TOKEN": WRITE}
+    argv = [
+        sys.executable,
+        "-m",
+        "mcp_budget_governor.cli",
+        "serve",
+        "--policy",
+        str(served.policy),
+        "--redis-url",
+        served.redis_url,
+        "--ledger-dir",
+        str(served.ledger),
+        "--port",
+        str(port),
+    ]
+    no_tokens = {k: v for k, v in env.items() if not k.endswith("_TOKEN")}
+    refused = subprocess.run(argv, env=no_tokens, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "needs a token" in refused.stderr
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # until it listens (a wait, not a timing assertion)
+            try:
+                status, doc = call(
+                    Served(
+                        url,
+                        *[getattr(served, f) for f in ("policy", "ledger", "redis_url", "server")],
+                    ),
+                    "GET",
+                    "/v1/budgets?tenant=acme",
+                    READ,
+                )
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert status == 200 and doc["rows"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
