@@ -17,7 +17,7 @@ COPY producers ./producers
 COPY stream ./stream
 COPY projections ./projections
 COPY lua ./lua
-RUN pip install ".[stream,kafka,redis,fastmcp]"
+RUN pip install ".[stream,kafka,redis,fastmcp,otel]"
 
 # The example server and its policy file.
 COPY examples ./examples

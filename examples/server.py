@@ -2,7 +2,8 @@
 
 FastMCP over streamable HTTP (``/mcp``) with a health endpoint (``/health``),
 configured like ``mcpbg`` by the environment variables of :data:`SETTINGS`
-(names, defaults and help in ``mcp_budget_governor.settings``): the counters'
+(names, defaults and help in ``mcp_budget_governor.settings``); with the
+``[otel]`` extra it serves the governor's metrics at ``/metrics`` for Prometheus: the counters'
 Redis and the ledger's Kafka (both required), the ledger topic, the policy
 file (default ``policy.toml`` next to this file) and the ledger's outbox, and how often
 to look at the policy file for a change (a changed file is reloaded, an
@@ -34,7 +35,7 @@ from typing import Any
 from fastmcp import FastMCP
 from fastmcp.server.dependencies import get_http_headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
 from mcp_budget_governor.errors import SettingsError
@@ -78,7 +79,8 @@ def build(environ: Mapping[str, str]) -> FastMCP:
         settings["kafka_url"], topic=settings["topic"], outbox_dir=settings["outbox_dir"]
     )
     backend = RedisBackend.from_url(settings["redis_url"], require_epoch=True)
-    governor = Governor(policy, backend, ledger=ledger, prices=prices)
+    telemetry = _telemetry()
+    governor = Governor(policy, backend, ledger=ledger, prices=prices, observer=telemetry)
     watcher = PolicyWatcher(
         policy_path, governor.replace_policy, current=policy, interval=settings["policy_poll"]
     )
@@ -136,7 +138,24 @@ def build(environ: Mapping[str, str]) -> FastMCP:
         limits = len(governor.policy)
         return JSONResponse({"status": "ok", "policy": policy_path, "limits": limits})
 
+    @server.custom_route("/metrics", methods=["GET"])
+    async def metrics(_: Request) -> Response:
+        """The governor's metrics for Prometheus (decisions by limit and reason, check
+        latency, degraded state, outbox depth and age); 404 without the [otel] extra."""
+        if telemetry is None:
+            return PlainTextResponse("install the otel extra for metrics\n", status_code=404)
+        return PlainTextResponse(telemetry.scrape(), media_type="text/plain; version=0.0.4")
+
     return server
+
+
+def _telemetry() -> Any:
+    """OpenTelemetry metrics with a Prometheus reader when the [otel] extra is installed."""
+    try:
+        from mcp_budget_governor.integrations.otel import Telemetry
+    except ImportError:
+        return None
+    return Telemetry.prometheus()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -41,6 +41,7 @@ from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, ne
 from .limits import FailMode, Limit, OnExceed
 from .metering import Metering
 from .money import check_amount
+from .observe import Observer
 from .planning import Slot
 from .policy import Policy
 from .prices import PriceTable
@@ -62,6 +63,9 @@ class Governor(Metering[MeterResult]):
     - ``lease_ttl``: how long (seconds) a concurrency-cap lease outlives a
       process that died holding it; :meth:`admitted` renews a running call's
       lease every third of it.
+    - ``observer``: told every decision (:mod:`.observe`: refusal logs;
+      ``integrations.otel.Telemetry``: OpenTelemetry metrics and spans). None
+      (the default) costs one ``is not None`` test per check.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class Governor(Metering[MeterResult]):
         retry_interval: float = 1.0,
         max_pending: int = 100_000,
         lease_ttl: float = 30.0,
+        observer: Observer | None = None,
     ) -> None:
         if not isinstance(policy, Policy):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
@@ -107,6 +112,9 @@ class Governor(Metering[MeterResult]):
         # what the fallback and the fail-open reads compare with while it is down
         # (a run-time cap or grant still applies, per replica, during an outage).
         self._caps_seen: dict[str, int] = {}
+        self._obs = observer
+        if observer is not None:
+            observer.attach(self)
 
     def replace_policy(self, policy: Policy) -> Policy:
         """Govern every call from now on by ``policy`` (a reload); returns the old one.
@@ -124,6 +132,16 @@ class Governor(Metering[MeterResult]):
         old, self.policy = self.policy, policy
         self._plans.clear()  # plans hold limits and caps of the old policy
         return old
+
+    @property
+    def degraded(self) -> bool:
+        """Whether the shared counters are marked unreachable (fail modes decide)."""
+        return bool(self._down_until) and self._clock() < self._down_until
+
+    @property
+    def pending_charges(self) -> int:
+        """Outage charges (inline mode) kept for the counters, replayed when they answer."""
+        return len(self._pending)
 
     # -- the hot path -------------------------------------------------------
 
@@ -147,6 +165,12 @@ class Governor(Metering[MeterResult]):
         ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through
         :meth:`admitted`, which gives the slot back.
         """
+        if self._obs is not None:
+            return await self._obs.observe_check(self._check, ctx, amount, approved)
+        return await self._check(ctx, amount, approved)
+
+    async def _check(self, ctx: Context | None, amount: int, approved: Sequence[str]) -> Decision:
+        """:meth:`check` without its observer."""
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
         ctx = ctx or EMPTY

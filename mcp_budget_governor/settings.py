@@ -238,6 +238,22 @@ SETTINGS: Mapping[str, Setting] = {
         Setting("ledger_dir", str, None, "the embedded mode's file-ledger folder"),
         Setting("outbox_dir", str, "mcpbg-outbox", "the ledger's durable local outbox folder"),
         Setting(
+            "read_token",
+            str,
+            "",
+            "mcpbg serve: bearer token for its read routes (the write token reads too)",
+        ),
+        Setting("read_token_file", str, "", "mcpbg serve: a file holding the read token"),
+        Setting(
+            "write_token",
+            str,
+            "",
+            "mcpbg serve: bearer token for its write routes (caps, grants, resets)",
+        ),
+        Setting("write_token_file", str, "", "mcpbg serve: a file holding the write token"),
+        Setting("serve_host", str, "127.0.0.1", "mcpbg serve: the address to listen on"),
+        Setting("serve_port", int, 8900, "mcpbg serve: the port to listen on", _port),
+        Setting(
             "policy_poll",
             float,
             5.0,

@@ -47,9 +47,12 @@ def load_example_server() -> ModuleType:
     return module
 
 
-def test_the_four_services_with_official_images(compose: dict[str, Any]) -> None:
+def test_the_services_with_official_images(compose: dict[str, Any]) -> None:
     svc = services(compose)
-    assert set(svc) == {"kafka", "redis", "worker", "server"}
+    assert set(svc) == {"kafka", "redis", "worker", "server", "prometheus", "grafana"}
+    assert re.fullmatch(r"prom/prometheus:v\d+\.\d+\.\d+", svc["prometheus"]["image"])
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", svc["grafana"]["image"])
+    assert svc["grafana"]["profiles"] == ["grafana"]  # optional: --profile grafana
     assert re.fullmatch(r"apache/kafka:\d+\.\d+\.\d+", svc["kafka"]["image"])
     assert re.fullmatch(r"redis:\d+(\.\d+)*(-alpine)?", svc["redis"]["image"])
     # The worker builds the project image (Dockerfile) that the server reuses.
@@ -87,6 +90,8 @@ def test_ports_are_published(compose: dict[str, Any]) -> None:
     assert 6379 in published("redis")
     assert 8000 in published("server")
     assert 9108 in published("worker")
+    assert 9090 in published("prometheus")
+    assert 3000 in published("grafana")
 
 
 def test_every_service_has_a_health_check(compose: dict[str, Any]) -> None:
@@ -106,6 +111,8 @@ def test_dependencies_wait_for_healthy_services(compose: dict[str, Any]) -> None
     for name, needs in {
         "worker": {"kafka", "redis"},
         "server": {"kafka", "redis", "worker"},
+        "prometheus": {"worker", "server"},
+        "grafana": {"prometheus"},
     }.items():
         depends = svc[name]["depends_on"]
         assert set(depends) == needs, name
@@ -189,3 +196,78 @@ def test_volumes_keep_the_archive_and_the_outbox(compose: dict[str, Any]) -> Non
     outbox = svc["server"]["environment"]["MCPBG_OUTBOX_DIR"]
     assert f"outbox:{outbox}" in svc["server"]["volumes"]
     assert {"archive", "outbox"} <= set(compose["volumes"])
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> the repository file a bind mount gives it."""
+    out = {}
+    for volume in svc.get("volumes", []):
+        source, target, *_ = volume.split(":")
+        if source.startswith("./"):
+            out[target] = ROOT / source[2:]
+    return out
+
+
+def test_prometheus_scrapes_the_worker_and_the_governor(compose: dict[str, Any]) -> None:
+    svc = services(compose)
+    mounts = _mounts(svc["prometheus"])
+    config = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    assert "--config.file=/etc/prometheus/prometheus.yml" in svc["prometheus"]["command"]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    targets = {t for j in jobs.values() for c in j["static_configs"] for t in c["targets"]}
+    worker_port = svc["worker"]["environment"]["MCPBG_METRICS_PORT"]
+    assert f"worker:{worker_port}" in targets
+    assert "server:8000" in targets and jobs["mcpbg-governor"]["metrics_path"] == "/metrics"
+    # The example server serves /metrics, and the image installs the [otel] extra for it.
+    assert '@server.custom_route("/metrics"' in (ROOT / "examples/server.py").read_text()
+    assert "otel" in (ROOT / "Dockerfile").read_text().split("pip install", 1)[1].split("\n")[0]
+
+
+def _metric_names() -> set[str]:
+    """The Prometheus names the governor (Telemetry) and the worker export."""
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    import asyncio
+
+    from mcp_budget_governor import Context, Governor, Limit, Scope, Window
+    from mcp_budget_governor.integrations.otel import Telemetry
+    from mcp_budget_governor.stream import metrics
+
+    tel = Telemetry.prometheus()
+    try:
+        gov = Governor(
+            Policy.of(Limit("b", cap=1, window=Window.MINUTE, scope=Scope.USER)), observer=tel
+        )
+        asyncio.run(gov.check(Context(user="u")))
+        text = tel.scrape()
+    finally:
+        tel.close()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    for family in metrics.REGISTRY.collect():
+        names |= {sample.name for sample in family.samples} | {family.name}
+    return names
+
+
+def test_the_grafana_dashboard_queries_metrics_that_exist(compose: dict[str, Any]) -> None:
+    import json
+
+    svc = services(compose)["grafana"]
+    mounts = _mounts(svc)
+    board_path = mounts["/var/lib/grafana/dashboards/mcpbg-dashboard.json"]
+    board = json.loads(board_path.read_text())
+    provisioning = mounts["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())
+    (ds,) = datasource["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and ds["type"] == "prometheus"
+    provider = yaml.safe_load((provisioning / "dashboards/mcpbg.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    known = _metric_names()
+    used: set[str] = set()
+    for panel in board["panels"]:
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == ds["uid"], panel["title"]
+            used |= set(re.findall(r"\b(mcpbg_(?:governor|ledger|worker)_[a-z_]+)", target["expr"]))
+    assert used <= known, used - known
+    # Both sides are on the board: the governor's hot path and the worker.
+    assert any(n.startswith("mcpbg_governor_") for n in used)
+    assert any(n.startswith("mcpbg_worker_") for n in used)
+    assert any(n.startswith("mcpbg_ledger_outbox") for n in used)

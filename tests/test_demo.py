@@ -102,6 +102,12 @@ def check_outputs(
     assert isinstance(outcomes, dict)
     assert outcomes["runaway-loop budget_exceeded:user/minute"] > 0
     assert outcomes["alice admitted"] > 0
+    # The charts: a self-contained report.html, and the demo says where.
+    report = out / "report.html"
+    assert summary["report_file"] == str(report) and "report.html" in text
+    html = report.read_text()
+    assert 'id="spend"' in html and 'id="reasons"' in html and "Chart.js v4" in html
+    assert "<script src=" not in html  # inlined: opens offline
     return summary
 
 

@@ -29,6 +29,7 @@ COMMANDS: tuple[str, ...] = (
     "budgets",
     "caps",
     "costs",
+    "serve",
     "sql",
     "export",
     "reconcile",

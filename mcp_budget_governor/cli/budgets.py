@@ -27,6 +27,8 @@ _SCOPES = ("user", "tenant", "tool", "session", "agent")
 
 
 def register(sub: Any) -> None:
+    from ..console.auth import variables
+
     p = sub.add_parser(
         "budgets",
         help="one row per limit and counter: spent, limit, remaining, exceeded",
@@ -45,6 +47,12 @@ def register(sub: Any) -> None:
         help="list at most this many counter keys (default 10000); the output says when it stopped",
     )
     p.add_argument("--json", action="store_true", help="print JSON (amounts as integers)")
+    p.add_argument(
+        "--api",
+        metavar="URL",
+        help="read the rows from a running `mcpbg serve` at URL instead of Redis (token: "
+        f"{variables()})",
+    )
     p.set_defaults(run=run)
 
 
@@ -54,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from ..urls import check_redis_url
     from .render import fail
 
+    if args.api:
+        return _run_api(args)
     # The policy first: a bad policy file is the error to see.
     policy = load_policy(required(args, "policy", "a .toml file or module:attribute"))
     args.redis_url = check_redis_url(required(args, "redis_url", "redis://host:port/db"))
@@ -81,6 +91,53 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(report, title=_title(filters))
     return 1 if report.exceeded else 0
+
+
+def _run_api(args: argparse.Namespace) -> int:
+    """The same rows from ``GET /v1/budgets`` (the server runs :func:`budget_report`)."""
+    from ..money import Unit
+    from ..projections.budgets import HEADERS, NUMERIC, format_amount
+    from .api_client import get_json
+    from .render import print_table
+
+    params: dict[str, Any] = {s: getattr(args, s) for s in _SCOPES}
+    params["max_keys"] = args.max_keys
+    doc = get_json(args.api, "/v1/budgets", params)
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        rows = []
+        for r in doc["rows"]:
+            unit = Unit(r["unit"])
+            values = r["scope_values"]
+            who = (
+                " ".join(f"{k}={v}" for k, v in values.items())
+                if len(values) > 1
+                else (next(iter(values.values()), "*") or "(hashed)")
+            )
+            grant = f" + grant {format_amount(unit, r['grant'])}" if r["grant"] else ""
+            rows.append(
+                (
+                    r["name"],
+                    r["scope"],
+                    who,
+                    r["window"],
+                    r["period"],
+                    format_amount(unit, r["spent"]),
+                    format_amount(unit, r["limit"]),
+                    r["limit_source"] + grant,
+                    format_amount(unit, r["remaining"]),
+                    "yes" if r["exceeded"] else "no",
+                )
+            )
+        print_table(
+            _title({s: getattr(args, s) for s in _SCOPES if getattr(args, s)}),
+            HEADERS,
+            rows,
+            numeric=NUMERIC,
+        )
+    return 1 if any(r["exceeded"] for r in doc["rows"]) else 0
 
 
 async def _report(

@@ -45,6 +45,7 @@ def register(sub: Any) -> None:
     p = verbs.add_parser("list", help="run-time caps, plan assignments and grants, with reasons")
     add_option(p, "policy")
     add_redis_option(p)
+    _api_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run_list)
 
@@ -66,9 +67,21 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run_reset)
 
 
+def _api_option(p: Any) -> None:
+    from ..console.auth import variables
+
+    p.add_argument(
+        "--api",
+        metavar="URL",
+        help="talk to a running `mcpbg serve` at URL instead of Redis and the ledger "
+        f"(token: {variables()})",
+    )
+
+
 def _common(p: Any, *, limit: bool) -> None:
     if limit:
         p.add_argument("limit", help="the limit's name")
+    _api_option(p)
     add_option(p, "policy")
     add_redis_option(p)
     add_option(p, "kafka_url", "append the event to this broker")
@@ -220,7 +233,28 @@ def _run(args: argparse.Namespace, make: Any) -> int:
     return 0
 
 
+def _api_write(args: argparse.Namespace, method: str, path: str, **fields: Any) -> int:
+    """The change through ``mcpbg serve`` (which validates it with the same builders)."""
+    from .api_client import send_json
+
+    body = {
+        "limit": args.limit,
+        "scope": _scope(args),
+        "reason": args.reason,
+        "actor": _actor(args),
+        **{k: v for k, v in fields.items() if v is not None},
+    }
+    change = send_json(args.api, method, path, body)
+    where = change["field"] or change["key"]
+    print(f"{change['kind']} {change['limit']} {where}: {change['where']}")
+    return 0
+
+
 def run_set(args: argparse.Namespace) -> int:
+    if args.api:
+        return _api_write(
+            args, "POST", "/v1/caps", cap=args.cap, cap_usd=args.cap_usd, until=args.until
+        )
     from .. import admin
 
     def make(policy: Policy) -> Any:
@@ -235,6 +269,8 @@ def run_set(args: argparse.Namespace) -> int:
 
 
 def run_unset(args: argparse.Namespace) -> int:
+    if args.api:
+        return _api_write(args, "DELETE", "/v1/caps")
     from .. import admin
 
     def make(policy: Policy) -> Any:
@@ -261,6 +297,8 @@ def run_assign(args: argparse.Namespace) -> int:
 
 
 def run_grant(args: argparse.Namespace) -> int:
+    if args.api:
+        return _api_write(args, "POST", "/v1/grants", amount=args.amount, usd=args.usd)
     from .. import admin
 
     def make(policy: Policy) -> Any:
@@ -274,6 +312,8 @@ def run_grant(args: argparse.Namespace) -> int:
 
 
 def run_reset(args: argparse.Namespace) -> int:
+    if args.api:
+        return _api_write(args, "POST", "/v1/resets")
     from .. import admin
 
     def make(policy: Policy) -> Any:
@@ -292,25 +332,63 @@ def _now() -> float:
 
 
 def run_list(args: argparse.Namespace) -> int:
+    from .render import print_table
+
+    if getattr(args, "api", None):
+        from .api_client import get_json
+
+        rows = get_json(args.api, "/v1/caps")
+    else:
+        from ..projections.counters.redis import RedisBackend
+        from ..urls import check_redis_url
+
+        policy = _policy(args)
+        url = required(args, "redis_url", "the counters' Redis")
+        check_redis_url(url, "--redis-url")
+
+        async def read() -> list[dict[str, Any]]:
+            backend = RedisBackend.from_url(url, timeout=5.0)
+            try:
+                return await change_rows(policy, backend)
+            finally:
+                await backend.aclose()
+
+        rows = asyncio.run(read())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no run-time caps or plan assignments")
+        return 0
+    print_table(
+        None,
+        ["kind", "limit", "scope", "cap / plan / grant", "until / bucket", "who", "why"],
+        [
+            [
+                r["kind"],
+                r.get("limit", ""),
+                r["scope"],
+                r.get("shown", r.get("plan", "")),
+                (r.get("until") or r.get("bucket") or "")
+                + (" (expired)" if r.get("expired") else ""),
+                r.get("actor", ""),
+                r.get("reason", ""),
+            ]
+            for r in rows
+        ],
+    )
+    return 0
+
+
+async def change_rows(policy: Policy, backend: Any) -> list[dict[str, Any]]:
+    """Run-time caps, plan assignments and grants as ``caps list --json`` prints them
+    (and ``GET /v1/caps`` returns them)."""
     from ..caps import CAPS_PREFIX, field_value, why_from
     from ..keys import parse_key
     from ..money import Unit, format_usd
-    from ..projections.counters.redis import RedisBackend
-    from ..urls import check_redis_url
-    from .render import print_table
 
-    policy = _policy(args)
-    url = required(args, "redis_url", "the counters' Redis")
-    check_redis_url(url, "--redis-url")
-
-    async def read() -> Any:
-        backend = RedisBackend.from_url(url, timeout=5.0)
-        try:
-            return (*await backend.overrides(), await backend.grants(10_000))
-        finally:
-            await backend.aclose()
-
-    caps, plans, grants = asyncio.run(read())
+    caps, plans = await backend.overrides()
+    grants = await backend.grants(10_000)
     rows: list[dict[str, Any]] = []
     for key, fields in sorted(caps.items()):
         limit = key.removeprefix(f"{CAPS_PREFIX}:")
@@ -350,30 +428,7 @@ def run_list(args: argparse.Namespace) -> int:
                 "reason": reason,
             }
         )
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    if not rows:
-        print("no run-time caps or plan assignments")
-        return 0
-    print_table(
-        None,
-        ["kind", "limit", "scope", "cap / plan / grant", "until / bucket", "who", "why"],
-        [
-            [
-                r["kind"],
-                r.get("limit", ""),
-                r["scope"],
-                r.get("shown", r.get("plan", "")),
-                (r.get("until") or r.get("bucket") or "")
-                + (" (expired)" if r.get("expired") else ""),
-                r.get("actor", ""),
-                r.get("reason", ""),
-            ]
-            for r in rows
-        ],
-    )
-    return 0
+    return rows
 
 
 def _iso(epoch: int) -> str:

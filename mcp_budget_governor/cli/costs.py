@@ -43,7 +43,7 @@ def register(sub: Any) -> None:
         help="one session and its forks: the spend split into tools and models, by tool and "
         "model, and (with --policy) the session budget line",
     )
-    add_option(p, "policy", "with --session: the policy whose session limits give the budget")
+    add_option(p, "policy", "with --session: the session budget line; with --html: the caps drawn")
     p.add_argument(
         "--by",
         help="group by these, comma-separated: user, tenant, tool, model, agent, day, hour, "
@@ -51,19 +51,18 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--top", type=int, help="keep the first N rows of each table")
     p.add_argument("--json", action="store_true", help="print JSON (usd as exact decimals)")
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write a self-contained HTML report of the period (spend over time per "
+        "tenant, refusals by reason, breaker trips)",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.costs import (
-        Filter,
-        breaker_trips,
-        session_budget,
-        session_split,
-        spend,
-        summary,
-    )
+    from ..projections.costs import Filter
     from ..windows import parse_period, parse_range
 
     start: datetime | None
@@ -77,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top is not None and args.top < 1:
         raise InvalidInputError("--top", args.top, "at least 1")
     policy = None
-    policy_spec = setting(args, "policy") if args.session is not None else None
+    policy_spec = setting(args, "policy") if args.session is not None or args.html else None
     if policy_spec is not None:
         from ..policy_file import load_policy
 
@@ -88,36 +87,67 @@ def run(args: argparse.Namespace) -> int:
     # A period or --from/--to reads only those days' archive folders.
     con = open_ledger_from(args, since=start, until=end)
     try:
-        if args.session is not None and not args.by:
-            reports = [
-                summary(con, flt),
-                session_split(con, flt),
-                spend(con, ["tool"], flt, top=args.top),
-                spend(con, ["model"], flt, top=args.top),
-            ]
-            if policy is not None:
-                reports.append(session_budget(con, flt, policy))
-        elif args.by:
-            by = [b.strip() for b in args.by.split(",") if b.strip()]
-            reports = [spend(con, by, flt, top=args.top)]
-        else:
-            top = args.top or 10
-            reports = [summary(con, flt)]
-            for name in _DEFAULT_VIEWS:
-                report = spend(con, [name], flt, top=top)
-                if name == "user":
-                    report.title = f"top {top} spenders"
-                reports.append(report)
-            reports.append(breaker_trips(con, flt, top=top))
+        by = [b.strip() for b in args.by.split(",") if b.strip()] if args.by else None
+        reports = costs_reports(con, flt, by=by, top=args.top, policy=policy)
     finally:
         con.close()
+    if getattr(args, "html", None):
+        from ..console.report import write_costs_report
+
+        con = open_ledger_from(args, since=start, until=end)
+        try:
+            path = write_costs_report(con, flt, args.html, policy=policy)
+        finally:
+            con.close()
+        print(f"report written: {path}", file=sys.stderr)
     if args.json:
-        json.dump({r.title: _json_rows(r) for r in reports}, sys.stdout, indent=2, default=str)
+        json.dump(costs_json(reports), sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
         for r in reports:
             _print(r)
     return 0
+
+
+def costs_reports(
+    con: Any, flt: Any, *, by: list[str] | None = None, top: int | None = None, policy: Any = None
+) -> list[Any]:
+    """The tables ``mcpbg costs`` shows (and ``GET /v1/costs`` returns): ``by`` one
+    grouping; else a session's split (``flt.session``); else the summary views."""
+    from ..projections.costs import (
+        breaker_trips,
+        session_budget,
+        session_split,
+        spend,
+        summary,
+    )
+
+    if flt.session is not None and not by:
+        reports = [
+            summary(con, flt),
+            session_split(con, flt),
+            spend(con, ["tool"], flt, top=top),
+            spend(con, ["model"], flt, top=top),
+        ]
+        if policy is not None:
+            reports.append(session_budget(con, flt, policy))
+        return reports
+    if by:
+        return [spend(con, by, flt, top=top)]
+    top = top or 10
+    reports = [summary(con, flt)]
+    for name in _DEFAULT_VIEWS:
+        report = spend(con, [name], flt, top=top)
+        if name == "user":
+            report.title = f"top {top} spenders"
+        reports.append(report)
+    reports.append(breaker_trips(con, flt, top=top))
+    return reports
+
+
+def costs_json(reports: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """``--json``'s document: per table title, its rows (usd as exact decimals)."""
+    return {r.title: _json_rows(r) for r in reports}
 
 
 def _json_rows(report: Any) -> list[dict[str, Any]]:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 #: The FOCUS 1.2 file the demo writes into its output folder.
 FOCUS_FILE = "focus-costs.csv"
+#: The self-contained HTML report (charts) the demo writes there.
+REPORT_FILE = "report.html"
 
 
 def intro(
@@ -174,6 +176,29 @@ def write_focus(console: Console, options: DemoOptions, out: Path, now: float) -
     return path
 
 
+def write_html(console: Console, options: DemoOptions, out: Path) -> Path:
+    """``report.html``: spend over simulated time per tenant with the caps, refusals by
+    reason, the breaker's trip (``console/report.py``, as ``mcpbg costs --html``)."""
+    from mcp_budget_governor.console.report import write_costs_report
+    from mcp_budget_governor.projections.costs import Filter
+
+    path = out / REPORT_FILE
+    con = _open_ledger(options, out)
+    try:
+        write_costs_report(
+            con,
+            Filter(),
+            path,
+            policy=POLICY,
+            title="mcpbg demo",
+            relative=True,
+        )
+    finally:
+        con.close()
+    console.print(f"Charts (spend over time, refusals, the breaker): {path.resolve()}")
+    return path
+
+
 def _open_ledger(options: DemoOptions, out: Path) -> Any:
     from mcp_budget_governor.projections.ledger_view import open_ledger
 
@@ -200,6 +225,7 @@ def closing(console: Console, result: DemoResult, out: Path) -> None:
         "breaker_tripped_at_s": result.tripped_at,
         "global_spend_micros": result.spent,
         "focus_file": str(result.focus_file) if result.focus_file else None,
+        "report_file": str(result.report_file) if result.report_file else None,
         "outcomes": {f"{u} {w}": n for (u, w), n in sorted(result.outcomes.items())},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -80,6 +80,7 @@ class DemoResult:
     spent: int = 0
     events: int = 0
     focus_file: Path | None = None
+    report_file: Path | None = None
 
 
 # -- the governed server ------------------------------------------------------
@@ -223,6 +224,7 @@ async def run(options: DemoOptions, console: Console) -> DemoResult:
         await report.budgets(console, governor, result, clock.now)
     report.costs(console, options, out)
     result.focus_file = report.write_focus(console, options, out, clock.now)
+    result.report_file = report.write_html(console, options, out)
     report.closing(console, result, out)
     return result
 

@@ -1,0 +1,158 @@
+"""A real browser (Debian's headless Chromium, driven by Playwright) on the dashboard and
+the demo's report.html.
+
+Skipped with the reason when Playwright or /usr/bin/chromium is missing (scripts/test
+installs chromium when it runs as root). Screenshots are kept in
+``$MCPBG_TEST_ARTIFACTS`` (default ``test-artifacts/`` at the repository root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("playwright.sync_api", reason="Playwright (PyPI playwright) is not installed")
+pytest.importorskip("starlette")
+
+from playwright.sync_api import BrowserContext, sync_playwright
+
+from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor.money import Unit
+from mcp_budget_governor.policy_file import load_policy
+from mcp_budget_governor.producers.file_ledger import FileLedger
+from mcp_budget_governor.projections.budgets import format_amount
+from testing.console_server import READ, Served, serve_console
+
+CHROMIUM = os.environ.get("MCPBG_TEST_CHROMIUM", "/usr/bin/chromium")
+REPO = Path(__file__).resolve().parent.parent
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which(CHROMIUM) is None,
+    reason=f"no Chromium at {CHROMIUM} (apt-get install chromium; scripts/test does as root)",
+)
+
+
+def artifacts() -> Path:
+    folder = Path(os.environ.get("MCPBG_TEST_ARTIFACTS") or REPO / "test-artifacts")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, redis_service: Any) -> Iterator[Served]:
+    with serve_console(tmp_path_factory.mktemp("browser"), redis_service.url, 8) as s:
+        yield s
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[BrowserContext]:
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),  # a fresh --user-data-dir
+            executable_path=CHROMIUM,
+            headless=True,
+            args=ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+def _api(served: Served, path: str) -> Any:
+    req = urllib.request.Request(served.url + path, headers={"Authorization": f"Bearer {READ}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+async def _refused_call(served: Served, user: str) -> None:
+    gov = Governor(
+        load_policy(str(served.policy)),
+        RedisBackend.from_url(served.redis_url, timeout=5.0),
+        ledger=FileLedger(served.ledger, fsync="always"),
+    )
+    async with gov:
+        ctx = Context(user=user, tenant="initech", tool="search")
+        decisions = [await gov.check(ctx) for _ in range(5)]  # the 5th: the breaker sheds it
+        assert not decisions[-1].admitted
+
+
+def test_dashboard_shows_the_api_numbers_and_a_new_refusal(
+    served: Served, browser: BrowserContext
+) -> None:
+    page = browser.new_page()
+    page.goto(f"{served.url}/dashboard?token={READ}")  # the token moves into a cookie
+    assert page.url.endswith("/dashboard")
+    page.wait_for_function("Number(document.body.dataset.loaded || 0) >= 1", timeout=60_000)
+    # The numbers the API returns, in the budgets table.
+    rows = _api(served, "/v1/budgets")["rows"]
+    spend = next(r for r in rows if r["name"] == "tenant_spend" and
+                 r["scope_values"]["tenant"] == "acme")  # fmt: skip
+    shown = format_amount(Unit.USD_MICROS, spend["spent"])
+    row = page.locator("#budgets tr", has_text="tenant_spend").filter(has_text="acme")
+    assert shown in row.inner_text()
+    breaker = page.locator('[data-breaker="global_spend"]').inner_text()
+    assert "TRIPPED" in breaker
+    assert page.evaluate("Chart.getChart(document.getElementById('spend')).data.datasets.length")
+    # A governed call the breaker refuses shows up without a reload.
+    # (in a thread of its own: Playwright's sync API keeps an event loop in this one)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, _refused_call(served, "u-browser")).result(timeout=120)
+    page.wait_for_function(
+        "document.getElementById('refusals').innerText.includes('u-browser')", timeout=60_000
+    )
+    text = page.locator("#refusals tr", has_text="u-browser").first.inner_text()
+    assert "global_spend: breaker tripped (503)" in text
+    page.screenshot(path=str(artifacts() / "dashboard.png"), full_page=True)
+
+
+@pytest.mark.slow
+def test_the_demo_report_opens_with_its_charts(tmp_path: Path, browser: BrowserContext) -> None:
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcp_budget_governor.cli", "demo", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = out / "report.html"
+    assert "report.html" in proc.stdout  # the demo says where
+    page = browser.new_page()
+    page.goto(report.as_uri())
+    page.wait_for_function("Chart.getChart(document.getElementById('reasons')) !== undefined")
+    spend = page.evaluate(
+        "Chart.getChart(document.getElementById('spend')).data.datasets.map(d => d.label)"
+    )
+    assert {"acme", "globex", "all tenants"} <= set(spend)
+    assert any(label.startswith("global_spend") for label in spend)  # the breaker's cap
+    reasons = page.evaluate("Chart.getChart(document.getElementById('reasons')).data.labels")
+    assert "global_spend: breaker tripped (503)" in reasons
+    assert page.evaluate(
+        "Chart.getChart(document.getElementById('spend')).options.plugins.mcpbgTrip.at"
+    )
+    assert "tripped at" in page.locator(".kpis").inner_text()
+    page.screenshot(path=str(artifacts() / "demo-report.png"), full_page=True)
