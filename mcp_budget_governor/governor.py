@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -166,10 +167,13 @@ class Governor(Metering[MeterResult]):
         :meth:`admitted`, which gives the slot back.
         """
         if self._obs is not None:
-            return await self._obs.observe_check(self._check, ctx, amount, approved)
-        return await self._check(ctx, amount, approved)
+            check = functools.partial(self._check, wait=wait) if wait else self._check
+            return await self._obs.observe_check(check, ctx, amount, approved)
+        return await self._check(ctx, amount, approved, wait)
 
-    async def _check(self, ctx: Context | None, amount: int, approved: Sequence[str]) -> Decision:
+    async def _check(
+        self, ctx: Context | None, amount: int, approved: Sequence[str], wait: float = 0
+    ) -> Decision:
         """:meth:`check` without its observer."""
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
