@@ -114,5 +114,7 @@ export function cacheable(ctx: Context): boolean {
 
 /** A cache key of a context (its fields, unambiguously). */
 export function contextKey(ctx: Context): string {
-  return JSON.stringify(FIELDS.map((f) => ctx[f] ?? null));
+  // \u0000 never ends a field and \u0001 marks a missing one: distinct contexts, distinct keys.
+  const f = (v: string | null | undefined): string => (v == null ? "\u0001" : v.replaceAll("\u0000", "\u0000\u0000")) + "\u0000|";
+  return f(ctx.user) + f(ctx.tenant) + f(ctx.tool) + f(ctx.session) + f(ctx.agent) + f(ctx.sessionRoot);
 }

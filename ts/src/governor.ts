@@ -123,6 +123,7 @@ export class Governor {
   private readonly maxPending: number;
   private downUntil = 0;
   private plans = new Map<string, Plan>();
+  private byObject = new WeakMap<Context, { minute: number; calls: number; plan: Plan }>();
   policy: Policy;
   readonly backend: Backend;
 
@@ -155,6 +156,7 @@ export class Governor {
     const old = this.policy;
     this.policy = policy;
     this.plans = new Map();
+    this.byObject = new WeakMap();
     return old;
   }
 
@@ -344,7 +346,17 @@ export class Governor {
   // -- internals ------------------------------------------------------------
 
   private plan(ctx: Context, now: number, calls: number): Plan {
-    const key = `${contextKey(ctx)}|${Math.floor(now / 60)}|${calls}`;
+    const minute = Math.floor(now / 60);
+    // A caller reusing its context object (a frozen value) skips even the cache key.
+    const mine = this.byObject.get(ctx);
+    if (mine !== undefined && mine.minute === minute && mine.calls === calls) return mine.plan;
+    const plan = this.planByKey(ctx, now, calls, minute);
+    this.byObject.set(ctx, { minute, calls, plan });
+    return plan;
+  }
+
+  private planByKey(ctx: Context, now: number, calls: number, minute: number): Plan {
+    const key = `${contextKey(ctx)}|${minute}|${calls}`;
     let plan = this.plans.get(key);
     if (plan === undefined) {
       plan = planning.checkPlan(this.policy, ctx, now, calls);

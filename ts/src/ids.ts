@@ -1,24 +1,25 @@
 /** Time-ordered UUIDv7 ids (the idempotency key of events and inline charges). */
-import { randomBytes } from "node:crypto";
+import { randomUUID } from "node:crypto";
 
 let lastMs = 0;
 let seq = 0;
 
+/**
+ * A UUIDv7: 48 bits of Unix milliseconds, version 7, 12 bits of a counter that
+ * keeps ids made in one millisecond ordered, then random bits (from the
+ * runtime's cached entropy pool: randomUUID, the fast path).
+ */
 export function newId(): string {
   let ms = Date.now();
-  if (ms <= lastMs) {
+  if (ms > lastMs) {
+    lastMs = ms;
+    seq = 0;
+  } else {
     ms = lastMs;
     seq = (seq + 1) & 0xfff;
     if (seq === 0) ms = ++lastMs;
-  } else {
-    seq = randomBytes(2).readUInt16BE() & 0x3ff;
-    lastMs = ms;
   }
-  const b = randomBytes(16);
-  b.writeUIntBE(ms, 0, 6);
-  b[6] = 0x70 | (seq >> 8);
-  b[7] = seq & 0xff;
-  b[8] = 0x80 | ((b[8] ?? 0) & 0x3f);
-  const h = b.toString("hex");
-  return `${h.slice(0, 8)}-${h.slice(8, 12)}-${h.slice(12, 16)}-${h.slice(16, 20)}-${h.slice(20)}`;
+  const rand = randomUUID(); // xxxxxxxx-xxxx-4xxx-Vxxx-xxxxxxxxxxxx, variant bits already 10
+  const t = ms.toString(16).padStart(12, "0");
+  return `${t.slice(0, 8)}-${t.slice(8)}-7${seq.toString(16).padStart(3, "0")}${rand.slice(18)}`;
 }
