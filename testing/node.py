@@ -45,9 +45,20 @@ def require_node() -> str:
 
 
 def npm_ci(*, force: bool = False) -> None:
-    """Install ts/'s dependencies from the committed lockfile (``npm ci``), unless present."""
+    """Install ts/'s dependencies from the committed lockfile (``npm ci``).
+
+    Skipped when ``node_modules`` was installed from the current lockfile (its
+    hidden lockfile is newer), unless ``force`` or ``MCPBG_FRESH_VENV=1`` (CI,
+    which always installs from scratch).
+    """
     require_node()
-    if not force and (TS_DIR / "node_modules" / ".package-lock.json").exists():
+    installed = TS_DIR / "node_modules" / ".package-lock.json"
+    fresh = force or os.environ.get("MCPBG_FRESH_VENV") == "1"
+    if (
+        not fresh
+        and installed.exists()
+        and installed.stat().st_mtime >= (TS_DIR / "package-lock.json").stat().st_mtime
+    ):
         return
     subprocess.run(
         ["npm", "ci", "--no-audit", "--no-fund"], cwd=TS_DIR, check=True, env=os.environ.copy()

@@ -29,6 +29,13 @@ describe("keys, buckets and expiries", () => {
     assert.deepEqual(escapeMismatches(), []);
   });
 
+  it("fail when one vector is changed by one character", () => {
+    const changed = structuredClone(VECTORS);
+    changed.keys[0].key = changed.keys[0].key.replace(":", ";");
+    changed.keys[1].expire_at += 1;
+    assert.equal(keyMismatches(new KeyBuilder(), changed).length, 2);
+  });
+
   for (const [name, patched] of [
     ["segment", { ...SEPARATORS, segment: ";" }],
     ["dimension", { ...SEPARATORS, dimension: ";" }],

@@ -7,12 +7,12 @@ import { bucketFor } from "../src/windows.js";
 import { ctxOf, limitOptions, VECTORS, type Json } from "./vectors.js";
 
 /** Every mismatch between the key vectors and what `keys` builds (empty: conformant). */
-export function keyMismatches(keys: KeyBuilder): string[] {
+export function keyMismatches(keys: KeyBuilder, vectors: Json = VECTORS): string[] {
   const out: string[] = [];
-  const contexts = VECTORS.contexts.map(ctxOf);
-  const limits = new Map<string, Limit>(VECTORS.limits.map((l: Json) => [l.name, new Limit(l.name, limitOptions(l))]));
+  const contexts = vectors.contexts.map(ctxOf);
+  const limits = new Map<string, Limit>(vectors.limits.map((l: Json) => [l.name, new Limit(l.name, limitOptions(l))]));
   const policies = new Map<string | null, Policy>();
-  for (const v of VECTORS.keys as Json[]) {
+  for (const v of vectors.keys as Json[]) {
     let policy = policies.get(v.tz);
     if (policy === undefined) {
       policy = new Policy([...limits.values()], { timezone: v.tz });
@@ -34,7 +34,7 @@ export function keyMismatches(keys: KeyBuilder): string[] {
       }
     }
   }
-  for (const v of VECTORS.leases as Json[]) {
+  for (const v of vectors.leases as Json[]) {
     const l = new Limit(v.limit, { cap: 1, unit: "concurrent", scope: leaseScope(v.limit) });
     const values = scopeValues(l.dimensions, contexts[v.context]) ?? [];
     const key = keys.leaseKey(l.name, keys.scopeSegment(l.dimensions, values));

@@ -90,7 +90,7 @@ export function governTools<S extends McpServerLike>(server: S, governor: Govern
 }
 
 interface CallToolRequest {
-  params: { name: string; arguments?: Record<string, unknown>; _meta?: Record<string, unknown> };
+  params: { name: string; arguments?: Record<string, unknown> | undefined; _meta?: Record<string, unknown> | undefined };
 }
 
 /**
