@@ -36,9 +36,9 @@ from mcp_budget_governor import (  # noqa: E402
     InvalidInputError,
     PriceTable,
     UnknownModelError,
+    planning,
     usd,
 )
-from mcp_budget_governor import planning  # noqa: E402
 from mcp_budget_governor.decision import Decision  # noqa: E402
 from mcp_budget_governor.integrations.fastmcp import tool_estimate, tool_price  # noqa: E402
 from mcp_budget_governor.integrations.flow import refusal_body, refusal_text  # noqa: E402
@@ -318,9 +318,7 @@ def charge_vectors() -> list[dict[str, Any]]:
             _sent.append([a.decode() if isinstance(a, bytes) else str(a) for a in args])
             return [0]
 
-        backend = RedisBackend(
-            aioredis.Redis(), require_epoch=bool(case.get("require_epoch"))
-        )
+        backend = RedisBackend(aioredis.Redis(), require_epoch=bool(case.get("require_epoch")))
         backend._execute = capture
         ledger = bool(case.get("ledger"))
         event_id = EVENT_ID if ledger else None

@@ -39,7 +39,8 @@ def _diff(old: object, new: object, path: str = "") -> list[str]:
                 out += _diff(old[key], new[key], f"{path}.{key}")
         return out
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return [d for i, (a, b) in enumerate(zip(old, new, strict=True)) for d in _diff(a, b, f"{path}[{i}]")]
+        pairs = enumerate(zip(old, new, strict=True))
+        return [d for i, (a, b) in pairs for d in _diff(a, b, f"{path}[{i}]")]
     return [] if old == new else [f"{path}: {json.dumps(old)[:120]} -> {json.dumps(new)[:120]}"]
 
 

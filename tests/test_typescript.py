@@ -26,7 +26,8 @@ def _npm(script: str, env: dict[str, str]) -> None:
     )
     if done.returncode != 0:
         raise AssertionError(
-            f"npm run {script} failed ({done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+            f"npm run {script} failed ({done.returncode}):\n"
+            f"{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
         )
 
 

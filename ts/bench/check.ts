@@ -14,7 +14,9 @@ import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 
-import { Governor, Limit, MAX_AMOUNT, Policy, RedisBackend, Scope, Window, context } from "../src/index.js";
+import { Governor, Limit, MAX_AMOUNT, Policy, RedisBackend, Scope, Window, chargeCommand, context, script } from "../src/index.js";
+import { newId } from "../src/ids.js";
+import { checkPlan } from "../src/planning.js";
 
 const TARGET = 1.3;
 const { values } = parseArgs({
@@ -43,9 +45,20 @@ const ctx = context({ user: "bench_user", tenant: "bench_tenant", tool: "search"
 const noop = readFileSync(new URL("../../testing/noop.lua", import.meta.url), "utf8");
 const noopSha = (await backend.client.call("SCRIPT", "LOAD", noop)) as string;
 
+// The script alone: the very command check() sends (built once, a fresh operation id
+// per call), to tell the script's own cost in Redis from the governor's in Node.
+const ops = checkPlan(policy, ctx, Date.now() / 1000).ops;
+const template = chargeCommand(script("charge").sha, ops, { opId: "OPID", wantUsed: true });
+const opAt = template.map((a, i) => (a.includes("OPID") ? i : -1)).filter((i) => i >= 0);
 const variants: Record<string, () => Promise<unknown>> = {
   "noop EVALSHA": () => backend.client.call("EVALSHA", noopSha, 0),
   "check() 3 limits": () => governor.check(ctx),
+  "charge.lua alone": () => {
+    const id = newId();
+    const args = [...template];
+    for (const i of opAt) args[i] = (args[i] ?? "").replace("OPID", id);
+    return backend.client.call("EVALSHA", ...args);
+  },
 };
 const samples: Record<string, number[]> = Object.fromEntries(Object.keys(variants).map((k) => [k, []]));
 
@@ -101,4 +114,6 @@ else {
     console.log(`${r.variant.padEnd(20)} ${r.median_us.toFixed(1).padStart(9)} ${r.p99_us.toFixed(1).padStart(8)} ${r.ratio.toFixed(2).padStart(7)}x`);
   }
   console.log(`check() with 3 gated limits / no-op EVALSHA: ${ratio.toFixed(2)}x (target <= ${TARGET}x): ${ratio <= TARGET ? "met" : "NOT met"}`);
+  const alone = rows[2]?.ratio ?? NaN;
+  console.log(`charge.lua alone (same command, no governor) / no-op EVALSHA: ${alone.toFixed(2)}x; check() / charge.lua alone: ${(ratio / alone).toFixed(2)}x`);
 }
