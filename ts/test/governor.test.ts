@@ -66,9 +66,9 @@ for (const [name, make] of backends) {
         ),
         backend(),
       );
-      const tenant = fresh("acme");
-      for (let i = 0; i < 3; i++) await gov.check(context({ user: "a", tenant }));
-      assert.equal(await gov.usage("per_user", context({ user: "a", tenant })), 2);
+      const [tenant, user] = [fresh("acme"), fresh("u")];
+      for (let i = 0; i < 3; i++) await gov.check(context({ user, tenant }));
+      assert.equal(await gov.usage("per_user", context({ user, tenant })), 2);
     });
 
     it("meters spend; a spent budget refuses the next check with 402 and no retry hint", async () => {
