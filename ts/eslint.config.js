@@ -1,17 +1,13 @@
-// Lint: eslint's recommended rules and typescript-eslint's type-aware ones.
+// Lint: typescript-eslint's recommended rules over the sources, tests and benchmark.
 import js from "@eslint/js";
 import tseslint from "typescript-eslint";
 
 export default tseslint.config(
-  { ignores: ["dist/", "lua/", "node_modules/"] },
+  { ignores: ["dist/", "lua/", "data/", "node_modules/"] },
   js.configs.recommended,
-  ...tseslint.configs.recommendedTypeChecked,
+  ...tseslint.configs.recommended,
   {
-    languageOptions: {
-      parserOptions: { project: "./tsconfig.test.json", tsconfigRootDir: import.meta.dirname },
-    },
+    languageOptions: { globals: { console: "readonly", process: "readonly", URL: "readonly" } },
+    rules: { "@typescript-eslint/no-unused-vars": ["error", { argsIgnorePattern: "^_" }] },
   },
-  // node:test's test() returns a promise the runner awaits itself.
-  { files: ["test/**/*.ts"], rules: { "@typescript-eslint/no-floating-promises": "off" } },
-  { files: ["**/*.js", "**/*.mjs"], ...tseslint.configs.disableTypeChecked },
 );

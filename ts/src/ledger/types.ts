@@ -30,6 +30,22 @@ export type EntryType =
   | "granted"
   | "reset";
 
+/** The entry types by name, as values (Python's `EntryType.ADMITTED`, ...). */
+export const EntryType = {
+  ADMITTED: "admitted",
+  REJECTED: "rejected",
+  METERED: "metered",
+  RESERVED: "reserved",
+  SETTLED: "settled",
+  RELEASED: "released",
+  RECOVERED: "recovered",
+  CAP_SET: "cap_set",
+  CAP_UNSET: "cap_unset",
+  PLAN_ASSIGNED: "plan_assigned",
+  GRANTED: "granted",
+  RESET: "reset",
+} as const satisfies Record<string, EntryType>;
+
 export const ENTRY_TYPES: readonly EntryType[] = [
   "admitted",
   "rejected",
@@ -136,4 +152,7 @@ export interface Ledger {
   append(entry: LedgerEntry): Promise<void>;
   /** Flush what is buffered and release resources. */
   close(): Promise<void>;
+  /** False while the ledger cannot record new work (a full outbox that refuses):
+   * the governor then refuses admissions with a 503 before charging anything. */
+  readonly accepting?: boolean;
 }

@@ -1,0 +1,514 @@
+"""Generate the conformance vectors every non-Python client checks itself against.
+
+The contract of a budget is neither language: the Lua scripts in ``lua/``, the
+counter keys, buckets and expiries, integer USD micros, prices, the exact
+arguments the admission script is called with, and the refusals agents read.
+Every value here comes from calling the Python implementation itself (nothing
+is re-derived), so a Python-side change that no other client mirrored changes
+the vectors, fails ``tests/test_conformance.py`` until they are regenerated,
+and then fails the TypeScript suite (``ts/test/conformance.test.ts``) until
+TypeScript follows::
+
+    python conformance/generate.py > conformance/vectors.json
+
+The key, bucket, escape, money, price, script and cap sections are the golden
+vectors of the Python suite (``tests/golden/generate.py``), taken whole; this
+script adds the script calls (``charge``), the built-in price table, policy
+files, refusals and the tool-price metadata of the integrations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from mcp_budget_governor import (  # noqa: E402
+    Context,
+    InvalidInputError,
+    PriceTable,
+    UnknownModelError,
+    planning,
+    usd,
+)
+from mcp_budget_governor.decision import Decision  # noqa: E402
+from mcp_budget_governor.integrations.fastmcp import tool_estimate, tool_price  # noqa: E402
+from mcp_budget_governor.integrations.flow import refusal_body, refusal_text  # noqa: E402
+from mcp_budget_governor.lua import SCRIPTS, source  # noqa: E402
+from mcp_budget_governor.policy_file import PolicyFileError, loads  # noqa: E402
+
+#: A fixed instant for the script calls: 2026-11-30T19:14:37Z.
+NOW = 1_796_066_077.0
+
+
+def golden() -> dict[str, Any]:
+    """The Python suite's golden vectors (keys, buckets, escapes, usd, prices, caps)."""
+    path = ROOT / "tests" / "golden" / "generate.py"
+    spec = importlib.util.spec_from_file_location("mcpbg_golden_generate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out: dict[str, Any] = module.vectors()
+    out["contexts"] = [_context(c) for c in module.CONTEXTS]
+    out["limits"] = [_limit(lim) for lim in module.LIMITS]
+    out["calendar_instants"] = module.CALENDAR_INSTANTS
+    return out
+
+
+def _context(ctx: Context) -> dict[str, str | None]:
+    return {
+        "user": ctx.user,
+        "tenant": ctx.tenant,
+        "tool": ctx.tool,
+        "session": ctx.session,
+        "agent": ctx.agent,
+        "session_root": ctx.session_root,
+    }
+
+
+def _limit(lim: Any) -> dict[str, Any]:
+    return {
+        "name": lim.name,
+        "cap": lim.cap,
+        "window": None if lim.window is None else lim.window.value,
+        "scope": [d.value for d in lim.dimensions],
+        "unit": lim.unit.value,
+        "gated": lim.gated,
+        "breaker": lim.breaker,
+        "fail_mode": lim.fail_mode.value,
+        "local_fallback": lim.local_fallback,
+        "status": lim.status,
+        "on_exceed": lim.on_exceed.value,
+        "alert_at": list(lim.alert_at),
+        "anchor_day": lim.anchor_day,
+        "anchors": dict(lim.anchors),
+        "caps": dict(lim.caps) if lim.caps else {},
+    }
+
+
+# -- policy files -------------------------------------------------------------
+
+POLICIES: dict[str, str] = {
+    "three_gated": """
+[[limits]]
+name = "burst"
+cap = 30
+window = "minute"
+scope = "user"
+
+[[limits]]
+name = "per_user_calls"
+cap = 2_000
+window = "day"
+scope = "user"
+
+[[limits]]
+name = "tenant_spend"
+cap_usd = "100"
+window = "month"
+scope = "tenant"
+""",
+    "caps_and_plans": """
+timezone = "America/New_York"
+
+[[limits]]
+name = "tenant_spend"
+cap_usd = "100"
+window = "month"
+scope = "tenant"
+anchor_day = 15
+caps = { acme = "250.50", "x,y" = "1" }
+
+[[limits]]
+name = "user_calls"
+cap = 100
+window = "day"
+scope = ["tool", "user"]
+
+[[limits]]
+name = "global_calls"
+cap = 1000
+window = "hour"
+
+[plans.pro]
+tenant_spend = "500"
+user_calls = 1000
+
+[plans.free]
+user_calls = 10
+
+[assign]
+acme = "pro"
+"user=u_42" = "free"
+""",
+    "breaker_and_shadow": """
+anonymous = "shared"
+
+[[limits]]
+name = "global_spend"
+cap_usd = "25"
+window = "day"
+breaker = true
+gated = false
+fail_mode = "closed"
+alert_at = [50, 80, 100]
+
+[[limits]]
+name = "trial"
+cap = 5
+window = "week"
+scope = "tenant"
+on_exceed = "alert"
+
+[[limits]]
+name = "tokens"
+cap = 50_000_000
+unit = "tokens"
+window = "month"
+scope = "tenant"
+status = 429
+local_fallback = false
+""",
+    "concurrency": """
+[[limits]]
+name = "parallel"
+cap = 5
+unit = "concurrent"
+scope = "user"
+
+[[limits]]
+name = "burst"
+cap = 30
+window = "minute"
+scope = "user"
+""",
+    "refusals": """
+[[limits]]
+name = "burst"
+cap = 30
+window = "minute"
+scope = "user"
+
+[[limits]]
+name = "user_spend"
+cap_usd = "5"
+window = "day"
+scope = "user"
+
+[[limits]]
+name = "global_spend"
+cap_usd = "25"
+window = "month"
+breaker = true
+gated = false
+
+[[limits]]
+name = "parallel"
+cap = 5
+unit = "concurrent"
+scope = "user"
+
+[[limits]]
+name = "custom"
+cap = 5
+window = "hour"
+scope = "tenant"
+status = 409
+""",
+    "session": """
+[[limits]]
+name = "agent_session"
+cap = 100
+window = "session"
+scope = "agent"
+""",
+}
+
+BAD_POLICIES: dict[str, str] = {
+    "misspelt_key": '[[limits]]\nname = "a"\ncap = 1\nwidow = "day"\n',
+    "unknown_window": '[[limits]]\nname = "a"\ncap = 1\nwindow = "fortnight"\n',
+    "float_dollars": '[[limits]]\nname = "a"\ncap_usd = 0.1\nwindow = "day"\n',
+    "negative_cap": '[[limits]]\nname = "a"\ncap = -1\nwindow = "day"\n',
+    "bad_name": '[[limits]]\nname = "_a"\ncap = 1\nwindow = "day"\n',
+    "duplicate": '[[limits]]\nname = "a"\ncap = 1\nwindow = "day"\n'
+    '[[limits]]\nname = "a"\ncap = 2\nwindow = "day"\n',
+    "no_limits": 'timezone = "UTC"\n',
+    "bad_zone": 'timezone = "Mars/Olympus"\n[[limits]]\nname = "a"\ncap = 1\nwindow = "day"\n',
+    "cap_and_cap_usd": '[[limits]]\nname = "a"\ncap = 1\ncap_usd = "1"\nwindow = "day"\n',
+    "missing_window": '[[limits]]\nname = "a"\ncap = 1\n',
+}
+
+
+def policy_vectors() -> dict[str, Any]:
+    good = {}
+    for name, text in POLICIES.items():
+        policy = loads(text, source=f"{name}.toml")
+        good[name] = {
+            "toml": text,
+            "timezone": policy.timezone,
+            "anonymous": policy.anonymous.value,
+            "limits": [_limit(lim) for lim in policy],
+            "plans": {p.name: dict(p.caps) for p in policy.plans},
+            "assignments": dict(policy.assignments),
+        }
+    bad = {}
+    for name, text in BAD_POLICIES.items():
+        try:
+            loads(text, source=f"{name}.toml")
+        except PolicyFileError as exc:
+            bad[name] = {"toml": text, "field": exc.field, "line": exc.line}
+        else:  # pragma: no cover - a vector that stopped failing
+            raise AssertionError(f"bad policy {name!r} loaded")
+    return {"good": good, "bad": bad}
+
+
+# -- the admission script's exact calls ---------------------------------------
+
+#: (policy, context, what) per case: what the governor sends charge.lua.
+CHARGE_CASES: list[dict[str, Any]] = [
+    {"policy": "three_gated", "context": {"user": "u_42", "tenant": "acme"}, "call": "check"},
+    {"policy": "three_gated", "context": {"user": "u_42"}, "call": "check"},
+    {"policy": "three_gated", "context": {"user": "a:b,{c}", "tenant": "é漢🙂"}, "call": "check"},
+    {"policy": "three_gated", "context": {"user": "u_42", "tenant": "acme"}, "call": "check",
+     "ledger": True},
+    {"policy": "three_gated", "context": {"user": "u_42", "tenant": "acme"}, "call": "check",
+     "require_epoch": True},
+    {"policy": "three_gated", "context": {"user": "u_42", "tenant": "acme"}, "call": "meter",
+     "limit": "tenant_spend", "amount": 50_000},
+    {"policy": "three_gated", "context": {"user": "u_42", "tenant": "acme"}, "call": "meter",
+     "limit": "tenant_spend", "amount": 50_000, "ledger": True},
+    {"policy": "caps_and_plans", "context": {"user": "u_42", "tenant": "acme", "tool": "search"},
+     "call": "check"},
+    {"policy": "caps_and_plans", "context": {"user": "u_7", "tenant": "x,y", "tool": "search"},
+     "call": "check"},
+    {"policy": "caps_and_plans", "context": {"user": "u_7", "tenant": "x,y", "tool": "search"},
+     "call": "meter", "limit": "tenant_spend", "amount": 1},
+    {"policy": "breaker_and_shadow", "context": {"user": "u_42", "tenant": "acme"},
+     "call": "check"},
+    {"policy": "concurrency", "context": {"user": "u_42"}, "call": "check", "lease": True},
+    {"policy": "session", "context": {"agent": "coder", "session": "s-1"}, "call": "check"},
+]  # fmt: skip
+OP_ID = "0190f5a2-7e3b-7c1d-9f00-0000000000aa"
+EVENT_ID = "0190f5a2-7e3b-7c1d-9f00-0000000000bb"
+LEASE_ID = "0190f5a2-7e3b-7c1d-9f00-0000000000cc"
+LEASE_TTL = 30.0
+
+
+def charge_vectors() -> list[dict[str, Any]]:
+    """Per case the exact EVALSHA command RedisBackend sends (nothing reaches a server)."""
+    import redis.asyncio as aioredis
+
+    from mcp_budget_governor.projections.counters.redis import RedisBackend
+
+    out = []
+    for case in CHARGE_CASES:
+        policy = loads(POLICIES[case["policy"]])
+        ctx = Context(**case["context"])
+        sent: list[list[str]] = []
+
+        async def capture(*args: Any, _sent: list[list[str]] = sent) -> list[int]:
+            _sent.append([a.decode() if isinstance(a, bytes) else str(a) for a in args])
+            return [0]
+
+        backend = RedisBackend(aioredis.Redis(), require_epoch=bool(case.get("require_epoch")))
+        backend._execute = capture
+        ledger = bool(case.get("ledger"))
+        event_id = EVENT_ID if ledger else None
+        op_id = None if ledger else OP_ID
+        if case["call"] == "check":
+            ops = planning.check_plan(policy, ctx, NOW).ops
+        else:
+            pairs = planning.charge_pairs(policy, {case["limit"]: case["amount"]})
+            ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
+        lease = LEASE_ID if case.get("lease") else None
+        asyncio.run(
+            backend.charge(
+                ops, event_id=event_id, want_used=True, op_id=op_id,
+                lease=lease, lease_ttl=LEASE_TTL,
+            )
+        )  # fmt: skip
+        (command,) = sent
+        out.append({**case, "now": NOW, "ledger": ledger, "command": command})
+    return out
+
+
+# -- prices -------------------------------------------------------------------
+
+#: Built-in models priced in the vectors (an id that moves out of genai-prices
+#: only changes the vectors; the TypeScript table is the exported one).
+PRICED = [
+    ("claude-sonnet-4-5", 3200, 850, 0, 0),
+    ("claude-sonnet-4-5", 300_000, 1000, 100_000, 50_000),
+    ("gpt-4o", 10_000, 500, 8_000, 0),
+    ("gpt-4o-mini", 1, 1, 0, 0),
+    ("gemini-2.5-pro", 250_000, 10_000, 0, 0),
+    ("GPT-4O", 7, 3, 0, 0),
+]
+
+
+def _rates(obj: Any) -> dict[str, str | None]:
+    return {
+        "input_per_mtok": str(obj.input_per_mtok),
+        "output_per_mtok": str(obj.output_per_mtok),
+        "cache_read_per_mtok": None
+        if obj.cache_read_per_mtok is None
+        else str(obj.cache_read_per_mtok),
+        "cache_write_per_mtok": None
+        if obj.cache_write_per_mtok is None
+        else str(obj.cache_write_per_mtok),
+    }
+
+
+def price_vectors() -> dict[str, Any]:
+    table = PriceTable.builtin()
+    models = {}
+    for name in sorted(table._prices):  # the whole table, as the TypeScript package ships it
+        price = table._prices[name]
+        models[name] = {
+            **_rates(price),
+            "tiers": [{"start": t.start, **_rates(t)} for t in price.tiers],
+        }
+    cases = []
+    for model, inp, outp, read, write in PRICED:
+        try:
+            micros: int | None = table.cost_micros(
+                model,
+                input_tokens=inp,
+                output_tokens=outp,
+                cache_read_tokens=read,
+                cache_write_tokens=write,
+            )
+        except UnknownModelError:
+            micros = None
+        cases.append({"model": model, "tokens": [inp, outp, read, write], "micros": micros})
+    unknown = []
+    for model in ("no-such-model-xyz", "gpt-4o-unknown-variant-zz"):
+        try:
+            table.cost_micros(model, input_tokens=1, output_tokens=1)
+        except UnknownModelError as exc:
+            unknown.append({"model": model, "message": str(exc)})
+    return {"version": table.version, "models": models, "cases": cases, "unknown": unknown}
+
+
+# -- money --------------------------------------------------------------------
+
+USD_MORE = ["0.0000005", "0.0000015", "12.34", "1.000001", "0.00000100001", "  2.5 ", "9007199254"]
+USD_BAD = ["-1", "abc", "NaN", "Infinity", "9007199255", ""]
+
+
+def usd_vectors() -> dict[str, Any]:
+    good = {v: usd(v) for v in USD_MORE}
+    bad = {}
+    for v in USD_BAD:
+        try:
+            usd(v)
+        except InvalidInputError as exc:
+            bad[v] = {"field": exc.field, "problem": exc.problem}
+    return {"good": good, "bad": bad}
+
+
+# -- refusals -----------------------------------------------------------------
+
+
+def refusal_vectors() -> list[dict[str, Any]]:
+    """Decisions of every kind of refusal, and what an agent reads of each."""
+    policy = loads(POLICIES["refusals"])
+    ctx = Context(user="u_42", tenant="acme")
+    decisions: list[tuple[str, Decision]] = []
+    for lim in policy:
+        s = planning.slot(lim, ctx, NOW, policy.tz, 1, enforce=True)
+        assert s is not None
+        decisions.append((f"refused:{lim.name}", planning.refused(s, NOW)))
+        if lim.name == "burst":
+            decisions.append(("unavailable:burst", planning.unavailable(s, 1.0)))
+    decisions.append(("ledger_full", planning.ledger_full(1.0)))
+    decisions.append(
+        (
+            "caller_unidentified",
+            Decision(admitted=False, limit="burst", status=403, reason="caller_unidentified"),
+        )
+    )
+    out = []
+    for name, d in decisions:
+        out.append(
+            {
+                "name": name,
+                "limit": d.limit,
+                "status": d.status,
+                "retry_after": d.retry_after,
+                "resets_at": None if d.resets_at is None else d.resets_at.timestamp(),
+                "reason": d.reason,
+                "headers": d.headers,
+                "text": refusal_text(d),
+                "body": refusal_body(d),
+                "error": d.refusal_type().__name__,
+            }
+        )
+    return out
+
+
+# -- tool prices (the integrations' ``_meta.mcpbg``) ---------------------------
+
+TOOL_META: list[dict[str, Any]] = [
+    {"mcpbg": {"cost_usd": "0.01", "limit": "tenant_spend"}},
+    {"mcpbg": {"cost": 3, "limit": ["per_user_calls"]}},
+    {"mcpbg": {"estimate_usd": "0.05", "limit": "tenant_spend"}},
+    {"mcpbg": {"cost_usd": "0.01", "estimate_usd": "0.05", "limit": "tenant_spend"}},
+    {"other": 1},
+    {"mcpbg": {"cost_usd": "0.01"}},
+    {"mcpbg": {"cost_usd": "0.01", "limit": "nope"}},
+    {"mcpbg": {"cost_usd": "0.01", "limit": "burst"}},
+    {"mcpbg": {"cost_usd": "0.01", "limit": "tenant_spend", "extra": 1}},
+    {"mcpbg": {"estimate_usd": 0.05, "limit": "tenant_spend"}},
+]
+
+
+def tool_meta_vectors() -> list[dict[str, Any]]:
+    policy = loads(POLICIES["three_gated"])
+    out = []
+    for meta in TOOL_META:
+        try:
+            price = tool_price(policy, "search", meta)
+            estimate = tool_estimate(policy, "search", meta)
+        except InvalidInputError as exc:
+            out.append({"meta": meta, "error": exc.field})
+            continue
+        out.append(
+            {
+                "meta": meta,
+                "price": None if price is None else dict(price),
+                "estimate": None if estimate is None else dict(estimate),
+            }
+        )
+    return out
+
+
+def vectors() -> dict[str, Any]:
+    out = golden()
+    # "scripts" (golden) holds each script's SHA1: lib.lua + "\n" + its body, as EVALSHA runs it.
+    assert out["scripts"] == {n: hashlib.sha1(source(n).encode()).hexdigest() for n in SCRIPTS}
+    out["script_layout"] = {"prefix": "lib.lua", "joiner": "\n", "names": list(SCRIPTS)}
+    out["policies"] = policy_vectors()
+    out["charge"] = charge_vectors()
+    out["builtin_prices"] = price_vectors()
+    out["usd_more"] = usd_vectors()
+    out["refusals"] = refusal_vectors()
+    out["tool_meta"] = tool_meta_vectors()
+    return out
+
+
+def render() -> str:
+    """The vectors as committed: sorted keys, ASCII, one trailing newline."""
+    return json.dumps(vectors(), indent=1, ensure_ascii=True, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

@@ -1,0 +1,70 @@
+"""Node.js for the TypeScript package's tests: found, version-checked, dependencies installed.
+
+The TypeScript sibling (``ts/``) needs Node 20 or newer. :func:`require_node`
+says clearly what is missing instead of failing somewhere inside npm:
+
+>>> import shutil
+>>> require_node() if shutil.which("node") else None  # doctest: +SKIP
+'/usr/bin/node'
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+#: The package's folder.
+TS_DIR = Path(__file__).resolve().parent.parent / "ts"
+#: The oldest Node.js major version the package supports (ts/package.json "engines").
+MIN_NODE = 20
+
+
+class NodeMissingError(RuntimeError):
+    """Node.js or npm is not installed, or too old for the TypeScript package."""
+
+
+def require_node() -> str:
+    """The ``node`` executable, Node 20 or newer; :class:`NodeMissingError` otherwise."""
+    node = shutil.which("node")
+    if node is None or shutil.which("npm") is None:
+        raise NodeMissingError(
+            f"the TypeScript package (ts/) needs Node.js {MIN_NODE}+ with npm on the PATH: "
+            "none found (install Node.js, e.g. apt-get install nodejs npm, or nodesource)"
+        )
+    version = subprocess.run(
+        [node, "--version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    major = int(version.lstrip("v").split(".")[0])
+    if major < MIN_NODE:
+        raise NodeMissingError(
+            f"the TypeScript package (ts/) needs Node.js {MIN_NODE}+: {node} is {version}"
+        )
+    return node
+
+
+def npm_ci(*, force: bool = False) -> None:
+    """Install ts/'s dependencies from the committed lockfile (``npm ci``).
+
+    Skipped when ``node_modules`` was installed from the current lockfile (its
+    hidden lockfile is newer), unless ``force`` or ``MCPBG_FRESH_VENV=1`` (CI,
+    which always installs from scratch).
+    """
+    require_node()
+    installed = TS_DIR / "node_modules" / ".package-lock.json"
+    fresh = force or os.environ.get("MCPBG_FRESH_VENV") == "1"
+    if (
+        not fresh
+        and installed.exists()
+        and installed.stat().st_mtime >= (TS_DIR / "package-lock.json").stat().st_mtime
+    ):
+        return
+    subprocess.run(
+        ["npm", "ci", "--no-audit", "--no-fund"], cwd=TS_DIR, check=True, env=os.environ.copy()
+    )
+
+
+def tsx() -> list[str]:
+    """The command that runs a TypeScript file of ts/ (after :func:`npm_ci`)."""
+    return [str(TS_DIR / "node_modules" / ".bin" / "tsx")]

@@ -1,0 +1,203 @@
+"""One budget, two languages: a Python and a TypeScript governor on one real Redis.
+
+The TypeScript governor runs in a Node process (``ts/test/cross/driver.ts``)
+driven line by line from here, with the same policy file, against the Redis of
+the fixtures: calls alternating between the two languages admit exactly the
+cap (one after the other, and all at once); a charge made in TypeScript is what
+Python's ``usage()`` and ``mcpbg budgets`` report; a hostile id lands on one
+counter from both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor.planning import check_plan
+from mcp_budget_governor.policy_file import load_file
+from testing.node import TS_DIR, npm_ci, require_node, tsx
+
+POLICY = """
+[[limits]]
+name = "burst"
+cap = 7
+window = "minute"
+scope = "user"
+
+[[limits]]
+name = "together"
+cap = 11
+window = "hour"
+scope = ["tenant", "user"]
+
+[[limits]]
+name = "race"
+cap = 150
+window = "minute"
+scope = "tenant"
+
+[[limits]]
+name = "spend"
+cap_usd = "1"
+window = "day"
+scope = "user"
+gated = false
+"""
+
+SPREAD = 3.0  # seconds over which each side starts its concurrent calls
+HOSTILE = "a:b,{c}=%41 é\n🙂#" + "x" * 40
+
+
+class Node:
+    """The TypeScript governor in its Node process."""
+
+    def __init__(self, policy: Path, url: str) -> None:
+        self.proc = subprocess.Popen(
+            [*tsx(), "test/cross/driver.ts", str(policy), url],
+            cwd=TS_DIR,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+        )
+        assert self.read() == {"ready": True}
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "the TypeScript driver exited"
+        answer: dict[str, Any] = json.loads(line)
+        assert "error" not in answer, answer["error"]
+        return answer
+
+    def send(self, op: str, **fields: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+
+    def __call__(self, op: str, **fields: Any) -> dict[str, Any]:
+        self.send(op, **fields)
+        return self.read()
+
+    def close(self) -> None:
+        try:
+            self("close")
+        finally:
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def node_ready() -> None:
+    require_node()
+    npm_ci()
+    subprocess.run(["node", "scripts/copy-lua.mjs"], cwd=TS_DIR, check=True)
+
+
+@pytest.fixture
+def policy_file(tmp_path: Path) -> Path:
+    path = tmp_path / "policy.toml"
+    path.write_text(POLICY, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def node(node_ready: None, policy_file: Path, redis_url: str) -> Iterator[Node]:
+    n = Node(policy_file, redis_url)
+    yield n
+    n.close()
+
+
+@pytest.fixture
+async def python_gov(policy_file: Path, redis_url: str) -> Any:
+    gov = Governor(load_file(policy_file), RedisBackend.from_url(redis_url, timeout=5.0))
+    yield gov
+    await gov.aclose()
+
+
+@pytest.mark.slow
+async def test_alternating_calls_admit_exactly_the_cap(node: Node, python_gov: Governor) -> None:
+    ctx = {"user": "alternating"}
+    statuses = []
+    for i in range(20):
+        if i % 2 == 0:
+            statuses.append(("py", (await python_gov.check(Context(**ctx))).status))
+        else:
+            statuses.append(("ts", node("check", ctx=ctx)["status"]))
+    admitted = [who for who, status in statuses if status == 200]
+    print(f"alternating: {len(admitted)} of 20 admitted against cap 7: {statuses}")
+    assert len(admitted) == 7
+    assert set(admitted) == {"py", "ts"}
+    assert [s for _, s in statuses] == [200] * 7 + [429] * 13
+    assert await python_gov.usage("burst", Context(**ctx)) == 7
+    assert node("usage", limit="burst", ctx=ctx)["usage"] == 7
+
+
+@pytest.mark.slow
+async def test_concurrent_calls_from_both_languages_admit_exactly_the_cap(
+    node: Node, python_gov: Governor
+) -> None:
+    ctx = {"tenant": "racing"}  # only "race" (150 per minute per tenant) applies
+    await python_gov.check(Context(tenant="warm-up"))  # connected, scripts loaded
+    node("check", ctx={"tenant": "warm-up"})
+
+    async def spread(i: int) -> Any:
+        await asyncio.sleep(i * SPREAD / 200)
+        return await python_gov.check(Context(**ctx))
+
+    # 200 calls from each language, both started over the same 3 seconds, all concurrent.
+    node.send("checks", n=200, spread_ms=SPREAD * 1000, ctx=ctx)
+    py = await asyncio.gather(*(spread(i) for i in range(200)))
+    ts = node.read()["statuses"]
+    py_admitted, ts_admitted = sum(d.admitted for d in py), ts.count(200)
+    print(
+        f"concurrent: {py_admitted + ts_admitted} of 400 admitted against cap 150 "
+        f"(python {py_admitted}, typescript {ts_admitted})"
+    )
+    assert py_admitted + ts_admitted == 150
+    assert set(ts) | {d.status for d in py} <= {200, 429}
+    assert await python_gov.usage("race", Context(**ctx)) == 150
+    assert node("usage", limit="race", ctx=ctx)["usage"] == 150
+
+
+@pytest.mark.slow
+async def test_a_typescript_charge_is_what_python_and_mcpbg_budgets_report(
+    node: Node, python_gov: Governor, policy_file: Path, redis_url: str
+) -> None:
+    ctx = {"user": "spender"}
+    assert node("meter", limit="spend", amount=250_000, ctx=ctx)["total"] == 250_000
+    assert await python_gov.usage("spend", Context(**ctx)) == 250_000
+    await python_gov.meter("spend", 50_000, Context(**ctx))
+    assert node("usage", limit="spend", ctx=ctx)["usage"] == 300_000
+    out = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "mcp_budget_governor.cli", "budgets", "--policy", str(policy_file),
+         "--redis-url", redis_url, "--user", "spender", "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    rows = [r for r in json.loads(out.stdout)["rows"] if r["name"] == "spend"]
+    assert [(r["spent"], r["remaining"]) for r in rows] == [(300_000, 700_000)], out.stdout
+
+
+@pytest.mark.slow
+async def test_a_hostile_id_lands_on_the_same_counter_from_both(
+    node: Node, python_gov: Governor
+) -> None:
+    ctx = {"user": HOSTILE, "tenant": "x,y=z"}
+    py_key = check_plan(python_gov.policy, Context(**ctx), time.time()).slots[0].key
+    assert node("key", limit="burst", ctx=ctx)["key"] == py_key
+    assert node("check", ctx=ctx)["status"] == 200
+    assert (await python_gov.check(Context(**ctx))).status == 200
+    assert node("check", ctx=ctx)["status"] == 200
+    assert await python_gov.usage("burst", Context(**ctx)) == 3
+    assert await python_gov.usage("together", Context(**ctx)) == 3
+    # A neighbour whose id differs only after the separator shares nothing.
+    assert node("usage", limit="burst", ctx={"user": "a:b"})["usage"] == 0

@@ -1,0 +1,119 @@
+// Latency of the TypeScript Governor.check() with 3 gated limits against one
+// no-op EVALSHA (testing/noop.lua) from Node, through the same ioredis client
+// on the same Redis. Target (DESIGN.md): median check() <= 1.3x the median
+// no-op EVALSHA, measured in one run.
+//
+// Variants are interleaved in chunks, alternating which goes first, so drift
+// on a busy machine hits both alike; each call is timed on its own.
+//
+//   npx tsx bench/check.ts [--redis URL] [--calls N] [--rounds R] [--json]
+//
+// Default Redis: MCPBG_TEST_REDIS_URL, else redis://127.0.0.1:6379/13. Only this
+// run's keys are written (they expire within the hour; the run deletes them).
+import { randomBytes } from "node:crypto";
+import { readFileSync } from "node:fs";
+import { parseArgs } from "node:util";
+
+import { Governor, Limit, MAX_AMOUNT, Policy, RedisBackend, Scope, Window, chargeCommand, context, script } from "../src/index.js";
+import { newId } from "../src/ledger/events.js";
+import { checkPlan } from "../src/planning.js";
+
+const TARGET = 1.3;
+const { values } = parseArgs({
+  options: {
+    redis: { type: "string" },
+    calls: { type: "string", default: "2000" },
+    rounds: { type: "string", default: "5" },
+    chunk: { type: "string", default: "50" },
+    json: { type: "boolean", default: false },
+  },
+});
+const url = values.redis ?? (process.env["MCPBG_TEST_REDIS_URL"]?.trim() || "redis://127.0.0.1:6379/13");
+const calls = Number(values.calls);
+const rounds = Number(values.rounds);
+const chunk = Number(values.chunk);
+
+const rid = randomBytes(4).toString("hex");
+const policy = Policy.of(
+  new Limit(`b${rid}_user_day`, { cap: MAX_AMOUNT, window: Window.DAY, scope: Scope.USER }),
+  new Limit(`b${rid}_tenant_min`, { cap: MAX_AMOUNT, window: Window.MINUTE, scope: Scope.TENANT }),
+  new Limit(`b${rid}_tool_hour`, { cap: MAX_AMOUNT, window: Window.HOUR, scope: [Scope.USER, Scope.TOOL] }),
+);
+const backend = RedisBackend.fromUrl(url, { timeout: 5 });
+const governor = new Governor(policy, backend);
+const ctx = context({ user: "bench_user", tenant: "bench_tenant", tool: "search" });
+const noop = readFileSync(new URL("../../testing/noop.lua", import.meta.url), "utf8");
+const noopSha = (await backend.client.call("SCRIPT", "LOAD", noop)) as string;
+
+// The script alone: the very command check() sends (built once, a fresh operation id
+// per call), to tell the script's own cost in Redis from the governor's in Node.
+const ops = checkPlan(policy, ctx, Date.now() / 1000).ops;
+const template = chargeCommand(script("charge").sha, ops, { opId: "OPID", wantUsed: true });
+const opAt = template.map((a, i) => (a.includes("OPID") ? i : -1)).filter((i) => i >= 0);
+const variants: Record<string, () => Promise<unknown>> = {
+  "noop EVALSHA": () => backend.client.call("EVALSHA", noopSha, 0),
+  "check() 3 limits": () => governor.check(ctx),
+  "charge.lua alone": () => {
+    const id = newId();
+    const args = [...template];
+    for (const i of opAt) args[i] = (args[i] ?? "").replace("OPID", id);
+    return backend.client.call("EVALSHA", ...args);
+  },
+};
+const samples: Record<string, number[]> = Object.fromEntries(Object.keys(variants).map((k) => [k, []]));
+
+for (let i = 0; i < 200; i++) for (const run of Object.values(variants)) await run(); // warm up
+
+const names = Object.keys(variants);
+for (let r = 0; r < rounds; r++) {
+  for (let done = 0; done < calls; done += chunk) {
+    const order = (done / chunk) % 2 === 0 ? names : [...names].reverse();
+    for (const name of order) {
+      const run = variants[name];
+      const out = samples[name];
+      if (run === undefined || out === undefined) continue;
+      for (let i = 0; i < chunk; i++) {
+        const t = process.hrtime.bigint();
+        await run();
+        out.push(Number(process.hrtime.bigint() - t) / 1000);
+      }
+    }
+  }
+  process.stderr.write(`round ${r + 1}/${rounds}\n`);
+}
+
+function quantile(xs: number[], q: number): number {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.floor(q * s.length))] ?? NaN;
+}
+
+const base = quantile(samples["noop EVALSHA"] ?? [], 0.5);
+const rows = names.map((name) => {
+  const xs = samples[name] ?? [];
+  const median = quantile(xs, 0.5);
+  return { variant: name, calls: xs.length, median_us: median, p99_us: quantile(xs, 0.99), ratio: median / base };
+});
+const ratio = rows[1]?.ratio ?? NaN;
+
+// Clean up this run's counters and operation markers.
+for (const pattern of [`mcpbg:v1:b${rid}_*`]) {
+  let cursor = "0";
+  do {
+    const [next, keys] = (await backend.client.scan(cursor, "MATCH", pattern, "COUNT", 1000)) as [string, string[]];
+    if (keys.length) await backend.client.del(...keys);
+    cursor = next;
+  } while (cursor !== "0");
+}
+await governor.close();
+
+if (values.json) console.log(JSON.stringify({ url, rows, ratio, target: TARGET }, null, 1));
+else {
+  console.log(`Node ${process.version}, Redis ${url}, ${calls * rounds} calls per variant, interleaved`);
+  console.log("variant              median µs   p99 µs   ratio");
+  for (const r of rows) {
+    console.log(`${r.variant.padEnd(20)} ${r.median_us.toFixed(1).padStart(9)} ${r.p99_us.toFixed(1).padStart(8)} ${r.ratio.toFixed(2).padStart(7)}x`);
+  }
+  console.log(`check() with 3 gated limits / no-op EVALSHA: ${ratio.toFixed(2)}x (target <= ${TARGET}x): ${ratio <= TARGET ? "met" : "NOT met"}`);
+  const alone = rows[2]?.ratio ?? NaN;
+  console.log(`charge.lua alone (same command, no governor) / no-op EVALSHA: ${alone.toFixed(2)}x; check() / charge.lua alone: ${(ratio / alone).toFixed(2)}x`);
+}

@@ -1,0 +1,45 @@
+// Build step: copy the repository's lua/*.lua into the package (ts/lua/), and
+// record each script's SHA1 (lib.lua + "\n" + body, as EVALSHA runs it). The
+// digests must equal those of the conformance vectors, which the Python
+// implementation generated: a copy that differs fails the build.
+import { createHash } from "node:crypto";
+import { copyFileSync, existsSync, mkdirSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
+
+const here = new URL("../", import.meta.url);
+const from = new URL("../lua/", here);
+const to = new URL("lua/", here);
+const vectorsFile = new URL("../conformance/vectors.json", here);
+
+if (!existsSync(from)) {
+  // Installed from a tarball: the scripts were copied when it was packed.
+  if (existsSync(new URL("digests.json", to))) process.exit(0);
+  console.error("copy-lua: ../lua not found and no copied scripts in ts/lua");
+  process.exit(1);
+}
+mkdirSync(to, { recursive: true });
+const names = readdirSync(from).filter((f) => f.endsWith(".lua"));
+for (const file of names) copyFileSync(new URL(file, from), new URL(file, to));
+const lib = readFileSync(new URL("lib.lua", to), "utf8");
+const vectors = JSON.parse(readFileSync(vectorsFile, "utf8"));
+const digests = {};
+const stale = [];
+for (const name of vectors.script_layout.names) {
+  const source = lib + "\n" + readFileSync(new URL(`${name}.lua`, to), "utf8");
+  digests[name] = createHash("sha1").update(source, "utf8").digest("hex");
+  if (digests[name] !== vectors.scripts[name]) stale.push(name);
+}
+if (stale.length) {
+  console.error(
+    `copy-lua: lua/{${stale.join(",")}}.lua differ from conformance/vectors.json: ` +
+      "regenerate the vectors (python conformance/generate.py > conformance/vectors.json)",
+  );
+  process.exit(1);
+}
+writeFileSync(new URL("digests.json", to), JSON.stringify(digests, null, 1) + "\n");
+// The built-in price table, as the Python package exports it into the vectors.
+mkdirSync(new URL("data/", here), { recursive: true });
+writeFileSync(new URL("data/prices.json", here), JSON.stringify(vectors.builtin_prices.models) + "\n");
+writeFileSync(
+  new URL("data/prices-version.json", here),
+  JSON.stringify({ version: vectors.builtin_prices.version }) + "\n",
+);

@@ -1,0 +1,162 @@
+/**
+ * Counters in this process (Python: projections/counters/memory.py): the same
+ * counter model as lua/, for one process, tests, and the fail-open fallback.
+ * Caps resolve from the policy (value caps, the policy's plan assignments);
+ * run-time cap changes live only in a shared store.
+ *
+ * @example
+ * const governor = new Governor(policy, new MemoryBackend());
+ */
+import { CounterOverflowError } from "../errors.js";
+import { LEASE_PREFIX } from "../keys.js";
+import { MAX_AMOUNT } from "../money.js";
+import { fits, type CounterOp } from "../planning.js";
+import type { CapRef } from "../policy.js";
+import { ADMITTED_RESULT, type Backend, type ChargeOptions, type ChargeResult } from "./types.js";
+
+const OP_HORIZON_SECONDS = 900;
+
+interface Counter {
+  c: number;
+  f: number;
+  g: number;
+  events: Map<string, number>;
+  expireAt: number;
+}
+
+function exact(v: number): boolean {
+  return v >= -MAX_AMOUNT && v <= MAX_AMOUNT;
+}
+
+function staysExact(c: number, f: number, amount: number, inline: boolean): boolean {
+  if (inline) c += amount;
+  else f += amount;
+  return exact(c) && exact(f) && exact(c + f);
+}
+
+function effectiveCap(ref: CapRef | null, fallback: number): number {
+  if (ref === null || ref.field === "") return fallback;
+  if (ref.valueCap !== null) return ref.valueCap;
+  if (ref.filePlan !== null) {
+    const hit = ref.planCaps.find(([name]) => name === ref.filePlan);
+    if (hit !== undefined) return hit[1];
+  }
+  return fallback;
+}
+
+export class MemoryBackend implements Backend {
+  private readonly counters = new Map<string, Counter>();
+  private readonly leases = new Map<string, Map<string, number>>();
+  private readonly ops = new Map<string, number>();
+
+  constructor(private readonly clock: () => number = () => Date.now() / 1000) {}
+
+  private counter(key: string): Counter | undefined {
+    const c = this.counters.get(key);
+    if (c !== undefined && c.expireAt <= this.clock()) {
+      this.counters.delete(key);
+      return undefined;
+    }
+    return c;
+  }
+
+  private live(key: string): number {
+    const set = this.leases.get(key);
+    if (set === undefined) return 0;
+    const nowMs = this.clock() * 1000;
+    for (const [id, until] of set) if (until <= nowMs) set.delete(id);
+    return set.size;
+  }
+
+  async charge(ops: readonly CounterOp[], options: ChargeOptions = {}): Promise<ChargeResult> {
+    const now = this.clock();
+    const opId = options.eventId == null ? (options.opId ?? null) : null;
+    if (opId !== null) {
+      const seen = this.ops.get(opId);
+      if (seen !== undefined && seen > now) return ADMITTED_RESULT;
+    }
+    const eventId = options.eventId ?? "";
+    const inline = eventId === "";
+    const used: number[] = [];
+    const caps: number[] = [];
+    const resolve = ops.some((op) => op.ref !== null);
+    let refusedAt = -1;
+    ops.forEach((op, i) => {
+      let total: number;
+      let cap = op.cap;
+      if (options.lease != null && op.key.startsWith(LEASE_PREFIX)) total = this.live(op.key);
+      else {
+        const c = this.counter(op.key);
+        if (c !== undefined && !staysExact(c.c, c.f, 0, inline)) throw new CounterOverflowError(op.key.split(":")[2] ?? "", op.amount, op.key, MAX_AMOUNT);
+        total = c === undefined ? 0 : c.c + c.f;
+        if (resolve) cap = effectiveCap(op.ref, op.cap) + (c?.g ?? 0);
+      }
+      used.push(total);
+      caps.push(cap);
+      if (refusedAt < 0 && op.enforce && !fits(total, op.amount, cap)) refusedAt = i;
+    });
+    const result: ChargeResult = { refused: refusedAt, used: options.wantUsed === false ? [] : used, caps: resolve && options.wantUsed !== false ? caps : [] };
+    if (refusedAt >= 0) return result;
+    for (const op of ops) {
+      if (op.key.startsWith(LEASE_PREFIX)) continue;
+      const c = this.counter(op.key);
+      if (c !== undefined && !staysExact(c.c, c.f, op.amount, inline)) {
+        throw new CounterOverflowError(op.key.split(":")[2] ?? "", op.amount, op.key, MAX_AMOUNT);
+      }
+    }
+    let wrote = false;
+    for (const op of ops) {
+      if (options.lease != null && op.key.startsWith(LEASE_PREFIX)) {
+        let set = this.leases.get(op.key);
+        if (set === undefined) this.leases.set(op.key, (set = new Map()));
+        set.set(options.lease, now * 1000 + (options.leaseTtl ?? 30) * 1000);
+        continue;
+      }
+      if (op.amount === 0) continue;
+      let c = this.counter(op.key);
+      if (c === undefined) this.counters.set(op.key, (c = { c: 0, f: 0, g: 0, events: new Map(), expireAt: op.expireAt }));
+      if (inline) c.c += op.amount;
+      else {
+        c.f += op.amount;
+        c.events.set(eventId, (c.events.get(eventId) ?? 0) + op.amount);
+      }
+      c.expireAt = op.expireAt;
+      wrote = true;
+    }
+    if (opId !== null && wrote) this.ops.set(opId, now + OP_HORIZON_SECONDS);
+    return result;
+  }
+
+  async usage(keys: readonly string[]): Promise<number[]> {
+    return keys.map((k) => {
+      const c = this.counter(k);
+      return c === undefined ? 0 : c.c + c.f;
+    });
+  }
+
+  async release(keys: readonly string[], lease: string): Promise<number> {
+    let n = 0;
+    for (const k of keys) if (this.leases.get(k)?.delete(lease)) n++;
+    return n;
+  }
+
+  async renew(keys: readonly string[], lease: string, ttl: number): Promise<number> {
+    const nowMs = this.clock() * 1000;
+    let n = 0;
+    for (const k of keys) {
+      const set = this.leases.get(k);
+      const until = set?.get(lease);
+      if (set !== undefined && until !== undefined && until > nowMs) {
+        set.set(lease, nowMs + ttl * 1000);
+        n++;
+      }
+    }
+    return n;
+  }
+
+  async inProgress(keys: readonly string[]): Promise<number[]> {
+    return keys.map((k) => this.live(k));
+  }
+
+  async close(): Promise<void> {}
+}

@@ -1,0 +1,235 @@
+/**
+ * Redis counters, driven only through the repository's scripts in `lua/`
+ * (Python: projections/counters/redis.py). Every call is one EVALSHA with
+ * exactly the KEYS and ARGV the Python RedisBackend sends (the conformance
+ * vectors hold the two together), so a Node server and a Python worker on one
+ * Redis share every counter.
+ *
+ * @example
+ * const backend = RedisBackend.fromUrl("redis://127.0.0.1:6379/0");
+ */
+import { Redis, type RedisOptions } from "ioredis";
+
+import { BackendUnavailableError, CounterOverflowError, InvalidInputError } from "../errors.js";
+import { EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey } from "../keys.js";
+import { MAX_AMOUNT } from "../money.js";
+import type { CounterOp } from "../planning.js";
+import { script, type Script } from "../scripts.js";
+import { ADMITTED_RESULT, type Backend, type ChargeOptions, type ChargeResult } from "./types.js";
+
+export const DEFAULT_TIMEOUT = 0.25;
+
+/** The argument by which lua/charge.lua resolves an op's effective cap. */
+export function refArg(op: CounterOp): string {
+  const ref = op.ref;
+  if (ref === null) return "";
+  if (ref.valueCap === null && !ref.planCaps.length) return ref.field;
+  const parts = [
+    ref.field,
+    ref.valueCap === null ? "-" : String(ref.valueCap),
+    ref.filePlan ?? "-",
+    ref.planFields.join(","),
+    ref.planCaps.map(([name, cap]) => `${name} ${cap}`).join(" "),
+  ];
+  return parts.join(" ").trimEnd();
+}
+
+interface Prepared {
+  head: (string | number)[];
+  counters: string[];
+  tail: string[];
+  leases: boolean;
+}
+
+/**
+ * The EVALSHA command (without the word) for a charge: what RedisBackend sends.
+ * Exported so the conformance suite compares it with Python's, argument for argument.
+ */
+export function chargeCommand(
+  sha: string,
+  ops: readonly CounterOp[],
+  options: ChargeOptions & { requireEpoch?: boolean } = {},
+): string[] {
+  const p = prepare(sha, ops, options.wantUsed ?? true, options.opId != null && options.eventId == null, options.requireEpoch ?? false);
+  return assemble(p, options).map(String);
+}
+
+function prepare(sha: string, ops: readonly CounterOp[], wantUsed: boolean, withOp: boolean, requireEpoch: boolean): Prepared {
+  const keys: string[] = requireEpoch ? [EPOCH_KEY] : [];
+  let counters: string[] = [];
+  const tail: string[] = [];
+  const resolve = ops.some((op) => op.ref !== null);
+  const capsKeys: string[] = [];
+  for (const op of ops) {
+    counters.push(op.key);
+    tail.push(String(op.amount), String(op.cap), op.enforce ? "1" : "0", String(op.expireAt));
+    if (resolve) {
+      tail.push(refArg(op));
+      capsKeys.push(op.ref === null ? PLANS_KEY : op.ref.capsKey);
+    }
+  }
+  if (resolve) counters.push(...capsKeys, PLANS_KEY);
+  const leases = ops.some((op) => op.key.startsWith(LEASE_PREFIX));
+  const flags =
+    (leases ? "l" : "") + (requireEpoch ? "e" : "") + (wantUsed ? "u" : "") + (withOp ? "o" : "") + (resolve ? "c" : "");
+  const numkeys = keys.length + counters.length + (withOp ? 1 : 0);
+  let head: (string | number)[];
+  if (withOp) head = [sha, numkeys, ...keys];
+  else {
+    head = [sha, numkeys, ...keys, ...counters];
+    counters = [];
+  }
+  tail.unshift(flags || "-");
+  return { head, counters, tail, leases };
+}
+
+function assemble(p: Prepared, options: ChargeOptions): (string | number)[] {
+  const withOp = options.opId != null && options.eventId == null;
+  const args = withOp
+    ? [...p.head, opKey(options.opId ?? ""), ...p.counters, options.opId ?? "", ...p.tail]
+    : [...p.head, options.eventId ?? "", ...p.tail];
+  if (p.leases) {
+    if (options.lease == null) throw new InvalidInputError("lease", options.lease ?? null, "a charge taking leases needs a lease id");
+    const at = args.length - p.tail.length + 1;
+    args.splice(at, 0, options.lease, String(Math.max(1, Math.round((options.leaseTtl ?? 0) * 1000))));
+  }
+  return args;
+}
+
+function isUnavailable(err: unknown): boolean {
+  if (!(err instanceof Error)) return false;
+  const code = (err as { code?: string }).code ?? "";
+  return (
+    ["ECONNREFUSED", "ECONNRESET", "ETIMEDOUT", "EPIPE", "ENOTFOUND", "EHOSTUNREACH"].includes(code) ||
+    /Command timed out|Connection is closed|connect ETIMEDOUT|Stream isn't writeable|max retries|LOADING|enableOfflineQueue/i.test(
+      err.message,
+    )
+  );
+}
+
+export interface RedisBackendOptions {
+  requireEpoch?: boolean;
+}
+
+export class RedisBackend implements Backend {
+  readonly requireEpoch: boolean;
+  private readonly scripts: Record<"charge" | "usage" | "lease", Script>;
+  private readonly prepared = new WeakMap<readonly CounterOp[], Map<string, Prepared>>();
+
+  constructor(
+    readonly client: Redis,
+    options: RedisBackendOptions = {},
+  ) {
+    this.requireEpoch = options.requireEpoch ?? false;
+    this.scripts = { charge: script("charge"), usage: script("usage"), lease: script("lease") };
+  }
+
+  /**
+   * Connect lazily to `url`; `timeout` (seconds) bounds every call, after which
+   * the governor applies each limit's fail mode.
+   */
+  static fromUrl(
+    url: string,
+    options: RedisBackendOptions & { timeout?: number; redis?: RedisOptions } = {},
+  ): RedisBackend {
+    if (typeof url !== "string" || !/^rediss?:\/\//.test(url)) {
+      throw new InvalidInputError("url", url, "expected a redis:// or rediss:// URL");
+    }
+    const ms = Math.round((options.timeout ?? DEFAULT_TIMEOUT) * 1000);
+    const client = new Redis(url, {
+      lazyConnect: true,
+      commandTimeout: ms,
+      connectTimeout: Math.max(ms, 1000),
+      maxRetriesPerRequest: 1,
+      retryStrategy: (times) => Math.min(times * 50, 1000),
+      ...options.redis,
+    });
+    client.on("error", () => {
+      /* reported per call as BackendUnavailableError */
+    });
+    return new RedisBackend(client, options);
+  }
+
+  private async evalsha(s: Script, args: (string | number)[]): Promise<unknown> {
+    try {
+      try {
+        return await this.client.call("EVALSHA", ...args);
+      } catch (err) {
+        if (err instanceof Error && err.message.startsWith("NOSCRIPT")) {
+          await this.client.call("SCRIPT", "LOAD", s.source);
+          return await this.client.call("EVALSHA", ...args);
+        }
+        throw err;
+      }
+    } catch (err) {
+      if (isUnavailable(err)) throw BackendUnavailableError.redis(err);
+      throw err;
+    }
+  }
+
+  async charge(ops: readonly CounterOp[], options: ChargeOptions = {}): Promise<ChargeResult> {
+    const wantUsed = options.wantUsed ?? true;
+    const withOp = options.opId != null && options.eventId == null;
+    const variant = `${wantUsed ? 1 : 0}${withOp ? 1 : 0}`;
+    let byVariant = this.prepared.get(ops);
+    if (byVariant === undefined) {
+      byVariant = new Map();
+      this.prepared.set(ops, byVariant);
+    }
+    let p = byVariant.get(variant);
+    if (p === undefined) {
+      p = prepare(this.scripts.charge.sha, ops, wantUsed, withOp, this.requireEpoch);
+      byVariant.set(variant, p);
+    }
+    const reply = (await this.evalsha(this.scripts.charge, assemble(p, options))) as number[];
+    const head = Number(reply[0]);
+    if (head === 0 && reply.length === 1) return ADMITTED_RESULT;
+    if (head === -2) {
+      const op = ops[Number(reply[1]) - 1];
+      const limit = op?.key.split(":")[2] ?? "";
+      throw new CounterOverflowError(limit, op?.amount ?? 0, op?.key ?? "", MAX_AMOUNT);
+    }
+    if (head < 0) throw new BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding");
+    const values = reply.slice(1).map(Number);
+    const n = ops.length;
+    if (values.length === 2 * n && ops.some((op) => op.ref !== null)) {
+      return { refused: head - 1, used: values.slice(0, n), caps: values.slice(n) };
+    }
+    return { refused: head - 1, used: values, caps: [] };
+  }
+
+  async usage(keys: readonly string[]): Promise<number[]> {
+    if (!keys.length) return [];
+    const s = this.scripts.usage;
+    const reply = (await this.evalsha(s, [s.sha, keys.length, ...keys])) as string[];
+    const out: number[] = [];
+    for (let i = 0; i < reply.length; i += 2) out.push(Number(reply[i]) + Number(reply[i + 1]));
+    return out;
+  }
+
+  private async leases(keys: readonly string[], ...args: string[]): Promise<number[]> {
+    if (!keys.length) return [];
+    const s = this.scripts.lease;
+    return ((await this.evalsha(s, [s.sha, keys.length, ...keys, ...args])) as number[]).map(Number);
+  }
+
+  async release(keys: readonly string[], lease: string): Promise<number> {
+    return (await this.leases(keys, "r", lease)).reduce((a, b) => a + b, 0);
+  }
+
+  async renew(keys: readonly string[], lease: string, ttl: number): Promise<number> {
+    return (await this.leases(keys, "n", lease, String(Math.max(1, Math.round(ttl * 1000))))).reduce((a, b) => a + b, 0);
+  }
+
+  async inProgress(keys: readonly string[]): Promise<number[]> {
+    return this.leases(keys, "c");
+  }
+
+  async close(): Promise<void> {
+    try {
+      await this.client.quit();
+    } catch {
+      this.client.disconnect();
+    }
+  }
+}

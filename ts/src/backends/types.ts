@@ -1,0 +1,38 @@
+/** The counter store contract every backend implements (Python: counters.Backend). */
+import type { CounterOp } from "../planning.js";
+
+/** `refused` is the index of the first refusing op, or -1; `used` the totals read; `caps`
+ * each op's effective cap plus its grant (what `used` was compared with), when resolved. */
+export interface ChargeResult {
+  readonly refused: number;
+  readonly used: readonly number[];
+  readonly caps: readonly number[];
+}
+
+export interface ChargeOptions {
+  /** null commits inline (no ledger); else in-flight under this event id. */
+  eventId?: string | null;
+  wantUsed?: boolean;
+  /** Inline charges: the operation id that makes a replay change nothing. */
+  opId?: string | null;
+  /** The lease id concurrency caps take. */
+  lease?: string | null;
+  /** Seconds a lease lives unless renewed. */
+  leaseTtl?: number;
+}
+
+export interface Backend {
+  /** All or nothing, one atomic step. */
+  charge(ops: readonly CounterOp[], options?: ChargeOptions): Promise<ChargeResult>;
+  /** committed + in-flight of each key (0 for a missing key). */
+  usage(keys: readonly string[]): Promise<number[]>;
+  /** Give a lease back on every set; how many held it. */
+  release(keys: readonly string[], lease: string): Promise<number>;
+  /** Extend a live lease by `ttl` seconds; how many were renewed. */
+  renew(keys: readonly string[], lease: string, ttl: number): Promise<number>;
+  /** Live leases per set. */
+  inProgress(keys: readonly string[]): Promise<number[]>;
+  close(): Promise<void>;
+}
+
+export const ADMITTED_RESULT: ChargeResult = Object.freeze({ refused: -1, used: [], caps: [] });

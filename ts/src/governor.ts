@@ -1,0 +1,558 @@
+/**
+ * The Governor: check before the work, meter after it (Python: governor.py, holds.py).
+ *
+ * @example
+ * const governor = new Governor(
+ *   Policy.of(new Limit("burst", { cap: 2, window: Window.MINUTE, scope: Scope.USER })),
+ *   new MemoryBackend(),
+ * );
+ * (await governor.check(context({ user: "u_42" }))).status  // 200, 200, then 429
+ */
+import { MemoryBackend } from "./backends/memory.js";
+import type { Backend, ChargeResult } from "./backends/types.js";
+import { EMPTY, cacheable, context as makeContext, contextKey, type Context } from "./context.js";
+import { ADMITTED, Decision, NOTHING_METERED, type MeterResult } from "./decision.js";
+import {
+  BackendUnavailableError,
+  BudgetExceeded,
+  CounterOverflowError,
+  GovernorError,
+  InvalidInputError,
+} from "./errors.js";
+import { newId } from "./ledger/events.js";
+import { EntryType, type Ledger, type LedgerCharge, type LedgerEntry, type TokenUsage } from "./ledger/types.js";
+import { FailMode, OnExceed, type Limit, type Policy } from "./policy.js";
+import { Unit, checkAmount } from "./money.js";
+import * as planning from "./planning.js";
+import type { CounterOp, Plan, Slot } from "./planning.js";
+import type { PriceTable, Tokens } from "./prices.js";
+
+export interface GovernorOptions {
+  /** null/undefined commits every charge inline, in the same script that checks it. */
+  ledger?: Ledger | null;
+  /** Needed by meterTokens on USD limits. */
+  prices?: PriceTable | null;
+  /** Epoch seconds. */
+  clock?: () => number;
+  /** After the backend fails, how long (seconds) to use the fail modes before trying again. */
+  retryInterval?: number;
+  /** How long (seconds) a concurrency-cap lease outlives a process that died holding it. */
+  leaseTtl?: number;
+  maxPending?: number;
+}
+
+function local(limit: Limit): boolean {
+  return limit.failMode === FailMode.OPEN && limit.localFallback;
+}
+
+/** An estimate held on a limit while work runs (Governor.reserve / reserved). */
+export class Reservation {
+  actual: number | null = null;
+  decision: Decision | null = null;
+  id: string | null = null;
+  private slot: Slot | null = null;
+  private released = false;
+  private done = false;
+
+  constructor(
+    private readonly gov: Governor,
+    readonly limit: Limit,
+    readonly estimate: number,
+    readonly ctx: Context,
+  ) {}
+
+  get settled(): boolean {
+    return this.done;
+  }
+
+  /** Return the whole reservation when it ends (the work did not happen). */
+  release(): void {
+    this.released = true;
+  }
+
+  /** @internal */
+  async enter(): Promise<this> {
+    const gov = this.gov;
+    const now = gov.now();
+    const s = planning.slot(this.limit, this.ctx, now, gov.policy.tz, this.estimate, planning.enforces(this.limit), gov.policy);
+    if (s === null) {
+      this.decision = ADMITTED;
+      return this;
+    }
+    const [decision, eventId] = await gov.admit(planning.planOf([s]), this.ctx, now, EntryType.RESERVED);
+    this.decision = decision;
+    if (!decision.admitted) throw new (decision.refusalType())(decision);
+    this.slot = s;
+    this.id = eventId;
+    return this;
+  }
+
+  /** Settle to `actual` now; reports the limit's total. A reservation settles once. */
+  async settle(actual: number): Promise<MeterResult> {
+    if (!this.done) this.actual = checkAmount(actual, "actual");
+    return this.finish(true);
+  }
+
+  /** @internal */
+  async finish(report: boolean): Promise<MeterResult> {
+    if (this.slot === null || this.done) return NOTHING_METERED;
+    let final: number;
+    let kind: EntryType;
+    if (this.released) [final, kind] = [0, EntryType.RELEASED];
+    else if (this.actual === null) {
+      this.done = true;
+      return NOTHING_METERED;
+    } else [final, kind] = [checkAmount(this.actual, "actual"), EntryType.SETTLED];
+    this.done = true;
+    const s = planning.withAmount(this.slot, final - this.estimate);
+    if (s.amount === 0 && this.gov.ledger === null && !report) return NOTHING_METERED;
+    const [before, degraded, cap] = await this.gov.record([s], this.ctx, kind, null, this.gov.now(), this.id, report);
+    return planning.metered(s, before, degraded, cap);
+  }
+}
+
+/** Enforces a Policy on shared counters. */
+export class Governor {
+  readonly ledger: Ledger | null;
+  readonly prices: PriceTable | null;
+  readonly leaseTtl: number;
+  private readonly clock: () => number;
+  private readonly retryInterval: number;
+  private readonly fallback: MemoryBackend;
+  private readonly pending: [string, CounterOp[]][] = [];
+  private readonly maxPending: number;
+  private downUntil = 0;
+  private plans = new Map<string, Plan>();
+  private byObject = new WeakMap<Context, { minute: number; calls: number; plan: Plan }>();
+  policy: Policy;
+  readonly backend: Backend;
+
+  constructor(policy: Policy, backend: Backend | null = null, options: GovernorOptions = {}) {
+    if (policy === null || typeof policy !== "object" || typeof (policy as Policy).capRef !== "function") {
+      throw new InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))");
+    }
+    const ttl = options.leaseTtl ?? 30;
+    if (typeof ttl !== "number" || !(ttl >= 0.01 && ttl <= 86_400)) {
+      throw new InvalidInputError("lease_ttl", ttl, "expected seconds from 0.01 to 86400");
+    }
+    this.policy = policy;
+    this.clock = options.clock ?? (() => Date.now() / 1000);
+    this.backend = backend ?? new MemoryBackend(this.clock);
+    this.ledger = options.ledger ?? null;
+    this.prices = options.prices ?? null;
+    this.leaseTtl = ttl;
+    this.retryInterval = options.retryInterval ?? 1;
+    this.maxPending = options.maxPending ?? 100_000;
+    this.fallback = new MemoryBackend(this.clock);
+  }
+
+  /** @internal The governor's clock (epoch seconds). */
+  now(): number {
+    return this.clock();
+  }
+
+  /** Govern every call from now on by `policy`; returns the old one. */
+  replacePolicy(policy: Policy): Policy {
+    const old = this.policy;
+    this.policy = policy;
+    this.plans = new Map();
+    this.byObject = new WeakMap();
+    return old;
+  }
+
+  // -- the hot path ---------------------------------------------------------
+
+  /**
+   * Admit or refuse a call, charging every gated limit all or nothing, in one
+   * round trip however many limits apply. A refusal charges nothing anywhere.
+   */
+  async check(ctx: Context | null = null, options: { amount?: number; approved?: readonly string[] } = {}): Promise<Decision> {
+    const amount = options.amount ?? 1;
+    if (amount !== 1) checkAmount(amount, "amount");
+    const c = ctx ?? EMPTY;
+    const now = this.clock();
+    const approved = options.approved ?? [];
+    if (approved.length) {
+      for (const name of approved) {
+        if (this.policy.get(name).onExceed !== OnExceed.ASK) {
+          throw new InvalidInputError("approved", name, "only an on_exceed=ASK limit can be approved");
+        }
+      }
+      const plan = planning.checkPlan(this.policy, c, now, amount, new Set(approved));
+      return (await this.admit(plan, c, now, EntryType.ADMITTED, [...approved].sort()))[0];
+    }
+    const plan = this.plan(c, now, amount);
+    if (this.ledger === null && !plan.slots.length) return ADMITTED;
+    return (await this.admit(plan, c, now, EntryType.ADMITTED))[0];
+  }
+
+  /**
+   * check() for the duration of `work`: refused, throws the refusal; admitted,
+   * concurrency-cap leases are renewed while it runs and given back however it ends.
+   */
+  async admitted<R>(ctx: Context | null, work: (decision: Decision) => Promise<R>): Promise<R> {
+    const decision = (await this.check(ctx)).raiseForStatus();
+    let timer: NodeJS.Timeout | undefined;
+    if (decision.lease !== null) {
+      timer = setInterval(() => {
+        this.renew(decision).catch(() => undefined);
+      }, (this.leaseTtl * 1000) / 3);
+      timer.unref();
+    }
+    try {
+      return await work(decision);
+    } finally {
+      if (timer !== undefined) clearInterval(timer);
+      await this.release(decision);
+    }
+  }
+
+  /** Give back the concurrency-cap leases of an admitted decision (never throws for an outage). */
+  async release(decision: Decision): Promise<void> {
+    const lease = decision.lease;
+    if (lease === null) return;
+    await this.fallback.release(lease.keys, lease.id);
+    try {
+      await this.backend.release(lease.keys, lease.id);
+    } catch (err) {
+      if (!(err instanceof BackendUnavailableError)) throw err;
+    }
+  }
+
+  /** Extend the leases of `decision` by leaseTtl; false when one had expired. */
+  async renew(decision: Decision): Promise<boolean> {
+    const lease = decision.lease;
+    if (lease === null) return true;
+    await this.fallback.renew(lease.keys, lease.id, this.leaseTtl);
+    try {
+      return (await this.backend.renew(lease.keys, lease.id, this.leaseTtl)) === lease.keys.length;
+    } catch (err) {
+      if (err instanceof BackendUnavailableError) return false;
+      throw err;
+    }
+  }
+
+  /** Policy.identified for a caller, with a refusal recorded in the ledger. */
+  async identified(ctx: Context): Promise<Context> {
+    try {
+      return this.policy.identified(ctx);
+    } catch (err) {
+      if (err instanceof BudgetExceeded && this.ledger !== null) {
+        const d = err.decision;
+        await this.append(newId(), EntryType.REJECTED, this.clock(), ctx, [], { limit: d.limit, status: d.status, over: d.over });
+      }
+      throw err;
+    }
+  }
+
+  /** Hold `estimate` on `limit` until settle(); throws the refusal when it does not fit. */
+  async reserve(limit: string, estimate: number, ctx: Context | null = null): Promise<Reservation> {
+    const r = new Reservation(this, planning.meteredLimit(this.policy, limit), checkAmount(estimate, "estimate"), ctx ?? EMPTY);
+    return r.enter();
+  }
+
+  /**
+   * Reserve `estimate` on `limit` while `work(reservation)` runs; settles on exit
+   * to `reservation.actual` (left unset, the estimate stands).
+   */
+  async reserved<R>(limit: string, estimate: number, ctx: Context | null, work: (r: Reservation) => Promise<R>): Promise<R> {
+    const r = await this.reserve(limit, estimate, ctx);
+    try {
+      return await work(r);
+    } finally {
+      await r.finish(false);
+    }
+  }
+
+  /** Settle `reservation` to the real cost (never refused: the money is spent). */
+  async settle(reservation: Reservation, actual: number): Promise<MeterResult> {
+    return reservation.settle(actual);
+  }
+
+  /** Charge `amount` to one limit (or several: one event), never refused. */
+  async meter(limit: string | readonly string[], amount: number, ctx: Context | null = null): Promise<MeterResult> {
+    const limits = planning.namedLimits(this.policy, limit);
+    checkAmount(amount, "amount");
+    return this.meterPairs(limits.map((l) => [l, amount] as const), ctx ?? EMPTY, null);
+  }
+
+  /** Charge several limits as one event: `{limit: amount}`. */
+  async meterCharges(charges: Readonly<Record<string, number>>, ctx: Context | null = null): Promise<void> {
+    const pairs = Object.entries(charges).map(
+      ([name, amount]) => [planning.meteredLimit(this.policy, name), checkAmount(amount, `charges['${name}']`)] as const,
+    );
+    await this.meterPairs(pairs, ctx ?? EMPTY, null);
+  }
+
+  /** Price a model call (USD limits) or count its tokens (TOKENS limits) and meter it. */
+  async meterTokens(limit: string | readonly string[], model: string, tokens: Tokens, ctx: Context | null = null): Promise<MeterResult> {
+    const limits = planning.namedLimits(this.policy, limit);
+    const t = {
+      inputTokens: checkAmount(tokens.inputTokens, "input_tokens"),
+      outputTokens: checkAmount(tokens.outputTokens, "output_tokens"),
+      cacheReadTokens: checkAmount(tokens.cacheReadTokens ?? 0, "cache_read_tokens"),
+      cacheWriteTokens: checkAmount(tokens.cacheWriteTokens ?? 0, "cache_write_tokens"),
+    };
+    for (const lim of limits) {
+      if (lim.unit !== Unit.USD_MICROS && lim.unit !== Unit.TOKENS) {
+        throw new InvalidInputError("limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS");
+      }
+    }
+    let cost = 0;
+    let priceVersion: string | null = null;
+    if (limits.some((l) => l.unit === Unit.USD_MICROS)) {
+      if (this.prices === null) {
+        throw new GovernorError(
+          "prices: meterTokens on a USD limit needs a price table: prices: PriceTable.builtin() or new PriceTable().withPrice(...)",
+        );
+      }
+      cost = this.prices.costMicros(model, t);
+      priceVersion = this.prices.version;
+    }
+    const count = limits.some((l) => l.unit === Unit.TOKENS) ? checkAmount(t.inputTokens + t.outputTokens, "input_tokens + output_tokens") : 0;
+    const usage: TokenUsage = { model, ...t, priceVersion };
+    return this.meterPairs(
+      limits.map((l) => [l, l.unit === Unit.USD_MICROS ? cost : count] as const),
+      ctx ?? EMPTY,
+      usage,
+    );
+  }
+
+  /** What `limit` has counted in the current window for `ctx` (committed + in-flight). */
+  async usage(limit: string, ctx: Context | null = null): Promise<number> {
+    const c = ctx ?? EMPTY;
+    const lim = this.policy.get(limit);
+    const s = planning.slot(lim, c, this.clock(), this.policy.tz, 0, false, this.policy);
+    if (s === null) {
+      const missing = lim.dimensions.filter((d) => (d === "session" ? c.session : c[d]) == null);
+      throw new InvalidInputError("ctx", c, `lacks ${missing.join("+")} for limit '${limit}'`);
+    }
+    await this.flushPending();
+    if (lim.concurrent) return (await this.backend.inProgress([s.key]))[0] ?? 0;
+    return (await this.backend.usage([s.key]))[0] ?? 0;
+  }
+
+  /** Flush what can be flushed and close the backend and ledger. */
+  async close(): Promise<void> {
+    try {
+      await this.flushPending();
+    } catch (err) {
+      if (!(err instanceof BackendUnavailableError)) throw err;
+    }
+    if (this.ledger !== null) await this.ledger.close();
+    await this.backend.close();
+  }
+
+  // -- internals ------------------------------------------------------------
+
+  private plan(ctx: Context, now: number, calls: number): Plan {
+    const minute = Math.floor(now / 60);
+    // A caller reusing its context object (a frozen value) skips even the cache key.
+    const mine = this.byObject.get(ctx);
+    if (mine !== undefined && mine.minute === minute && mine.calls === calls) return mine.plan;
+    const plan = this.planByKey(ctx, now, calls, minute);
+    this.byObject.set(ctx, { minute, calls, plan });
+    return plan;
+  }
+
+  private planByKey(ctx: Context, now: number, calls: number, minute: number): Plan {
+    const key = `${contextKey(ctx)}|${minute}|${calls}`;
+    let plan = this.plans.get(key);
+    if (plan === undefined) {
+      plan = planning.checkPlan(this.policy, ctx, now, calls);
+      if (cacheable(ctx)) {
+        if (this.plans.size >= 4096) this.plans.clear();
+        this.plans.set(key, plan);
+      }
+    }
+    return plan;
+  }
+
+  /** @internal The admission step of check() and reserve(), one round trip. */
+  async admit(plan: Plan, ctx: Context, now: number, kind: EntryType, approved: readonly string[] = []): Promise<[Decision, string | null]> {
+    if (this.ledger !== null && this.ledger.accepting === false) return [planning.ledgerFull(this.retryInterval), null];
+    const eventId = this.ledger !== null ? newId() : null;
+    const opId = eventId === null ? newId() : null;
+    const lease = plan.leases.length ? newId() : null;
+    let decision: Decision;
+    try {
+      const result = await this.charge(plan.ops, eventId, true, opId, lease);
+      decision = result.refused < 0 ? planning.admitted(plan.slots, result.used, false, result.caps) : this.decide(plan.slots, result, now);
+    } catch (err) {
+      if (!(err instanceof BackendUnavailableError)) throw err;
+      decision = await this.degradedCheck(plan.slots, now, opId, lease);
+    }
+    if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
+    if (this.ledger !== null && eventId !== null) {
+      const ok = decision.admitted;
+      await this.ledger.append(
+        entry(eventId, ok ? kind : EntryType.REJECTED, now, ctx, ok ? plan.charges : [], {
+          limit: decision.limit,
+          status: decision.status,
+          over: decision.over,
+          degraded: decision.degraded,
+          approved: ok ? approved : [],
+        }),
+      );
+    }
+    return [decision, eventId];
+  }
+
+  private decide(slots: readonly Slot[], result: ChargeResult, now: number): Decision {
+    const remaining = result.used.length ? planning.headroom(slots, result.used, false, result.caps) : {};
+    const s = slots[result.refused];
+    if (s === undefined) throw new GovernorError(`backend refused op ${result.refused} of ${slots.length}`);
+    return planning.refused(s, now, false, remaining);
+  }
+
+  private async charge(
+    ops: readonly CounterOp[],
+    eventId: string | null,
+    wantUsed: boolean,
+    opId: string | null,
+    lease: string | null = null,
+  ): Promise<ChargeResult> {
+    if (this.downUntil) {
+      if (this.clock() < this.downUntil) throw new BackendUnavailableError("backend marked down; retrying later");
+      await this.flushPending();
+    }
+    try {
+      return await this.backend.charge(ops, { eventId, wantUsed, opId, lease, leaseTtl: this.leaseTtl });
+    } catch (err) {
+      if (err instanceof BackendUnavailableError) this.markDown();
+      throw err;
+    }
+  }
+
+  private markDown(): void {
+    this.downUntil = this.clock() + this.retryInterval;
+  }
+
+  private async flushPending(): Promise<void> {
+    while (this.pending.length) {
+      const [opId, ops] = this.pending[0] ?? ["", []];
+      try {
+        await this.backend.charge(ops, { wantUsed: false, opId });
+      } catch (err) {
+        if (err instanceof BackendUnavailableError) {
+          this.markDown();
+          throw err;
+        }
+        if (!(err instanceof CounterOverflowError)) throw err;
+      }
+      this.pending.shift();
+    }
+    this.downUntil = 0;
+  }
+
+  private keepForLater(slots: readonly Slot[], opId: string | null): void {
+    if (this.ledger !== null || opId === null) return;
+    const ops = slots
+      .filter((s) => s.amount && !s.limit.concurrent)
+      .map((s) => ({ key: s.key, amount: s.amount, cap: s.limit.cap, enforce: false, expireAt: s.expireAt, ref: null }));
+    if (!ops.length) return;
+    if (this.pending.length >= this.maxPending) this.pending.shift();
+    this.pending.push([opId, ops]);
+  }
+
+  private async degradedCheck(slots: readonly Slot[], now: number, opId: string | null, lease: string | null): Promise<Decision> {
+    for (const s of slots) {
+      if (s.enforce && s.limit.failMode === FailMode.CLOSED) return planning.unavailable(s, this.retryInterval);
+    }
+    const localSlots = slots.filter((s) => local(s.limit));
+    const result = await this.fallback.charge(localSlots.map(planning.opOf), { lease, leaseTtl: this.leaseTtl });
+    if (result.refused >= 0) {
+      const s = localSlots[result.refused];
+      if (s !== undefined) {
+        return planning.refused(s, now, true, planning.headroom(localSlots, result.used, false));
+      }
+    }
+    this.keepForLater(slots, opId);
+    return planning.admitted(localSlots, result.used, true);
+  }
+
+  private async meterPairs(charges: readonly (readonly [Limit, number])[], ctx: Context, usage: TokenUsage | null): Promise<MeterResult> {
+    const now = this.clock();
+    const slots = planning.meterSlots(charges, ctx, now, this.policy);
+    const first = slots[0];
+    if (first === undefined) return NOTHING_METERED;
+    const [before, degraded, cap] = await this.record(slots, ctx, EntryType.METERED, usage, now, null, true);
+    return planning.metered(first, before, degraded, cap);
+  }
+
+  /** @internal Charge `slots` in one call and append them as one ledger event. */
+  async record(
+    slots: readonly Slot[],
+    ctx: Context,
+    kind: EntryType,
+    usage: TokenUsage | null,
+    now: number,
+    reservation: string | null,
+    wantUsed: boolean,
+  ): Promise<[number | null, boolean, number | null]> {
+    let cap: number | null = null;
+    const eventId = this.ledger !== null ? newId() : null;
+    const opId = eventId === null ? newId() : null;
+    let degraded = false;
+    let before: number | null = null;
+    try {
+      const result = await this.charge(slots.map(planning.opOf), eventId, wantUsed, opId);
+      if (wantUsed && result.used.length) {
+        before = result.used[0] ?? null;
+        cap = result.caps.length ? (result.caps[0] ?? null) : null;
+      }
+    } catch (err) {
+      if (!(err instanceof BackendUnavailableError)) throw err;
+      degraded = true;
+      const localOps = slots.filter((s) => local(s.limit)).map(planning.opOf);
+      if (localOps.length) {
+        const fb = await this.fallback.charge(localOps);
+        if (slots[0] !== undefined && local(slots[0].limit)) before = fb.used[0] ?? null;
+      }
+      this.keepForLater(slots, opId);
+    }
+    if (eventId !== null) {
+      await this.append(eventId, kind, now, ctx, planning.ledgerCharges(slots), { usage, degraded, reservation });
+    }
+    return [before, degraded, cap];
+  }
+
+  private async append(
+    id: string,
+    kind: EntryType,
+    now: number,
+    ctx: Context,
+    charges: readonly LedgerCharge[],
+    extra: Partial<LedgerEntry>,
+  ): Promise<void> {
+    if (this.ledger === null) return;
+    await this.ledger.append(entry(id, kind, now, ctx, charges, extra));
+  }
+}
+
+function entry(
+  id: string,
+  type: EntryType,
+  time: number,
+  ctx: Context,
+  charges: readonly LedgerCharge[],
+  extra: Partial<LedgerEntry>,
+): LedgerEntry {
+  return {
+    id,
+    type,
+    time,
+    context: ctx,
+    charges,
+    limit: extra.limit ?? null,
+    status: extra.status ?? 200,
+    over: extra.over ?? [],
+    usage: extra.usage ?? null,
+    degraded: extra.degraded ?? false,
+    reservation: extra.reservation ?? null,
+    change: null,
+    approved: extra.approved ?? [],
+  };
+}
+
+export { makeContext as context };

@@ -1,0 +1,80 @@
+/**
+ * Middleware for the TypeScript `fastmcp` framework: every tool's `execute`
+ * is checked before it runs and metered after, with the tool's name as
+ * `Context.tool`, the caller from `identify` (default: the session's
+ * `authenticate` result when it has a `user`/`id`), the tool's `_meta.mcpbg`
+ * price, and a refusal thrown as fastmcp's `UserError` carrying the Python
+ * middleware's refusal text (the client gets an error result with that text).
+ *
+ * @example
+ * const server = new FastMCP({ name: "my-server", version: "1.0.0" });
+ * governFastMCP(server, governor, { identify: (ctx) => context({ user: ctx.session?.id }) });
+ * server.addTool({ name: "search", _meta: { mcpbg: { cost_usd: "0.01", limit: "spend" } }, execute });
+ */
+import { UserError } from "fastmcp";
+
+import { context, type Context } from "../context.js";
+import { refusalText } from "../decision.js";
+import { BudgetExceeded } from "../errors.js";
+import type { Governor } from "../governor.js";
+import { governedCall, toolPrices, type Identify } from "./common.js";
+
+/** What fastmcp passes `execute` as its second argument (the parts used here). */
+export interface ToolContext {
+  session?: unknown;
+  sessionId?: string | undefined;
+}
+
+export interface GovernFastMCPOptions<C = ToolContext> {
+  identify?: Identify<C>;
+}
+
+/** The default identity: the session's `user`, `sub` or `id` (from `authenticate`), and the MCP session id. */
+export function callerOf(ctx: ToolContext | undefined): Context {
+  const s = (ctx?.session ?? {}) as Record<string, unknown>;
+  const user = [s["user"], s["sub"], s["id"]].find((v): v is string => typeof v === "string" && v !== "");
+  return context({ ...(user !== undefined ? { user } : {}), ...(ctx?.sessionId ? { session: ctx.sessionId } : {}) });
+}
+
+interface ToolLike {
+  name: string;
+  _meta?: Record<string, unknown>;
+  execute: (args: never, ctx: never) => Promise<unknown>;
+}
+
+interface FastMCPLike {
+  addTool(tool: never): void;
+}
+
+/** The refusal as fastmcp's error: its text is the Python middleware's refusal text. */
+export class BudgetToolError extends UserError {
+  constructor(readonly refusal: BudgetExceeded) {
+    super(refusalText(refusal.decision), { mcpbg: { status: refusal.decision.status, reason: refusal.decision.reason } });
+  }
+}
+
+/** One fastmcp tool, governed. */
+export function governTool<T extends ToolLike>(governor: Governor, tool: T, options: GovernFastMCPOptions = {}): T {
+  const { price, estimate } = toolPrices(governor.policy, tool.name, tool._meta);
+  const execute = tool.execute as (args: unknown, ctx: ToolContext) => Promise<unknown>;
+  return {
+    ...tool,
+    execute: async (args: unknown, ctx: ToolContext) => {
+      try {
+        const found = options.identify !== undefined ? await options.identify(ctx) : callerOf(ctx);
+        const caller = context({ ...(found ?? {}), tool: tool.name });
+        return await governedCall(governor, caller, () => execute(args, ctx), price, estimate);
+      } catch (err) {
+        if (err instanceof BudgetExceeded) throw new BudgetToolError(err);
+        throw err;
+      }
+    },
+  };
+}
+
+/** Govern every tool added to a FastMCP server from now on (call it right after creating the server). */
+export function governFastMCP<S extends FastMCPLike>(server: S, governor: Governor, options: GovernFastMCPOptions = {}): S {
+  const add = server.addTool.bind(server) as (tool: ToolLike) => void;
+  (server as unknown as { addTool: (tool: ToolLike) => void }).addTool = (tool: ToolLike) => add(governTool(governor, tool, options));
+  return server;
+}

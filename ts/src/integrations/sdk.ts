@@ -1,0 +1,116 @@
+/**
+ * Middleware for the official MCP TypeScript SDK (`@modelcontextprotocol/sdk`):
+ * every tool call is checked before its handler runs and metered after, with
+ * the tool's name as `Context.tool`, the caller from `identify`, the tool's
+ * `_meta.mcpbg` price, and a refusal returned as an error result whose text
+ * (and status) are those of the Python middleware.
+ *
+ * @example
+ * const server = new McpServer({ name: "my-server", version: "1.0.0" });
+ * governTools(server, governor, { identify: (extra) => context({ user: extra.authInfo?.clientId }) });
+ * server.registerTool("search", { _meta: { mcpbg: { cost_usd: "0.01", limit: "spend" } } }, handler);
+ *
+ * For the low-level `Server`, wrap the tools/call handler itself:
+ * server.setRequestHandler(CallToolRequestSchema, governedCallTool(governor, handler));
+ */
+import { context, type Context } from "../context.js";
+import { BudgetExceeded } from "../errors.js";
+import type { Governor } from "../governor.js";
+import { governedCall, refusalResult, toolPrices, type Identify } from "./common.js";
+
+/** What the SDK passes a handler as its last argument (the parts used here). */
+export interface RequestExtra {
+  authInfo?: { clientId?: string; extra?: Record<string, unknown> } | undefined;
+  sessionId?: string | undefined;
+}
+
+export interface GovernOptions<E = RequestExtra> {
+  /** Names the caller; default: the access token's subject (`authInfo.extra.sub`), else its client id. */
+  identify?: Identify<E>;
+}
+
+/** The default identity: the OAuth access token's subject, else its client id, and the MCP session. */
+export function callerOf(extra: RequestExtra | undefined): Context {
+  const sub = extra?.authInfo?.extra?.["sub"];
+  const user = typeof sub === "string" && sub ? sub : extra?.authInfo?.clientId;
+  return context({ ...(user ? { user } : {}), ...(extra?.sessionId ? { session: extra.sessionId } : {}) });
+}
+
+async function caller<E>(identify: Identify<E> | undefined, extra: E, tool: string): Promise<Context> {
+  const found = identify !== undefined ? await identify(extra) : callerOf(extra as RequestExtra);
+  return context({ ...(found ?? {}), tool });
+}
+
+type Handler = (...args: never[]) => unknown;
+
+/** One tool handler governed: same arguments, same result, or the refusal as an error result. */
+export function governHandler<H extends Handler>(
+  governor: Governor,
+  tool: string,
+  handler: H,
+  meta: Record<string, unknown> | null | undefined,
+  options: GovernOptions = {},
+): H {
+  const { price, estimate } = toolPrices(governor.policy, tool, meta); // a bad price fails at registration
+  const wrapped = async (...args: unknown[]): Promise<unknown> => {
+    const extra = args[args.length - 1] as RequestExtra;
+    try {
+      const ctx = await caller(options.identify, extra, tool);
+      return await governedCall(governor, ctx, async () => (handler as unknown as (...a: unknown[]) => unknown)(...args), price, estimate);
+    } catch (err) {
+      if (err instanceof BudgetExceeded) return refusalResult(err.decision);
+      throw err;
+    }
+  };
+  return wrapped as unknown as H;
+}
+
+interface McpServerLike {
+  registerTool(name: string, config: Record<string, unknown>, cb: Handler): unknown;
+  tool?: (...args: never[]) => unknown;
+}
+
+/**
+ * Govern every tool registered on an `McpServer` from now on (call it right
+ * after creating the server): `registerTool` and `tool` wrap each handler.
+ */
+export function governTools<S extends McpServerLike>(server: S, governor: Governor, options: GovernOptions = {}): S {
+  const register = server.registerTool.bind(server);
+  server.registerTool = (name: string, config: Record<string, unknown>, cb: Handler) =>
+    register(name, config, governHandler(governor, name, cb, config["_meta"] as Record<string, unknown> | undefined, options));
+  const legacy = server.tool?.bind(server);
+  if (legacy !== undefined) {
+    server.tool = ((...args: unknown[]) => {
+      const name = args[0] as string;
+      const cb = args[args.length - 1] as Handler;
+      return (legacy as (...a: unknown[]) => unknown)(...args.slice(0, -1), governHandler(governor, name, cb, null, options));
+    }) as NonNullable<S["tool"]>;
+  }
+  return server;
+}
+
+interface CallToolRequest {
+  params: { name: string; arguments?: Record<string, unknown> | undefined; _meta?: Record<string, unknown> | undefined };
+}
+
+/**
+ * The low-level `Server`'s tools/call handler, governed. `meta(name)` gives a
+ * tool's `_meta` (its price), e.g. from the list your tools/list handler serves.
+ */
+export function governedCallTool<Req extends CallToolRequest, E extends RequestExtra, R>(
+  governor: Governor,
+  handler: (request: Req, extra: E) => Promise<R>,
+  options: GovernOptions<E> & { meta?: (tool: string) => Record<string, unknown> | undefined } = {},
+): (request: Req, extra: E) => Promise<R | ReturnType<typeof refusalResult>> {
+  return async (request, extra) => {
+    const tool = request.params.name;
+    const { price, estimate } = toolPrices(governor.policy, tool, options.meta?.(tool));
+    try {
+      const ctx = await caller(options.identify, extra, tool);
+      return await governedCall(governor, ctx, () => handler(request, extra), price, estimate);
+    } catch (err) {
+      if (err instanceof BudgetExceeded) return refusalResult(err.decision);
+      throw err;
+    }
+  };
+}

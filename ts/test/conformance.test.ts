@@ -1,0 +1,229 @@
+// The TypeScript package checks itself against every conformance vector the
+// Python implementation generated: keys, buckets, expiries, escapes, money,
+// prices, script digests, the exact charge.lua calls, policy files, refusals.
+import assert from "node:assert/strict";
+import { createHash } from "node:crypto";
+import { readFileSync } from "node:fs";
+import { describe, it } from "node:test";
+
+import { chargeCommand } from "../src/backends/redis.js";
+import { Decision, refusalBody, refusalText } from "../src/decision.js";
+import { InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
+import { KeyBuilder, SEPARATORS } from "../src/keys.js";
+import { usd } from "../src/money.js";
+import * as planning from "../src/planning.js";
+import { parsePolicy } from "../src/policyFile.js";
+import { PriceTable } from "../src/prices.js";
+import { script, SCRIPTS } from "../src/scripts.js";
+import { toolPrices } from "../src/integrations/common.js";
+import { escapeMismatches, keyMismatches } from "./conformance.js";
+import { ctxOf, VECTORS, type Json } from "./vectors.js";
+
+describe("keys, buckets and expiries", () => {
+  it("match every key vector (windows, time zones, DST, billing days, hostile ids)", () => {
+    assert.ok(VECTORS.keys.length > 500);
+    assert.deepEqual(keyMismatches(new KeyBuilder()), []);
+  });
+
+  it("escape scope values as Python does", () => {
+    assert.deepEqual(escapeMismatches(), []);
+  });
+
+  it("fail when one vector is changed by one character", () => {
+    const changed = structuredClone(VECTORS);
+    changed.keys[0].key = changed.keys[0].key.replace(":", ";");
+    changed.keys[1].expire_at += 1;
+    assert.equal(keyMismatches(new KeyBuilder(), changed).length, 2);
+  });
+
+  for (const [name, patched] of [
+    ["segment", { ...SEPARATORS, segment: ";" }],
+    ["dimension", { ...SEPARATORS, dimension: ";" }],
+    ["pair", { ...SEPARATORS, pair: ":" }],
+  ] as const) {
+    it(`fail when the ${name} separator of the key builder changes by one character`, () => {
+      const mismatches = keyMismatches(new KeyBuilder(patched));
+      assert.ok(mismatches.length > 0, "a patched key builder passed the key vectors");
+    });
+  }
+});
+
+describe("money", () => {
+  it("converts dollars to micros, rounding up once", () => {
+    for (const [text, micros] of Object.entries(VECTORS.usd as Record<string, number>)) assert.equal(usd(text), micros, text);
+    for (const [text, micros] of Object.entries(VECTORS.usd_more.good as Record<string, number>)) {
+      assert.equal(usd(text), micros, text);
+    }
+  });
+
+  it("refuses what Python refuses, naming the same field and problem", () => {
+    for (const [text, want] of Object.entries(VECTORS.usd_more.bad as Record<string, Json>)) {
+      assert.throws(
+        () => usd(text),
+        (err: unknown) => err instanceof InvalidInputError && err.field === want.field && err.problem === want.problem,
+        text,
+      );
+    }
+  });
+});
+
+describe("prices", () => {
+  it("price the golden custom cases", () => {
+    const table = new PriceTable().withPrice("m", 3, 15, "0.3", "3.75");
+    for (const c of VECTORS.prices as Json[]) {
+      const [inputTokens, outputTokens, cacheReadTokens, cacheWriteTokens] = c.tokens;
+      assert.equal(table.costMicros("m", { inputTokens, outputTokens, cacheReadTokens, cacheWriteTokens }), c.micros);
+    }
+  });
+
+  it("price built-in models as the Python table does", () => {
+    const table = PriceTable.builtin();
+    assert.equal(table.version, VECTORS.builtin_prices.version);
+    assert.equal(table.size, Object.keys(VECTORS.builtin_prices.models).length);
+    for (const c of VECTORS.builtin_prices.cases as Json[]) {
+      const [inputTokens, outputTokens, cacheReadTokens, cacheWriteTokens] = c.tokens;
+      if (c.micros === null) continue;
+      assert.equal(table.costMicros(c.model, { inputTokens, outputTokens, cacheReadTokens, cacheWriteTokens }), c.micros, c.model);
+    }
+  });
+
+  it("raise for an unknown model, never pricing it at zero", () => {
+    for (const u of VECTORS.builtin_prices.unknown as Json[]) {
+      assert.throws(
+        () => PriceTable.builtin().costMicros(u.model, { inputTokens: 1, outputTokens: 1 }),
+        (err: unknown) => err instanceof UnknownModelError && err.message === u.message,
+      );
+    }
+  });
+});
+
+describe("scripts", () => {
+  it("are the repository's lua/ files, with the vectors' digests", () => {
+    assert.deepEqual([...SCRIPTS], VECTORS.script_layout.names);
+    for (const name of SCRIPTS) {
+      const s = script(name);
+      assert.equal(s.sha, VECTORS.scripts[name], name);
+      const repo = readFileSync(new URL("../../lua/lib.lua", import.meta.url), "utf8") + "\n" +
+        readFileSync(new URL(`../../lua/${name}.lua`, import.meta.url), "utf8");
+      assert.equal(createHash("sha1").update(repo).digest("hex"), s.sha, `${name}: the copy differs from ../lua`);
+    }
+  });
+
+  it("call charge.lua with exactly the KEYS and ARGV Python's RedisBackend sends", () => {
+    const policies = VECTORS.policies.good;
+    for (const c of VECTORS.charge as Json[]) {
+      const policy = parsePolicy(policies[c.policy].toml);
+      const ctx = ctxOf(c.context);
+      let ops: readonly planning.CounterOp[];
+      if (c.call === "check") ops = planning.checkPlan(policy, ctx, c.now).ops;
+      else {
+        const lim = planning.meteredLimit(policy, c.limit);
+        ops = planning.meterSlots([[lim, c.amount]], ctx, c.now, policy).map(planning.opOf);
+      }
+      const command = chargeCommand(script("charge").sha, ops, {
+        eventId: c.ledger ? "0190f5a2-7e3b-7c1d-9f00-0000000000bb" : null,
+        opId: c.ledger ? null : "0190f5a2-7e3b-7c1d-9f00-0000000000aa",
+        wantUsed: true,
+        lease: c.lease ? "0190f5a2-7e3b-7c1d-9f00-0000000000cc" : null,
+        leaseTtl: 30,
+        requireEpoch: c.require_epoch ?? false,
+      });
+      assert.deepEqual(["EVALSHA", ...command], c.command, `${c.policy} ${c.call} ${JSON.stringify(c.context)}`);
+    }
+  });
+});
+
+describe("policy files", () => {
+  it("load into the same limits, plans and assignments", () => {
+    for (const [name, want] of Object.entries(VECTORS.policies.good as Record<string, Json>)) {
+      const policy = parsePolicy(want.toml, `${name}.toml`);
+      assert.equal(policy.timezone, want.timezone, name);
+      assert.equal(policy.anonymous, want.anonymous, name);
+      const limits = policy.limits.map((l) => ({
+        name: l.name,
+        cap: l.cap,
+        window: l.window,
+        scope: [...l.dimensions],
+        unit: l.unit,
+        gated: l.gated,
+        breaker: l.breaker,
+        fail_mode: l.failMode,
+        local_fallback: l.localFallback,
+        status: l.status,
+        on_exceed: l.onExceed,
+        alert_at: [...l.alertAt],
+        anchor_day: l.anchorDay,
+        anchors: Object.fromEntries(l.anchors),
+        caps: Object.fromEntries(l.caps),
+      }));
+      assert.deepEqual(limits, want.limits, name);
+      assert.deepEqual(Object.fromEntries(policy.plans.map((p) => [p.name, Object.fromEntries(p.caps)])), want.plans, name);
+      assert.deepEqual(Object.fromEntries(policy.assignments), want.assignments, name);
+    }
+  });
+
+  it("refuse bad files naming the same key path and line", () => {
+    for (const [name, want] of Object.entries(VECTORS.policies.bad as Record<string, Json>)) {
+      assert.throws(
+        () => parsePolicy(want.toml, `${name}.toml`),
+        (err: unknown) => {
+          assert.ok(err instanceof PolicyFileError, `${name}: ${String(err)}`);
+          assert.equal(err.field, want.field, name);
+          assert.equal(err.line, want.line, `${name}: ${err.message}`);
+          return true;
+        },
+      );
+    }
+  });
+});
+
+describe("refusals", () => {
+  it("read and carry the statuses Python's integrations give", () => {
+    for (const r of VECTORS.refusals as Json[]) {
+      const d = new Decision({
+        admitted: false,
+        limit: r.limit,
+        status: r.status,
+        retryAfter: r.retry_after,
+        resetsAt: r.resets_at,
+        reason: r.reason,
+      });
+      assert.equal(refusalText(d), r.text, r.name);
+      assert.deepEqual(refusalBody(d), r.body, r.name);
+      assert.deepEqual(d.headers, r.headers, r.name);
+      assert.equal(d.refusalType().name, r.error, r.name);
+    }
+  });
+
+  it("are the decisions the planner makes for each kind of limit", () => {
+    const policy = parsePolicy(VECTORS.policies.good.refusals.toml);
+    const ctx = ctxOf({ user: "u_42", tenant: "acme" });
+    const now = 1_796_066_077;
+    for (const r of VECTORS.refusals as Json[]) {
+      const [kind, name] = r.name.split(":");
+      if (name === undefined) continue;
+      const s = planning.slot(policy.get(name), ctx, now, policy.tz, 1, true);
+      assert.ok(s !== null);
+      const d = kind === "refused" ? planning.refused(s, now) : planning.unavailable(s, 1);
+      assert.equal(refusalText(d), r.text, r.name);
+      assert.equal(d.status, r.status, r.name);
+    }
+  });
+});
+
+describe("tool prices (_meta.mcpbg)", () => {
+  it("read as Python's integrations read them", () => {
+    const policy = parsePolicy(VECTORS.policies.good.three_gated.toml);
+    for (const v of VECTORS.tool_meta as Json[]) {
+      if (v.error !== undefined) {
+        assert.throws(
+          () => toolPrices(policy, "search", v.meta),
+          (err: unknown) => err instanceof InvalidInputError && err.field === v.error,
+          JSON.stringify(v.meta),
+        );
+      } else {
+        assert.deepEqual(toolPrices(policy, "search", v.meta), { price: v.price, estimate: v.estimate }, JSON.stringify(v.meta));
+      }
+    }
+  });
+});

@@ -1,0 +1,81 @@
+// A TypeScript governor driven line by line from another process (the Python
+// cross-language tests, tests/test_typescript_cross.py): one JSON command per
+// stdin line, one JSON answer per stdout line.
+//
+//   tsx test/cross/driver.ts <policy.toml> <redis url>
+//   {"op": "check", "ctx": {"user": "u"}}            -> {"status": 200, "admitted": true}
+//   {"op": "checks", "n": 10, "spread_ms": 500, "ctx": {...}} -> {"statuses": [200, ...]}  (concurrently)
+//   {"op": "meter", "limit": "spend", "amount": 5, "ctx": {...}} -> {"total": 5}
+//   {"op": "usage", "limit": "spend", "ctx": {...}}  -> {"usage": 5}
+//   {"op": "key", "limit": "burst", "ctx": {...}}    -> {"key": "mcpbg:v1:..."}
+import { createInterface } from "node:readline";
+
+import { Governor, RedisBackend, context, loadPolicyFile, type Context } from "../../src/index.js";
+import { checkPlan } from "../../src/planning.js";
+
+const [policyFile, url] = process.argv.slice(2);
+if (policyFile === undefined || url === undefined) {
+  console.error("usage: driver.ts <policy.toml> <redis url>");
+  process.exit(2);
+}
+const policy = loadPolicyFile(policyFile);
+const governor = new Governor(policy, RedisBackend.fromUrl(url, { timeout: 5 }));
+
+interface Command {
+  op: string;
+  ctx?: Record<string, string>;
+  limit?: string;
+  amount?: number;
+  n?: number;
+  spread_ms?: number;
+}
+
+async function run(cmd: Command): Promise<unknown> {
+  const ctx: Context = context(cmd.ctx ?? {});
+  switch (cmd.op) {
+    case "check": {
+      const d = await governor.check(ctx);
+      return { status: d.status, admitted: d.admitted, reason: d.reason };
+    }
+    case "checks": {
+      // Started over spread_ms (0: all at once), to interleave with the other language's calls.
+      const n = cmd.n ?? 1;
+      const spread = cmd.spread_ms ?? 0;
+      const ds = await Promise.all(
+        Array.from({ length: n }, async (_, i) => {
+          if (spread) await new Promise((resolve) => setTimeout(resolve, (i * spread) / n));
+          return governor.check(ctx);
+        }),
+      );
+      return { statuses: ds.map((d) => d.status) };
+    }
+    case "meter":
+      return { total: (await governor.meter(cmd.limit ?? "", cmd.amount ?? 0, ctx)).total };
+    case "usage":
+      return { usage: await governor.usage(cmd.limit ?? "", ctx) };
+    case "key": {
+      const slot = checkPlan(policy, ctx, Date.now() / 1000).slots.find((s) => s.limit.name === cmd.limit);
+      return { key: slot?.key ?? null };
+    }
+    case "close":
+      await governor.close();
+      return { closed: true };
+    default:
+      throw new Error(`unknown op ${cmd.op}`);
+  }
+}
+
+const lines = createInterface({ input: process.stdin });
+console.log(JSON.stringify({ ready: true }));
+for await (const line of lines) {
+  if (!line.trim()) continue;
+  let answer: unknown;
+  try {
+    answer = await run(JSON.parse(line) as Command);
+  } catch (err) {
+    answer = { error: err instanceof Error ? `${err.name}: ${err.message}` : String(err) };
+  }
+  console.log(JSON.stringify(answer));
+  if ((answer as { closed?: boolean }).closed) break;
+}
+process.exit(0);
