@@ -2,8 +2,9 @@
 --
 -- ARGV[1]  'r' release: remove lease ARGV[2] from every set in KEYS;
 --          'n' renew: push lease ARGV[2] of every set that still holds it to
---              TIME + ARGV[3] ms (a lease already expired is not revived: its
+--              now + ARGV[3] ms (a lease already expired is not revived: its
 --              slot may have gone to another call); 'c' count live leases
+-- ARGV[#ARGV] last: the caller's clock, epoch ms (lib.lua caller_ms)
 -- KEYS     the lease sets (keys.lease_key)
 --
 -- Returns per key: 'r' 1 if the lease was there, 'n' 1 if renewed, 'c' the count.
