@@ -105,3 +105,40 @@ async def test_auth_and_select_come_first(redis_url: str) -> None:
         assert await pipe.call(pack(["DEL", "mcpbg:test:ap"])) == 1
     finally:
         pipe.close()
+
+
+async def test_a_meter_behind_is_seen_by_the_next_check_without_waiting(redis_url: str) -> None:
+    from mcp_budget_governor import Context, Governor, Limit, Policy, Scope, Window
+
+    policy = Policy.of(Limit("ap_spend", cap=10, window=Window.DAY, scope=Scope.USER))
+    gov = Governor(policy, RedisBackend.from_url(redis_url, timeout=2.0))
+    ctx = Context(user="mb")
+    try:
+        assert (await gov.check(ctx)).admitted  # connected
+        for _ in range(10):
+            await gov.meter_behind({"ap_spend": 1}, ctx)
+        # Written in order on the shared connection: this check comes after all ten.
+        assert not (await gov.check(ctx)).admitted
+        assert await gov.usage("ap_spend", ctx) == 11  # the first check counted one call
+    finally:
+        await gov.aclose()
+
+
+async def test_a_meter_behind_that_fails_is_kept_for_later() -> None:
+    """Redis gone after the write: the charge is kept and replayed, as a waited one would be."""
+    from mcp_budget_governor import Context, Governor, Limit, Policy, Scope, Window
+
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    policy = Policy.of(Limit("ap_spend", cap=10, window=Window.DAY, scope=Scope.USER))
+    backend = RedisBackend.from_url(f"redis://127.0.0.1:{port}/0", timeout=0.2)
+    gov = Governor(policy, backend)
+    try:
+        await backend._pipe()._connect()
+        await gov.meter_behind({"ap_spend": 3}, Context(user="mb"))
+        await asyncio.gather(*gov._detached)
+        assert len(gov._pending) == 1 and gov._pending[0][1][0].amount == 3
+    finally:
+        server.close()
+        gov._pending.clear()
+        await gov.aclose()

@@ -212,11 +212,20 @@ class Pipe:
 
     async def call(self, packed: bytes) -> Any:
         """Send one packed command (:func:`pack`) and await its reply."""
-        transport = self._transport
-        if transport is None or transport.is_closing():
+        fut = self.send(packed)
+        if fut is None:
             await self._connect()
-            transport = self._transport
-            assert transport is not None
+            fut = self.send(packed)
+            if fut is None:
+                raise ConnectionError(f"redis connection to {self._where()} closed at once")
+        return await fut
+
+    def send(self, packed: bytes) -> asyncio.Future[Any] | None:
+        """Queue one packed command now (its write keeps its place in the order of
+        this connection); the future of its reply, or None when not connected."""
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._connecting is not None:
+            return None
         fut = self.loop.create_future()
         waiters = self.waiters
         if self._buffer:
@@ -230,7 +239,7 @@ class Pipe:
         self.sent.append(self.loop.time())
         if self._watch is None:
             self._watch = self.loop.call_later(self.timeout, self._check_timeouts)
-        return await fut
+        return fut
 
     def _flush(self) -> None:
         buf, self._buffer = self._buffer, []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,6 +330,38 @@ class RedisBackend:
             raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
         return [lease, str(max(1, round(lease_ttl * 1000)))]
 
+    def _packed_charge(
+        self,
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        want_used: bool,
+        op_id: str | None,
+        lease: str | None,
+        lease_ttl: float,
+    ) -> bytes:
+        """:meth:`charge_args` as one packed EVALSHA: the cached pieces spliced
+        around what varies per call (event or operation id, lease, clock)."""
+        with_op = op_id is not None and event_id is None
+        p = self._prepare(ops, want_used, with_op)
+        lease_args = self._lease_args(p, lease, lease_ttl)
+        if with_op:
+            assert op_id is not None
+            first = p.counters_b.join((pack_args([op_key(op_id)]), pack_args([op_id])))
+        else:
+            first = pack_args([event_id or ""])
+        return b"".join(
+            (
+                b"*%d\r\n" % (p.count + len(lease_args)),
+                self._charge_prefix,
+                p.head_b,
+                first,
+                p.flags_b,
+                pack_args(lease_args) if lease_args else b"",
+                p.tail_b,
+                pack_args([self._now_ms()]),
+            )
+        )
+
     async def charge(
         self,
         ops: Sequence[CounterOp],
@@ -349,42 +381,65 @@ class RedisBackend:
                 lease=lease,
                 lease_ttl=lease_ttl,
             )
-            reply = await self._eval(self._charge, args)
-        else:  # the shared connection: splice the packed pieces, pack only what varies
-            with_op = op_id is not None and event_id is None
-            p = self._prepare(ops, want_used, with_op)
-            lease_args = self._lease_args(p, lease, lease_ttl)
-            if with_op:
-                assert op_id is not None
-                first = p.counters_b.join((pack_args([op_key(op_id)]), pack_args([op_id])))
-            else:
-                first = pack_args([event_id or ""])
-            packed = b"".join(
-                (
-                    b"*%d\r\n" % (p.count + len(lease_args)),
-                    self._charge_prefix,
-                    p.head_b,
-                    first,
-                    p.flags_b,
-                    pack_args(lease_args) if lease_args else b"",
-                    p.tail_b,
-                    pack_args([self._now_ms()]),
-                )
+            return self._charged(ops, await self._eval(self._charge, args))
+        packed = self._packed_charge(ops, event_id, want_used, op_id, lease, lease_ttl)
+        return await self._reply_of(
+            self._pipe().call(packed), ops, event_id, want_used, op_id, lease, lease_ttl
+        )
+
+    def charge_sent(
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
+    ) -> Awaitable[ChargeResult] | None:
+        """Write the charge now, on this loop's shared connection, and return what
+        awaits its reply; None when it cannot be written at once (coalescing off,
+        or not connected: then :meth:`charge` it).
+
+        Once this returns, any later call of this process on the connection
+        reaches Redis after the charge (one connection keeps its order), so
+        the next check sees it without anyone waiting for its reply.
+        """
+        if self._address is None:
+            return None
+        pipe = self._pipe()
+        fut = pipe.send(self._packed_charge(ops, event_id, want_used, op_id, None, 0.0))
+        if fut is None:
+            return None
+        return self._reply_of(fut, ops, event_id, want_used, op_id, None, 0.0)
+
+    async def _reply_of(
+        self,
+        pending: Awaitable[Any],
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        want_used: bool,
+        op_id: str | None,
+        lease: str | None,
+        lease_ttl: float,
+    ) -> ChargeResult:
+        try:
+            reply = await pending
+        except redis_errors.NoScriptError:  # this node lost its scripts: EVAL, same arguments
+            args = self.charge_args(
+                ops,
+                event_id=event_id,
+                want_used=want_used,
+                op_id=op_id,
+                lease=lease,
+                lease_ttl=lease_ttl,
             )
-            try:
-                reply = await self._pipe().call(packed)
-            except redis_errors.NoScriptError:
-                args = self.charge_args(
-                    ops,
-                    event_id=event_id,
-                    want_used=want_used,
-                    op_id=op_id,
-                    lease=lease,
-                    lease_ttl=lease_ttl,
-                )
-                reply = await self._eval(self._charge, args)
-            except _UNAVAILABLE as exc:
-                raise BackendUnavailableError.redis(exc) from exc
+            reply = await self._eval(self._charge, args)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        return self._charged(ops, reply)
+
+    @staticmethod
+    def _charged(ops: Sequence[CounterOp], reply: Any) -> ChargeResult:
+        """The :class:`ChargeResult` of charge.lua's reply."""
         head_value = int(reply[0])
         if head_value == 0 and len(reply) == 1:
             return _ADMITTED
