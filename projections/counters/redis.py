@@ -185,10 +185,21 @@ class RedisBackend:
         the backend being unreachable, so each limit's fail mode applies and
         nothing is admitted from empty counters.
 
+        ``redis+cluster://host:port[,host:port]`` connects to a Redis Cluster
+        instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md).
+
         ``coalesce`` (the default): the scripts share one auto-pipelined
         connection per event loop (concurrent calls go out in one write); off,
         each call takes a pooled connection of its own.
         """
+        if url.startswith("redis+cluster://"):  # Redis Cluster: projections/counters/cluster.py
+            from .cluster import ClusterBackend
+
+            if require_epoch:
+                raise InvalidInputError(
+                    "require_epoch", True, "not yet supported on Redis Cluster (docs/cluster.md)"
+                )
+            return ClusterBackend.from_url(url, timeout=timeout, **kwargs)  # type: ignore[return-value]
         check_redis_url(url, "url")
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
