@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import time
 import uuid
@@ -105,3 +106,17 @@ async def test_a_refusal_on_one_master_takes_back_the_other(
         assert await gov.usage(f"cl_user{tag}", ctx) == 50
     finally:
         await gov.aclose()
+
+
+def test_a_cluster_charge_keeps_the_policys_value_caps_and_plans() -> None:
+    from mcp_budget_governor.caps import CapRef
+    from mcp_budget_governor.projections.counters.cluster import _policy_capped
+
+    op = CounterOp("mcpbg:v1:l:user=a:d1", 1, 100, True, 0)
+    by_value = _policy_capped(dataclasses.replace(op, ref=CapRef("k", "user=a", 7)))
+    by_plan = dataclasses.replace(
+        op, ref=CapRef("k", "user=a", None, ("user=a",), "pro", (("pro", 30), ("free", 5)))
+    )
+    assert (by_value.cap, by_value.ref) == (7, None)
+    assert _policy_capped(by_plan).cap == 30
+    assert _policy_capped(op) is op

@@ -27,6 +27,7 @@ from typing import Any
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
+from mcp_budget_governor.caps import effective
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, InvalidInputError
 from mcp_budget_governor.keys import LEASE_PREFIX
@@ -93,6 +94,14 @@ key_slot(b"mcpbg:v1:a:global:d1")
     return "{" + _slot_tags()[slot] + "}"
 
 
+def _policy_capped(op: CounterOp) -> CounterOp:
+    """``op`` compared with its cap by the policy alone (caps.effective, nothing at run time)."""
+    if op.ref is None:
+        return op
+    cap = effective(op.ref, op.cap, runtime=None, assigned={}, grant=0, now=0.0).cap
+    return dataclasses.replace(op, cap=cap, ref=None)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Group:
     slot: int
@@ -130,13 +139,14 @@ class ClusterBackend:
         by_slot: dict[int, list[int]] = {}
         for i, op in enumerate(ops):
             by_slot.setdefault(key_slot(op.key.encode()), []).append(i)
-        # Run-time caps and plans live in hashes of their own slots: not read here
-        # (docs/cluster.md); each counter is compared with its policy cap.
+        # Run-time caps, plans and grants live in hashes of their own slots: not
+        # read here (docs/cluster.md); each counter is compared with its cap by
+        # the policy alone (value cap, the policy's plan, else the default).
         groups = tuple(
             _Group(
                 slot,
                 tuple(pos),
-                tuple(dataclasses.replace(ops[i], ref=None) for i in pos),
+                tuple(_policy_capped(ops[i]) for i in pos),
             )
             for slot, pos in by_slot.items()
         )
