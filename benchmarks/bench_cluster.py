@@ -64,7 +64,10 @@ def names(rid: str, url: str, spread: bool) -> list[str]:
         if not found:
             found.append(name)
             want_slot = slot
-        elif (spread and master(slot) not in {master(key_slot(_key(n))) for n in found}) or (not spread and slot == want_slot):
+        elif spread:
+            if master(slot) not in {master(key_slot(_key(n))) for n in found}:
+                found.append(name)
+        elif slot == want_slot:
             found.append(name)
         if len(found) == 3:
             return found
