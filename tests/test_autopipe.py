@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import pytest
+import redis
 
 from mcp_budget_governor import RedisBackend
 from mcp_budget_governor.counters import CounterOp
@@ -142,3 +143,14 @@ async def test_a_meter_behind_that_fails_is_kept_for_later() -> None:
         server.close()
         gov._pending.clear()
         await gov.aclose()
+
+
+def test_a_backend_used_by_one_asyncio_run_after_another_reconnects(redis_url: str) -> None:
+    backend = RedisBackend.from_url(redis_url, timeout=2.0)
+    key = "mcpbg:v1:ap:user=runs:m1"
+    for _ in range(3):
+        assert asyncio.run(backend.charge([CounterOp(key, 1, 10, True, FAR)])).admitted
+    assert asyncio.run(backend.usage([key])) == [3]
+    sync = redis.Redis.from_url(redis_url)
+    sync.delete(key)
+    sync.close()

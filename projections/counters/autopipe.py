@@ -319,6 +319,18 @@ class Pipe:
         if transport is not None:
             transport.abort()
 
+    def abandon(self) -> None:
+        """Close the socket of a connection whose event loop is gone."""
+        transport, self._transport = self._transport, None
+        self._protocol = None
+        if transport is not None:
+            try:
+                transport.abort()
+            except RuntimeError:  # the loop is closed: close the socket itself
+                sock = getattr(transport, "_sock", None)  # asyncio keeps the real socket here
+                if sock is not None:
+                    sock.close()
+
     def close(self) -> None:
         """Close the connection (calls in flight fail)."""
         self.fail(ConnectionError("redis connection closed"))

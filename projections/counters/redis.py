@@ -227,6 +227,8 @@ class RedisBackend:
         pipe = self._pipe_now
         if pipe is None or pipe.loop is not asyncio.get_running_loop():
             assert self._address is not None
+            if pipe is not None:
+                pipe.abandon()  # its loop is gone (asyncio.run after asyncio.run)
             pipe = self._pipe_now = Pipe(self._address, self.timeout)
         return pipe
 
