@@ -8,6 +8,14 @@ Variants, all through the same redis-py async client (one pool) on the same Redi
   (ledger=None), CALLS limits with caps that never refuse.
 - ``naive 1/3/5 limits``: per limit GET and compare in Python, then per limit
   INCRBY + EXPIRE: 3 awaited round trips per limit (what ``charge.lua`` does in one).
+- ``check() 3 limits, coalescing off``: the same check through the client's
+  pool (``RedisBackend(coalesce=False)``): one caller's cost of coalescing.
+- ``noop EVALSHA, bare socket``: the no-op EVALSHA over the backend's own
+  asyncio connection (``autopipe.Pipe``), the floor of a round trip from Python.
+
+Then, unless ``--no-concurrency``: 64 concurrent callers of ``check()`` (3
+limits) against 64 concurrent callers of the no-op EVALSHA on the same
+client, as rates (calls/s), interleaved trials; and the 500-call demo.
 
 Variants are interleaved: each round runs ``--calls`` calls of every variant in
 chunks of ``--chunk``, rotating the order, so drift on a busy machine hits all
@@ -48,9 +56,13 @@ from mcp_budget_governor import (
     Scope,
     Window,
 )
+from mcp_budget_governor.projections.counters.autopipe import pack
 from testing import bench
 
-TARGET_RATIO = 1.5  # DESIGN: check() with 3 gated limits <= 1.5x one no-op EVALSHA (median)
+TARGET_RATIO = 1.3  # issue 15: check() with 3 gated limits <= 1.3x one no-op EVALSHA (median)
+LONE_TARGET = 1.05  # one caller with coalescing on <= 1.05x off
+CONCURRENT_TARGET = 3.0  # 64 concurrent check() >= 3x the rate of 64 concurrent no-op EVALSHAs
+CALLERS = 64
 CAP = MAX_AMOUNT  # never refuses
 
 
@@ -88,6 +100,18 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
     naive_limits = limits(rid, "naive")
     client = backend.client
     out = [Variant("noop EVALSHA", "1", "noop", bench.noop(client), lambda r: int(r) == 1)]
+    pipe_backend = RedisBackend.from_url(backend_url(backend), timeout=5.0)
+    noop_sha = bench.noop(client).sha
+    raw = pack(["EVALSHA", noop_sha, 0])
+    out.append(
+        Variant(
+            "noop EVALSHA, bare socket",
+            "1",
+            "bare",
+            lambda: pipe_backend._pipe().call(raw),
+            lambda r: int(r) == 1,
+        )
+    )
     for n in (1, 3, 5):
         gov = Governor(Policy.of(*gov_limits[:n]), backend)
         out.append(
@@ -99,6 +123,17 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
                 lambda d: d.admitted and not d.degraded,
             )
         )
+    off = RedisBackend(client, coalesce=False)
+    gov_off = Governor(Policy.of(*gov_limits[:3]), off)
+    out.append(
+        Variant(
+            "check() 3 limits, coalescing off",
+            "1",
+            "check3off",
+            lambda: gov_off.check(CTX),
+            lambda d: d.admitted and not d.degraded,
+        )
+    )
     for n in (1, 3, 5):
         policy = Policy.of(*naive_limits[:n])
         out.append(
@@ -111,6 +146,50 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
             )
         )
     return out
+
+
+def backend_url(backend: RedisBackend) -> str:
+    kw = backend.client.connection_pool.connection_kwargs
+    return f"redis://{kw.get('host', '127.0.0.1')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+
+
+async def rates(backend: RedisBackend, rid: str, *, per_caller: int, trials: int) -> dict[str, Any]:
+    """Calls per second of ``CALLERS`` concurrent callers: check() (3 limits) on the
+    backend, and the no-op EVALSHA on the same client (its pool), interleaved."""
+    gov = Governor(Policy.of(*limits(rid, "conc")[:3]), backend)
+    noop = bench.noop(backend.client)
+
+    async def noop_call() -> Any:
+        return await noop()
+
+    async def check_call() -> Any:
+        return await gov.check(CTX)
+
+    async def rate(call: Callable[[], Awaitable[Any]]) -> float:
+        async def caller() -> None:
+            for _ in range(per_caller):
+                await call()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(CALLERS)))
+        return CALLERS * per_caller / (time.perf_counter() - t0)
+
+    await rate(noop_call)
+    await rate(check_call)  # warm: connections, scripts
+    got: dict[str, list[float]] = {"noop": [], "check": []}
+    for t in range(trials):
+        order = [("noop", noop_call), ("check", check_call)]
+        for name, call in order if t % 2 == 0 else order[::-1]:
+            got[name].append(await rate(call))
+    ratios = [c / n for c, n in zip(got["check"], got["noop"], strict=True)]
+    return {
+        "callers": CALLERS,
+        "per_caller": per_caller,
+        "noop_per_s": got["noop"],
+        "check_per_s": got["check"],
+        "ratios": ratios,
+        "ratio_median": bench.median(ratios),
+    }
 
 
 async def timed(v: Variant, n: int, into: list[int]) -> None:
@@ -250,23 +329,26 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
     from redis.asyncio.connection import Connection
 
     from mcp_budget_governor import planning
-    from mcp_budget_governor.keys import EPOCH_KEY
 
     policy = Policy.of(*limits(rid, "prof")[:3])
     gov = Governor(policy, backend)
     now = time.time()
     slots = planning.check_slots(policy, CTX, now)
     ops = [s.op for s in slots]
-    keys = [EPOCH_KEY, *(o.key for o in ops)]
-    args: list[Any] = ["", "0"]
-    for o in ops:
-        args += (o.amount, o.cap, "1" if o.enforce else "0", o.expire_at)
+    # The backend's own builder: numkeys, KEYS, ARGV exactly as charge() sends them.
+    command = backend.charge_args(ops)
+    numkeys = int(command[0])
+    keys, args = command[1 : 1 + numkeys], command[1 + numkeys :]
     noop_script, charge_script = bench.noop(backend.client), backend._charge
+    charge_sha = charge_script.sha
+
+    async def raw_charge() -> Any:
+        return await backend.client.execute_command("EVALSHA", charge_sha, *command)
 
     ladder = [
         Variant("noop EVALSHA (0 keys, 0 args)", "1", "noop", noop_script, bool),
         Variant(
-            "noop EVALSHA, with charge's 4 KEYS + 14 ARGV",
+            f"noop EVALSHA, with charge's {len(keys)} KEYS + {len(args)} ARGV",
             "1",
             "noop+args",
             lambda: noop_script(keys=keys, args=args),
@@ -276,7 +358,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
             "charge.lua EVALSHA, KEYS/ARGV prebuilt",
             "1",
             "rawcharge",
-            lambda: charge_script(keys=keys, args=args),
+            raw_charge,
             lambda r: int(r[0]) == 0,
         ),
         Variant(
@@ -311,13 +393,8 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
             ts.append(clock() - t0)
         return bench.median(ts) / 1000
 
-    def build_args() -> tuple[list[str], list[Any]]:  # what RedisBackend.charge does
-        k = [EPOCH_KEY]
-        a: list[Any] = ["", "0"]
-        for o in ops:
-            k.append(o.key)
-            a += (o.amount, o.cap, "1" if o.enforce else "0", o.expire_at)
-        return k, a
+    def build_args() -> list[Any]:  # what RedisBackend.charge does (its cache warm)
+        return backend.charge_args(ops)
 
     class InstantBackend:
         """Answers charge() at once with the real reply: Governor.check's own Python cost."""
@@ -347,7 +424,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
         "redis-py pack_command, noop EVALSHA": bench_sync(
             lambda: conn.pack_command("EVALSHA", sha_noop, 0)
         ),
-        "redis-py pack_command, charge EVALSHA (4 keys, 14 args)": bench_sync(
+        f"redis-py pack_command, charge EVALSHA ({len(keys)} keys, {len(args)} args)": bench_sync(
             lambda: conn.pack_command("EVALSHA", sha_charge, len(keys), *keys, *args)
         ),
         "planning.admitted(slots, used) -> Decision": bench_sync(
@@ -358,9 +435,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
     bench.progress("profile: server-side time per EVALSHA (INFO commandstats) ...")
     server_us = {
         "noop.lua": await _server_usec(backend.client, noop_script),
-        "charge.lua, 3 counters": await _server_usec(
-            backend.client, lambda: charge_script(keys=keys, args=args)
-        ),
+        "charge.lua, 3 counters": await _server_usec(backend.client, raw_charge),
     }
 
     bench.progress(f"profile: cProfile over {calls} checks ...")
@@ -429,6 +504,9 @@ async def run(url: str, rid: str, args: argparse.Namespace) -> dict[str, Any]:
             variants, rounds=args.rounds, calls=args.calls, chunk=args.chunk, warmup=args.warmup
         )
         out: dict[str, Any] = {"variants": summarize(variants)}
+        if not args.no_concurrency:
+            bench.progress(f"rates: {CALLERS} concurrent callers, check() vs no-op EVALSHA ...")
+            out["rates"] = await rates(backend, rid, per_caller=args.rate_calls, trials=5)
         if args.profile:
             bench.progress("profiling check() with 3 limits ...")
             out["profile"] = await profile(backend, rid, args.profile_calls)
@@ -454,6 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="also profile check() (3 limits) with cProfile"
     )
     parser.add_argument("--profile-calls", type=int, default=5000, help="checks to profile")
+    parser.add_argument(
+        "--rate-calls",
+        type=int,
+        default=100,
+        help=f"calls per caller in the {CALLERS}-caller rates",
+    )
     args = parser.parse_args(argv)
 
     rid = bench.run_id()
@@ -497,6 +581,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{check3['ratio_median']:.2f}x (rounds {lo:.2f}-{hi:.2f}x) -> "
         f"{'MET' if met else 'MISSED'}"
     )
+    off = variants["check() 3 limits, coalescing off"]
+    lone = check3["median_us"] / off["median_us"]
+    print(
+        f"Target (one caller, coalescing on <= {LONE_TARGET}x off, median): {lone:.2f}x -> "
+        f"{'MET' if lone <= LONE_TARGET else 'MISSED'}"
+    )
+    bare = variants["noop EVALSHA, bare socket"]
+    print(
+        f"check() 3 limits vs the bare-socket no-op EVALSHA: "
+        f"{check3['median_us'] / bare['median_us']:.2f}x"
+    )
+    if "rates" in results:
+        r = results["rates"]
+        print(
+            f"Target ({CALLERS} concurrent check() >= {CONCURRENT_TARGET}x the rate of {CALLERS} "
+            f"concurrent no-op EVALSHAs): {r['ratio_median']:.2f}x "
+            f"(check {bench.median(r['check_per_s']):.0f}/s, noop "
+            f"{bench.median(r['noop_per_s']):.0f}/s) -> "
+            f"{'MET' if r['ratio_median'] >= CONCURRENT_TARGET else 'MISSED'}"
+        )
     failed = {k: v["failed_checks"] for k, v in variants.items() if v["failed_checks"]}
     if failed:
         print(f"WARNING: calls refused or degraded (numbers invalid): {failed}")

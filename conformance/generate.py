@@ -19,7 +19,6 @@ files, refusals and the tool-price metadata of the integrations.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib.util
 import json
@@ -312,14 +311,10 @@ def charge_vectors() -> list[dict[str, Any]]:
     for case in CHARGE_CASES:
         policy = loads(POLICIES[case["policy"]])
         ctx = Context(**case["context"])
-        sent: list[list[str]] = []
-
-        async def capture(*args: Any, _sent: list[list[str]] = sent) -> list[int]:
-            _sent.append([a.decode() if isinstance(a, bytes) else str(a) for a in args])
-            return [0]
-
-        backend = RedisBackend(aioredis.Redis(), require_epoch=bool(case.get("require_epoch")))
-        backend._execute = capture
+        backend = RedisBackend(
+            aioredis.Redis(), require_epoch=bool(case.get("require_epoch")),
+            clock=lambda: NOW, coalesce=False,
+        )  # fmt: skip
         ledger = bool(case.get("ledger"))
         event_id = EVENT_ID if ledger else None
         op_id = None if ledger else OP_ID
@@ -329,13 +324,12 @@ def charge_vectors() -> list[dict[str, Any]]:
             pairs = planning.charge_pairs(policy, {case["limit"]: case["amount"]})
             ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
         lease = LEASE_ID if case.get("lease") else None
-        asyncio.run(
-            backend.charge(
-                ops, event_id=event_id, want_used=True, op_id=op_id,
-                lease=lease, lease_ttl=LEASE_TTL,
-            )
-        )  # fmt: skip
-        (command,) = sent
+        args = backend.charge_args(
+            ops, event_id=event_id, want_used=True, op_id=op_id, lease=lease, lease_ttl=LEASE_TTL
+        )
+        command = ["EVALSHA", backend._charge.sha] + [
+            a.decode() if isinstance(a, bytes) else str(a) for a in args
+        ]
         out.append({**case, "now": NOW, "ledger": ledger, "command": command})
     return out
 

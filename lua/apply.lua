@@ -20,6 +20,8 @@
 -- ARGV[6]    the batch's last offset: the watermark reaches it even when the
 --            records after the last event were dead letters (-1: none), so a
 --            restart does not read, and dead-letter, them again
+-- ARGV[7]    the caller's clock, epoch ms (lib.lua caller_ms): a charge whose
+--            counter expired before it is dropped
 --
 -- Two guards make delivery at-least-once yet counting exactly-once:
 -- an offset at or below the watermark was applied before (redelivery), and an
@@ -52,7 +54,7 @@ end
 local counters = 2 + seen_sets
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
 local wm = tonumber(wm_raw or '-1')
-local now = tonumber(redis.call('TIME')[1])
+local now = math.floor(caller_ms() / 1000)
 local token = string.gmatch(ARGV[4], '%S+')
 local applied = 0
 for _ = 1, tonumber(ARGV[2]) do

@@ -20,6 +20,8 @@
 --              ('-' for none), the policy's plan ('-'), the plan fields
 --              (comma-separated) and per plan capping the limit "<plan> <cap>"
 --              (caps.CapRef; one argument: the common case costs one short string)
+-- ARGV[#ARGV]  last, after the counters: the caller's clock, epoch ms (lib.lua
+--              caller_ms; read only for a run-time cap with an until and for leases)
 -- KEYS         the epoch marker first when flagged 'e', then the operation
 --              marker when flagged 'o', then the counters; flagged 'c', then
 --              each counter's caps hash (mcpbg:v1:_caps:<limit>) and last the
@@ -38,7 +40,7 @@
 -- each counter's total before the charge.
 --
 -- A lease set (a concurrency cap) counts its live leases: expired ones are
--- pruned (ZREMRANGEBYSCORE up to Redis' TIME), the rest counted (ZCARD) and
+-- pruned (ZREMRANGEBYSCORE up to the caller's clock), the rest counted (ZCARD) and
 -- compared with the cap like any counter (amount 1); admitted, the lease id is
 -- added scored by its expiry. No grant, no in-flight part, nothing for the ledger.
 -- Calls waiting for a slot come first: a lease set with r free slots admits
@@ -88,6 +90,10 @@ end
 -- refusal, then whether the admitted amounts keep every counter exact.
 local n = #KEYS - first + 1 - queues
 if resolve then n = (n - 1) / 2 end
+if #ARGV ~= off + n * width then
+  return redis.error_reply('mcpbg charge: expected ' .. (off + n * width)
+    .. ' arguments (the last the caller clock, epoch ms), got ' .. #ARGV)
+end
 local result = {0}
 local refused = 0
 local cs, fs, caps = {}, {}, {}

@@ -2,10 +2,11 @@
 --
 -- ARGV[1]  'r' release: remove lease ARGV[2] from every set in KEYS;
 --          'n' renew: push lease ARGV[2] of every set that still holds it to
---              TIME + ARGV[3] ms (a lease already expired is not revived: its
+--              now + ARGV[3] ms (a lease already expired is not revived: its
 --              slot may have gone to another call); 'c' count live leases;
 --          'q' leave: remove ticket ARGV[2] from every queue in KEYS (a
 --              waiting call that gave up; lib.lua waiters_ahead)
+-- ARGV[#ARGV] last: the caller's clock, epoch ms (lib.lua caller_ms)
 -- KEYS     the lease sets (keys.lease_key); mode 'q': their queues (keys.queue_key)
 --
 -- Returns per key: 'r' 1 if the lease was there ('q' the ticket), 'n' 1 if renewed, 'c' the count.

@@ -5,6 +5,19 @@
 --
 -- Amounts travel as decimal strings and are handed to HINCRBY as given:
 -- Lua 5.1 formats large numbers as 1e+15, which HINCRBY would reject.
+--
+-- The clock is the caller's: no script calls TIME (managed services such as
+-- some serverless Redis refuse it in scripts). Every script that needs the
+-- time takes it as its LAST argument, ARGV[#ARGV], in epoch milliseconds
+-- (an integer string); docs/clocks.md bounds what skew between callers does.
+local function caller_ms()
+  local ms = tonumber(ARGV[#ARGV])
+  if ms == nil or ms < 0 or ms ~= math.floor(ms) then
+    error({err = 'mcpbg: the last argument must be the caller clock (epoch ms), got '
+      .. tostring(ARGV[#ARGV])})
+  end
+  return ms
+end
 
 local function used_of(key)
   local v = redis.call('HMGET', key, 'c', 'f')
@@ -75,12 +88,12 @@ end
 
 -- The effective cap of one counter: caps.resolve / caps.effective, step for step.
 -- field '' means no run-time lookup (a global limit). A run-time value cap is
--- "<cap> <until>" in the limit's caps hash and holds while TIME < until (0: for
+-- "<cap> <until>" in the limit's caps hash and holds while now < until (0: for
 -- good); then the policy's value cap; then the plan assigned at run time to the
 -- first of plan_fields (comma-separated) found in the plans hash, else file_plan, when plan_caps
 -- ("<plan> <cap> ...", the plans that cap this limit) names it; else the default.
 -- One call's counters share their user and tenant, so each plan assignment and
--- Redis' clock are read once per script call, not once per counter.
+-- the caller's clock (seconds) are read once per script call, not once per counter.
 local assigned_plan = {}
 local clock_s = nil
 
@@ -92,7 +105,7 @@ local function effective_cap(caps_key, plans_key, field, default, value_cap,
     local cap, untl = string.match(rt, '^(%d+) (%d+)')
     if cap then
       untl = tonumber(untl)
-      if untl ~= 0 and clock_s == nil then clock_s = tonumber(redis.call('TIME')[1]) end
+      if untl ~= 0 and clock_s == nil then clock_s = math.floor(caller_ms() / 1000) end
       if untl == 0 or clock_s < untl then return tonumber(cap) end
     end
   end
@@ -147,7 +160,8 @@ end
 
 -- Leases (concurrency caps): a sorted set per cap and scope value
 -- (mcpbg:v1:_lease:<limit>:<scope>), member the lease id, score its expiry in
--- epoch milliseconds of Redis' own clock, so replicas with skewed clocks agree.
+-- epoch milliseconds of the caller's clock (caller_ms; docs/clocks.md: skew
+-- between replicas moves an expiry by at most that skew).
 local LEASE_PREFIX = 'mcpbg:v1:_lease:'
 
 local function is_lease(key)
@@ -155,8 +169,7 @@ local function is_lease(key)
 end
 
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return caller_ms()
 end
 
 -- The leases still alive: the expired ones (a process that died holding them)
@@ -167,12 +180,16 @@ local function live_leases(key)
 end
 
 -- Take (or renew) a lease until 'until' (ms); the set lives as long as its
--- last lease, so an abandoned set disappears by itself.
+-- last lease, so an abandoned set disappears by itself. The set's expiry is
+-- relative (PEXPIRE: the last lease's time left by the caller's clock), so a
+-- caller whose clock is off Redis' own cannot make Redis drop live leases.
 local function take_lease(key, lease_id, until_ms)
   local score = string.format('%.0f', until_ms)
   redis.call('ZADD', key, score, lease_id)
   local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  redis.call('PEXPIREAT', key, string.format('%.0f', tonumber(last[2])))
+  local left = tonumber(last[2]) - caller_ms()
+  if left < 1 then left = 1 end
+  redis.call('PEXPIRE', key, string.format('%.0f', left))
 end
 
 -- Waiting calls (Governor.admitted(wait=)): a queue per lease set

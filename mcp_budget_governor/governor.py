@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from . import admin, planning
@@ -116,6 +116,7 @@ class Governor(Metering[MeterResult]):
         self._obs = observer
         if observer is not None:
             observer.attach(self)
+        self._detached: set[asyncio.Future[None]] = set()  # meter_behind's replies
 
     def replace_policy(self, policy: Policy) -> Policy:
         """Govern every call from now on by ``policy`` (a reload); returns the old one.
@@ -440,6 +441,8 @@ class Governor(Metering[MeterResult]):
 
     async def aclose(self) -> None:
         """Flush what can be flushed and close the backend and ledger."""
+        if self._detached:  # replies of charges metered without waiting
+            await asyncio.gather(*list(self._detached), return_exceptions=True)
         try:
             await self._flush_pending()
         except BackendUnavailableError:
@@ -782,6 +785,7 @@ class Governor(Metering[MeterResult]):
         *,
         reservation: str | None = None,
         want_used: bool = False,
+        detach: bool = False,
     ) -> tuple[int | None, bool, int | None]:
         """Charge ``slots`` in one call and append them as one ledger event.
 
@@ -795,21 +799,22 @@ class Governor(Metering[MeterResult]):
         op_id = None if event_id is not None else new_id()
         degraded = False
         before: int | None = None
-        try:
-            result = await self._charge(
-                [s.op for s in slots], event_id, want_used=want_used, op_id=op_id
-            )
-            if want_used and result.used:
-                before = result.used[0]
-                cap = result.caps[0] if result.caps else None
-        except BackendUnavailableError:
-            degraded = True
-            local = [s.op for s in slots if _local(s.limit)]
-            if local:
-                fallback = await self._fallback.charge(local)
-                if _local(slots[0].limit):
-                    before = fallback.used[0]
-            self._keep_for_later(slots, op_id)
+        sent = self._sent(slots, event_id, op_id) if detach else None
+        if sent is not None:
+            task = asyncio.ensure_future(self._detached_reply(sent, slots, op_id))
+            self._detached.add(task)
+            task.add_done_callback(self._detached.discard)
+        else:
+            try:
+                result = await self._charge(
+                    [s.op for s in slots], event_id, want_used=want_used, op_id=op_id
+                )
+                if want_used and result.used:
+                    before = result.used[0]
+                    cap = result.caps[0] if result.caps else None
+            except BackendUnavailableError:
+                degraded = True
+                before = await self._charge_failed(slots, op_id)
         if event_id is not None:
             await self._append(
                 event_id,
@@ -822,6 +827,59 @@ class Governor(Metering[MeterResult]):
                 reservation=reservation,
             )
         return before, degraded, cap
+
+    async def _charge_failed(self, slots: Sequence[Slot], op_id: str | None) -> int | None:
+        """The backend did not take a charge: fail-open limits count it locally, and
+        inline mode keeps it for the backend. The first slot's local total, if local."""
+        local = [s.op for s in slots if _local(s.limit)]
+        before = None
+        if local:
+            fallback = await self._fallback.charge(local)
+            if _local(slots[0].limit):
+                before = fallback.used[0]
+        self._keep_for_later(slots, op_id)
+        return before
+
+    def _sent(
+        self, slots: Sequence[Slot], event_id: str | None, op_id: str | None
+    ) -> Awaitable[ChargeResult] | None:
+        """The charge written at once, its reply not awaited (``charge_sent``), or None."""
+        send = getattr(self.backend, "charge_sent", None)
+        if send is None or self._down_until:
+            return None
+        sent: Awaitable[ChargeResult] | None = send(
+            [s.op for s in slots], event_id=event_id, want_used=False, op_id=op_id
+        )
+        return sent
+
+    async def _detached_reply(
+        self, sent: Awaitable[ChargeResult], slots: Sequence[Slot], op_id: str | None
+    ) -> None:
+        """The reply of a charge nobody waits for: a failure goes where a waited one would."""
+        try:
+            await sent
+        except BackendUnavailableError:
+            self._mark_down()
+            await self._charge_failed(slots, op_id)
+        except Exception:
+            log.exception("a metered charge sent without waiting failed")
+
+    async def meter_behind(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
+        """:meth:`meter_charges`, without waiting for the counters' reply.
+
+        The charge is written on the backend's shared connection before this
+        returns (so the next check of this process reaches Redis after it and
+        sees it), and the ledger event is appended as usual; only the round
+        trip's reply is awaited in the background (its failure counts locally
+        and is kept for later, as a waited one would be). A backend that cannot
+        write at once (no coalescing, not connected, marked down) is awaited.
+        """
+        pairs = planning.charge_pairs(self.policy, charges)
+        ctx = ctx or EMPTY
+        now = self._clock()
+        slots = planning.meter_slots(pairs, ctx, now, self.policy.tz, self.policy)
+        if slots:
+            await self._record(slots, ctx, EntryType.METERED, None, now, detach=True)
 
     async def _append(
         self,

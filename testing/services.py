@@ -1049,3 +1049,161 @@ def start_kafka(*, prefer_local: bool = False, durable: bool = False) -> KafkaSe
         if found is not None:
             return found
     return _start_kafka_local(durable=durable)
+
+
+# =========================================================================== #
+# Redis Cluster
+# =========================================================================== #
+
+REDIS_CLUSTER_ENV_VAR = "MCPBG_TEST_REDIS_CLUSTER_URL"
+"""Environment variable naming an existing cluster (``redis+cluster://host:port,...``)."""
+
+
+@dataclass
+class RedisClusterService:
+    """A Redis Cluster for the tests: three masters and three replicas on loopback
+    (from ``redis-server --cluster-enabled yes``, joined by ``redis-cli --cluster
+    create``), or the one ``MCPBG_TEST_REDIS_CLUSTER_URL`` names."""
+
+    url: str
+    ports: list[int]
+    kind: Kind = "local"
+    _procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _dir: Path | None = None
+
+    def masters(self) -> list[int]:
+        """The ports of the nodes that are masters now."""
+        import redis
+
+        out = []
+        for port in self.ports:
+            if port in self._procs and self._procs[port].poll() is not None:
+                continue
+            try:
+                role = redis.Redis(port=port, socket_timeout=1).execute_command("ROLE")[0]
+            except Exception:
+                continue
+            if role in (b"master", "master"):
+                out.append(port)
+        return out
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (its replica takes over after cluster-node-timeout)."""
+        proc = self._procs.get(port)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+    def stop(self) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self._procs.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """``n`` free ports whose cluster bus ports (+10000) are free too (so each <= 55535)."""
+    ports: list[int] = []
+    for port in range(20_000 + os.getpid() % 20_000, 55_535):
+        if len(ports) == n:
+            break
+        ok = True
+        for p in (port, port + 10_000):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            ports.append(port)
+    return ports
+
+
+def start_redis_cluster() -> RedisClusterService:
+    """The env cluster, else a local 3 + 3 cluster on free ports (needs redis-server, redis-cli)."""
+    url = os.environ.get(REDIS_CLUSTER_ENV_VAR)
+    if url:
+        return RedisClusterService(url=url, ports=[], kind="env")
+    binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if binary is None or cli is None:
+        raise RedisUnavailable("a Redis Cluster needs redis-server and redis-cli on the PATH")
+    base = Path(tempfile.mkdtemp(prefix="mcpbg-cluster-"))
+    ports = _cluster_ports(6)
+    service = RedisClusterService(url="", ports=ports, _dir=base)
+    try:
+        for port in ports:
+            d = base / str(port)
+            d.mkdir()
+            service._procs[port] = subprocess.Popen(
+                [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-config-file",
+                    str(d / "nodes.conf"),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(d),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        import redis
+
+        deadline = time.monotonic() + 20
+        for port in ports:
+            while True:
+                try:
+                    redis.Redis(port=port, socket_timeout=0.5).ping()
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise RedisUnavailable(f"cluster node {port} did not start") from None
+                    time.sleep(0.05)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports),
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        for port in ports:
+            while True:
+                info = redis.Redis(port=port, socket_timeout=0.5).execute_command("CLUSTER INFO")
+                if isinstance(info, dict):  # redis-py parses the reply
+                    ok = info.get("cluster_state") == "ok"
+                else:
+                    ok = "cluster_state:ok" in (info.decode() if isinstance(info, bytes) else info)
+                if ok:
+                    break
+                if time.monotonic() > deadline + 40:
+                    raise RedisUnavailable(f"cluster node {port} never reached cluster_state:ok")
+                time.sleep(0.1)
+    except BaseException:
+        service.stop()
+        raise
+    service.url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports[:3])
+    return service

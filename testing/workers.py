@@ -31,3 +31,33 @@ def concurrent_checks(url: str, cap: int, calls: int, start_at: float) -> int:
         return sum(d.admitted for d in decisions)
 
     return asyncio.run(main())
+
+
+def cluster_policy(tag: str = "") -> Policy:
+    """A per-user cap of 50 and a global cap of 80 (the cluster tests; ``tag`` names a run)."""
+    return Policy.of(
+        Limit(f"cl_user{tag}", cap=50, window=Window.DAY, scope=Scope.USER),
+        Limit(f"cl_global{tag}", cap=80, window=Window.DAY),
+    )
+
+
+def cluster_checks(
+    url: str, tag: str, users: list[str], calls: int, start_at: float
+) -> dict[str, int]:
+    """Fire ``calls`` concurrent checks (users in turn) from one process; admitted per user."""
+
+    async def main() -> dict[str, int]:
+        gov = Governor(cluster_policy(tag), RedisBackend.from_url(url, timeout=5.0))
+        await gov.usage(f"cl_global{tag}")  # connect before the start line
+        delay = start_at - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        ctxs = [Context(user=users[i % len(users)]) for i in range(calls)]
+        decisions = await asyncio.gather(*(gov.check(c) for c in ctxs))
+        await gov.aclose()
+        out = dict.fromkeys(users, 0)
+        for c, d in zip(ctxs, decisions, strict=True):
+            out[c.user or ""] += d.admitted
+        return out
+
+    return asyncio.run(main())

@@ -14,12 +14,20 @@ import pytest
 import redis
 
 from mcp_budget_governor import Backend, MemoryBackend, RedisBackend
-from testing.services import RedisService, start_redis
+from testing.services import RedisClusterService, RedisService, start_redis, start_redis_cluster
 
 
 @pytest.fixture(scope="session")
 def redis_service() -> Iterator[RedisService]:
     service = start_redis()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterService]:
+    """A real Redis Cluster (3 masters, 3 replicas), started once per session."""
+    service = start_redis_cluster()
     yield service
     service.stop()
 

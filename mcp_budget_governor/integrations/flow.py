@@ -317,7 +317,9 @@ def fixed_charges(
 async def meter_all(governor: Governor | Recorder, charges: Charges, ctx: Context) -> None:
     """Meter every charge as one ledger event, after validating them all (nothing partial)."""
     nonzero = _validated(governor, charges)
-    if nonzero:
+    if nonzero and isinstance(governor, Governor):
+        await governor.meter_behind(nonzero, ctx)  # the reply is off the caller's path
+    elif nonzero:
         await governor.meter_charges(nonzero, ctx)
 
 

@@ -1,14 +1,21 @@
 """Redis counters: the shared read model, driven only through the scripts in ``lua/``.
 
-Each operation is one EVALSHA (redis-py reloads a script after a Redis
-restart). Connection failures and timeouts become
+Each operation is one EVALSHA; a node that answers NOSCRIPT (restarted,
+failed over, or a fresh cluster node: script caches are per node) gets the
+same call as EVAL, which also caches the script there. No script reads Redis'
+clock: the caller passes its own (``clock``, last argument; docs/clocks.md).
+Connection failures and timeouts become
 :class:`BackendUnavailableError` so the governor can apply each limit's fail
 mode; a short socket timeout bounds how long a call can wait.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -43,6 +50,8 @@ from mcp_budget_governor.keys import (
 from mcp_budget_governor.lua import source
 from mcp_budget_governor.urls import check_redis_url
 
+from .autopipe import Address, Pipe, pack, pack_args
+
 _UNAVAILABLE = (
     redis_errors.ConnectionError,
     redis_errors.TimeoutError,
@@ -72,6 +81,33 @@ def _ref_arg(op: CounterOp) -> bytes:
     return " ".join(parts).rstrip().encode()
 
 
+class _Script:
+    """One script of ``lua/``: its source and SHA1 (what EVALSHA names)."""
+
+    __slots__ = ("script", "sha")
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.sha = hashlib.sha1(self.script.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """One op list's charge.lua arguments: as values (EVAL, redis-py) and packed."""
+
+    ops: object
+    head: list[Any]  # numkeys, the epoch marker
+    counters: list[Any]  # with an operation marker: the keys after it, else empty
+    flags: bytes
+    tail: list[Any]  # per counter its arguments
+    leases: int  # lease sets (their queues close KEYS)
+    head_b: bytes
+    counters_b: bytes
+    flags_b: bytes
+    tail_b: bytes
+    count: int  # elements of the packed command, without lease arguments
+
+
 def change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
     """The changes as lua/lib.lua's apply_change reads them, their keys added to ``keys``."""
     out = []
@@ -99,19 +135,32 @@ class RedisBackend:
     >>> backend = RedisBackend.from_url("redis://localhost:6379/0")  # doctest: +SKIP
     """
 
-    def __init__(self, client: aioredis.Redis, *, require_epoch: bool = False) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        require_epoch: bool = False,
+        clock: Callable[[], float] = time.time,
+        coalesce: bool = True,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
         self.client = client
         self.require_epoch = require_epoch
-        self._charge = client.register_script(source("charge"))
-        self._apply = client.register_script(source("apply"))
-        self._usage = client.register_script(source("usage"))
-        self._change = client.register_script(source("change"))
-        self._lease = client.register_script(source("lease"))
+        self.clock = clock  # epoch seconds; the scripts get it in ms (lua/lib.lua caller_ms)
+        self._charge = _Script(source("charge"))
+        self._apply = _Script(source("apply"))
+        self._usage = _Script(source("usage"))
+        self._change = _Script(source("change"))
+        self._lease = _Script(source("lease"))
         # One command, no per-call wrapper: the hot path's only round trip.
         self._execute: Any = client.execute_command
-        self._prepared: dict[
-            tuple[int, bool, bool], tuple[object, list[Any], list[Any], list[Any], int]
-        ] = {}
+        self._prepared: dict[tuple[int, bool, bool], _Prepared] = {}
+        # coalesce: scripts go through one shared, auto-pipelined connection per
+        # event loop (autopipe.py), else through the client's pool.
+        self.timeout = timeout
+        self._address = Address.of_client(client) if coalesce else None
+        self._pipe_now: Pipe | None = None
+        self._charge_prefix = pack_args([b"EVALSHA", self._charge.sha])
 
     @classmethod
     def from_url(
@@ -121,6 +170,8 @@ class RedisBackend:
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = 64,
         require_epoch: bool = False,
+        coalesce: bool = True,
+        clock: Callable[[], float] = time.time,
         **kwargs: Any,
     ) -> RedisBackend:
         """Connect lazily to ``url``; ``timeout`` (seconds) bounds every call.
@@ -134,7 +185,22 @@ class RedisBackend:
         empty, or was flushed, and is being rebuilt), every charge counts as
         the backend being unreachable, so each limit's fail mode applies and
         nothing is admitted from empty counters.
+
+        ``redis+cluster://host:port[,host:port]`` connects to a Redis Cluster
+        instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md).
+
+        ``coalesce`` (the default): the scripts share one auto-pipelined
+        connection per event loop (concurrent calls go out in one write); off,
+        each call takes a pooled connection of its own.
         """
+        if url.startswith("redis+cluster://"):  # Redis Cluster: projections/counters/cluster.py
+            from .cluster import ClusterBackend
+
+            if require_epoch:
+                raise InvalidInputError(
+                    "require_epoch", True, "not yet supported on Redis Cluster (docs/cluster.md)"
+                )
+            return ClusterBackend.from_url(url, timeout=timeout, **kwargs)  # type: ignore[return-value]
         check_redis_url(url, "url")
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -145,20 +211,49 @@ class RedisBackend:
             retry=Retry(NoBackoff(), 1),
             **kwargs,
         )
-        return cls(aioredis.Redis(connection_pool=pool), require_epoch=require_epoch)
+        return cls(
+            aioredis.Redis(connection_pool=pool),
+            require_epoch=require_epoch,
+            coalesce=coalesce,
+            timeout=timeout,
+            clock=clock,
+        )
 
-    async def _run(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def _now_ms(self) -> str:
+        """The caller's clock as the scripts take it: epoch milliseconds."""
+        return str(int(self.clock() * 1000))
+
+    def _pipe(self) -> Pipe:
+        """This event loop's shared connection (a new one on another loop)."""
+        pipe = self._pipe_now
+        if pipe is None or pipe.loop is not asyncio.get_running_loop():
+            assert self._address is not None
+            if pipe is not None:
+                pipe.abandon()  # its loop is gone (asyncio.run after asyncio.run)
+            pipe = self._pipe_now = Pipe(self._address, self.timeout)
+        return pipe
+
+    async def _command(self, *args: Any) -> Any:
+        if self._address is None:
+            return await self._execute(*args)
+        return await self._pipe().call(pack(args))
+
+    async def _eval(self, script: _Script, args: Sequence[Any]) -> Any:
+        """EVALSHA ``args`` (numkeys, keys, argv); EVAL where the node lacks the script."""
         try:
-            return await script(keys=keys, args=args)
+            try:
+                return await self._command("EVALSHA", script.sha, *args)
+            except redis_errors.NoScriptError:
+                return await self._command("EVAL", script.script, *args)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError.redis(exc) from exc
 
-    def _charge_args(
-        self, ops: Sequence[CounterOp], want_used: bool, with_op: bool
-    ) -> tuple[list[Any], list[Any], list[Any], int]:
-        """The EVALSHA arguments around the event id, encoded once per op list:
-        ``(head, counter keys, tail, lease sets)``; ``counter keys`` is empty unless
-        ``with_op``, when the operation marker goes between head and them.
+    async def _run(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return await self._eval(script, [len(keys), *keys, *args])
+
+    def _prepare(self, ops: Sequence[CounterOp], want_used: bool, with_op: bool) -> _Prepared:
+        """The charge.lua arguments of ``ops`` around the event id, encoded (and
+        packed, for the shared connection) once per op list.
 
         The governor reuses one ops tuple per context and minute, so the cache
         is keyed by its identity (the entry keeps the tuple alive, so the id
@@ -166,8 +261,8 @@ class RedisBackend:
         """
         cache_key = (id(ops), want_used, with_op)
         hit = self._prepared.get(cache_key)
-        if hit is not None and hit[0] is ops:
-            return hit[1], hit[2], hit[3], hit[4]
+        if hit is not None and hit.ops is ops:
+            return hit
         keys: list[Any] = [EPOCH_KEY.encode()] if self.require_epoch else []
         counters: list[Any] = []
         tail: list[Any] = []
@@ -199,14 +294,95 @@ class RedisBackend:
         )
         numkeys = len(keys) + len(counters) + (1 if with_op else 0)
         if with_op:
-            head = [self._charge.sha, numkeys, *keys]
+            head = [numkeys, *keys]
         else:
-            head, counters = [self._charge.sha, numkeys, *keys, *counters], []
-        tail.insert(0, flags.encode() or b"-")
+            head, counters = [numkeys, *keys, *counters], []
+        entry = _Prepared(
+            ops,
+            head,
+            counters,
+            flags.encode() or b"-",
+            tail,
+            leases,
+            pack_args(head),
+            pack_args(counters),
+            pack_args([flags.encode() or b"-"]),
+            pack_args(tail),
+            # EVALSHA, sha, head, [op marker, counters,] event id, flags, tail, clock
+            4 + len(head) + len(counters) + len(tail) + (1 if with_op else 0) + 1,
+        )
         if len(self._prepared) >= 8192:
             self._prepared.clear()
-        self._prepared[cache_key] = (ops, head, counters, tail, leases)
-        return head, counters, tail, leases
+        self._prepared[cache_key] = entry
+        return entry
+
+    def charge_args(
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
+        lease: str | None = None,
+        lease_ttl: float = 0.0,
+        ticket: str | None = None,
+    ) -> list[Any]:
+        """What :meth:`charge` sends after ``EVALSHA <sha>``: numkeys, KEYS, ARGV
+        (the one builder of lua/charge.lua's arguments; benchmarks use it too)."""
+        with_op = op_id is not None and event_id is None
+        p = self._prepare(ops, want_used, with_op)
+        lease_args = self._lease_args(p, lease, lease_ttl, ticket)
+        if with_op:
+            assert op_id is not None
+            first: list[Any] = [op_key(op_id).encode(), *p.counters, op_id]
+        else:
+            first = [event_id or ""]
+        return [*p.head, *first, p.flags, *lease_args, *p.tail, self._now_ms()]
+
+    @staticmethod
+    def _lease_args(
+        p: _Prepared, lease: str | None, lease_ttl: float, ticket: str | None
+    ) -> list[Any]:
+        """After the flags: the lease id, its time to live, the waiting ticket ('-'
+        when the call does not wait) and the number of lease sets (lua/charge.lua 'l')."""
+        if not p.leases:
+            return []
+        if lease is None:
+            raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
+        return [lease, str(max(1, round(lease_ttl * 1000))), ticket or "-", str(p.leases)]
+
+    def _packed_charge(
+        self,
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        want_used: bool,
+        op_id: str | None,
+        lease: str | None,
+        lease_ttl: float,
+        ticket: str | None = None,
+    ) -> bytes:
+        """:meth:`charge_args` as one packed EVALSHA: the cached pieces spliced
+        around what varies per call (event or operation id, lease, clock)."""
+        with_op = op_id is not None and event_id is None
+        p = self._prepare(ops, want_used, with_op)
+        lease_args = self._lease_args(p, lease, lease_ttl, ticket)
+        if with_op:
+            assert op_id is not None
+            first = p.counters_b.join((pack_args([op_key(op_id)]), pack_args([op_id])))
+        else:
+            first = pack_args([event_id or ""])
+        return b"".join(
+            (
+                b"*%d\r\n" % (p.count + len(lease_args)),
+                self._charge_prefix,
+                p.head_b,
+                first,
+                p.flags_b,
+                pack_args(lease_args) if lease_args else b"",
+                p.tail_b,
+                pack_args([self._now_ms()]),
+            )
+        )
 
     async def charge(
         self,
@@ -222,26 +398,77 @@ class RedisBackend:
         """Charge ``ops`` all or nothing (lua/charge.lua); ``lease``: the id concurrency
         caps hold for ``lease_ttl`` seconds; ``ticket``: the place of a call waiting for a
         slot (``"<id>/<wait ms>"``, keys.queue_key), which a refusal queues."""
-        if op_id is not None and event_id is None:
-            head, counters, tail, leases = self._charge_args(ops, want_used, True)
-            args = [*head, op_key(op_id).encode(), *counters, op_id, *tail]
-        else:
-            head, _, tail, leases = self._charge_args(ops, want_used, False)
-            args = [*head, event_id or "", *tail]
-        if leases:
-            if lease is None:
-                raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
-            # After the flags: the lease id and its time to live (lua/charge.lua 'l').
-            at = len(args) - len(tail) + 1
-            args[at:at] = [lease, str(max(1, round(lease_ttl * 1000))), ticket or "-", str(leases)]
+        if self._address is None:
+            args = self.charge_args(
+                ops,
+                event_id=event_id,
+                want_used=want_used,
+                op_id=op_id,
+                lease=lease,
+                lease_ttl=lease_ttl,
+                ticket=ticket,
+            )
+            return self._charged(ops, await self._eval(self._charge, args))
+        packed = self._packed_charge(ops, event_id, want_used, op_id, lease, lease_ttl, ticket)
+        return await self._reply_of(
+            self._pipe().call(packed), ops, event_id, want_used, op_id, lease, lease_ttl, ticket
+        )
+
+    def charge_sent(
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
+    ) -> Awaitable[ChargeResult] | None:
+        """Write the charge now, on this loop's shared connection, and return what
+        awaits its reply; None when it cannot be written at once (coalescing off,
+        or not connected: then :meth:`charge` it).
+
+        Once this returns, any later call of this process on the connection
+        reaches Redis after the charge (one connection keeps its order), so
+        the next check sees it without anyone waiting for its reply.
+        """
+        if self._address is None:
+            return None
+        pipe = self._pipe()
+        fut = pipe.send(self._packed_charge(ops, event_id, want_used, op_id, None, 0.0))
+        if fut is None:
+            return None
+        return self._reply_of(fut, ops, event_id, want_used, op_id, None, 0.0)
+
+    async def _reply_of(
+        self,
+        pending: Awaitable[Any],
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        want_used: bool,
+        op_id: str | None,
+        lease: str | None,
+        lease_ttl: float,
+        ticket: str | None = None,
+    ) -> ChargeResult:
         try:
-            try:
-                reply = await self._execute("EVALSHA", *args)
-            except redis_errors.NoScriptError:
-                await self.client.script_load(self._charge.script)
-                reply = await self._execute("EVALSHA", *args)
+            reply = await pending
+        except redis_errors.NoScriptError:  # this node lost its scripts: EVAL, same arguments
+            args = self.charge_args(
+                ops,
+                event_id=event_id,
+                want_used=want_used,
+                op_id=op_id,
+                lease=lease,
+                lease_ttl=lease_ttl,
+                ticket=ticket,
+            )
+            reply = await self._eval(self._charge, args)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError.redis(exc) from exc
+        return self._charged(ops, reply)
+
+    @staticmethod
+    def _charged(ops: Sequence[CounterOp], reply: Any) -> ChargeResult:
+        """The :class:`ChargeResult` of charge.lua's reply."""
         head_value = int(reply[0])
         if head_value == 0 and len(reply) == 1:
             return _ADMITTED
@@ -259,7 +486,7 @@ class RedisBackend:
     async def _leases(self, keys: Sequence[str], *args: Any) -> list[int]:
         if not keys:
             return []
-        return [int(v) for v in await self._run(self._lease, keys, args)]
+        return [int(v) for v in await self._run(self._lease, keys, (*args, self._now_ms()))]
 
     async def release(self, keys: Sequence[str], lease: str) -> int:
         """Give lease ``lease`` back on every set in ``keys`` (one round trip); how many held it."""
@@ -335,6 +562,7 @@ class RedisBackend:
             " ".join(tokens),
             len(seen_sets),
             through,
+            self._now_ms(),
         ]
         try:
             applied = int(await self._run(self._apply, keys, args))
@@ -427,7 +655,7 @@ class RedisBackend:
         keys: list[str] = []
         tokens = change_tokens(changes, keys, {})
         try:
-            await self._run(self._change, keys, (tokens,))
+            await self._run(self._change, keys, (tokens, self._now_ms()))
         except redis_errors.ResponseError as exc:
             if "mcpbg change:" not in str(exc):
                 raise
@@ -485,6 +713,9 @@ class RedisBackend:
         return -1 if raw is None else int(raw)
 
     async def aclose(self) -> None:
+        if self._pipe_now is not None:
+            self._pipe_now.close()
+            self._pipe_now = None
         # The pool was passed in (from_url), so Redis.aclose alone would leave its
         # connections open (ResourceWarning: unclosed Connection).
         await self.client.aclose(close_connection_pool=True)

@@ -113,5 +113,13 @@ export const capsKey = (limit: string): string => KEYS.capsKey(limit);
 export const opKey = (opId: string): string => KEYS.opKey(opId);
 
 export const LEASE_PREFIX = `${PREFIX}:_lease`;
+
+/** Where calls waiting for a slot of a lease set queue (Python: keys.queue_key): the
+ * lease set is its hash tag, so both share one Redis Cluster slot. */
+export const QUEUE_PREFIX = `${PREFIX}:_wait`;
+
+export function queueKey(leaseSet: string): string {
+  return `${QUEUE_PREFIX}:{${leaseSet}}`;
+}
 export const EPOCH_KEY = `${PREFIX}:_epoch`;
 export const PLANS_KEY = `${PREFIX}:_plans`;

@@ -127,6 +127,7 @@ describe("scripts", () => {
         lease: c.lease ? "0190f5a2-7e3b-7c1d-9f00-0000000000cc" : null,
         leaseTtl: 30,
         requireEpoch: c.require_epoch ?? false,
+        nowMs: c.now * 1000,
       });
       assert.deepEqual(["EVALSHA", ...command], c.command, `${c.policy} ${c.call} ${JSON.stringify(c.context)}`);
     }

@@ -11,7 +11,7 @@
 import { Redis, type RedisOptions } from "ioredis";
 
 import { BackendUnavailableError, CounterOverflowError, InvalidInputError } from "../errors.js";
-import { EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey } from "../keys.js";
+import { EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey, queueKey } from "../keys.js";
 import { MAX_AMOUNT } from "../money.js";
 import type { CounterOp } from "../planning.js";
 import { script, type Script } from "../scripts.js";
@@ -38,7 +38,8 @@ interface Prepared {
   head: (string | number)[];
   counters: string[];
   tail: string[];
-  leases: boolean;
+  /** How many lease sets (concurrency caps) the charge takes; their queues close KEYS. */
+  leases: number;
 }
 
 /**
@@ -48,10 +49,10 @@ interface Prepared {
 export function chargeCommand(
   sha: string,
   ops: readonly CounterOp[],
-  options: ChargeOptions & { requireEpoch?: boolean } = {},
+  options: ChargeOptions & { requireEpoch?: boolean; nowMs?: number } = {},
 ): string[] {
   const p = prepare(sha, ops, options.wantUsed ?? true, options.opId != null && options.eventId == null, options.requireEpoch ?? false);
-  return assemble(p, options).map(String);
+  return assemble(p, options, options.nowMs ?? Date.now()).map(String);
 }
 
 function prepare(sha: string, ops: readonly CounterOp[], wantUsed: boolean, withOp: boolean, requireEpoch: boolean): Prepared {
@@ -69,7 +70,10 @@ function prepare(sha: string, ops: readonly CounterOp[], wantUsed: boolean, with
     }
   }
   if (resolve) counters.push(...capsKeys, PLANS_KEY);
-  const leases = ops.some((op) => op.key.startsWith(LEASE_PREFIX));
+  // Every lease set's queue comes last (lua/charge.lua 'l'): waiting calls go first.
+  const queues = ops.filter((op) => op.key.startsWith(LEASE_PREFIX)).map((op) => queueKey(op.key));
+  counters.push(...queues);
+  const leases = queues.length;
   const flags =
     (leases ? "l" : "") + (requireEpoch ? "e" : "") + (wantUsed ? "u" : "") + (withOp ? "o" : "") + (resolve ? "c" : "");
   const numkeys = keys.length + counters.length + (withOp ? 1 : 0);
@@ -83,7 +87,9 @@ function prepare(sha: string, ops: readonly CounterOp[], wantUsed: boolean, with
   return { head, counters, tail, leases };
 }
 
-function assemble(p: Prepared, options: ChargeOptions): (string | number)[] {
+/** The charge's arguments around what varies per call; the caller's clock (epoch ms)
+ * goes last (lua/lib.lua caller_ms: no script reads Redis' TIME). */
+function assemble(p: Prepared, options: ChargeOptions, nowMs: number): (string | number)[] {
   const withOp = options.opId != null && options.eventId == null;
   const args = withOp
     ? [...p.head, opKey(options.opId ?? ""), ...p.counters, options.opId ?? "", ...p.tail]
@@ -91,8 +97,10 @@ function assemble(p: Prepared, options: ChargeOptions): (string | number)[] {
   if (p.leases) {
     if (options.lease == null) throw new InvalidInputError("lease", options.lease ?? null, "a charge taking leases needs a lease id");
     const at = args.length - p.tail.length + 1;
-    args.splice(at, 0, options.lease, String(Math.max(1, Math.round((options.leaseTtl ?? 0) * 1000))));
+    const ttl = String(Math.max(1, Math.round((options.leaseTtl ?? 0) * 1000)));
+    args.splice(at, 0, options.lease, ttl, options.ticket ?? "-", String(p.leases));
   }
+  args.push(String(Math.floor(nowMs)));
   return args;
 }
 
@@ -109,10 +117,13 @@ function isUnavailable(err: unknown): boolean {
 
 export interface RedisBackendOptions {
   requireEpoch?: boolean;
+  /** Epoch seconds: the clock the scripts are given (default the system clock). */
+  clock?: () => number;
 }
 
 export class RedisBackend implements Backend {
   readonly requireEpoch: boolean;
+  readonly clock: () => number;
   private readonly scripts: Record<"charge" | "usage" | "lease", Script>;
   private readonly prepared = new WeakMap<readonly CounterOp[], Map<string, Prepared>>();
 
@@ -121,6 +132,7 @@ export class RedisBackend implements Backend {
     options: RedisBackendOptions = {},
   ) {
     this.requireEpoch = options.requireEpoch ?? false;
+    this.clock = options.clock ?? (() => Date.now() / 1000);
     this.scripts = { charge: script("charge"), usage: script("usage"), lease: script("lease") };
   }
 
@@ -181,7 +193,7 @@ export class RedisBackend implements Backend {
       p = prepare(this.scripts.charge.sha, ops, wantUsed, withOp, this.requireEpoch);
       byVariant.set(variant, p);
     }
-    const reply = (await this.evalsha(this.scripts.charge, assemble(p, options))) as number[];
+    const reply = (await this.evalsha(this.scripts.charge, assemble(p, options, this.clock() * 1000))) as number[];
     const head = Number(reply[0]);
     if (head === 0 && reply.length === 1) return ADMITTED_RESULT;
     if (head === -2) {
@@ -210,7 +222,8 @@ export class RedisBackend implements Backend {
   private async leases(keys: readonly string[], ...args: string[]): Promise<number[]> {
     if (!keys.length) return [];
     const s = this.scripts.lease;
-    return ((await this.evalsha(s, [s.sha, keys.length, ...keys, ...args])) as number[]).map(Number);
+    const nowMs = String(Math.floor(this.clock() * 1000));
+    return ((await this.evalsha(s, [s.sha, keys.length, ...keys, ...args, nowMs])) as number[]).map(Number);
   }
 
   async release(keys: readonly string[], lease: string): Promise<number> {

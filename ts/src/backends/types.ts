@@ -19,6 +19,8 @@ export interface ChargeOptions {
   lease?: string | null;
   /** Seconds a lease lives unless renewed. */
   leaseTtl?: number;
+  /** A call waiting for a slot: its place in the queues ("<id>/<wait ms>"). */
+  ticket?: string | null;
 }
 
 export interface Backend {

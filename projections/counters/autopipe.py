@@ -1,0 +1,336 @@
+"""One Redis connection shared by every caller on an event loop: auto-pipelining.
+
+Commands issued while others are in flight are buffered and written together
+at the end of the event-loop turn; replies come back in order and are matched
+to their callers. A lone caller (nothing in flight) writes at once, so it pays
+nothing for the sharing. Replies are parsed by hiredis when installed (the
+``redis`` extra), else by a small RESP2 parser here.
+
+A call that gets no reply within ``timeout`` fails with :class:`TimeoutError`
+and drops the connection (a pipelined connection cannot skip one reply), so
+every call still in flight on it fails too; the next call reconnects.
+Connection failures raise :class:`ConnectionError`. Both are :class:`OSError`,
+which the backend turns into ``BackendUnavailableError``.
+
+>>> pack([b"EVALSHA", b"abc", 0])
+b'*3\\r\\n$7\\r\\nEVALSHA\\r\\n$3\\r\\nabc\\r\\n$1\\r\\n0\\r\\n'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from redis import exceptions as redis_errors
+
+_HiredisReader: Any
+try:  # pragma: no cover - which parser depends on the install
+    from hiredis import Reader as _HiredisReader
+except ImportError:  # pragma: no cover
+    _HiredisReader = None
+
+
+class _ReplyError(Exception):
+    """An error reply (hiredis builds these; the backend maps them below)."""
+
+
+def reply_error(message: str) -> redis_errors.ResponseError:
+    """The redis-py error of an error reply, so callers handle one family."""
+    if message.startswith("NOSCRIPT"):
+        return redis_errors.NoScriptError(message)
+    return redis_errors.ResponseError(message)
+
+
+def _encode(arg: Any) -> bytes:
+    if isinstance(arg, bytes):
+        return arg
+    if isinstance(arg, str):
+        return arg.encode()
+    return str(arg).encode()
+
+
+def pack(args: Iterable[Any]) -> bytes:
+    """One command in RESP: ``*<n>`` then ``$<len>`` and the bytes of each argument."""
+    parts = [_encode(a) for a in args]
+    out = [b"*%d\r\n" % len(parts)]
+    for p in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(p), p))
+    return b"".join(out)
+
+
+def pack_args(args: Iterable[Any]) -> bytes:
+    """Arguments packed without the ``*<n>`` header (to splice cached pieces)."""
+    return b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in map(_encode, args))
+
+
+class _PyReader:
+    """A RESP2 reader with hiredis' interface (feed, gets -> reply or False)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+
+    def gets(self) -> Any:
+        try:
+            value, end = self._parse(0)
+        except (IndexError, ValueError):  # a partial reply: wait for more
+            return False
+        del self.buf[:end]
+        return value
+
+    def _parse(self, at: int) -> tuple[Any, int]:
+        nl = self.buf.index(b"\r\n", at)
+        kind, line = self.buf[at : at + 1], bytes(self.buf[at + 1 : nl])
+        nxt = nl + 2
+        if kind == b"+":
+            return line, nxt
+        if kind == b"-":
+            return _ReplyError(line.decode(errors="replace")), nxt
+        if kind == b":":
+            return int(line), nxt
+        if kind == b"$":
+            n = int(line)
+            if n < 0:
+                return None, nxt
+            if len(self.buf) < nxt + n + 2:
+                raise IndexError
+            return bytes(self.buf[nxt : nxt + n]), nxt + n + 2
+        if kind == b"*":
+            n = int(line)
+            if n < 0:
+                return None, nxt
+            items = []
+            for _ in range(n):
+                item, nxt = self._parse(nxt)
+                items.append(item)
+            return items, nxt
+        raise redis_errors.InvalidResponse(f"unexpected RESP type {kind!r}")
+
+
+def _reader() -> Any:
+    if _HiredisReader is not None:
+        return _HiredisReader(replyError=_ReplyError)
+    return _PyReader()
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """Where and how to connect: TCP ``host:port`` or a unix ``path``; then AUTH and SELECT."""
+
+    host: str = "127.0.0.1"
+    port: int = 6379
+    path: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: ssl.SSLContext | None = None
+
+    @classmethod
+    def of_client(cls, client: Any) -> Address | None:
+        """The address of a redis-py client's pool, or None when it is not a plain one."""
+        from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+        pool = getattr(client, "connection_pool", None)
+        if pool is None:
+            return None
+        kw = pool.connection_kwargs
+        kind = pool.connection_class
+        tls = None
+        if kind is SSLConnection:
+            tls = ssl.create_default_context()
+            if kw.get("ssl_cert_reqs") in ("none", ssl.CERT_NONE):
+                tls.check_hostname = False
+                tls.verify_mode = ssl.CERT_NONE
+        elif kind not in (Connection, UnixDomainSocketConnection):
+            return None
+        return cls(
+            host=kw.get("host", "127.0.0.1"),
+            port=int(kw.get("port", 6379)),
+            path=kw.get("path") if kind is UnixDomainSocketConnection else None,
+            db=int(kw.get("db", 0) or 0),
+            username=kw.get("username"),
+            password=kw.get("password"),
+            tls=tls,
+        )
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, pipe: Pipe) -> None:
+        self.pipe = pipe
+        self.reader = _reader()
+
+    def data_received(self, data: bytes) -> None:
+        if self.pipe._protocol is not self:  # a dropped connection's late bytes
+            return
+        reader, waiters, sent = self.reader, self.pipe.waiters, self.pipe.sent
+        reader.feed(data)
+        while True:
+            try:
+                reply = reader.gets()
+            except Exception as exc:  # a protocol error: nothing after it can be matched
+                self.pipe.fail(ConnectionError(f"redis protocol error: {exc}"))
+                return
+            if reply is False:
+                return
+            if not waiters:
+                self.pipe.fail(ConnectionError("redis sent a reply nobody asked for"))
+                return
+            fut = waiters.popleft()
+            sent.popleft()
+            if fut.done():
+                continue
+            if isinstance(reply, _ReplyError):
+                fut.set_exception(reply_error(str(reply)))
+            else:
+                fut.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.pipe._protocol is self:
+            self.pipe.fail(ConnectionError(f"redis connection lost: {exc or 'closed'}"))
+
+
+class Pipe:
+    """The shared connection of one event loop (see the module docstring)."""
+
+    def __init__(self, address: Address, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.waiters: deque[asyncio.Future[Any]] = deque()
+        self.sent: deque[float] = deque()
+        self._transport: asyncio.Transport | None = None
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Future[None] | None = None
+        self._buffer: list[bytes] = []
+        self._watch: asyncio.TimerHandle | None = None
+
+    async def call(self, packed: bytes) -> Any:
+        """Send one packed command (:func:`pack`) and await its reply."""
+        fut = self.send(packed)
+        if fut is None:
+            await self._connect()
+            fut = self.send(packed)
+            if fut is None:
+                raise ConnectionError(f"redis connection to {self._where()} closed at once")
+        return await fut
+
+    def send(self, packed: bytes) -> asyncio.Future[Any] | None:
+        """Queue one packed command now (its write keeps its place in the order of
+        this connection); the future of its reply, or None when not connected."""
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._connecting is not None:
+            return None
+        fut = self.loop.create_future()
+        waiters = self.waiters
+        if self._buffer:
+            self._buffer.append(packed)
+        elif waiters:  # others in flight: go out with this turn's other calls
+            self._buffer.append(packed)
+            self.loop.call_soon(self._flush)
+        else:  # alone: at once
+            transport.write(packed)
+        waiters.append(fut)
+        self.sent.append(self.loop.time())
+        if self._watch is None:
+            self._watch = self.loop.call_later(self.timeout, self._check_timeouts)
+        return fut
+
+    def _flush(self) -> None:
+        buf, self._buffer = self._buffer, []
+        if buf and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(buf))
+
+    def _check_timeouts(self) -> None:
+        self._watch = None
+        if not self.sent:
+            return
+        late = self.sent[0] + self.timeout - self.loop.time()
+        if late <= 0:
+            self.fail(TimeoutError(f"redis gave no reply within {self.timeout}s"))
+        else:
+            self._watch = self.loop.call_later(late, self._check_timeouts)
+
+    async def _connect(self) -> None:
+        if self._connecting is not None:
+            await asyncio.shield(self._connecting)
+            return
+        self._connecting = self.loop.create_future()
+        try:
+            await asyncio.wait_for(self._open(), self.timeout)
+            self._connecting.set_result(None)
+        except (TimeoutError, OSError, redis_errors.ResponseError) as exc:
+            error = ConnectionError(f"redis connect to {self._where()} failed: {exc}")
+            self._connecting.set_exception(error)
+            self._connecting.exception()  # retrieved: no "never retrieved" warning
+            raise error from exc
+        finally:
+            self._connecting = None
+
+    def _where(self) -> str:
+        a = self.address
+        return a.path or f"{a.host}:{a.port}"
+
+    async def _open(self) -> None:
+        a = self.address
+        protocol = self._protocol = _Protocol(self)
+        if a.path:
+            transport, _ = await self.loop.create_unix_connection(lambda: protocol, a.path)
+        else:
+            transport, _ = await self.loop.create_connection(
+                lambda: protocol, a.host, a.port, ssl=a.tls
+            )
+        sock = transport.get_extra_info("socket")
+        if sock is not None and not a.path:
+            import socket
+
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._transport = transport
+        setup: list[list[Any]] = []
+        if a.password is not None:
+            setup.append(["AUTH", *([a.username] if a.username else []), a.password])
+        if a.db:
+            setup.append(["SELECT", a.db])
+        for cmd in setup:
+            fut = self.loop.create_future()
+            self.waiters.append(fut)
+            self.sent.append(self.loop.time())
+            transport.write(pack(cmd))
+            await fut
+
+    def fail(self, error: Exception) -> None:
+        """Drop the connection; every call in flight gets ``error``."""
+        transport, self._transport = self._transport, None
+        self._protocol = None
+        self._buffer = []
+        waiters, self.waiters = self.waiters, deque()
+        self.sent = deque()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(error)
+        if transport is not None:
+            transport.abort()
+
+    def abandon(self) -> None:
+        """Close the socket of a connection whose event loop is gone."""
+        transport, self._transport = self._transport, None
+        self._protocol = None
+        if transport is not None:
+            try:
+                transport.abort()
+            except RuntimeError:  # the loop is closed: close the socket itself
+                sock = getattr(transport, "_sock", None)  # asyncio keeps the real socket here
+                if sock is not None:
+                    sock.close()
+
+    def close(self) -> None:
+        """Close the connection (calls in flight fail)."""
+        self.fail(ConnectionError("redis connection closed"))

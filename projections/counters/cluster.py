@@ -1,0 +1,292 @@
+"""Counters on Redis Cluster: a check spread over slots, charged per slot group.
+
+Counter keys carry no hash tag, so they spread over the cluster's slots as
+they do on one Redis. A charge whose counters fall in several slots runs
+``lua/charge.lua`` once per slot group, all groups in parallel (one round trip
+of wall time); when any group refuses (or fails), the groups that admitted are
+taken back by a compensating charge, so a check never admits past a cap and a
+refused check leaves no lasting charge. In between, its holds can refuse
+someone else: docs/cluster.md bounds that window.
+
+The operation marker of an inline charge (``keys.op_key``) gets a hash tag
+that puts it in its group's slot (:func:`slot_tag`), so each group's charge
+stays idempotent on its own.
+
+>>> backend = RedisBackend.from_url("redis+cluster://h1:7000,h2:7001")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+
+from mcp_budget_governor.caps import effective
+from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
+from mcp_budget_governor.errors import BackendUnavailableError, InvalidInputError
+from mcp_budget_governor.keys import LEASE_PREFIX
+
+from .redis import DEFAULT_TIMEOUT, RedisBackend
+
+log = logging.getLogger("mcp_budget_governor")
+
+SCHEME = "redis+cluster://"
+
+#: A check refused by one slot group while another admitted it is tried again
+#: this many times (each attempt taken back first): the refusal may have come
+#: from other checks' transient holds, which would otherwise under-admit.
+RETRIES = 2
+
+
+def parse_cluster_url(url: str) -> list[tuple[str, int]]:
+    """``redis+cluster://h1:p1[,h2:p2]`` -> its seed nodes (the ``limits`` library's form).
+
+    >>> parse_cluster_url("redis+cluster://127.0.0.1:7000,127.0.0.1:7001")
+    [('127.0.0.1', 7000), ('127.0.0.1', 7001)]
+    >>> parse_cluster_url("redis+cluster://h:x")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: url: port 'x' is not 1-65535 \
+(got 'redis+cluster://h:x')
+    """
+    expected = "expected redis+cluster://host:port[,host:port]"
+    if not isinstance(url, str) or not url.startswith(SCHEME):
+        raise InvalidInputError("url", url, expected)
+    nodes = []
+    for part in url[len(SCHEME) :].rstrip("/").split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host:
+            raise InvalidInputError("url", url, expected)
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            raise InvalidInputError("url", url, f"port {port!r} is not 1-65535")
+        nodes.append((host, int(port)))
+    return nodes
+
+
+@cache
+def _slot_tags() -> tuple[str, ...]:
+    """For each of the 16384 slots a short string that hashes to it."""
+    tags: list[str | None] = [None] * 16384
+    missing, i = 16384, 0
+    while missing:
+        tag = format(i, "x")
+        slot = key_slot(tag.encode())
+        if tags[slot] is None:
+            tags[slot] = tag
+            missing -= 1
+        i += 1
+    return tuple(t for t in tags if t is not None)
+
+
+def slot_tag(slot: int) -> str:
+    """A hash tag (``{...}``) that puts a key in ``slot``.
+
+    >>> key_slot(("mcpbg:v1:_op:x" + slot_tag(key_slot(b"mcpbg:v1:a:global:d1"))).encode()) == \
+key_slot(b"mcpbg:v1:a:global:d1")
+    True
+    """
+    return "{" + _slot_tags()[slot] + "}"
+
+
+def _policy_capped(op: CounterOp) -> CounterOp:
+    """``op`` compared with its cap by the policy alone (caps.effective, nothing at run time)."""
+    if op.ref is None:
+        return op
+    cap = effective(op.ref, op.cap, runtime=None, assigned={}, grant=0, now=0.0).cap
+    return dataclasses.replace(op, cap=cap, ref=None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Group:
+    slot: int
+    positions: tuple[int, ...]  # of its ops in the charge
+    ops: tuple[CounterOp, ...]
+
+
+class ClusterBackend:
+    """Counters on a Redis Cluster; see the module docstring."""
+
+    def __init__(self, client: RedisCluster, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.client = client
+        # The single-node charge, routed by redis-py to its slot's master.
+        self._node = RedisBackend(client, coalesce=False, timeout=timeout)  # type: ignore[arg-type]
+        self._groups: dict[int, tuple[object, tuple[_Group, ...]]] = {}
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+    ) -> ClusterBackend:
+        nodes = [ClusterNode(host, port) for host, port in parse_cluster_url(url)]
+        kwargs.setdefault("max_connections", 1024)  # per node: a burst must not run out
+        client = RedisCluster(
+            startup_nodes=nodes,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            **kwargs,
+        )
+        return cls(client, timeout=timeout)
+
+    def _groups_of(self, ops: Sequence[CounterOp]) -> tuple[_Group, ...]:
+        hit = self._groups.get(id(ops))
+        if hit is not None and hit[0] is ops:
+            return hit[1]
+        by_slot: dict[int, list[int]] = {}
+        for i, op in enumerate(ops):
+            by_slot.setdefault(key_slot(op.key.encode()), []).append(i)
+        # Run-time caps, plans and grants live in hashes of their own slots: not
+        # read here (docs/cluster.md); each counter is compared with its cap by
+        # the policy alone (value cap, the policy's plan, else the default).
+        groups = tuple(
+            _Group(
+                slot,
+                tuple(pos),
+                tuple(_policy_capped(ops[i]) for i in pos),
+            )
+            for slot, pos in by_slot.items()
+        )
+        if len(self._groups) >= 8192:
+            self._groups.clear()
+        self._groups[id(ops)] = (ops, groups)
+        return groups
+
+    async def charge(
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
+        lease: str | None = None,
+        lease_ttl: float = 0.0,
+    ) -> ChargeResult:
+        groups = self._groups_of(ops)
+
+        def one(g: _Group, tag_op: str | None) -> Any:
+            return self._node.charge(
+                g.ops,
+                event_id=event_id,
+                want_used=want_used,
+                op_id=None if tag_op is None else tag_op + slot_tag(g.slot),
+                lease=lease,
+                lease_ttl=lease_ttl,
+            )
+
+        if len(groups) == 1:
+            result = await one(groups[0], op_id)  # one slot: as on a single Redis
+            return ChargeResult(result.refused, result.used)
+        for attempt in range(1 + RETRIES):
+            # Each attempt (and its take-back) has operation markers of its own: a
+            # marker left by a taken-back attempt must not make the next one a no-op.
+            tag_op = op_id if op_id is None or attempt == 0 else f"{op_id}-{attempt}"
+            outcomes = await asyncio.gather(
+                *(one(g, tag_op) for g in groups), return_exceptions=True
+            )
+            failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+            refused = [
+                g.positions[o.refused]
+                for g, o in zip(groups, outcomes, strict=True)
+                if isinstance(o, ChargeResult) and not o.admitted
+            ]
+            if failed is None and not refused:
+                break
+            admitted = [
+                g
+                for g, o in zip(groups, outcomes, strict=True)
+                if isinstance(o, ChargeResult) and o.admitted
+            ]
+            await self._take_back(admitted, event_id, tag_op, lease)
+            if failed is not None:
+                log.warning("a slot group's charge failed, the others taken back: %r", failed)
+                raise failed
+            if not admitted:
+                break  # every group refused: no hold of ours was in anyone's way
+            # Mixed: the refusing counter may have been full of other checks'
+            # transient holds; once they are taken back it may fit (docs/cluster.md).
+            await asyncio.sleep(0)
+        used = [0] * len(ops)
+        for g, o in zip(groups, outcomes, strict=True):
+            assert isinstance(o, ChargeResult)
+            for pos, u in zip(g.positions, o.used, strict=False):
+                used[pos] = u
+        return ChargeResult(min(refused) if refused else -1, tuple(used) if want_used else ())
+
+    async def _take_back(
+        self, groups: Sequence[_Group], event_id: str | None, op_id: str | None, lease: str | None
+    ) -> None:
+        """Undo the charges of ``groups`` (their check was refused elsewhere)."""
+
+        async def undo(g: _Group) -> None:
+            back = tuple(
+                dataclasses.replace(op, amount=-op.amount, enforce=False)
+                for op in g.ops
+                if op.amount and not op.key.startswith(LEASE_PREFIX)
+            )
+            leases = [op.key for op in g.ops if op.key.startswith(LEASE_PREFIX)]
+            if back:
+                await self._node.charge(
+                    back,
+                    event_id=event_id,
+                    want_used=False,
+                    op_id=None if op_id is None else f"{op_id}-back{slot_tag(g.slot)}",
+                )
+            if leases and lease is not None:
+                await self._node.release(leases, lease)
+
+        outcomes = await asyncio.gather(*(undo(g) for g in groups), return_exceptions=True)
+        for g, o in zip(groups, outcomes, strict=True):
+            if isinstance(o, BaseException):
+                log.error(
+                    "could not take back a refused check's hold on slot %d (%s): %s",
+                    g.slot,
+                    ", ".join(op.key for op in g.ops),
+                    o,
+                )
+
+    async def usage(self, keys: Sequence[str]) -> list[int]:
+        by_slot: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_slot.setdefault(key_slot(key.encode()), []).append(i)
+        out = [0] * len(keys)
+        parts = await asyncio.gather(
+            *(self._node.usage([keys[i] for i in pos]) for pos in by_slot.values())
+        )
+        for pos, got in zip(by_slot.values(), parts, strict=True):
+            for i, v in zip(pos, got, strict=True):
+                out[i] = v
+        return out
+
+    async def release(self, keys: Sequence[str], lease: str) -> int:
+        return sum(await asyncio.gather(*(self._node.release([k], lease) for k in keys)))
+
+    async def renew(self, keys: Sequence[str], lease: str, ttl: float) -> int:
+        return sum(await asyncio.gather(*(self._node.renew([k], lease, ttl) for k in keys)))
+
+    async def in_progress(self, keys: Sequence[str]) -> list[int]:
+        return [n for k in keys for n in await self._node.in_progress([k])]
+
+    async def apply(
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
+    ) -> int:
+        raise BackendUnavailableError(
+            "the projection into Redis Cluster is not built yet (docs/cluster.md)"
+        )
+
+    async def state(self, key: str) -> CounterState:
+        return await self._node.state(key)
+
+    async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
+        return await self._node.counter_keys(limit, match=match)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,122 @@
+"""Redis Cluster: a check whose counters live on different masters admits exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing
+import time
+import uuid
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from mcp_budget_governor import Context, Governor, RedisBackend, planning
+from mcp_budget_governor.counters import CounterOp
+from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.projections.counters.cluster import ClusterBackend, parse_cluster_url
+from testing.services import RedisClusterService
+from testing.workers import cluster_checks, cluster_policy
+
+
+def _owner(service: RedisClusterService, slot: int) -> int:
+    """The port of the master serving ``slot``."""
+    host, port = parse_cluster_url(service.url)[0]
+    for start, end, master, *_ in redis.Redis(host=host, port=port).execute_command(
+        "CLUSTER SLOTS"
+    ):
+        if start <= slot <= end:
+            return int(master[1])
+    raise AssertionError(f"slot {slot} unserved")
+
+
+def _keys(ctx: Context, tag: str) -> dict[str, str]:
+    slots = planning.check_slots(cluster_policy(tag), ctx, time.time())
+    return {s.limit.name.removesuffix(tag): s.key for s in slots}
+
+
+def _users_off_the_global_master(service: RedisClusterService, n: int, tag: str) -> list[str]:
+    """``n`` users whose counters live on another master than the global counter's."""
+    global_master = _owner(service, key_slot(_keys(Context(user="x"), tag)["cl_global"].encode()))
+    users = []
+    for i in range(10_000):
+        user = f"cu{i}"
+        slot = key_slot(_keys(Context(user=user), tag)["cl_user"].encode())
+        if _owner(service, slot) != global_master:
+            users.append(user)
+        if len(users) == n:
+            return users
+    raise AssertionError("no users found")
+
+
+def test_from_url_connects_to_a_cluster_and_refuses_bad_urls() -> None:
+    assert isinstance(RedisBackend.from_url("redis+cluster://127.0.0.1:1"), ClusterBackend)
+    with pytest.raises(InvalidInputError, match="redis\\+cluster"):
+        parse_cluster_url("redis+cluster://")
+
+
+@pytest.mark.slow
+def test_four_processes_125_checks_user_cap_50_global_cap_80(
+    redis_cluster: RedisClusterService,
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    users = _users_off_the_global_master(redis_cluster, 2, tag)
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 4.0
+    with ctx.Pool(4) as pool:
+        per_process = pool.starmap(
+            cluster_checks, [(redis_cluster.url, tag, users, 125, start_at)] * 4
+        )
+    per_user = {u: sum(p[u] for p in per_process) for u in users}
+    assert sum(per_user.values()) == 80
+    assert all(n <= 50 for n in per_user.values())
+
+    async def counters() -> tuple[int, dict[str, int]]:
+        policy = cluster_policy(tag)
+        gov = Governor(policy, RedisBackend.from_url(redis_cluster.url, timeout=5.0))
+        try:
+            total = await gov.usage(f"cl_global{tag}")
+            mine = {u: await gov.usage(f"cl_user{tag}", Context(user=u)) for u in users}
+        finally:
+            await gov.aclose()
+        return total, mine
+
+    # Refused checks left nothing: every counter equals what was admitted.
+    assert asyncio.run(counters()) == (80, per_user)
+
+
+async def test_a_refusal_on_one_master_takes_back_the_other(
+    redis_cluster: RedisClusterService,
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    (user,) = _users_off_the_global_master(redis_cluster, 1, tag)
+    policy = cluster_policy(tag)
+    gov = Governor(policy, RedisBackend.from_url(redis_cluster.url, timeout=5.0))
+    ctx = Context(user=user)
+    keys = _keys(ctx, tag)
+    try:
+        assert (await gov.check(ctx)).admitted
+        # The user's counter is full: the global charge (another master) is taken back.
+        full = CounterOp(keys["cl_user"], 49, 50, False, int(time.time()) + 3 * 86_400)
+        await gov.backend.charge([full])
+        decision = await gov.check(ctx)
+        assert not decision.admitted and decision.limit == f"cl_user{tag}"
+        assert await gov.usage(f"cl_global{tag}") == 1
+        assert await gov.usage(f"cl_user{tag}", ctx) == 50
+    finally:
+        await gov.aclose()
+
+
+def test_a_cluster_charge_keeps_the_policys_value_caps_and_plans() -> None:
+    from mcp_budget_governor.caps import CapRef
+    from mcp_budget_governor.projections.counters.cluster import _policy_capped
+
+    op = CounterOp("mcpbg:v1:l:user=a:d1", 1, 100, True, 0)
+    by_value = _policy_capped(dataclasses.replace(op, ref=CapRef("k", "user=a", 7)))
+    by_plan = dataclasses.replace(
+        op, ref=CapRef("k", "user=a", None, ("user=a",), "pro", (("pro", 30), ("free", 5)))
+    )
+    assert (by_value.cap, by_value.ref) == (7, None)
+    assert _policy_capped(by_plan).cap == 30
+    assert _policy_capped(op) is op
