@@ -313,7 +313,7 @@ DECLARE
     wm bigint;
     had_wm boolean;
     fresh boolean;
-    applied integer := 0;
+    n_applied integer := 0;
     ci integer := 0;
     xi integer := 0;
     e integer;
@@ -337,7 +337,7 @@ BEGIN
     END LOOP;
     PERFORM mcpbg_lock(('mcpbg:v1:_applied:' || p_partition) || coalesce(p_ckeys, '{}')
                        || coalesce(p_xkeys, '{}'));
-    SELECT applied INTO wm FROM mcpbg_watermark WHERE partition = p_partition;
+    SELECT w.applied INTO wm FROM mcpbg_watermark AS w WHERE w.partition = p_partition;
     had_wm := FOUND;
     wm := coalesce(wm, -1);
     FOR e IN 1 .. n LOOP
@@ -374,7 +374,7 @@ BEGIN
             END IF;
         END LOOP;
         IF fresh THEN
-            applied := applied + 1;
+            n_applied := n_applied + 1;
         END IF;
     END LOOP;
     IF p_through > wm THEN
@@ -384,7 +384,7 @@ BEGIN
         INSERT INTO mcpbg_watermark AS w (partition, applied) VALUES (p_partition, wm)
         ON CONFLICT (partition) DO UPDATE SET applied = excluded.applied;
     END IF;
-    RETURN applied;
+    RETURN n_applied;
 END $$;
 
 -- Run-time changes written directly, no ledger (lua/change.lua); every key checked first.

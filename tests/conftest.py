@@ -74,6 +74,7 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         return
     if request.param == "postgres":
         pg = PostgresBackend.from_url(request.getfixturevalue("postgres_url"), timeout=5.0)
+        await pg.migrate()  # connected and migrated: a test's first call is an ordinary one
         yield pg
         await pg.aclose()
         return

@@ -79,6 +79,23 @@ def like_pattern(match: str) -> str:
     return escaped.replace("*", "%")
 
 
+# A charge that refuses (cap 0) on a key no counter has: it writes nothing.
+_WARM_PARAMS = (
+    "", "", True, False, ["mcpbg:v1:_warm:-:-"], [1], [0], [True], [0.0], True, [True],
+    [PLANS_KEY], ["-"], [None], [""], [""], [""], "", 1,
+)  # fmt: skip
+
+
+async def _warm(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Run each new pooled connection's first charge before a caller gets it: Postgres
+    compiles a PL/pgSQL function once per session, which would otherwise cost the
+    first check on every connection several round trips' time."""
+    try:
+        await conn.execute(_CHARGE, _WARM_PARAMS)
+    except (pg_errors.UndefinedFunction, pg_errors.UndefinedTable):
+        pass  # not migrated yet: the first use migrates
+
+
 class PostgresBackend:
     """Counters in Postgres, shared by every replica (see the module docstring)."""
 
@@ -102,6 +119,7 @@ class PostgresBackend:
             kwargs={"autocommit": True, "connect_timeout": max(2, round(timeout + 0.5))},
             reconnect_timeout=0,  # keep trying while the server is away
             name="mcpbg",
+            configure=_warm,
         )
         self._opened = False
         self._migrated = False
@@ -155,6 +173,7 @@ class PostgresBackend:
             if not self._migrated:
                 async with self._pool.connection() as conn:
                     await migrate_connection(conn)
+                    await _warm(conn)
                 self._migrated = True
 
     async def _call(self, query: str, params: Sequence[Any]) -> Any:
