@@ -34,6 +34,7 @@ COMMANDS: tuple[str, ...] = (
     "reconcile",
     "replay",
     "worker",
+    "migrate",
     "schema",
 )
 
