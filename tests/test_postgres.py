@@ -20,6 +20,7 @@ import random
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from mcp_budget_governor import (
     FailMode,
     Governor,
     Limit,
+    MemoryBackend,
     Policy,
     PostgresBackend,
     Scope,
@@ -38,8 +40,12 @@ from mcp_budget_governor import (
     Window,
 )
 from mcp_budget_governor.planning import slot
+from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from mcp_budget_governor.sql import latest
+from testing import stream_support as sw
 from testing.postgres import PrivatePostgres, scratch_database, start_private_postgres
+from testing.services import KafkaService
+from testing.stream_support import PARTITIONS, kafka  # noqa: F401 - the broker fixture
 from testing.workers import (
     burst_policy,
     concurrent_checks,
@@ -257,3 +263,59 @@ async def test_concurrent_checks_over_shared_keys_never_deadlock(postgres_url: s
         want = sum(1 for c in ctxs if c.tenant == t)
         assert await gov.usage("tenant", Context(user="any", tenant=t)) == want
     await gov.aclose()
+
+
+EVENTS = 100_000
+
+
+@pytest.mark.slow
+async def test_the_worker_projects_a_100000_event_ledger_into_postgres(
+    kafka: KafkaService, postgres_url: str, tmp_path: Path
+) -> None:
+    """``mcpbg worker --postgres URL`` (no Redis anywhere): every counter equals the
+    sum of its ledger charges, nothing in flight, no counter the ledger does not explain."""
+    topic, group = f"ledger-pg-{uuid.uuid4().hex[:8]}", f"projector-pg-{uuid.uuid4().hex[:8]}"
+    ledger = KafkaLedger(
+        kafka.bootstrap, topic=topic, partitions=PARTITIONS, outbox_dir=tmp_path / "outbox"
+    )
+    gov = Governor(sw.policy(), MemoryBackend(), ledger=ledger)
+    rng = random.Random(14)
+    while ledger.stats.appended < EVENTS:
+        await sw.workload(gov, 200, rng)
+    assert await ledger.flush(120.0), "the ledger did not ship every event"
+    await ledger.aclose()
+
+    env = sw.worker_env(tmp_path)
+    env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_POSTGRES_URL=postgres_url)
+    argv = sw.worker_argv(topic, group, "--batch-size", "1000", "--topic-wait", "20")
+    worker = sw.Worker("pg", tmp_path / "worker.log", argv, env)
+    backend = PostgresBackend.from_url(postgres_url, timeout=10.0)
+    try:
+        records = await sw.read_ledger(kafka, topic)
+        last: dict[int, int] = {}
+        for r in records:
+            last[r.partition] = max(last.get(r.partition, -1), r.offset)
+        deadline = time.monotonic() + 600.0
+        while True:
+            marks = await backend.watermarks()
+            if all(marks.get(f"{topic}:{p}", -1) >= want for p, want in last.items()):
+                break
+            assert worker.proc.poll() is None, worker.tail()
+            assert time.monotonic() < deadline, f"not caught up: {marks}\n{worker.tail()}"
+            await asyncio.sleep(0.5)
+        assert worker.terminate() == 0
+        events = sw.unique_events(records)
+        assert len(events) >= EVENTS
+        totals = sw.charge_totals(events)
+        ends = {c.key: c.expire_at for e in events for c in e.data.charges}
+        # No counter the ledger does not explain; each live one is its ledger sum (a
+        # minute bucket that ended during the run has expired, as on Redis).
+        assert set(await backend.counter_keys(10**7)) <= set(totals)
+        live = {k: v for k, v in totals.items() if ends[k] > time.time() + 5}
+        assert len(live) >= 30  # the workload's users, tenants and their limits
+        for key, total in live.items():
+            state = await backend.state(key)
+            assert (key, state.committed, state.in_flight, state.pending) == (key, total, 0, {})
+    finally:
+        worker.kill()
+        await backend.aclose()

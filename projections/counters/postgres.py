@@ -106,8 +106,10 @@ class PostgresBackend:
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = 32,
         require_epoch: bool = False,
+        durable: bool = True,
     ) -> None:
         self.url = url
+        self.durable = durable
         self.timeout = timeout
         self.require_epoch = require_epoch
         self._pool = AsyncConnectionPool(
@@ -116,7 +118,11 @@ class PostgresBackend:
             max_size=max(1, max_connections),
             open=False,
             timeout=timeout,
-            kwargs={"autocommit": True, "connect_timeout": max(2, round(timeout + 0.5))},
+            kwargs={
+                "autocommit": True,
+                "connect_timeout": max(2, round(timeout + 0.5)),
+                **({} if durable else {"options": "-c synchronous_commit=off"}),
+            },
             reconnect_timeout=0,  # keep trying while the server is away
             name="mcpbg",
             configure=_warm,
@@ -134,6 +140,7 @@ class PostgresBackend:
         timeout: float = DEFAULT_TIMEOUT,
         max_connections: int = 32,
         require_epoch: bool = False,
+        durable: bool = True,
     ) -> PostgresBackend:
         """Connect lazily to ``url``; ``timeout`` (seconds) bounds every call.
 
@@ -141,10 +148,23 @@ class PostgresBackend:
         until the worker has declared the counters complete, every charge
         counts as the store being unreachable, so nothing is admitted from
         counters that are not yet rebuilt.
+
+        ``durable=False`` commits without waiting for the WAL flush
+        (``synchronous_commit=off``): a check costs about a quarter as much
+        (docs/postgres.md), and a crash of Postgres (not of this process) may
+        lose the last fraction of a second of charges, whole transactions only,
+        never half of one. With a ledger that is safe: the projection's
+        watermark is lost with them, so the worker re-applies those events.
+        Without a ledger the lost charges are not counted: keep the default.
         """
         check_postgres_url(url, "url")
-        return cls(url, timeout=timeout, max_connections=max_connections,
-                   require_epoch=require_epoch)
+        return cls(
+            url,
+            timeout=timeout,
+            max_connections=max_connections,
+            require_epoch=require_epoch,
+            durable=durable,
+        )
 
     # -- plumbing -----------------------------------------------------------
 
