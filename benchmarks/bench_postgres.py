@@ -78,7 +78,7 @@ async def serial(
     """Median latency of (baseline, check) per store, interleaved; the ratio of medians."""
     samples: dict[str, list[list[int]]] = {f"{s}:{w}": [] for s in pairs for w in ("base", "check")}
     clock = time.perf_counter_ns
-    for store, (base, check) in pairs.items():  # warm: connections, scripts, plans
+    for base, check in pairs.values():  # warm: connections, scripts, plans
         for _ in range(200):
             await base()
             await check()
@@ -95,13 +95,12 @@ async def serial(
                         await call()
                         into.append(clock() - t0)
             done += chunk
-        bench.progress(
-            f"serial round {r + 1}/{rounds}: "
-            + ", ".join(
-                f"{s} {bench.median(samples[f'{s}:check'][r]) / bench.median(samples[f'{s}:base'][r]):.2f}x"
-                for s in pairs
-            )
-        )
+        ratios = {
+            s: bench.median(samples[f"{s}:check"][r]) / bench.median(samples[f"{s}:base"][r])
+            for s in pairs
+        }
+        shown = ", ".join(f"{s} {x:.2f}x" for s, x in ratios.items())
+        bench.progress(f"serial round {r + 1}/{rounds}: {shown}")
     out = {}
     for store in pairs:
         base_all = [x for s in samples[f"{store}:base"] for x in s]
@@ -179,7 +178,8 @@ async def run(args: argparse.Namespace, pg_url: str, redis_url: str) -> dict[str
         }
         conc[store]["hot_vs_spread"] = conc[store]["hot_global_per_s"] / conc[store]["check_per_s"]
         bench.progress(f"{CALLERS} callers, {store}: {conc[store]}")
-    conc["postgres_vs_redis_checks"] = conc["postgres"]["check_per_s"] / conc["redis"]["check_per_s"]
+    redis_rate = conc["redis"]["check_per_s"]
+    conc["postgres_vs_redis_checks"] = conc["postgres"]["check_per_s"] / redis_rate
     results["concurrent"] = conc
     for gov in (*govs.values(), *hot.values()):
         with contextlib.suppress(Exception):

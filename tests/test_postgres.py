@@ -45,7 +45,8 @@ from mcp_budget_governor.sql import latest
 from testing import stream_support as sw
 from testing.postgres import PrivatePostgres, scratch_database, start_private_postgres
 from testing.services import KafkaService
-from testing.stream_support import PARTITIONS, kafka  # noqa: F401 - the broker fixture
+from testing.stream_support import PARTITIONS
+from testing.stream_support import kafka as kafka  # the broker fixture (module scope)
 from testing.workers import (
     burst_policy,
     concurrent_checks,
@@ -134,9 +135,7 @@ async def test_postgres_restarted_closed_refuses_open_falls_back_then_recovers(
     url = private_postgres.url
 
     def replica() -> Governor:
-        return Governor(
-            policy(), PostgresBackend.from_url(url, timeout=0.5), retry_interval=RETRY
-        )
+        return Governor(policy(), PostgresBackend.from_url(url, timeout=0.5), retry_interval=RETRY)
 
     a, b = replica(), replica()
     alice, paying = Context(user="alice"), Context(user="bob", tenant="acme")

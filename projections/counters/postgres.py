@@ -30,6 +30,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
 from mcp_budget_governor.caps import PLANS_KEY, Change, why_token
 from mcp_budget_governor.counters import (
     AppliedEvent,
@@ -46,10 +50,6 @@ from mcp_budget_governor.errors import (
 from mcp_budget_governor.keys import EPOCH_VALUE, INTERNAL_PREFIX, LEASE_PREFIX
 from mcp_budget_governor.sql import latest, migrations
 from mcp_budget_governor.urls import check_postgres_url, redact
-
-import psycopg
-from psycopg import errors as pg_errors
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 DEFAULT_TIMEOUT = 0.5
 _ADMITTED = ChargeResult(-1, ())
@@ -90,10 +90,9 @@ async def _warm(conn: psycopg.AsyncConnection[Any]) -> None:
     """Run each new pooled connection's first charge before a caller gets it: Postgres
     compiles a PL/pgSQL function once per session, which would otherwise cost the
     first check on every connection several round trips' time."""
-    try:
+    # Not migrated yet (a new database): the first use migrates, then warms.
+    with contextlib.suppress(pg_errors.UndefinedFunction, pg_errors.UndefinedTable):
         await conn.execute(_CHARGE, _WARM_PARAMS)
-    except (pg_errors.UndefinedFunction, pg_errors.UndefinedTable):
-        pass  # not migrated yet: the first use migrates
 
 
 class PostgresBackend:
@@ -389,7 +388,8 @@ class PostgresBackend:
 
     async def watermarks(self) -> dict[str, int]:
         """Every partition's applied offset."""
-        return {p: int(a) for p, a in await self._rows("SELECT partition, applied FROM mcpbg_watermark")}
+        rows = await self._rows("SELECT partition, applied FROM mcpbg_watermark")
+        return {p: int(a) for p, a in rows}
 
     async def rewrite(
         self,
@@ -509,7 +509,7 @@ class PostgresBackend:
             "SELECT caps_key, field, cap, until, why FROM mcpbg_cap ORDER BY 1, 2"
         ):
             caps.setdefault(key, {})[field] = (int(cap), int(until), why)
-        plans = {f: p for f, p in await self._rows("SELECT field, plan FROM mcpbg_plan")}
+        plans = dict(await self._rows("SELECT field, plan FROM mcpbg_plan"))
         return caps, plans
 
     async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
@@ -559,12 +559,12 @@ async def migrate_connection(conn: psycopg.AsyncConnection[Any]) -> list[int]:
     return done
 
 
-async def migrate(url: str, *, timeout: float = 30.0) -> list[int]:
+async def migrate(url: str, *, connect_timeout: int = 10) -> list[int]:
     """``mcpbg migrate``: bring the database at ``url`` to this package's schema."""
     check_postgres_url(url, "--postgres")
     try:
         async with await psycopg.AsyncConnection.connect(
-            url, autocommit=True, connect_timeout=max(2, round(timeout))
+            url, autocommit=True, connect_timeout=max(2, connect_timeout)
         ) as conn:
             return await migrate_connection(conn)
     except psycopg.OperationalError as exc:
