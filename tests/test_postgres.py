@@ -318,3 +318,27 @@ async def test_the_worker_projects_a_100000_event_ledger_into_postgres(
     finally:
         worker.kill()
         await backend.aclose()
+
+
+async def test_rewrite_sets_counters_drops_in_flight_and_refuses_a_moved_projection(
+    postgres_url: str,
+) -> None:
+    """The write half of rebuild and reconcile (lua/rewrite.lua's contract)."""
+    from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, CounterOp
+
+    backend = PostgresBackend.from_url(postgres_url, timeout=10.0)
+    key, end = "mcpbg:v1:calls:user=u:20990101", int(time.time()) + 3600
+    await backend.charge([CounterOp(key, 4, 100, True, end)], event_id="e1")
+    await backend.apply("t:0", [AppliedEvent(0, "e0", time.time(), (AppliedCharge(key, 2, end),))])
+    assert (await backend.state(key)).pending == {"e1": 4}
+    marks = await backend.watermarks()
+    assert marks == {"t:0": 0}
+    # The projection moved since the caller read it: nothing is written.
+    assert await backend.rewrite([(key, 99, 0, ["e1"])], expected={"t:0": 5}) == -1
+    assert await backend.rewrite([(key, 10, 0, ["e1"])], expected=marks, marks={"t:0": 7}) == 1
+    state = await backend.state(key)
+    assert (state.committed, state.in_flight, state.pending) == (10, 0, {})
+    assert await backend.watermark("t:0") == 7
+    assert await backend.rewrite([(key, 5, 0, [])], add=True) == 1
+    assert await backend.usage([key]) == [15]
+    await backend.aclose()
