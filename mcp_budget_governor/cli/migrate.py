@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     url = args.postgres_url or env_value("postgres_url")
     if not url:
-        raise InvalidInputError("--postgres", None, "give --postgres or set MCPBG_POSTGRES_URL")
+        env = SETTINGS["postgres_url"].env
+        raise InvalidInputError("--postgres", None, f"give --postgres or set {env}")
     applied = asyncio.run(migrate(url))
     done = ", ".join(str(v) for v in applied) if applied else "none needed"
     print(f"mcpbg migrate: schema version {latest()} (applied: {done})")
