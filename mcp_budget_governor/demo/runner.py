@@ -245,8 +245,10 @@ def _backend(options: DemoOptions, clock: SimClock) -> Backend:
 async def _reachable(options: DemoOptions, backend: Backend) -> None:
     """Raise :class:`InvalidInputError` naming the option of a service that does not answer."""
     if options.postgres_url:
-        try:
-            await backend.migrate()  # type: ignore[attr-defined]
+        from mcp_budget_governor.projections.counters.postgres import migrate
+
+        try:  # one connection, not the pool (whose retries would log each attempt)
+            await migrate(options.postgres_url, connect_timeout=5)
         except Exception as exc:  # any failure to answer means the URL is unusable here
             await backend.aclose()
             raise InvalidInputError(
