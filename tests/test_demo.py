@@ -7,7 +7,6 @@ in the fixture's real Redis.
 from __future__ import annotations
 
 import asyncio
-
 import csv
 import json
 import os
