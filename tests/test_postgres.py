@@ -128,7 +128,6 @@ def policy() -> Policy:
     )
 
 
-@pytest.mark.slow
 async def test_postgres_restarted_closed_refuses_open_falls_back_then_recovers(
     private_postgres: PrivatePostgres,
 ) -> None:
