@@ -17,6 +17,7 @@ COPY producers ./producers
 COPY stream ./stream
 COPY projections ./projections
 COPY lua ./lua
+COPY sql ./sql
 RUN pip install ".[stream,kafka,redis,fastmcp,otel]"
 
 # The example server and its policy file.

@@ -46,6 +46,7 @@ from .windows import Window
 if TYPE_CHECKING:
     from mcp_budget_governor.prices import BUILTIN_AS_OF
     from mcp_budget_governor.projections.counters.memory import MemoryBackend
+    from mcp_budget_governor.projections.counters.postgres import PostgresBackend
     from mcp_budget_governor.projections.counters.redis import RedisBackend
 
     __version__: str
@@ -88,6 +89,7 @@ __all__ = [
     "Plan",
     "Policy",
     "PolicyError",
+    "PostgresBackend",
     "PriceTable",
     "RedisBackend",
     "Reservation",
@@ -104,6 +106,7 @@ __all__ = [
 _LAZY = {
     "MemoryBackend": "mcp_budget_governor.projections.counters.memory",
     "RedisBackend": "mcp_budget_governor.projections.counters.redis",
+    "PostgresBackend": "mcp_budget_governor.projections.counters.postgres",
     "BUILTIN_AS_OF": "mcp_budget_governor.prices",
 }
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from .errors import InvalidInputError, SettingsError
 from .ledger import DEFAULT_TOPIC
-from .urls import check_http_url, check_redis_url, parse_bootstrap
+from .urls import check_http_url, check_postgres_url, check_redis_url, parse_bootstrap
 
 __all__ = ["PREFIX", "SETTINGS", "Setting", "env_value", "resolve"]
 
@@ -149,6 +149,11 @@ def _redis_url(value: Any) -> None:
     check_redis_url(value)  # names --redis-url; resolve names the setting instead
 
 
+def _postgres_url(value: Any) -> None:
+    if value != "":  # empty: none (the counters are in Redis)
+        check_postgres_url(value)
+
+
 # -- the table ------------------------------------------------------------------
 
 #: Every ``MCPBG_*`` setting by name (the order ``mcpbg worker --help`` shows).
@@ -159,6 +164,13 @@ SETTINGS: Mapping[str, Setting] = {
             "kafka_url", str, None, "Kafka bootstrap, kafka://host:port[,host:port]", _kafka_url
         ),
         Setting("redis_url", str, None, "the counters' Redis, redis://host:port/db", _redis_url),
+        Setting(
+            "postgres_url",
+            str,
+            "",
+            "the counters in Postgres instead of Redis, postgresql://user@host:port/db",
+            _postgres_url,
+        ),
         Setting(
             "topic",
             str,

@@ -118,3 +118,34 @@ def check_http_url(url: object, field: str = "url") -> str:
     if not ok:
         raise InvalidInputError(field, redact(url), problem)
     return url
+
+
+#: Schemes libpq (psycopg) connects with.
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+_PG_EXPECTED = "expected postgresql://user@host:port/database"
+
+
+def check_postgres_url(url: object, field: str = "--postgres") -> str:
+    """``url`` if it is a libpq URL with a usable port, else an error naming ``field``.
+
+    >>> check_postgres_url("postgresql://postgres@127.0.0.1:5432/test")
+    'postgresql://postgres@127.0.0.1:5432/test'
+    >>> check_postgres_url("redis://localhost:6379/0")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: --postgres: expected \
+postgresql://user@host:port/database (got 'redis://localhost:6379/0')
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidInputError(field, url, _PG_EXPECTED)
+    shown = redact(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise InvalidInputError(field, shown, _PG_EXPECTED) from None
+    if parts.scheme.lower() not in POSTGRES_SCHEMES:
+        raise InvalidInputError(field, shown, _PG_EXPECTED)
+    if port is not None and not 1 <= port <= 65535:
+        raise InvalidInputError(field, shown, f"port {port} is not 1-65535")
+    return url

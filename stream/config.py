@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mcp_budget_governor.settings import SETTINGS, resolve
+from mcp_budget_governor.settings import SETTINGS, env_value, resolve
 from mcp_budget_governor.urls import parse_bootstrap
 
 __all__ = ["ENV", "NAMES", "WorkerConfig"]
@@ -33,7 +33,8 @@ class WorkerConfig:
     every bad one named at once. :meth:`from_env` reads the ``MCPBG_*`` variables."""
 
     kafka_url: str
-    redis_url: str
+    redis_url: str | None = None
+    postgres_url: str = _default("postgres_url")
     topic: str = _default("topic")
     group: str = _default("group")
     batch_size: int = _default("batch_size")
@@ -57,7 +58,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         given = {name: getattr(self, name) for name in NAMES}
-        resolve(NAMES, {}, given, required=("kafka_url", "redis_url"))
+        resolve(NAMES, {}, given, required=_required(given, {}))
         object.__setattr__(self, "bootstrap", parse_bootstrap(self.kafka_url))
 
     @property
@@ -70,8 +71,14 @@ class WorkerConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> WorkerConfig:
         """Settings from ``MCPBG_*`` variables, then ``overrides`` (not None) on top."""
-        values = resolve(NAMES, environ, overrides, required=("kafka_url", "redis_url"))
+        values = resolve(NAMES, environ, overrides, required=_required(overrides, environ))
         return cls(**values)
+
+
+def _required(given: Mapping[str, Any], environ: Mapping[str, str] | None) -> tuple[str, ...]:
+    """Kafka always; Redis unless the counters are in Postgres (``postgres_url``)."""
+    postgres = given.get("postgres_url") or env_value("postgres_url", environ)
+    return ("kafka_url",) if postgres else ("kafka_url", "redis_url")
 
 
 #: The worker's settings, in the order ``mcpbg worker --help`` lists them.

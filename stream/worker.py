@@ -22,6 +22,7 @@ import logging
 import signal
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import IllegalStateError, KafkaError
@@ -36,13 +37,24 @@ from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.urls import redact as redact_url
 
 from . import metrics
-from .alerts import AlertEvaluator, AlertSink, LogSink, RedisDeduper, TopicSink, WebhookSink
+from .alerts import (
+    AlertEvaluator,
+    AlertSink,
+    LogSink,
+    MemoryDeduper,
+    RedisDeduper,
+    TopicSink,
+    WebhookSink,
+)
 from .archiver import Archiver
 from .config import ENV, WorkerConfig
 from .projector import DeadLetter, Projector, ProjectorResult, Record
 from .rebuild import rebuild
 from .retry import Stopping, until_done
 from .topics import prepare_topics
+
+if TYPE_CHECKING:  # the postgres extra is needed only by a worker given --postgres
+    from mcp_budget_governor.projections.counters.postgres import PostgresBackend
 
 __all__ = ["ENV", "ProjectionWorker", "WorkerConfig", "load_policy", "prepare_topics", "run"]
 
@@ -71,7 +83,7 @@ class ProjectionWorker:
         self._watcher = watcher_for(
             config.policy, self.replace_policy, self._policy, config.policy_poll
         )
-        self._backend: RedisBackend | None = None
+        self._backend: RedisBackend | PostgresBackend | None = None
         self._projector: Projector | None = None
         self._alerts: AlertEvaluator | None = None
         self._archiver: Archiver | None = None
@@ -126,9 +138,18 @@ class ProjectionWorker:
 
     async def _start(self) -> None:
         config = self.config
-        self._backend = RedisBackend.from_url(
-            config.redis_url, timeout=config.redis_timeout, max_connections=4
-        )
+        if config.postgres_url:
+            from mcp_budget_governor.projections.counters.postgres import PostgresBackend
+
+            # A batch apply is one function call; it may take longer than a check.
+            self._backend = PostgresBackend.from_url(
+                config.postgres_url, timeout=max(config.redis_timeout, 30.0), max_connections=4
+            )
+        else:
+            assert config.redis_url is not None  # WorkerConfig requires one of the two
+            self._backend = RedisBackend.from_url(
+                config.redis_url, timeout=config.redis_timeout, max_connections=4
+            )
         self._projector = Projector(
             self._backend,
             config.topic,
@@ -144,7 +165,11 @@ class ProjectionWorker:
             self._alerts = AlertEvaluator(
                 self._policy,
                 self._backend,
-                dedupe=RedisDeduper(self._backend.client),
+                dedupe=(
+                    RedisDeduper(self._backend.client)
+                    if isinstance(self._backend, RedisBackend)
+                    else MemoryDeduper()  # per worker: a level may fire once per worker
+                ),
                 sinks=self._alert_sinks(),
             )
         self._consumer = AIOKafkaConsumer(
@@ -193,7 +218,7 @@ class ProjectionWorker:
         return self._projector
 
     @property
-    def backend(self) -> RedisBackend:
+    def backend(self) -> RedisBackend | PostgresBackend:
         assert self._backend is not None, "serve() has not started"
         return self._backend
 
@@ -504,11 +529,12 @@ async def _main(config: WorkerConfig) -> int:
         log.error("projector: Kafka at %s unreachable: %s", config.bootstrap, exc)
         return 1
     log.info(
-        "projector: group %s, topic %s (%d partitions), Redis %s, batches of %d",
+        "projector: group %s, topic %s (%d partitions), %s %s, batches of %d",
         config.group,
         config.topic,
         partitions,
-        redact_url(config.redis_url),
+        "Postgres" if config.postgres_url else "Redis",
+        redact_url(config.postgres_url or config.redis_url or ""),
         config.batch_size,
     )
     if config.metrics_port:

@@ -5,7 +5,25 @@ from __future__ import annotations
 import asyncio
 import time
 
-from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope, Window
+from mcp_budget_governor import (
+    Backend,
+    Context,
+    Governor,
+    Limit,
+    Policy,
+    PostgresBackend,
+    RedisBackend,
+    Scope,
+    Window,
+)
+
+
+def shared_backend(url: str, timeout: float = 5.0) -> Backend:
+    """The shared store a URL names: Postgres for postgresql://, else Redis."""
+    if url.startswith(("postgresql:", "postgres:")):
+        # Waits for a pooled connection count against the timeout: 125 checks share 16.
+        return PostgresBackend.from_url(url, timeout=max(timeout, 60.0), max_connections=16)
+    return RedisBackend.from_url(url, timeout=timeout)
 
 
 def burst_policy(cap: int) -> Policy:
@@ -20,7 +38,7 @@ def concurrent_checks(url: str, cap: int, calls: int, start_at: float) -> int:
     """Fire ``calls`` concurrent checks from one process; return how many were admitted."""
 
     async def main() -> int:
-        gov = Governor(burst_policy(cap), RedisBackend.from_url(url, timeout=5.0))
+        gov = Governor(burst_policy(cap), shared_backend(url))
         ctx = Context(user="shared", tenant="t")
         await gov.usage("burst", ctx)  # open a connection before the start line
         delay = start_at - time.time()
@@ -59,5 +77,28 @@ def cluster_checks(
         for c, d in zip(ctxs, decisions, strict=True):
             out[c.user or ""] += d.admitted
         return out
+
+
+def user_and_global_policy(per_user: int, total: int) -> Policy:
+    return Policy.of(
+        Limit("per_user", cap=per_user, window=Window.DAY, scope=Scope.USER),
+        Limit("global", cap=total, window=Window.DAY),
+    )
+
+
+def user_and_global_checks(url: str, user: str, calls: int, start_at: float) -> int:
+    """``calls`` concurrent checks of one user against a per-user 50 and a global 80."""
+
+    async def main() -> int:
+        gov = Governor(user_and_global_policy(50, 80), shared_backend(url))
+        ctx = Context(user=user)
+        await gov.usage("per_user", ctx)  # connected before the start line
+        delay = start_at - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        decisions = await asyncio.gather(*(gov.check(ctx) for _ in range(calls)))
+        await gov.aclose()
+        assert not any(d.degraded for d in decisions)
+        return sum(d.admitted for d in decisions)
 
     return asyncio.run(main())

@@ -1,8 +1,12 @@
-"""Shared fixtures: a real Redis for the whole run, and one suite over both backends.
+"""Shared fixtures: a real Redis and a real Postgres for the whole run, one suite over
+every backend.
 
 Redis is found or started by ``testing.services.start_redis`` (environment URL, then
 Docker, then a local binary on a free port). Tests that kill Redis start their
-own private server with ``own_redis``.
+own private server with ``own_redis``. Postgres is found by
+``testing.postgres.find_postgres`` (environment URL, Docker, the local server on
+127.0.0.1:5432, else initdb from the PATH); the run gets a database of its own,
+dropped at the end, and each test starts from empty tables.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis
 
-from mcp_budget_governor import Backend, MemoryBackend, RedisBackend
+from mcp_budget_governor import Backend, MemoryBackend, PostgresBackend, RedisBackend
+from testing.postgres import find_postgres, scratch_database, truncate_all
 from testing.services import RedisClusterService, RedisService, start_redis, start_redis_cluster
 
 
@@ -48,11 +53,38 @@ def own_redis() -> Iterator[RedisService]:
     service.stop()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A Postgres server URL for the whole run (never one we did not start is stopped)."""
+    with find_postgres() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_database(postgres_server: str) -> Iterator[str]:
+    """This run's own database, dropped at the end."""
+    with scratch_database(postgres_server) as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_database: str) -> str:
+    """The run's database, its mcpbg tables emptied for this test."""
+    truncate_all(postgres_database)
+    return postgres_database
+
+
+@pytest.fixture(params=["memory", "redis", "postgres"])
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     """Each test using this runs once per backend: the suite enforces their equivalence."""
     if request.param == "memory":
         yield MemoryBackend()
+        return
+    if request.param == "postgres":
+        pg = PostgresBackend.from_url(request.getfixturevalue("postgres_url"), timeout=5.0)
+        await pg.migrate()  # connected and migrated: a test's first call is an ordinary one
+        yield pg
+        await pg.aclose()
         return
     url = request.getfixturevalue("redis_url")
     b = RedisBackend.from_url(url, timeout=2.0)

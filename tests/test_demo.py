@@ -6,6 +6,7 @@ in the fixture's real Redis.
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import os
@@ -132,6 +133,8 @@ def test_demo_refuses_a_folder_it_did_not_write(tmp_path: Path) -> None:
     ("option", "url"),
     [
         ("--redis", "redis://127.0.0.1:1/0"),
+        ("--postgres", "postgresql://127.0.0.1:1/demo"),
+        ("--postgres", "mysql://127.0.0.1/demo"),
         ("--kafka", "kafka://127.0.0.1:1"),
         ("--kafka", "x://y"),
     ],
@@ -169,6 +172,27 @@ def test_demo_against_redis(tmp_path: Path, redis_url: str) -> None:
         assert committed >= POLICY["global_spend"].cap
     finally:
         client.close()
+
+
+@pytest.mark.slow
+def test_demo_against_postgres(tmp_path: Path, postgres_url: str) -> None:
+    from mcp_budget_governor import PostgresBackend
+
+    out = tmp_path / "demo"
+    proc = run_demo(out, "--postgres", postgres_url)
+    check_outputs(proc, out)
+    assert "Postgres at " in proc.stdout
+
+    async def global_spend() -> list[int]:
+        backend = PostgresBackend.from_url(postgres_url, timeout=10.0)
+        keys = await backend.counter_keys(10, match="mcpbg:v1:global_spend:*")
+        used = await backend.usage(keys)
+        await backend.aclose()
+        return used
+
+    # The counters live in Postgres: the global breaker's is committed past its cap.
+    (used,) = asyncio.run(global_spend())
+    assert used >= POLICY["global_spend"].cap
 
 
 @pytest.mark.slow

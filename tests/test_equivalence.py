@@ -1,7 +1,8 @@
-"""MemoryBackend and the Redis Lua scripts implement one counter model.
+"""MemoryBackend, the Redis Lua scripts and the Postgres functions implement one counter model.
 
 A hypothesis state machine drives two governors with the same policy and the
-same clock, one on :class:`MemoryBackend` and one on a real Redis, through the
+same clock, one on :class:`MemoryBackend` and one on a real Redis (or a real
+Postgres: each test runs against both stores), through the
 same random sequence of checks, meters, reservations (held open across other
 operations, then settled, left standing or released) and usage reads, and
 requires identical answers every step. The ledger variant also projects the
@@ -17,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
+import pytest
 import redis
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -39,6 +41,7 @@ from mcp_budget_governor import (
     MemoryBackend,
     OnExceed,
     Policy,
+    PostgresBackend,
     RedisBackend,
     Reservation,
     Scope,
@@ -56,6 +59,7 @@ from mcp_budget_governor.decision import Decision, MeterResult
 from mcp_budget_governor.ledger import LedgerEntry
 from mcp_budget_governor.planning import slot
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+from testing.postgres import truncate_all
 
 USERS = ("alice", "bob", "carol")
 TENANTS = ("acme", "globex")
@@ -118,18 +122,23 @@ Outcome = tuple[str, Any]
 
 
 class BackendsAgree(RuleBasedStateMachine):
-    """Two governors, MemoryBackend and Redis, must answer every call alike."""
+    """Two governors, MemoryBackend and a shared store (Redis or Postgres, its URL's
+    scheme says), must answer every call alike (``red`` names the shared one)."""
 
     URL: ClassVar[str] = ""
     LEDGER: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
-        sync = redis.Redis.from_url(self.URL)
-        try:
-            sync.flushdb()
-        finally:
-            sync.close()
+        postgres = self.URL.startswith("postgresql:")
+        if postgres:
+            truncate_all(self.URL)
+        else:
+            sync = redis.Redis.from_url(self.URL)
+            try:
+                sync.flushdb()
+            finally:
+                sync.close()
         # Real time (Redis expires keys on its own clock), frozen for the example.
         self.now = time.time()
         clock: Callable[[], float] = lambda: self.now  # noqa: E731
@@ -137,7 +146,11 @@ class BackendsAgree(RuleBasedStateMachine):
         self.mem_ledger = MemoryLedger() if self.LEDGER else None
         self.red_ledger = MemoryLedger() if self.LEDGER else None
         self.mem_backend = MemoryBackend()
-        self.red_backend = RedisBackend.from_url(self.URL, timeout=2.0)
+        self.red_backend: Backend = (
+            PostgresBackend.from_url(self.URL, timeout=5.0)
+            if postgres
+            else RedisBackend.from_url(self.URL, timeout=2.0)
+        )
         self.mem = Governor(POLICY, self.mem_backend, ledger=self.mem_ledger, clock=clock)
         self.red = Governor(POLICY, self.red_backend, ledger=self.red_ledger, clock=clock)
         self.open: list[tuple[Reservation, Reservation]] = []
@@ -363,12 +376,18 @@ def machine(base: type[BackendsAgree], url: str) -> type[BackendsAgree]:
     return type(base.__name__, (base,), {"URL": url})
 
 
-def test_memory_and_redis_backends_agree(redis_url: str) -> None:
-    run_state_machine_as_test(machine(BackendsAgree, redis_url), settings=SETTINGS)
+@pytest.fixture(params=["redis", "postgres"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """The shared store the memory model is held against: each test runs on both."""
+    return str(request.getfixturevalue(f"{request.param}_url"))
 
 
-def test_memory_and_redis_backends_agree_with_a_ledger(redis_url: str) -> None:
-    run_state_machine_as_test(machine(LedgerBackendsAgree, redis_url), settings=SETTINGS)
+def test_memory_and_shared_backends_agree(store_url: str) -> None:
+    run_state_machine_as_test(machine(BackendsAgree, store_url), settings=SETTINGS)
+
+
+def test_memory_and_shared_backends_agree_with_a_ledger(store_url: str) -> None:
+    run_state_machine_as_test(machine(LedgerBackendsAgree, store_url), settings=SETTINGS)
 
 
 EDGE_POLICY = Policy.of(
@@ -427,14 +446,16 @@ async def edge_cases(backend: Backend) -> list[Any]:
     return out
 
 
-def test_both_backends_agree_at_the_numeric_edge(redis_url: str) -> None:
-    async def both() -> list[list[Any]]:
+def test_every_backend_agrees_at_the_numeric_edge(redis_url: str, postgres_url: str) -> None:
+    async def each() -> list[list[Any]]:
         return [
             await edge_cases(MemoryBackend()),
             await edge_cases(RedisBackend.from_url(redis_url, timeout=5.0)),
+            await edge_cases(PostgresBackend.from_url(postgres_url, timeout=5.0)),
         ]
 
-    mem, red = asyncio.run(both())
+    mem, red, pg = asyncio.run(each())
+    assert pg == mem
     assert mem == red
     assert mem == [
         MAX_AMOUNT - 1,

@@ -1,6 +1,6 @@
 """The repository layout: top-level architecture folders, one import name per module.
 
-``producers/``, ``stream/``, ``projections/`` and ``lua/`` sit at the top of the
+``producers/``, ``stream/``, ``projections/``, ``lua/`` and ``sql/`` sit at the top of the
 repository and install as ``mcp_budget_governor.<folder>`` (pyproject's
 ``package-dir``). These tests hold that: no symlinks, no second identity, and the
 wheel, the sdist and the Dockerfile's build context all carry the same package.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("producers", "stream", "projections", "lua")
+FOLDERS = ("producers", "stream", "projections", "lua", "sql")
 SKIP = {
     ".git",
     ".venv",
@@ -82,6 +82,21 @@ def test_the_package_ships_only_the_scripts_its_code_loads() -> None:
     assert [name for name in SCRIPTS if f'source("{name}")' not in code] == []
 
 
+def test_the_package_ships_its_migrations_numbered_without_gaps() -> None:
+    from mcp_budget_governor.sql import latest, migrations
+
+    shipped = sorted(p.name for p in (ROOT / "sql").glob("*.sql"))
+    assert shipped == [f"{m.version:04d}_{m.name}.sql" for m in migrations()]
+    assert latest() == len(shipped)
+    # Each function the backend calls is defined by a migration.
+    code = (ROOT / "projections" / "counters" / "postgres.py").read_text(encoding="utf-8")
+    text = "\n".join(m.text for m in migrations())
+    import re
+
+    called = set(re.findall(r"\b(mcpbg_[a-z_]+)\(", code)) - {"mcpbg_migrations"}
+    assert called and [f for f in sorted(called) if f"FUNCTION {f}(" not in text] == []
+
+
 def _build(context: Path, out: Path) -> tuple[Path, Path]:
     """An sdist of ``context``, then the wheel built from that sdist (python -m build)."""
     subprocess.run(
@@ -103,6 +118,8 @@ def _check_wheel(wheel: Path, target: Path) -> None:
     for folder in FOLDERS:
         assert f"mcp_budget_governor/{folder}/__init__.py" in names
     assert "mcp_budget_governor/lua/apply.lua" in names
+    assert "mcp_budget_governor/sql/0001_tables.sql" in names
+    assert "mcp_budget_governor/sql/0002_functions.sql" in names
     assert "mcp_budget_governor/producers/outbox.py" in names
     assert "mcp_budget_governor/stream/alerts/evaluator.py" in names  # a subpackage of a folder
     # The installed copy works on its own, away from the repository.
@@ -125,6 +142,7 @@ def _check_wheel(wheel: Path, target: Path) -> None:
         "import mcp_budget_governor.lua as lua, mcp_budget_governor.producers.outbox as o;"
         "import mcp_budget_governor.stream.worker, mcp_budget_governor.projections.counters.redis;"
         "assert 'redis.call' in lua.source('apply');"
+        "import mcp_budget_governor.sql as sql; assert sql.latest() == len(sql.migrations());"
         "print(o.__file__)"
     )
     run = subprocess.run(

@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
         "quotas and burst caps refuse, model tokens are priced, the global breaker trips. "
         "Prints the budgets table and a DuckDB cost summary; writes the ledger and a FOCUS "
         "file into --out. Embedded by default (in-process counters, a file ledger); "
-        "--redis and --kafka run it against real services.",
+        "--redis (or --postgres) and --kafka run it against real services.",
     )
     demo.add_argument(
         "--out",
@@ -33,6 +33,13 @@ def register(sub: Any) -> None:
         default=None,
         help="counters in this Redis (redis://host:port/db; use a scratch database: "
         "today's demo spend stays there until the day ends)",
+    )
+    demo.add_argument(
+        "--postgres",
+        metavar="URL",
+        default=None,
+        help="counters in this Postgres (postgresql://user@host:port/db; migrated on first "
+        "use; use a scratch database)",
     )
     demo.add_argument(
         "--kafka",
@@ -64,11 +71,18 @@ def run(args: argparse.Namespace) -> int:
         from ..urls import check_redis_url
 
         check_redis_url(args.redis, "--redis")
+    if args.postgres is not None:
+        from ..urls import check_postgres_url
+
+        check_postgres_url(args.postgres, "--postgres")
+        if args.redis is not None:
+            return fail("demo", "--postgres: give --redis or --postgres, not both")
     if args.topic is not None and args.kafka is None:
         return fail("demo", f"--topic: only with --kafka (got {args.topic!r})")
     options = DemoOptions(
         out=args.out or DEFAULT_OUT,
         redis_url=args.redis,
+        postgres_url=args.postgres,
         kafka_url=args.kafka,
         topic=args.topic,
         seed=args.seed,

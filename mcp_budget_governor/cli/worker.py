@@ -1,4 +1,4 @@
-"""``mcpbg worker``: project the ledger topic into the Redis counters."""
+"""``mcpbg worker``: project the ledger topic into the counters (Redis, or Postgres)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,18 @@ __all__ = ["OPTIONS", "register", "run"]
 def register(sub: Any) -> None:
     worker = sub.add_parser(
         "worker",
-        help="project the ledger topic into the Redis counters (a consumer group member)",
+        help="project the ledger topic into the counters, in Redis or Postgres (a consumer "
+        "group member)",
         description="Each option may also be given as the environment variable its help "
         "names; the option wins. Every bad setting is reported at once. SIGTERM stops "
         "gracefully: the batch in hand is applied and committed, exit code 0.",
     )
     for name in OPTIONS:
         setting = SETTINGS[name]
-        worker.add_argument(setting.option, type=setting.kind, help=setting.describe())
+        flags = [setting.option]
+        if name == "postgres_url":
+            flags.append("--postgres")  # the short form the demo takes too
+        worker.add_argument(*flags, dest=name, type=setting.kind, help=setting.describe())
     worker.set_defaults(run=run)
 
 

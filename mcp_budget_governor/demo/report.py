@@ -35,7 +35,11 @@ def intro(
     console: Console, options: DemoOptions, out: Path, topic: str, prices: PriceTable
 ) -> None:
     counters = (
-        f"Redis at {redact_url(options.redis_url)}" if options.redis_url else "in-process counters"
+        f"Postgres at {redact_url(options.postgres_url)}"
+        if options.postgres_url
+        else f"Redis at {redact_url(options.redis_url)}"
+        if options.redis_url
+        else "in-process counters"
     )
     ledger = (
         f"Kafka topic {topic} at {redact_url(options.kafka_url)}"

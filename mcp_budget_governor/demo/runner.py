@@ -55,6 +55,7 @@ class DemoOptions:
 
     out: Path = DEFAULT_OUT
     redis_url: str | None = None
+    postgres_url: str | None = None
     kafka_url: str | None = None
     topic: str | None = None
     seed: int = 7
@@ -230,6 +231,10 @@ async def run(options: DemoOptions, console: Console) -> DemoResult:
 
 
 def _backend(options: DemoOptions, clock: SimClock) -> Backend:
+    if options.postgres_url:
+        from mcp_budget_governor.projections.counters.postgres import PostgresBackend
+
+        return PostgresBackend.from_url(options.postgres_url, timeout=5.0)
     if options.redis_url:
         from mcp_budget_governor.projections.counters.redis import RedisBackend
 
@@ -241,6 +246,16 @@ def _backend(options: DemoOptions, clock: SimClock) -> Backend:
 
 async def _reachable(options: DemoOptions, backend: Backend) -> None:
     """Raise :class:`InvalidInputError` naming the option of a service that does not answer."""
+    if options.postgres_url:
+        from mcp_budget_governor.projections.counters.postgres import migrate
+
+        try:  # one connection, not the pool (whose retries would log each attempt)
+            await migrate(options.postgres_url, connect_timeout=5)
+        except Exception as exc:  # any failure to answer means the URL is unusable here
+            await backend.aclose()
+            raise InvalidInputError(
+                "--postgres", redact_url(options.postgres_url), f"no answer ({exc})"
+            ) from None
     if options.redis_url:
         client: Any = getattr(backend, "client", None)
         try:
