@@ -58,6 +58,7 @@ from testing.stream_support import (
     names,
     policy,
     read_ledger,
+    start_worker,
     stream,
     wait_caught_up,
     wait_for,
@@ -177,6 +178,7 @@ async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(strea
     assert worker.terminate() == 0
 
 
+@both_engines
 async def test_poison_records_go_to_the_dead_letter_topic(
     kafka: KafkaService,
     redis_url: str,
@@ -184,6 +186,8 @@ async def test_poison_records_go_to_the_dead_letter_topic(
     names: Names,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    engine: str,
+    workers: list[Worker],
 ) -> None:
     async with governor(kafka, backend, names.topic, tmp_path) as gov:
         await workload(gov, 200, random.Random(3))
@@ -208,19 +212,37 @@ async def test_poison_records_go_to_the_dead_letter_topic(
             await producer.stop()
         await workload(gov, 200, random.Random(4))  # valid events after the poison too
 
-    # In process this time (the other tests run the CLI): the same worker,
-    # served as a task of the test's event loop.
-    caplog.set_level(logging.INFO, logger=worker_module.__name__)
-    async with serving(kafka, redis_url, names, batch_size=150, progress_interval=0.5):
-        records = await wait_caught_up(kafka, backend, names.topic, [])
+    progress = r", 4 dead letters; p0 lag=0 last=\d+; p1 lag=0"
+    if engine == "aiokafka":
+        # In process this time (the other tests run the CLI): the same worker,
+        # served as a task of the test's event loop.
+        caplog.set_level(logging.INFO, logger=worker_module.__name__)
+        async with serving(kafka, redis_url, names, batch_size=150, progress_interval=0.5):
+            records = await wait_caught_up(kafka, backend, names.topic, [])
+            await assert_exact(backend, records)
+            await wait_for(
+                lambda: re.search(progress, caplog.text),
+                "a progress line with the dead letters and no lag",
+                [],
+                10,
+            )
+        log_text = caplog.text
+    else:
+        worker = start_worker(
+            workers, kafka, redis_url, names, tmp_path,
+            "--engine", engine, "--batch-size", "150", "--progress-interval", "0.5",
+        )  # fmt: skip
+        records = await wait_caught_up(kafka, backend, names.topic, workers)
         await assert_exact(backend, records)
         await wait_for(
-            lambda: re.search(r", 4 dead letters; p0 lag=0 last=\d+; p1 lag=0", caplog.text),
+            lambda: re.search(progress, worker.text()),
             "a progress line with the dead letters and no lag",
-            [],
+            workers,
             10,
         )
-    assert "stopped after" in caplog.text and "4 dead letters" in caplog.text
+        assert worker.terminate() == 0, worker.tail()
+        log_text = worker.text()
+    assert "stopped after" in log_text and "4 dead letters" in log_text
 
     # Every poison record is in <topic>.dlq with its reason, position and bytes.
     letters = await read_dead_letters(kafka, f"{names.topic}.dlq", 4)
@@ -499,6 +521,7 @@ def hostile_records(valid: list[LedgerEvent]) -> dict[str, bytes]:
     }
 
 
+@both_engines
 async def test_hostile_records_are_dead_lettered_once_and_touch_no_internal_key(
     stream: Stream,
 ) -> None:
