@@ -95,6 +95,8 @@ LAG_P99_TARGET_MS = 250.0
 #: The faust engine's events/s over the default engine's, in the same run, at least.
 FAUST_RATIO_TARGET = 0.5
 FAUST = ("--engine", "faust")
+#: Seconds a worker under cProfile may take to catch up (cProfile slows faust ~3x).
+PROFILE_CATCH_UP = 600.0
 #: The worker's --fetch-max-wait-ms default (stream.worker.WorkerConfig).
 DEFAULT_FETCH_WAIT_MS = 50
 CATCH_UP = 120.0  # seconds a phase may take before the run is declared broken
@@ -750,7 +752,12 @@ async def profile_worker(
     worker = svc.worker(svc.url(db), topic, tmp, f"{name}-prof", *extra, python=python)
     try:
         first, first_applied, done = await wait_until(
-            backend, topic, last, poll, alive=lambda: worker.proc.poll() is None
+            backend,
+            topic,
+            last,
+            poll,
+            alive=lambda: worker.proc.poll() is None,
+            within=PROFILE_CATCH_UP,
         )
     finally:
         worker.terminate(60)
