@@ -8,13 +8,17 @@ by the same ``Projector`` under a plain aiokafka loop, by the ``Projector`` alon
 and over a no-op backend (fast decoder, then the full pydantic parse). **Lag**:
 ``KafkaLedger`` fed ``--rate`` events/s for ``--seconds`` while one worker runs;
 an event's lag is append time to the first watermark poll that covers it.
-``--profile`` adds cProfile runs. Method and figures: benchmarks/README.md.
+Both engines run in the same run: ``mcpbg worker`` (aiokafka, the default) and
+``mcpbg worker --engine faust``, for throughput and for lag (``--no-faust`` skips
+the faust phases). ``--profile`` adds cProfile runs. Method and figures:
+benchmarks/README.md.
 
     python -m benchmarks.bench_worker [--events 200000] [--rate 5000] [--seconds 20]
                                       [--json out.json] [--profile] [--no-diagnostics]
 
 Targets (DESIGN): at least 20,000 events/s for one worker; lag p99 at most
-250 ms at 5,000 events/s. Exit status 1 when either is missed.
+250 ms at 5,000 events/s; the faust engine at least 0.5x the default engine's
+events/s, and its lag p99 at most 250 ms too. Exit status 1 when one is missed.
 """
 
 from __future__ import annotations
@@ -88,6 +92,11 @@ PARTITIONS = 6
 SOURCE = "/mcpbg/bench-worker"
 THROUGHPUT_TARGET = 20_000.0
 LAG_P99_TARGET_MS = 250.0
+#: The faust engine's events/s over the default engine's, in the same run, at least.
+FAUST_RATIO_TARGET = 0.5
+FAUST = ("--engine", "faust")
+#: Seconds a worker under cProfile may take to catch up (cProfile slows faust ~3x).
+PROFILE_CATCH_UP = 600.0
 #: The worker's --fetch-max-wait-ms default (stream.worker.WorkerConfig).
 DEFAULT_FETCH_WAIT_MS = 50
 CATCH_UP = 120.0  # seconds a phase may take before the run is declared broken
@@ -642,6 +651,10 @@ _GROUPS = [
     ("site-packages/aiokafka/", "aiokafka (fetch, decode records)"),
     ("site-packages/orjson", "fastdecode.decode (orjson + checks)"),
     ("stream/worker.py", "stream/worker.py (consume loop)"),
+    ("stream/faust_app.py", "stream/faust_app.py (the agent)"),
+    ("stream/projection.py", "stream/projection.py (apply_all, accounting)"),
+    ("site-packages/faust/", "faust (consumer, conductor, streams, acks)"),
+    ("site-packages/mode/", "mode (services, wait_first, signals)"),
     ("benchmarks/bench_worker.py", "the benchmark's consume loop"),
     ("/asyncio/", "asyncio event loop (tasks, futures, callbacks)"),
     ("/selectors.py", "asyncio event loop (tasks, futures, callbacks)"),
@@ -723,15 +736,28 @@ sys.exit(code)
 
 
 async def profile_worker(
-    svc: Services, topic: str, last: dict[int, int], n: int, db: int, tmp: Path, poll: float
+    svc: Services,
+    topic: str,
+    last: dict[int, int],
+    n: int,
+    db: int,
+    tmp: Path,
+    poll: float,
+    extra: Sequence[str] = (),
+    name: str = "worker",
 ) -> list[str]:
     backend = await ready(svc.url(db))
-    out = tmp / "worker.prof"
+    out = tmp / f"{name}.prof"
     python = (sys.executable, "-c", _PROFILED_WORKER, str(out))
-    worker = svc.worker(svc.url(db), topic, tmp, "worker-prof", python=python)
+    worker = svc.worker(svc.url(db), topic, tmp, f"{name}-prof", *extra, python=python)
     try:
         first, first_applied, done = await wait_until(
-            backend, topic, last, poll, alive=lambda: worker.proc.poll() is None
+            backend,
+            topic,
+            last,
+            poll,
+            alive=lambda: worker.proc.poll() is None,
+            within=PROFILE_CATCH_UP,
         )
     finally:
         worker.terminate(60)
@@ -739,12 +765,12 @@ async def profile_worker(
     assert first is not None
     rate = (n - first_applied) / max(done - first, 1e-9)
     lines = [f"{rate:,.0f} events/s under cProfile (main thread profiled from its first batch on)"]
-    return lines + thread_profiles(tmp, n)
+    return lines + thread_profiles(tmp, n, name)
 
 
-def thread_profiles(tmp: Path, n: int) -> list[str]:
+def thread_profiles(tmp: Path, n: int, name: str = "worker") -> list[str]:
     lines = []
-    for f in sorted(tmp.glob("worker.prof.*")):
+    for f in sorted(tmp.glob(f"{name}.prof.*")):
         stats = pstats.Stats(str(f), stream=io.StringIO())
         raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
         if sum(v[2] for v in raw.values()) < 0.05:
@@ -792,6 +818,8 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
     phases: list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]] = [
         ("worker", "mcpbg worker (subprocess)",
          lambda: run_worker_throughput(svc, topic, last, args.events, 1, tmp, poll)),
+        ("worker_faust", "mcpbg worker --engine faust (subprocess)",
+         lambda: run_worker_throughput(svc, topic, last, args.events, 9, tmp, poll, FAUST)),
         ("worker_archive", "mcpbg worker --archive-dir (subprocess)",
          lambda: run_worker_throughput(svc, topic, last, args.events, 8, tmp, poll, archive)),
         ("aiokafka", "aiokafka consumer + Projector (in process)",
@@ -804,7 +832,9 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
          lambda: run_projector_alone(None, topic, by_partition, 0, args.batch, full_parse=True)),
     ]  # fmt: skip
     for key, what, phase in phases:
-        if key == "worker_archive" and args.no_archive:
+        if (key == "worker_archive" and args.no_archive) or (
+            key == "worker_faust" and args.no_faust
+        ):
             continue
         progress(f"throughput: {what} ...")
         result[key] = await phase()
@@ -815,6 +845,13 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
     result["lag"] = await run_lag(svc, templates, args.rate, args.seconds, 4, tmp, poll)
     lag = result["lag"]["lag_ms"]
     progress(f"  lag p50 {lag['p50']:.0f} ms, p99 {lag['p99']:.0f} ms, max {lag['max']:.0f} ms")
+    if not args.no_faust:
+        progress("lag: the same, mcpbg worker --engine faust ...")
+        result["lag_faust"] = await run_lag(
+            svc, templates, args.rate, args.seconds, 10, tmp, poll, extra=FAUST
+        )
+        lag = result["lag_faust"]["lag_ms"]
+        progress(f"  lag p50 {lag['p50']:.0f} ms, p99 {lag['p99']:.0f} ms")
     if not args.no_diagnostics:
         progress(f"lag, diagnostic: the same with fetch_max_wait_ms={args.diag_fetch_wait_ms} ...")
         result["lag_fetch_wait"] = await run_lag(
@@ -834,6 +871,11 @@ async def run(args: argparse.Namespace, svc: Services, tmp: Path) -> dict[str, A
         )
         progress("profile: mcpbg worker under cProfile (every thread) ...")
         result["profile_worker"] = await profile_worker(svc, topic, last, args.events, 6, tmp, poll)
+        if not args.no_faust:
+            progress("profile: mcpbg worker --engine faust under cProfile (every thread) ...")
+            result["profile_worker_faust"] = await profile_worker(
+                svc, topic, last, args.events, 11, tmp, poll, FAUST, "faust"
+            )
     return result
 
 
@@ -893,6 +935,7 @@ async def probe_broker(svc: Services, waits: Sequence[int], records: int = 150) 
 
 THROUGHPUT_ROWS = [
     ("worker", "mcpbg worker, subprocess"),
+    ("worker_faust", "mcpbg worker --engine faust, subprocess"),
     ("worker_archive", "mcpbg worker --archive-dir, subprocess"),
     ("aiokafka", "aiokafka getmany + Projector, in process"),
     ("projector", "Projector alone, records in memory"),
@@ -944,6 +987,17 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
         f"Target: one worker >= {THROUGHPUT_TARGET:,.0f} events/s: "
         f"{w['events_per_s']:,.0f} -> {'MET' if ok else 'MISSED'}"
     )
+    if "worker_faust" in result:
+        f = result["worker_faust"]
+        ratio = f["events_per_s"] / w["events_per_s"]
+        ok = ok and ratio >= FAUST_RATIO_TARGET
+        print(
+            f"mcpbg worker --engine faust: {f['startup_seconds']:.1f} s from spawn to the first "
+            f"applied batch, exit code {f['exit_code']}; {f['stopped_line']}\n"
+            f"Target: faust engine >= {FAUST_RATIO_TARGET}x the default engine's events/s: "
+            f"{f['events_per_s']:,.0f} / {w['events_per_s']:,.0f} = {ratio:.2f}x -> "
+            f"{'MET' if ratio >= FAUST_RATIO_TARGET else 'MISSED'}"
+        )
     lag = result["lag"]
     ms = lag["lag_ms"]
     print(
@@ -956,6 +1010,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
     lag_rows = []
     for key, label in (
         ("lag", "mcpbg worker, default settings"),
+        ("lag_faust", "mcpbg worker --engine faust"),
         ("lag_fetch_wait", "same, --fetch-max-wait-ms {}"),
     ):
         if key in result:
@@ -979,6 +1034,14 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
         f"Target: lag p99 <= {LAG_P99_TARGET_MS:.0f} ms at {lag['rate_target']:,.0f} events/s "
         f"(default settings): {ms['p99']:.0f} ms -> {'MET' if lag_ok else 'MISSED'}"
     )
+    if "lag_faust" in result:
+        p99 = result["lag_faust"]["lag_ms"]["p99"]
+        faust_ok = p99 <= LAG_P99_TARGET_MS
+        lag_ok = lag_ok and faust_ok
+        print(
+            f"Target: faust engine lag p99 <= {LAG_P99_TARGET_MS:.0f} ms: {p99:.0f} ms -> "
+            f"{'MET' if faust_ok else 'MISSED'}"
+        )
     if "broker_probe" in result:
         probe = result["broker_probe"]
         print(
@@ -993,6 +1056,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, env: str) -> bool:
     for key, title in (
         ("profile_aiokafka", "cProfile: aiokafka getmany + Projector, in process"),
         ("profile_worker", "cProfile: mcpbg worker, subprocess"),
+        ("profile_worker_faust", "cProfile: mcpbg worker --engine faust, subprocess"),
     ):
         if key in result:
             print(f"\n{title}")
@@ -1022,6 +1086,9 @@ def main() -> int:
     parser.add_argument(
         "--no-archive", action="store_true", help="skip the worker run with --archive-dir"
     )
+    parser.add_argument(
+        "--no-faust", action="store_true", help="skip the faust engine's throughput and lag runs"
+    )
     parser.add_argument("--profile", action="store_true", help="add cProfile runs (~+60 s)")
     parser.add_argument("--json", help="write raw results here")
     args = parser.parse_args()
@@ -1044,8 +1111,14 @@ def main() -> int:
         with_hiredis = f"hiredis {hiredis.__version__}"
     except ImportError:
         with_hiredis = "no hiredis"
+    try:
+        import faust
+
+        with_faust = f"faust-streaming {faust.__version__}, "
+    except ImportError:
+        with_faust = ""
     env = (
-        f"Python {sys.version.split()[0]}, aiokafka "
+        f"Python {sys.version.split()[0]}, {with_faust}aiokafka "
         f"{aiokafka.__version__}, redis-py {redis.__version__} ({with_hiredis}); "
         f"Redis {info.get('redis_version')}"
         f" and tansu (memory storage) started by the benchmark on loopback; {os.cpu_count()} "

@@ -123,6 +123,15 @@ def _poll_seconds(value: Any) -> None:
         raise InvalidInputError("", value, "expected seconds from 0 to 86400")
 
 
+#: The stream engines ``mcpbg worker --engine`` runs (the first is the default).
+ENGINES = ("aiokafka", "faust")
+
+
+def _engine(value: Any) -> None:
+    if value not in ENGINES:
+        raise InvalidInputError("", value, f"one of {', '.join(ENGINES)}")
+
+
 def _not_empty(value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise InvalidInputError("", value, "must not be empty")
@@ -246,6 +255,21 @@ SETTINGS: Mapping[str, Setting] = {
         ),
         Setting(
             "concurrency", int, 1, "partitions whose batches are applied at once", _positive_int
+        ),
+        Setting(
+            "engine",
+            str,
+            ENGINES[0],
+            "the stream engine: aiokafka (a plain consumer loop) or faust (a faust-streaming "
+            "app; the faust extra)",
+            _engine,
+        ),
+        Setting(
+            "faust_take_within",
+            float,
+            0.05,
+            "faust engine: seconds a partial batch waits to fill (stream.take_events within)",
+            _positive_seconds,
         ),
         Setting("ledger_dir", str, None, "the embedded mode's file-ledger folder"),
         Setting("outbox_dir", str, "mcpbg-outbox", "the ledger's durable local outbox folder"),

@@ -54,6 +54,8 @@ class WorkerConfig:
     metrics_port: int = _default("metrics_port")
     partitions: int = _default("partitions")
     concurrency: int = _default("concurrency")
+    engine: str = _default("engine")
+    faust_take_within: float = _default("faust_take_within")
     bootstrap: str = field(init=False, default="")
 
     def __post_init__(self) -> None:

@@ -21,15 +21,13 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
-from mcp_budget_governor.errors import EpochMissingError
-from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.policy_reload import watcher_for
@@ -37,21 +35,14 @@ from mcp_budget_governor.projections.counters.redis import RedisBackend
 from mcp_budget_governor.urls import redact as redact_url
 
 from . import metrics
-from .alerts import (
-    AlertEvaluator,
-    AlertSink,
-    LogSink,
-    MemoryDeduper,
-    RedisDeduper,
-    TopicSink,
-    WebhookSink,
-)
-from .archiver import Archiver
 from .config import ENV, WorkerConfig
-from .projector import DeadLetter, Projector, ProjectorResult, Record
-from .rebuild import rebuild
-from .retry import Stopping, until_done
+from .projection import Projection
+from .projector import Projector
+from .retry import Stopping
 from .topics import prepare_topics
+
+if TYPE_CHECKING:  # the postgres extra is needed only by a worker given --postgres
+    from mcp_budget_governor.projections.counters.postgres import PostgresBackend
 
 if TYPE_CHECKING:  # the postgres extra is needed only by a worker given --postgres
     from mcp_budget_governor.projections.counters.postgres import PostgresBackend
@@ -75,34 +66,35 @@ class ProjectionWorker:
 
     :meth:`serve` runs it until :meth:`stop` (``run`` wires SIGTERM and
     SIGINT to it); connections are made inside ``serve``, in its event loop.
+    The consumer is this class's; the projection and its side outputs are
+    :class:`~.projection.Projection`'s, shared with the faust engine.
     """
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self._policy = load_policy(config.policy) if config.policy else None
+        self._stopping = asyncio.Event()
+        self.projection = Projection(config, send=self._send, stopping=self._stopping)
         self._watcher = watcher_for(
-            config.policy, self.replace_policy, self._policy, config.policy_poll
+            config.policy, self.replace_policy, self.projection.policy, config.policy_poll
         )
-        self._backend: RedisBackend | PostgresBackend | None = None
-        self._projector: Projector | None = None
-        self._alerts: AlertEvaluator | None = None
-        self._archiver: Archiver | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
-        self._stopping = asyncio.Event()
         # Held while a batch is applied; a revocation waits for it.
         self._lock = asyncio.Lock()
-        # One rebuild at a time: concurrent partition applies may all find Redis empty.
-        self._rebuilding = asyncio.Lock()
         # Partitions assigned but not yet moved to their watermark (paused until then).
         self._unaligned: set[TopicPartition] = set()
         self._assignments = 0
         self._to_commit: dict[TopicPartition, int] = {}
         self._committed_at = time.monotonic()
-        #: The last offset processed (applied or dead-lettered) per partition; -1: none.
-        self.last_offset: dict[int, int] = {}
-        self._tick_records = 0
-        self._tick_at = time.monotonic()
+
+    @property
+    def _policy(self) -> Policy | None:
+        return self.projection.policy
+
+    @property
+    def last_offset(self) -> dict[int, int]:
+        """The last offset processed (applied or dead-lettered) per partition; -1: none."""
+        return self.projection.last_offset
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -119,7 +111,9 @@ class ProjectionWorker:
             if watcher is not None:
                 watcher.start()  # SIGHUP and MCPBG_POLICY_POLL reload the alert levels
             if self.config.progress_interval:
-                reporter = asyncio.create_task(self._report_every(self.config.progress_interval))
+                reporter = asyncio.create_task(
+                    self.projection.report_every(self.config.progress_interval, self._highwater)
+                )
             await self._consume()
         finally:
             if watcher is not None:
@@ -132,46 +126,15 @@ class ProjectionWorker:
 
     def replace_policy(self, policy: Policy) -> None:
         """Compare the counters with ``policy`` from the next batch on (a reload)."""
-        self._policy = policy
-        if self._alerts is not None:
-            self._alerts.replace_policy(policy)
+        self.projection.replace_policy(policy)
 
     async def _start(self) -> None:
         config = self.config
-        if config.postgres_url:
-            from mcp_budget_governor.projections.counters.postgres import PostgresBackend
-
-            # A batch apply is one function call; it may take longer than a check.
-            self._backend = PostgresBackend.from_url(
-                config.postgres_url, timeout=max(config.redis_timeout, 30.0), max_connections=4
-            )
-        else:
-            assert config.redis_url is not None  # WorkerConfig requires one of the two
-            self._backend = RedisBackend.from_url(
-                config.redis_url, timeout=config.redis_timeout, max_connections=4
-            )
-        self._projector = Projector(
-            self._backend,
-            config.topic,
-            dlq=self.send_dead_letter,
-            require_epoch=True,
-            archive=self._archive_batch if config.archive_dir else None,
-        )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=config.bootstrap, acks="all", enable_idempotence=False
         )
         await self._producer.start()
-        if self._policy is not None:
-            self._alerts = AlertEvaluator(
-                self._policy,
-                self._backend,
-                dedupe=(
-                    RedisDeduper(self._backend.client)
-                    if isinstance(self._backend, RedisBackend)
-                    else MemoryDeduper()  # per worker: a level may fire once per worker
-                ),
-                sinks=self._alert_sinks(),
-            )
+        self.projection.start()
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=config.bootstrap,
             group_id=config.group,
@@ -194,33 +157,25 @@ class ProjectionWorker:
             with contextlib.suppress(Exception):
                 await self._commit(consumer)
             await consumer.stop()
-        p = self._projector
-        log.info(
-            "projector: stopped after %d records, %d applied, %d dead letters",
-            0 if p is None else p.records,
-            0 if p is None else p.applied,
-            0 if p is None else p.dead,
-        )
-        if self._alerts is not None:
-            await self._alerts.aclose()
-            self._alerts = None
+        await self.projection.aclose()
         if self._producer is not None:
             await self._producer.stop()
             self._producer = None
-        if self._backend is not None:
-            await self._backend.aclose()
-            self._backend = None
+
+    async def _send(
+        self, topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]] | None
+    ) -> None:
+        assert self._producer is not None
+        await self._producer.send_and_wait(topic, value, key=key, headers=headers)
 
     @property
     def projector(self) -> Projector:
         """The projector (exists once :meth:`serve` has started)."""
-        assert self._projector is not None, "serve() has not started"
-        return self._projector
+        return self.projection.projector
 
     @property
     def backend(self) -> RedisBackend | PostgresBackend:
-        assert self._backend is not None, "serve() has not started"
-        return self._backend
+        return self.projection.backend
 
     # -- the loop -----------------------------------------------------------
 
@@ -250,56 +205,14 @@ class ProjectionWorker:
         # Fetched before a partition was moved to its watermark (or after it was
         # taken away): not ours to apply; it is fetched again from the right place.
         work = [
-            (tp, [(m.offset, m.value) for m in messages])
+            (tp.partition, [(m.offset, m.value) for m in messages])
             for tp, messages in batch.items()
             if messages and tp in assigned and tp not in self._unaligned
         ]
-        if self.config.concurrency > 1 and len(work) > 1:
-            gate = asyncio.Semaphore(self.config.concurrency)
-
-            async def one(partition: int, records: list[Record]) -> ProjectorResult:
-                async with gate:
-                    return await self._apply_until_done(partition, records)
-
-            results = await asyncio.gather(*(one(tp.partition, recs) for tp, recs in work))
-        else:
-            results = [await self._apply_until_done(tp.partition, recs) for tp, recs in work]
-        for (tp, _), result in zip(work, results, strict=True):
-            await self.evaluate_alerts(result)
-            partition = tp.partition
-            self.last_offset[partition] = result.last_offset
-            self._to_commit[tp] = result.last_offset + 1
-            self._tick_records += result.records
-            metrics.RECORDS.inc(result.records)
-            metrics.APPLIED.inc(result.applied)
-            metrics.DEAD.inc(result.dead)
-            metrics.LAST_OFFSET.labels(str(partition)).set(result.last_offset)
-
-    async def _apply_until_done(self, partition: int, records: Sequence[Record]) -> ProjectorResult:
-        async def attempt() -> ProjectorResult:
-            while True:
-                try:
-                    return await self.projector.apply_batch(partition, records)
-                except EpochMissingError:
-                    # Redis lost its state mid-run: rebuild every partition from the
-                    # ledger first; this batch then lands on complete counters.
-                    await self.rebuild_until_done()
-
-        def failed(exc: Exception, number: int, delay: float) -> None:
-            log.warning(
-                "projector: batch of partition %d (offsets %d-%d) failed (attempt %d: "
-                "%s: %s); retrying in %.1f s",
-                partition,
-                records[0][0],
-                records[-1][0],
-                number,
-                type(exc).__name__,
-                exc,
-                delay,
-                exc_info=number == 1 and not isinstance(exc, (ConnectionError, KafkaError)),
+        for result in await self.projection.apply_all(work):
+            self._to_commit[TopicPartition(self.config.topic, result.partition)] = (
+                result.last_offset + 1
             )
-
-        return await until_done(attempt, self._stopping, failed)
 
     async def _commit(self, consumer: AIOKafkaConsumer) -> bool:
         """Commit the consumed offsets of partitions still assigned; False when refused."""
@@ -349,16 +262,8 @@ class ProjectionWorker:
         """Seek, commit and resume each newly assigned partition at its watermark + 1."""
         generation = self._assignments
         mine = sorted(self._unaligned)
-
-        async def watermarks() -> dict[TopicPartition, int]:
-            if not await self.backend.has_epoch():
-                await self.rebuild_until_done()
-            return {tp: await self.projector.resume_offset(tp.partition) for tp in mine}
-
-        def failed(exc: Exception, number: int, delay: float) -> None:  # Redis down: wait
-            log.warning("projector: cannot read watermarks (%s); retrying", exc)
-
-        offsets = await until_done(watermarks, self._stopping, failed)
+        resume = await self.projection.resume_offsets(tp.partition for tp in mine)
+        offsets = {tp: resume[tp.partition] for tp in mine}
         if generation != self._assignments:
             return  # reassigned meanwhile: align the new assignment instead
         try:
@@ -373,123 +278,27 @@ class ProjectionWorker:
             return  # reassigned during the commit: align the new assignment instead
         consumer.resume(*mine)
         self._unaligned = set()
-        for tp, offset in offsets.items():  # the watermark, until this worker applies more
-            self.last_offset[tp.partition] = offset - 1
-        log.info(
-            "projector: assigned %s; resuming at %s%s",
-            ",".join(str(tp.partition) for tp in mine),
-            ", ".join(f"p{tp.partition}@{off}" for tp, off in offsets.items()),
-            "" if committed else " (commit refused: a new rebalance follows)",
-        )
+        self.projection.resumed(resume, committed)
 
     async def rebuild_until_done(self) -> None:
         """Replay the ledger into an emptied Redis, retrying until it is complete."""
-        async with self._rebuilding:
-            await self._rebuild_until_done()
-
-    async def _rebuild_until_done(self) -> None:
-        backend = self.backend
-
-        async def attempt() -> None:
-            if await backend.has_epoch():
-                return  # another worker finished the rebuild meanwhile
-            metrics.REBUILDS.inc()
-            batch = max(self.config.batch_size, 500)
-            await rebuild(backend, self.config.bootstrap, self.config.topic, batch=batch)
-
-        def failed(exc: Exception, number: int, delay: float) -> None:  # Kafka or Redis away
-            log.warning(
-                "rebuild: failed (%s: %s); retrying in %.1f s", type(exc).__name__, exc, delay
-            )
-
-        await until_done(attempt, self._stopping, failed)
-
-    # -- side outputs ---------------------------------------------------------
-
-    def _alert_sinks(self) -> list[AlertSink]:
-        sinks: list[AlertSink] = [LogSink()]
-        if self.config.alert_webhook:
-            sinks.append(WebhookSink(self.config.alert_webhook))
-        if self.config.alert_topic:
-            sinks.append(TopicSink(self._produce_alert, self.config.alert_topic))
-        return sinks
-
-    async def _produce_alert(self, topic: str, key: bytes, value: bytes) -> None:
-        assert self._producer is not None
-        await self._producer.send_and_wait(topic, value, key=key)
-
-    async def evaluate_alerts(self, result: ProjectorResult) -> None:
-        """Alerts for the counters a batch touched; never fails the batch (it is applied)."""
-        if self._alerts is None or not result.charges:
-            return
-        try:
-            await self._alerts.evaluate(result.charges)
-        except Exception as exc:  # alerts are best effort: the next batch catches up
-            log.warning("alerts: evaluation failed (%s: %s)", type(exc).__name__, exc)
-
-    async def _archive_batch(
-        self, partition: int, records: Sequence[tuple[int, LedgerEvent]]
-    ) -> None:
-        if self._archiver is None:
-            self._archiver = Archiver(self.config.archive_dir, topic=self.config.topic)
-            self._archiver.remove_stale_temp_files()
-        # Parquet encoding and fsync off the event loop; the batch waits for it.
-        await asyncio.to_thread(self._archiver.write_batch, partition, records)
-
-    async def send_dead_letter(self, letter: DeadLetter) -> None:
-        """Produce one poison record to ``<topic>.dlq`` and wait for the broker's ack."""
-        log.warning(
-            "projector: %s partition %d offset %d is not a valid event (%s): sent to %s",
-            letter.topic,
-            letter.partition,
-            letter.offset,
-            letter.reason,
-            self.config.dlq_topic,
-        )
-        assert self._producer is not None
-        await self._producer.send_and_wait(
-            self.config.dlq_topic,
-            letter.to_json(),
-            key=f"{letter.topic}:{letter.partition}:{letter.offset}".encode(),
-            headers=letter.headers(),
-        )
+        await self.projection.rebuild_until_done()
 
     # -- progress ---------------------------------------------------------
 
-    async def _report_every(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self.report()
-            except Exception as exc:  # a log line must never stop the worker
-                log.warning("projector: progress report failed: %s", exc)
+    def _highwater(self) -> dict[int, int | None]:
+        """Each assigned partition's highwater as last fetched (None until aligned)."""
+        consumer = self._consumer
+        mine = [] if consumer is None else consumer.assignment()
+        return {
+            tp.partition: None if tp in self._unaligned else consumer.highwater(tp)
+            for tp in mine
+            if consumer is not None and tp.topic == self.config.topic
+        }
 
     def report(self) -> None:
         """One INFO line: events/s, totals, per partition lag and last offset."""
-        now = time.monotonic()
-        rate = self._tick_records / max(now - self._tick_at, 1e-9)
-        self._tick_records, self._tick_at = 0, now
-        consumer = self._consumer
-        parts = []
-        mine = [] if consumer is None else consumer.assignment()
-        for tp in sorted(tp for tp in mine if tp.topic == self.config.topic):
-            assert consumer is not None
-            high: int | None = consumer.highwater(tp)
-            last = self.last_offset.get(tp.partition)
-            lag = "?"
-            if high is not None and last is not None and tp not in self._unaligned:
-                lag = str(max(high - (last + 1), 0))
-                metrics.LAG.labels(str(tp.partition)).set(int(lag))
-            parts.append(f"p{tp.partition} lag={lag} last={'-' if last is None else last}")
-        p = self._projector
-        log.info(
-            "projector: %.0f events/s; %d records, %d applied, %d dead letters; %s",
-            rate,
-            0 if p is None else p.records,
-            0 if p is None else p.applied,
-            0 if p is None else p.dead,
-            "; ".join(parts) or "no partitions assigned",
-        )
+        self.projection.report(self._highwater())
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -510,6 +319,12 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
 def run(config: WorkerConfig) -> int:
     """Run one worker until SIGTERM/SIGINT; returns the exit code (0 after a clean stop)."""
+    prepare_process(config)
+    return asyncio.run(_main(config))
+
+
+def prepare_process(config: WorkerConfig) -> None:
+    """What a worker process of either engine sets first: its log format and GC threshold."""
     logging.basicConfig(
         level=config.log_level.upper(),
         format="[%(asctime)s] [%(process)d] [%(levelname)s] %(name)s: %(message)s",
@@ -519,7 +334,6 @@ def run(config: WorkerConfig) -> int:
     # collector ran every few dozen events and cost more than the parse itself
     # (benchmarks/README.md, bench_worker.py). The process is this loop alone.
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
-    return asyncio.run(_main(config))
 
 
 async def _main(config: WorkerConfig) -> int:

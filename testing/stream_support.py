@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import random
 import re
@@ -54,6 +55,34 @@ PARTITIONS = 3
 CLI = (sys.executable, "-m", "mcp_budget_governor.cli")
 GROUP_OPTS = ["--session-timeout-ms", "6000", "--heartbeat-interval-ms", "500"]
 CATCH_UP = 60.0  # seconds a worker may take to project what it has been given
+
+#: The worker's engines (``mcpbg worker --engine``); the exactly-once tests run on each.
+ENGINES = ("aiokafka", "faust")
+
+#: Parametrises a test over both engines (the fixture ``engine`` takes the value). The
+#: faust variants are marked slow: a faust worker takes seconds longer to start and join.
+both_engines = pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param("aiokafka"),
+        pytest.param(
+            "faust",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(
+                    importlib.util.find_spec("faust") is None,
+                    reason="the faust engine needs the faust extra",
+                ),
+            ],
+        ),
+    ],
+)
+
+
+@pytest.fixture
+def engine() -> str:
+    """The engine of the workers a test starts: the default, unless ``both_engines``."""
+    return ENGINES[0]
 
 
 def tenants(partitions: int, at_least: int, prefix: str) -> list[str]:
@@ -433,6 +462,7 @@ class Stream:
     names: Names
     workers: list[Worker]
     tmp_path: Path
+    engine: str = ENGINES[0]
 
     @property
     def topic(self) -> str:
@@ -446,7 +476,14 @@ class Stream:
 
     def start_worker(self, *extra: str) -> Worker:
         return start_worker(
-            self.workers, self.kafka, self.redis_url, self.names, self.tmp_path, *extra
+            self.workers,
+            self.kafka,
+            self.redis_url,
+            self.names,
+            self.tmp_path,
+            "--engine",
+            self.engine,
+            *extra,
         )
 
     async def caught_up(self, within: float = CATCH_UP) -> TopicRecords:
@@ -465,6 +502,7 @@ def stream(
     names: Names,
     workers: list[Worker],
     tmp_path: Path,
+    engine: str,
 ) -> Stream:
     """The fixtures a worker test uses, in one (the test module imports them all)."""
-    return Stream(kafka, redis_url, backend, names, workers, tmp_path)
+    return Stream(kafka, redis_url, backend, names, workers, tmp_path, engine)

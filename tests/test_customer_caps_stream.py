@@ -18,13 +18,14 @@ from testing.stream_support import (
     PARTITIONS,
     Stream,
     backend,
+    engine,
     kafka,
     names,
     stream,
     workers,
 )
 
-__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+__all__ = ["backend", "engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 RULES = Policy.of(
     Limit("tenant_calls", cap=3, window=Window.DAY, scope=Scope.TENANT, caps={"acme": 5}),

@@ -21,6 +21,7 @@ EXTRAS = [
     "rich",
     "redis",
     "prometheus_client",
+    "faust",
 ]
 
 

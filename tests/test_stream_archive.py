@@ -15,6 +15,7 @@ from testing.stream_support import (
     assert_exact,
     backend,
     charge_totals,
+    engine,
     kafka,
     names,
     stream,
@@ -23,7 +24,7 @@ from testing.stream_support import (
     workload,
 )
 
-__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+__all__ = ["backend", "engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 
 @pytest.mark.slow

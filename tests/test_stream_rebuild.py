@@ -20,6 +20,8 @@ from testing.stream_support import (
     Worker,
     assert_exact,
     backend,
+    both_engines,
+    engine,
     governor,
     kafka,
     names,
@@ -31,10 +33,11 @@ from testing.stream_support import (
     workload,
 )
 
-__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+__all__ = ["backend", "engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 
 @pytest.mark.slow
+@both_engines
 async def test_flushall_mid_run_rebuilds_and_never_admits_from_empty_counters(
     stream: Stream,
 ) -> None:

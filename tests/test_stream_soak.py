@@ -69,7 +69,9 @@ from testing.services import (
 from testing.stream_support import (
     Worker,
     applied_offsets,
+    both_engines,
     charge_totals,
+    engine,
     tenants,
     unique_events,
     wait_watermarks,
@@ -80,6 +82,8 @@ from testing.stream_support import (
 )
 
 pytest.importorskip("mcp_budget_governor.stream.worker", reason="the worker needs the stream extra")
+
+__all__ = ["engine"]  # a fixture, used by name
 
 pytestmark = [
     pytest.mark.slow,
@@ -214,6 +218,7 @@ class Setup:
     topic: str
     group: str
     tmp: Path
+    engine: str
     workers: list[Worker] = field(default_factory=list)
 
     def start_worker(self, name: str) -> Worker:
@@ -225,6 +230,7 @@ class Setup:
             "--redis-url", self.redis.url,
             "--progress-interval", "1",
             "--topic-wait", "30",
+            "--engine", self.engine,
         )  # fmt: skip
         worker = Worker(name, self.tmp / f"worker-{name}.log", argv, worker_env(tmp))
         self.workers.append(worker)
@@ -241,7 +247,7 @@ class Setup:
 
 
 @pytest.fixture
-async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+async def setup(tmp_path: Path, engine: str) -> AsyncIterator[Setup]:
     redis_svc = start_redis(prefer_local=True)
     try:
         kafka = start_kafka(prefer_local=True)
@@ -250,7 +256,7 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
         raise
     backend = RedisBackend.from_url(redis_svc.url, timeout=10.0)
     tag = uuid.uuid4().hex[:10]
-    s = Setup(kafka, redis_svc, backend, f"soak-{tag}", f"soak-{tag}", tmp_path)
+    s = Setup(kafka, redis_svc, backend, f"soak-{tag}", f"soak-{tag}", tmp_path, engine)
     try:
         yield s
     finally:
@@ -280,6 +286,7 @@ async def until(
 # -- the test -----------------------------------------------------------------
 
 
+@both_engines
 async def test_100k_events_two_sigkills_every_counter_exact(setup: Setup) -> None:
     t0 = time.monotonic()
     timeline: list[str] = []

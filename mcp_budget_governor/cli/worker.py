@@ -32,21 +32,26 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Imported here: the worker needs the stream extra (aiokafka, redis,
-    # pyarrow, prometheus-client), which ``mcpbg schema`` and the core do not.
+    from ..stream.config import WorkerConfig  # core only
+
+    overrides = {name: getattr(args, name) for name in OPTIONS}
+    config = WorkerConfig.from_env(**overrides)
+    # Imported here: the worker needs the stream extra (aiokafka, redis, pyarrow,
+    # prometheus-client), the faust engine the faust extra; ``mcpbg schema`` neither.
+    extra = "faust" if config.engine == "faust" else "stream"
     try:
-        from ..stream.worker import WorkerConfig
-        from ..stream.worker import run as run_worker
+        if config.engine == "faust":
+            from ..stream.faust_app import run as run_worker
+        else:
+            from ..stream.worker import run as run_worker
     except ImportError as exc:
         print(
-            f"mcpbg worker: {exc}; install the stream extra: " + install_hint("stream"),
+            f"mcpbg worker: {exc}; install the {extra} extra: " + install_hint(extra),
             file=sys.stderr,
         )
         return 2
     from ..policy_file import load_policy
 
-    overrides = {name: getattr(args, name) for name in OPTIONS}
-    config = WorkerConfig.from_env(**overrides)
     if config.policy:
         load_policy(config.policy)  # a bad policy is one line now, not a log after connecting
     return run_worker(config)
