@@ -223,7 +223,7 @@ def rebuild_from_ledger(
                 pipe.execute()
                 added += len(ids[i : i + _SEEN_CHUNK])
                 progress("seen", added, result.seen_ids)
-        result.replayed_changes = _restore_changes(client, run_time)
+        result.replayed_changes = _restore_changes(client, run_time, clock)
         result.epoch = new_id()
         client.set(EPOCH_KEY, result.epoch)
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
@@ -251,10 +251,13 @@ def _run_time_changes(con: duckdb.DuckDBPyConnection) -> list[CapsChange | None]
     return out
 
 
-def _restore_changes(client: redis.Redis, changes: Sequence[CapsChange | None]) -> int:
+def _restore_changes(
+    client: redis.Redis, changes: Sequence[CapsChange | None], now: float
+) -> int:
     """Apply run-time changes in ledger order through lua/change.lua, as the projection
-    does. A grant adds to its counter's: the grants of the counters they touch start
-    again from none, so a replay onto live counters does not count one twice."""
+    does, at clock ``now`` (epoch seconds: a grant whose bucket has ended changes
+    nothing). A grant adds to its counter's: the grants of the counters they touch
+    start again from none, so a replay onto live counters does not count one twice."""
     todo = [c for c in changes if c is not None]
     room = {c.key for c in todo if c.kind in (ChangeKind.GRANTED, ChangeKind.RESET)}
     if room:
@@ -266,7 +269,7 @@ def _restore_changes(client: redis.Redis, changes: Sequence[CapsChange | None]) 
     for start in range(0, len(todo), _CHANGES_PER_CALL):
         keys: list[str] = []
         tokens = change_tokens(todo[start : start + _CHANGES_PER_CALL], keys, {})
-        script(keys=keys, args=[tokens])
+        script(keys=keys, args=[tokens, str(int(now * 1000))])
     return len(todo)
 
 
