@@ -517,7 +517,7 @@ def reservation_rows(report: BudgetReport) -> list[tuple[str, ...]]:
 
 def session_rows(report: BudgetReport) -> list[tuple[str, ...]]:
     """Per session-window row: its root and forks, under :data:`SESSION_HEADERS`."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for row in report.rows:
         root = session_root(row)
         if root is None:
