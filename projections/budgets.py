@@ -10,11 +10,12 @@ backend holds (a bounded listing). Each row's ``spent`` is what
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, tzinfo
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcp_budget_governor.caps import Effective, effective
 from mcp_budget_governor.context import Context
@@ -26,6 +27,9 @@ from mcp_budget_governor.planning import LEASE_BUCKET, cap_ref, slot
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.scopes import Scope
 from mcp_budget_governor.windows import Bucket, Window, bucket_for
+
+if TYPE_CHECKING:
+    import duckdb
 
 #: How many keys a report lists at most unless told otherwise.
 DEFAULT_MAX_KEYS = 10_000
@@ -140,18 +144,114 @@ class BudgetReport:
     tz: tzinfo
     listed: int
     truncated: bool
+    #: What the ledger adds (:func:`with_ledger`); None: no ledger was read, so
+    #: open reservations and session forks are not known (never zero).
+    holds: LedgerHolds | None = None
 
     @property
     def exceeded(self) -> bool:
         return any(row.exceeded for row in self.rows)
 
     def as_json(self) -> dict[str, Any]:
+        rows = []
+        for row in self.rows:
+            item = row.as_json(self.tz)
+            root = session_root(row)
+            if root is not None:
+                item["session_root"] = root
+                item["forks"] = None if self.holds is None else list(self.holds.forks[root])
+            rows.append(item)
         return {
             "at": _iso(self.at),
-            "rows": [row.as_json(self.tz) for row in self.rows],
+            "rows": rows,
             "listed_keys": self.listed,
             "truncated": self.truncated,
+            "open_reservations": None
+            if self.holds is None
+            else [r.as_json() for r in self.holds.reservations],
         }
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReservation:
+    """A ``reserved`` event's charge with no ``settled`` or ``released`` event naming it."""
+
+    id: str
+    time: datetime
+    limit: str
+    key: str
+    unit: Unit
+    amount: int
+    who: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "reserved_at": _utc(self.time).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "limit": self.limit,
+            "key": self.key,
+            "unit": self.unit.value,
+            "amount": self.amount,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerHolds:
+    """Open reservations on the report's counters, and each session root's forks."""
+
+    reservations: tuple[OpenReservation, ...]
+    forks: dict[str, tuple[str, ...]]
+
+
+def session_root(row: BudgetRow) -> str | None:
+    """The session a session-window row counts for (its root), None for other rows
+    or a hashed session id."""
+    if row.limit.window is not Window.SESSION:
+        return None
+    i = row.limit.dimensions.index(Scope.SESSION)
+    return None if row.hashed[i] else row.values[i]
+
+
+# Reserved events whose id no settled/released event names: one row per charge.
+_OPEN_RESERVATIONS = """
+    SELECT r.id, r."time", r."limit", r."key", r.unit, r.amount
+    FROM ledger r
+    WHERE r."type" = 'mcpbg.reserved.v1' AND r."key" IS NOT NULL
+      AND NOT EXISTS (
+        SELECT 1 FROM ledger e
+        WHERE e.reservation = r.id AND e."type" IN ('mcpbg.settled.v1', 'mcpbg.released.v1'))
+    ORDER BY r."time", r.id, r.charge_index
+"""
+_FORKS = """
+    SELECT DISTINCT session_root, "session" FROM costs
+    WHERE session_root IN (SELECT unnest(?)) AND "session" <> session_root
+    ORDER BY 1, 2
+"""
+
+
+def with_ledger(report: BudgetReport, con: duckdb.DuckDBPyConnection) -> BudgetReport:
+    """``report`` with what the ledger view ``con`` (``ledger_view.open_ledger``) knows:
+    the reservations still open on its rows' counters (a reserved event with no
+    settled or released event for it), and the forks of each session root seen.
+
+    Redis keeps no record of a reservation (its estimate is simply counted), so
+    the ledger is where they are listed; a reservation whose estimate was left
+    to stand (``Reservation.actual`` never set) has no closing event and stays
+    listed.
+    """
+    rows = {row.key: row for row in report.rows}
+    open_ = tuple(
+        OpenReservation(rid, at, limit, key, Unit(unit), int(amount), rows[key].who)
+        for rid, at, limit, key, unit, amount in con.execute(_OPEN_RESERVATIONS).fetchall()
+        if key in rows
+    )
+    roots = sorted({r for r in map(session_root, report.rows) if r is not None})
+    forks: dict[str, list[str]] = {root: [] for root in roots}
+    if roots:
+        for root, fork in con.execute(_FORKS, [roots]).fetchall():
+            forks[root].append(fork)
+    holds = LedgerHolds(open_, {k: tuple(v) for k, v in forks.items()})
+    return dataclasses.replace(report, holds=holds)
 
 
 async def budget_report(
@@ -391,12 +491,56 @@ def table_rows(report: BudgetReport) -> list[tuple[str, ...]]:
     ]
 
 
+RESERVATION_HEADERS = ("reservation", "limit", "key", "amount", "reserved at")
+SESSION_HEADERS = ("name", "root", "forks")
+#: What the table says without a ledger source, instead of a zero.
+NOT_KNOWN = (
+    "open reservations and session forks: not known without a ledger "
+    "(--archive-dir or --ledger-dir)"
+)
+
+
+def reservation_rows(report: BudgetReport) -> list[tuple[str, ...]]:
+    """The open reservations as text cells under :data:`RESERVATION_HEADERS`."""
+    assert report.holds is not None
+    return [
+        (
+            r.id,
+            r.limit,
+            r.who,
+            format_amount(r.unit, r.amount),
+            _utc(r.time).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        )
+        for r in report.holds.reservations
+    ]
+
+
+def session_rows(report: BudgetReport) -> list[tuple[str, ...]]:
+    """Per session-window row: its root and forks, under :data:`SESSION_HEADERS`."""
+    out: list[tuple[str, ...]] = []
+    for row in report.rows:
+        root = session_root(row)
+        if root is None:
+            continue
+        if report.holds is None:
+            forks = "not known"
+        else:
+            forks = ", ".join(_show(f, False) for f in report.holds.forks[root]) or "none seen"
+        out.append((row.name, _show(root, False), forks))
+    return out
+
+
 def _show(value: str, hashed: bool) -> str:
     if hashed:
         return f"{value[:13]}… (hashed)"
     if value == "":
         return '""'
     return value if value.isprintable() else repr(value)[1:-1]
+
+
+def _utc(at: datetime) -> datetime:
+    """A ledger time in UTC (DuckDB may hand it back naive, in the session's UTC)."""
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
 
 
 def _iso(ts: float | None) -> str | None:

@@ -11,11 +11,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .ledger_args import add_option, add_redis_option, required
+from .ledger_args import (
+    add_ledger_options,
+    add_option,
+    add_redis_option,
+    open_ledger_from,
+    required,
+    setting,
+)
 from .render import install_hint
 
 if TYPE_CHECKING:
@@ -33,11 +41,13 @@ def register(sub: Any) -> None:
         "budgets",
         help="one row per limit and counter: spent, limit, remaining, exceeded",
         description="Without --user/--tenant/--tool/--session/--agent, every counter in "
-        "Redis (a bounded SCAN of mcpbg:v1:*) in its current period. Exit code 1 when "
-        "any row is exceeded.",
+        "Redis (a bounded SCAN of mcpbg:v1:*) in its current period. With --archive-dir "
+        "or --ledger-dir, also the open reservations on those counters and each session "
+        "root's forks, read from the ledger. Exit code 1 when any row is exceeded.",
     )
     add_option(p, "policy", "the policy: a .toml file or package.module:attribute")
     add_redis_option(p)
+    add_ledger_options(p)  # open reservations and session forks are only in the ledger
     for scope in _SCOPES:
         p.add_argument(f"--{scope}", help=f"only the counters of this {scope}")
     p.add_argument(
@@ -85,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         report = asyncio.run(_report(policy, backend, filters, max_keys))
     except ResponseError as exc:  # e.g. a database index the server does not have
         raise InvalidInputError("--redis-url", redact(args.redis_url), f"refused: {exc}") from None
+    if setting(args, "archive_dir") is not None or setting(args, "ledger_dir") is not None:
+        report = _with_ledger(args, report)
     if args.json:
         json.dump(report.as_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -93,12 +105,31 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report.exceeded else 0
 
 
+def _with_ledger(args: argparse.Namespace, report: BudgetReport) -> BudgetReport:
+    """The report with the ledger's open reservations and session forks."""
+    from ..projections.budgets import LedgerHolds, session_root, with_ledger
+    from ..projections.ledger_view import LedgerError
+
+    try:
+        con = open_ledger_from(args)
+    except LedgerError as exc:
+        if not str(exc).startswith("empty ledger"):
+            raise
+        # A ledger with no events yet: nothing reserved, no forks seen (known, not guessed).
+        holds = LedgerHolds((), {r: () for r in map(session_root, report.rows) if r is not None})
+        return dataclasses.replace(report, holds=holds)
+    try:
+        return with_ledger(report, con)
+    finally:
+        con.close()
+
+
 def _run_api(args: argparse.Namespace) -> int:
     """The same rows from ``GET /v1/budgets`` (the server runs :func:`budget_report`)."""
     from ..money import Unit
-    from ..projections.budgets import HEADERS, NUMERIC, format_amount
+    from ..projections.budgets import HEADERS, NOT_KNOWN, NUMERIC, format_amount
     from .api_client import get_json
-    from .render import print_table
+    from .render import console, print_table
 
     params: dict[str, Any] = {s: getattr(args, s) for s in _SCOPES}
     params["max_keys"] = args.max_keys
@@ -137,6 +168,7 @@ def _run_api(args: argparse.Namespace) -> int:
             rows,
             numeric=NUMERIC,
         )
+        console().print(NOT_KNOWN, markup=False, highlight=False)  # the server reads no ledger
     return 1 if any(r["exceeded"] for r in doc["rows"]) else 0
 
 
@@ -176,7 +208,16 @@ async def _report(
 
 def print_report(report: BudgetReport, *, title: str | None = "budgets") -> None:
     """Print a budgets report as a table, and say when the listing was cut (the demo uses it)."""
-    from ..projections.budgets import HEADERS, NUMERIC, table_rows
+    from ..projections.budgets import (
+        HEADERS,
+        NOT_KNOWN,
+        NUMERIC,
+        RESERVATION_HEADERS,
+        SESSION_HEADERS,
+        reservation_rows,
+        session_rows,
+        table_rows,
+    )
     from .render import console, print_table
 
     # Ids are caller data: print_table shows "[bold]" in one as written, not as markup.
@@ -184,6 +225,17 @@ def print_report(report: BudgetReport, *, title: str | None = "budgets") -> None
     out = console()
     if not report.rows:
         out.print("no counters in the current period")
+    sessions = session_rows(report)
+    if sessions:
+        print_table("session roots", SESSION_HEADERS, sessions)
+    if report.holds is None:
+        out.print(NOT_KNOWN, markup=False, highlight=False)
+    elif report.holds.reservations:
+        print_table(
+            "open reservations", RESERVATION_HEADERS, reservation_rows(report), numeric=("amount",)
+        )
+    else:
+        out.print("no open reservations in the ledger")
     if report.truncated:
         out.print(
             f"listing stopped at {report.listed:,} keys (--max-keys): more counters exist "
