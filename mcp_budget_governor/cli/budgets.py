@@ -3,7 +3,7 @@
 Exit code 1 when any row is exceeded (spent at or past its limit, so the next
 call it gates is refused), like the other commands that find a problem; 0
 otherwise; 2 for bad input (a malformed policy file names its line) or an
-unreachable Redis.
+unreachable Redis or Postgres (``--postgres URL``: the counters in Postgres).
 """
 
 from __future__ import annotations
@@ -16,15 +16,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .ledger_args import (
-    add_ledger_options,
-    add_option,
-    add_redis_option,
-    open_ledger_from,
-    required,
-    setting,
-)
-from .render import install_hint
+from .counters_args import add_counters_options
+from .ledger_args import add_ledger_options, add_option, open_ledger_from, required, setting
 
 if TYPE_CHECKING:
     from ..counters import Backend
@@ -41,12 +34,13 @@ def register(sub: Any) -> None:
         "budgets",
         help="one row per limit and counter: spent, limit, remaining, exceeded",
         description="Without --user/--tenant/--tool/--session/--agent, every counter in "
-        "Redis (a bounded SCAN of mcpbg:v1:*) in its current period. With --archive-dir "
-        "or --ledger-dir, also the open reservations on those counters and each session "
-        "root's forks, read from the ledger. Exit code 1 when any row is exceeded.",
+        "Redis (a bounded SCAN of mcpbg:v1:*) in its current period; with --postgres, the "
+        "counters in Postgres instead. With --archive-dir or --ledger-dir, also the open "
+        "reservations on those counters and each session root's forks, read from the "
+        "ledger. Exit code 1 when any row is exceeded.",
     )
     add_option(p, "policy", "the policy: a .toml file or package.module:attribute")
-    add_redis_option(p)
+    add_counters_options(p)
     add_ledger_options(p)  # open reservations and session forks are only in the ledger
     for scope in _SCOPES:
         p.add_argument(f"--{scope}", help=f"only the counters of this {scope}")
@@ -69,32 +63,31 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..policy_file import load_policy
     from ..projections.budgets import DEFAULT_MAX_KEYS
-    from ..urls import check_redis_url
+    from .counters_args import counters_store, open_counters
     from .render import fail
 
     if args.api:
         return _run_api(args)
     # The policy first: a bad policy file is the error to see.
     policy = load_policy(required(args, "policy", "a .toml file or module:attribute"))
-    args.redis_url = check_redis_url(required(args, "redis_url", "redis://host:port/db"))
+    store, url = counters_store(args)
     max_keys = DEFAULT_MAX_KEYS if args.max_keys is None else args.max_keys
     if max_keys < 1:
         return fail("budgets", f"--max-keys: expected a positive number (got {max_keys})")
     filters = {s: getattr(args, s) for s in _SCOPES if getattr(args, s) is not None}
-    try:
-        from ..projections.counters.redis import RedisBackend
-    except ImportError as exc:  # pragma: no cover - the redis extra is missing
-        return fail("budgets", f"{exc}; install the redis extra: {install_hint('redis')}")
-    from redis.exceptions import ResponseError
-
-    from ..errors import InvalidInputError
-    from ..urls import redact
-
-    backend = RedisBackend.from_url(args.redis_url, timeout=5.0, max_connections=2)
-    try:
+    backend = open_counters(args)
+    if store == "postgres_url":
         report = asyncio.run(_report(policy, backend, filters, max_keys))
-    except ResponseError as exc:  # e.g. a database index the server does not have
-        raise InvalidInputError("--redis-url", redact(args.redis_url), f"refused: {exc}") from None
+    else:
+        from redis.exceptions import ResponseError
+
+        from ..errors import InvalidInputError
+        from ..urls import redact
+
+        try:
+            report = asyncio.run(_report(policy, backend, filters, max_keys))
+        except ResponseError as exc:  # e.g. a database index the server does not have
+            raise InvalidInputError("--redis-url", redact(url), f"refused: {exc}") from None
     if setting(args, "archive_dir") is not None or setting(args, "ledger_dir") is not None:
         report = _with_ledger(args, report)
     if args.json:

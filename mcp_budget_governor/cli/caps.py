@@ -6,10 +6,11 @@
 
 Each change is a ledger event (``--kafka-url``/``MCPBG_KAFKA_URL``, or the file
 ledger of ``--ledger-dir``), applied by the projection on every replica; with
-neither, it is written to the counters in Redis directly (deployments without a
-ledger). Bad input (unknown limit, scope value or plan, a negative or fractional
-amount, an ``--until`` in the past) is one line naming the option and the value,
-exit 2, and nothing is written.
+neither, it is written to the counters directly, in Redis (``--redis-url``) or
+Postgres (``--postgres``) (deployments without a ledger). Bad input (unknown
+limit, scope value or plan, a negative or fractional amount, an ``--until`` in
+the past) is one line naming the option and the value, exit 2, and nothing is
+written.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from datetime import UTC, datetime, time
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
 
-from .ledger_args import DEFAULT_TOPIC, add_option, add_redis_option, required, setting
+from .counters_args import add_counters_options
+from .ledger_args import DEFAULT_TOPIC, add_option, required, setting
 
 if TYPE_CHECKING:
     from ..governor import Governor
@@ -44,7 +46,7 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run_unset)
     p = verbs.add_parser("list", help="run-time caps, plan assignments and grants, with reasons")
     add_option(p, "policy")
-    add_redis_option(p)
+    add_counters_options(p)
     _api_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run_list)
@@ -83,7 +85,7 @@ def _common(p: Any, *, limit: bool) -> None:
         p.add_argument("limit", help="the limit's name")
     _api_option(p)
     add_option(p, "policy")
-    add_redis_option(p)
+    add_counters_options(p)
     add_option(p, "kafka_url", "append the event to this broker")
     add_option(p, "topic")
     add_option(p, "ledger_dir", "append the event to this file ledger")
@@ -176,17 +178,15 @@ def _actor(args: argparse.Namespace) -> str:
 
 
 async def _governor(args: argparse.Namespace, policy: Policy) -> Governor:
-    """A governor over the counters in Redis, appending to the ledger when one is named."""
+    """A governor over the counters (Redis or Postgres), appending to the ledger when one
+    is named."""
     import tempfile
 
     from ..governor import Governor
     from ..ledger import Ledger
-    from ..projections.counters.redis import RedisBackend
-    from ..urls import check_redis_url
+    from .counters_args import open_counters
 
-    url = required(args, "redis_url", "the counters' Redis")
-    check_redis_url(url, "--redis-url")
-    backend = RedisBackend.from_url(url, timeout=5.0)
+    backend = open_counters(args)
     ledger: Ledger | None = None
     kafka_url, ledger_dir = setting(args, "kafka_url"), setting(args, "ledger_dir")
     if kafka_url is not None:
@@ -339,15 +339,13 @@ def run_list(args: argparse.Namespace) -> int:
 
         rows = get_json(args.api, "/v1/caps")
     else:
-        from ..projections.counters.redis import RedisBackend
-        from ..urls import check_redis_url
+        from .counters_args import counters_store, open_counters
 
         policy = _policy(args)
-        url = required(args, "redis_url", "the counters' Redis")
-        check_redis_url(url, "--redis-url")
+        counters_store(args)  # a bad or missing URL is the error to see, before connecting
 
         async def read() -> list[dict[str, Any]]:
-            backend = RedisBackend.from_url(url, timeout=5.0)
+            backend = open_counters(args)
             try:
                 return await change_rows(policy, backend)
             finally:
