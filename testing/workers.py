@@ -78,6 +78,8 @@ def cluster_checks(
             out[c.user or ""] += d.admitted
         return out
 
+    return asyncio.run(main())
+
 
 def user_and_global_policy(per_user: int, total: int) -> Policy:
     return Policy.of(
