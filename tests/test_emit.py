@@ -494,6 +494,10 @@ async def test_a_cancelled_call_whose_charge_fails_is_still_cancelled(
 class SlowCharges:
     """A backend whose charges take a while (as over a network): time to cancel again."""
 
+    # No write-now path (RedisBackend.charge_sent): every charge, the fixed price
+    # included, goes through the slow, awaited charge() below.
+    charge_sent = None
+
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.charging = asyncio.Event()
@@ -517,7 +521,7 @@ async def test_a_second_cancellation_during_the_charge_does_not_abandon_it(
     task = asyncio.create_task(blocking(gov, started)())
     await started.wait()
     task.cancel()
-    await slow.charging.wait()
+    await asyncio.wait_for(slow.charging.wait(), 30)
     task.cancel()  # again, while the fixed price is being charged
     with pytest.raises(asyncio.CancelledError):
         await task
