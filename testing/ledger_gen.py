@@ -447,6 +447,7 @@ def write_archive(
         "price_version": rows.column("price_version"),
         "reservation": rows.column("reservation"),
         "session_root": pa.nulls(count, _STR),
+        "change": pa.nulls(count, _STR),  # generated ledgers hold no run-time changes
     }
     table = pa.Table.from_arrays(
         [_as_array(columns[name], SCHEMA.field(name).type) for name in SCHEMA.names],

@@ -42,6 +42,7 @@ from testing.stream_support import (
     assert_exact,
     backend,
     charge_totals,
+    engine,
     kafka,
     names,
     policy,
@@ -51,7 +52,7 @@ from testing.stream_support import (
     workload,
 )
 
-__all__ = ["backend", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+__all__ = ["backend", "engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
 
 REPO = Path(__file__).resolve().parent.parent
 TS = REPO / "ts"
