@@ -118,7 +118,7 @@ def change_problem(
 
 #: How far past its event time a recovery may set a session counter's expiry: the
 #: counter it settles may have been written (and its expiry pushed) long after.
-_RECOVERED_SESSION_SECONDS = 400 * 86_400
+RECOVERED_SESSION_SECONDS = 400 * 86_400
 #: Kinds written in the same instant as their charges were planned (a check's
 #: plan is reused for the rest of its minute); a settlement or a release reuses
 #: the reservation's counter, planned when the reservation began.
@@ -218,7 +218,7 @@ def charge_problem(
     if period.start is None:  # a session: its counter lives on after each write
         latest = math.ceil(time) + SESSION_TTL_SECONDS + 1  # +1: the time's microseconds
         if kind is EntryType.RECOVERED:
-            latest = math.ceil(time) + _RECOVERED_SESSION_SECONDS
+            latest = math.ceil(time) + RECOVERED_SESSION_SECONDS
         earliest = math.floor(time / 60) * 60 + SESSION_TTL_SECONDS
         if expire_at > latest or (kind in _PLANNED_NOW and expire_at < earliest):
             return f"expire_at {expire_at} is not a session's ({earliest}..{latest})"

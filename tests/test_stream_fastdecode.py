@@ -33,7 +33,7 @@ from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from mcp_budget_governor.limits import NAME_PATTERN, Limit
 from mcp_budget_governor.money import MAX_AMOUNT, Unit
-from mcp_budget_governor.provenance import SIGNS, Sign
+from mcp_budget_governor.provenance import RECOVERED_SESSION_SECONDS, SIGNS, Sign
 from mcp_budget_governor.scopes import Scope
 from mcp_budget_governor.stream.fastdecode import decode
 from mcp_budget_governor.stream.projector import DeadLetter, Projector, to_applied
@@ -291,7 +291,10 @@ def hostile_charge(charge: LedgerCharge, kind: EntryType, time: float) -> list[d
     amounts = [0, -charge.amount] if sign is not Sign.NONZERO else [0]
     expiries = [2**62, 2**40]
     if charge.window is Window.SESSION:  # at most the event's time plus the TTL (within 1 s)
-        expiries.append(math.ceil(time) + SESSION_TTL_SECONDS + 2)
+        # a recovery may push a session's expiry far further (it settles a counter
+        # written long after its reservation began)
+        ttl = RECOVERED_SESSION_SECONDS if kind is EntryType.RECOVERED else SESSION_TTL_SECONDS
+        expiries.append(math.ceil(time) + ttl + 2)
         if kind in (EntryType.ADMITTED, EntryType.METERED, EntryType.RESERVED):
             expiries.append(math.floor(time / 60) * 60 + SESSION_TTL_SECONDS - 1)
     else:  # exactly the bucket's end plus grace
