@@ -47,7 +47,15 @@ from mcp_budget_governor.settings import SETTINGS as TABLE
 from mcp_budget_governor.settings import resolve
 
 #: The settings this server reads, from the table ``mcpbg`` reads.
-SETTINGS = ("redis_url", "kafka_url", "topic", "policy", "outbox_dir", "policy_poll")
+SETTINGS = (
+    "redis_url",
+    "kafka_url",
+    "topic",
+    "policy",
+    "outbox_dir",
+    "policy_poll",
+    "check_timeout",
+)
 #: Their environment variables.
 ENV = tuple(TABLE[name].env for name in SETTINGS)
 
@@ -78,7 +86,9 @@ def build(environ: Mapping[str, str]) -> FastMCP:
     ledger = KafkaLedger.from_url(
         settings["kafka_url"], topic=settings["topic"], outbox_dir=settings["outbox_dir"]
     )
-    backend = RedisBackend.from_url(settings["redis_url"], require_epoch=True)
+    backend = RedisBackend.from_url(
+        settings["redis_url"], require_epoch=True, timeout=settings["check_timeout"]
+    )
     telemetry = _telemetry()
     governor = Governor(policy, backend, ledger=ledger, prices=prices, observer=telemetry)
     watcher = PolicyWatcher(

@@ -222,6 +222,13 @@ SETTINGS: Mapping[str, Setting] = {
         ),
         Setting("redis_timeout", float, 5.0, "seconds one Redis call may take", _positive_seconds),
         Setting(
+            "check_timeout",
+            float,
+            0.25,  # RedisBackend's default: past it, a check's limits follow their fail modes
+            "seconds a governed check may wait for its store before its fail modes apply",
+            _positive_seconds,
+        ),
+        Setting(
             "topic_wait", float, 60.0, "seconds to wait at start for the topic to exist", _seconds
         ),
         Setting("log_level", str, "info", "debug, info, warning, error or critical", _log_level),

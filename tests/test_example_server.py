@@ -63,7 +63,11 @@ def kafka() -> Iterator[KafkaService]:
 @pytest.fixture
 def server(tmp_path: Path, redis_url: str, kafka: KafkaService) -> Iterator[tuple[str, str, Path]]:
     """The example server on a free port; yields (base URL, ledger topic, policy file)."""
-    with example_server(tmp_path, POLICY, redis_url, kafka.bootstrap) as srv:
+    # A loaded CI machine can take longer than the default 0.25 s for the first check
+    # (connect, load the script); this test is about budgets, not fail modes.
+    with example_server(
+        tmp_path, POLICY, redis_url, kafka.bootstrap, MCPBG_CHECK_TIMEOUT="5"
+    ) as srv:
         srv.wait_health('"status":"ok"')
         yield srv.base, srv.topic, srv.policy
 
