@@ -69,6 +69,25 @@ _APPLY = (
 )
 
 
+CHANGE_SQL = (
+    "SELECT mcpbg_change(%s::text[], %s::text[], %s::text[], %s::bigint[], "
+    "%s::bigint[], %s::text[], %s::text[])"
+)
+
+
+def change_params(changes: Sequence[Change]) -> tuple[list[Any], ...]:
+    """The arrays of one ``mcpbg_change`` call (:data:`CHANGE_SQL`)."""
+    return (
+        [c.kind.value for c in changes],
+        [c.key for c in changes],
+        [c.field or "-" for c in changes],
+        [c.amount for c in changes],
+        [c.until for c in changes],
+        [c.plan or "-" for c in changes],
+        [why_token(c.actor, c.reason) for c in changes],
+    )
+
+
 def like_pattern(match: str) -> str:
     """A ``keys.key_pattern`` (``*``: any run) as a LIKE pattern with ``\\`` escapes.
 
@@ -496,20 +515,7 @@ class PostgresBackend:
         """Apply run-time changes directly (no ledger), all in one function call."""
         if not changes:
             return
-        params = (
-            [c.kind.value for c in changes],
-            [c.key for c in changes],
-            [c.field or "-" for c in changes],
-            [c.amount for c in changes],
-            [c.until for c in changes],
-            [c.plan or "-" for c in changes],
-            [why_token(c.actor, c.reason) for c in changes],
-        )
-        await self._call_long(
-            "SELECT mcpbg_change(%s::text[], %s::text[], %s::text[], %s::bigint[], "
-            "%s::bigint[], %s::text[], %s::text[])",
-            params,
-        )
+        await self._call_long(CHANGE_SQL, change_params(changes))
 
     async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
         """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments."""
