@@ -135,7 +135,9 @@ def seen_ids(url: str) -> tuple[set[str], bool]:
 
 def add_committed(url: str, key: str, delta: int) -> None:
     if is_postgres(url):
-        _sql(url, "UPDATE mcpbg_counter SET committed = committed + %s WHERE key = %s", (delta, key))
+        _sql(
+            url, "UPDATE mcpbg_counter SET committed = committed + %s WHERE key = %s", (delta, key)
+        )
         return
     client = redis_sync.Redis.from_url(url)
     client.hincrby(key, "c", delta)

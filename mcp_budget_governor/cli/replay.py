@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
     from ..projections.counters.rebuild import (
         RebuildReport,
-        rebuild_from_kafka,
         open_store,
+        rebuild_from_kafka,
         rebuild_from_ledger,
     )
 

@@ -153,8 +153,8 @@ class PostgresStore:
                 with cur.copy(
                     "COPY mcpbg_stage_counter (key, amount, expire_at) FROM STDIN"
                 ) as copy:
-                    for n, row in enumerate(counters, 1):
-                        copy.write_row(row)
+                    for n, counter in enumerate(counters, 1):
+                        copy.write_row(counter)
                         if n % 5000 == 0:
                             report("counters", n, len(counters))
                 report("counters", len(counters), len(counters))
@@ -162,7 +162,9 @@ class PostgresStore:
                     for key, ids in drops.items():
                         for event_id in set(ids):
                             copy.write_row((key, event_id))
-                with cur.copy("COPY mcpbg_stage_seen (day, event_id, expire_at) FROM STDIN") as copy:
+                with cur.copy(
+                    "COPY mcpbg_stage_seen (day, event_id, expire_at) FROM STDIN"
+                ) as copy:
                     done = 0
                     for day, (ids, expire_at) in sorted(seen.items()):
                         for event_id in ids:
@@ -178,8 +180,8 @@ class PostgresStore:
                         epoch,
                     ),
                 )
-                row = cur.fetchone()
-                written = -1 if row is None else int(row[0])
+                reply = cur.fetchone()
+                written = -1 if reply is None else int(reply[0])
                 if written < 0:
                     raise ConcurrentProjectionError(
                         "a projector applied events meanwhile (the watermarks moved): "

@@ -91,7 +91,8 @@ def open_store(url: str) -> Any:
 
 
 class LedgerBehindError(GovernorError):
-    """The counters have applied a partition beyond what the ledger holds: a rebuild would lose events."""
+    """The store has applied a partition beyond what the ledger holds: a rebuild would lose
+    events."""
 
 
 #: ``progress(phase, done, total)``: phases "read", "counters", "seen", "events", and on
@@ -177,8 +178,9 @@ def rebuild_from_ledger(
     for name, last in sorted(marks.items()):
         applied = before.watermarks.get(name, -1)
         if applied > last:
+            store = "Postgres" if postgres else "Redis"
             raise LedgerBehindError(
-                f"partition {name}: {'Postgres' if postgres else 'Redis'} has applied up to offset {applied}, the ledger ends "
+                f"partition {name}: {store} has applied up to offset {applied}, the ledger ends "
                 f"at {last}; replaying would lose offsets {last + 1}..{applied} "
                 "(replay from Kafka, or bring the archive up to date)"
             )
@@ -303,9 +305,7 @@ def _run_time_changes(con: duckdb.DuckDBPyConnection) -> list[CapsChange | None]
     return out
 
 
-def _restore_changes(
-    client: redis.Redis, changes: Sequence[CapsChange | None], now: float
-) -> int:
+def _restore_changes(client: redis.Redis, changes: Sequence[CapsChange | None], now: float) -> int:
     """Apply run-time changes in ledger order through lua/change.lua, as the projection
     does, at clock ``now`` (epoch seconds: a grant whose bucket has ended changes
     nothing). A grant adds to its counter's: the grants of the counters they touch
