@@ -7,7 +7,9 @@ taken at one cut:
    counter's committed amount, its in-flight entries, the applied-offset
    watermarks and Redis's clock. No script (no ``apply``) runs in between,
    so each committed amount is exactly the projection of the events at or
-   below those watermarks.
+   below those watermarks. Postgres is read in one ``REPEATABLE READ``
+   transaction (:meth:`~.counters.pg_sync.PostgresStore.snapshot`): an apply
+   commits its counters and its watermark together, so the cut is the same.
 2. The ledger side is the sum of the charges **at offsets at or below each
    partition's watermark** (deduplicated as the projector deduplicates), per
    counter alive at that clock.
@@ -29,7 +31,8 @@ committed by the projection (no ledger-less governor writing the same keys).
 ``fix=True`` adds the difference to each drifting counter's committed amount
 (``HINCRBY``, ``lua/rewrite.lua`` in ``add`` mode) and drops its stale
 in-flight entries: a correction, not an overwrite, so it stays right even if
-the worker applies more events meanwhile.
+the worker applies more events meanwhile. On Postgres all corrections are one
+transaction (``mcpbg_rewrite_staged``).
 
 **Orphans.** An in-flight entry (``e:<event id>`` in a counter hash, written
 by the hot path in the same script that admits or meters) whose event id the
@@ -55,7 +58,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import duckdb
-import redis
 
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.errors import GovernorError
@@ -64,12 +66,12 @@ from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, id_
 from mcp_budget_governor.money import Unit
 from mcp_budget_governor.windows import Window, bucket_of
 
+from .counters.rebuild import Store, is_postgres, read_store
 from .counters.sync import (
     Snapshot,
     ledger_ids,
     ledger_totals,
     scan_counter_keys,
-    snapshot,
     write_counters,
 )
 from .ledger_view import query_error
@@ -154,16 +156,19 @@ class ReconcileRaceError(GovernorError):
 
 def reconcile(
     con: duckdb.DuckDBPyConnection,
-    client: redis.Redis,
+    client: Store,
     *,
     fix: bool = False,
     older_than: int = DEFAULT_ORPHAN_AGE,
 ) -> ReconcileResult:
-    """Compare every live counter in ``client``'s Redis with the ``ledger`` view on ``con``,
-    and list the orphaned in-flight entries older than ``older_than`` seconds."""
-    keys = scan_counter_keys(client)
+    """Compare every live counter in ``client`` (Redis, or a Postgres store) with the
+    ``ledger`` view on ``con``, and list the orphaned in-flight entries older than
+    ``older_than`` seconds."""
+    postgres = is_postgres(client)
+    # Postgres reads every counter in its snapshot; Redis reads the keys a SCAN found.
+    keys: set[str] = set() if postgres else scan_counter_keys(client)  # type: ignore[arg-type]
     for _ in range(_ATTEMPTS):
-        snap = snapshot(client, keys, atomic=True)
+        snap = read_store(client, keys)
         totals = ledger_totals(con, snap.now, upto=snap.watermarks)
         unread = set(totals) - set(snap.counters)
         if not unread:
@@ -197,7 +202,16 @@ def reconcile(
             total = totals.get(d.key)
             # A counter the ledger does not know keeps its own expiry (0: untouched).
             corrections.append((d.key, d.ledger - d.redis, 0 if total is None else total[1]))
-        write_counters(client, corrections, watermarks=None, add=True, drop=stale_by_key)
+        if postgres:
+            client.rewrite(corrections, add=True, drop=stale_by_key)  # type: ignore[union-attr]
+        else:
+            write_counters(
+                client,  # type: ignore[arg-type]
+                corrections,
+                watermarks=None,
+                add=True,
+                drop=stale_by_key,
+            )
         result.fixed = len(corrections)
     return result
 

@@ -1,4 +1,4 @@
-"""A governed run on a real Redis, projected and archived as the worker does it.
+"""A governed run on a real Redis or Postgres, projected and archived as the worker does it.
 
 The workload the ledger view, replay, reconcile and costs suites share
 (:func:`mixed_run`): a Governor with a ledger, its events projected by the real
@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import redis as redis_sync
 
 from mcp_budget_governor import (
     BudgetExceeded,
@@ -25,7 +24,6 @@ from mcp_budget_governor import (
     Governor,
     Limit,
     Policy,
-    RedisBackend,
     Scope,
     Unit,
     Window,
@@ -33,13 +31,15 @@ from mcp_budget_governor import (
 )
 from mcp_budget_governor.cli import main
 from mcp_budget_governor.events import LedgerEvent, encode, parse
-from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.ledger import partition_key
 from mcp_budget_governor.ledger import partition_of as partition_index
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.stream.archiver import Archiver
 from mcp_budget_governor.stream.projector import Projector
+from testing.stores import backend_for
+from testing.stores import live_counters as live_counters  # re-exported for the suites
+from testing.stores import watermarks as watermarks
 from testing.stream_support import policy as stream_policy
 from testing.stream_support import tenants_per_partition
 
@@ -147,7 +147,8 @@ def partition_of(raw: bytes) -> int:
 async def mixed_run(
     redis_url: str, tmp_path: Path, *, n: int = 400, seed: int = 1, project: bool = True
 ) -> Run:
-    """A governed workload on Redis, projected and archived like the worker does it.
+    """A governed workload on the store at ``redis_url`` (Redis or Postgres), projected
+    and archived like the worker does it.
 
     Batches of 40 per partition; the second batch of each partition is
     delivered again shifted by 20 (overlapping segments, a redelivery), and
@@ -156,7 +157,7 @@ async def mixed_run(
     """
     import time
 
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    backend = backend_for(redis_url)
     await backend.mark_ready("test")
     ledger = MemoryLedger()
     gov = Governor(
@@ -188,32 +189,14 @@ async def mixed_run(
     return run
 
 
-def live_counters(redis_url: str) -> dict[str, tuple[int, int]]:
-    """Every counter in Redis: committed and in-flight."""
-    client = redis_sync.Redis.from_url(redis_url)
-    out = {}
-    for raw in client.scan_iter(match="mcpbg:v1:[^_]*", count=1000):
-        fields = client.hgetall(raw)
-        out[raw.decode()] = (int(fields.get(b"c", 0)), int(fields.get(b"f", 0)))
-    client.close()
-    return out
-
-
-def watermarks(redis_url: str) -> dict[str, int]:
-    client = redis_sync.Redis.from_url(redis_url)
-    marks = {k.decode(): int(v) for k, v in client.hgetall(WATERMARK_KEY).items()}
-    client.close()
-    return marks
-
-
 async def extend(
     redis_url: str, run: Run, n: int, seed: int, *, back: float = 30, users: str = "u"
 ) -> dict[int, list[tuple[int, bytes]]]:
-    """New governed events after the run (the hot path writes them in flight in Redis),
+    """New governed events after the run (the hot path writes them in flight in the store),
     appended at the next offsets of their partitions; returns them per partition."""
     import time
 
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    backend = backend_for(redis_url)
     ledger = MemoryLedger()
     gov = Governor(
         policy(), backend, ledger=ledger, prices=PriceTable.builtin(),

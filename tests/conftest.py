@@ -74,6 +74,15 @@ def postgres_url(postgres_database: str) -> str:
     return postgres_database
 
 
+@pytest.fixture(params=["redis", "postgres"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """The URL of a shared store (Redis, then Postgres): the operator commands' suites
+    (replay, reconcile) run once per store; ``testing/stores.py`` reads and tampers."""
+    name = "redis_url" if request.param == "redis" else "postgres_url"
+    url: str = request.getfixturevalue(name)
+    return url
+
+
 @pytest.fixture(params=["memory", "redis", "postgres"])
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     """Each test using this runs once per backend: the suite enforces their equivalence."""

@@ -1,10 +1,11 @@
 """Waiting for a concurrency slot (``admitted(wait=)``): first come, first served.
 
-Both backends (``backend`` fixture, real Redis): a refused waiting call holds a
-place in the lease set's queue (``keys.queue_key``); a slot that frees goes to
-the oldest waiter, never to a caller that came later, waiting or not; past its
-wait a call gets the refusal (429 with a retry hint) and leaves the queue.
-Across processes on one Redis the admission order is the arrival order.
+Every backend (``backend`` fixture: memory, real Redis, real Postgres): a refused
+waiting call holds a place in the lease set's queue (``keys.queue_key``; on
+Postgres ``mcpbg_wait``); a slot that frees goes to the oldest waiter, never to a
+caller that came later, waiting or not; past its wait a call gets the refusal (429
+with a retry hint) and leaves the queue. Across processes on one Redis or one
+Postgres the admission order is the arrival order.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import textwrap
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 from fastmcp import Client, FastMCP
 from fastmcp.server.middleware import MiddlewareContext
 
@@ -28,6 +28,7 @@ from mcp_budget_governor import (
     Limit,
     MemoryBackend,
     Policy,
+    PostgresBackend,
     RedisBackend,
     Scope,
     Unit,
@@ -44,19 +45,13 @@ def parallel(cap: int = 1) -> Limit:
     return Limit("parallel", cap=cap, scope=Scope.USER, unit=Unit.CONCURRENT)
 
 
-@pytest.fixture(autouse=True)
-def _no_queue_on_postgres(request: pytest.FixtureRequest) -> None:
-    """Postgres keeps no wait queue yet (a waiting call polls there, docs/postgres.md):
-    the first-come-first-served tests are for the backends that queue."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "postgres":
-        pytest.skip("Postgres keeps no wait queue yet: a waiting call polls (docs/postgres.md)")
-
-
 async def queued(backend: Backend) -> int:
     """How many tickets wait in u_1's queue (expired ones included)."""
     if isinstance(backend, MemoryBackend):
         return len(backend._queues.get(LEASES, {}))
+    if isinstance(backend, PostgresBackend):
+        rows = await backend._rows("SELECT count(*) FROM mcpbg_wait WHERE key = %s", (LEASES,))
+        return int(rows[0][0])
     assert isinstance(backend, RedisBackend)
     return int(await backend.client.zcard(queue_key(LEASES)))
 
@@ -152,20 +147,19 @@ async def test_an_expired_ticket_holds_no_place(backend: Backend) -> None:
 WAITER = textwrap.dedent(
     """
     import asyncio, sys
-    import redis.asyncio as aioredis
-    from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope, Unit
+    from mcp_budget_governor import Context, Governor, Limit, Policy, Scope, Unit
+    from testing.stores import backend_for
 
     async def main():
-        url, name = sys.argv[1], sys.argv[2]
-        backend = RedisBackend.from_url(url, timeout=5.0)
+        url, name, order = sys.argv[1], sys.argv[2], sys.argv[3]
+        backend = backend_for(url)
         pol = Policy.of(Limit("parallel", cap=1, scope=Scope.USER, unit=Unit.CONCURRENT))
         gov = Governor(pol, backend)
-        order = aioredis.Redis.from_url(url)
         async with gov.admitted(Context(user="u_1"), wait=120) as decision:
             assert decision.admitted, decision
-            await order.rpush("test:order", name)
+            with open(order, "a") as f:  # one holder at a time: the cap is 1
+                f.write(name + "\\n")
             await asyncio.sleep(0.05)
-        await order.aclose()
         await backend.aclose()
 
     asyncio.run(main())
@@ -174,24 +168,27 @@ WAITER = textwrap.dedent(
 
 
 @pytest.mark.slow
-async def test_across_processes_slots_go_in_arrival_order(redis_url: str) -> None:
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+async def test_across_processes_slots_go_in_arrival_order(store_url: str, tmp_path: Any) -> None:
+    from testing.stores import backend_for
+
+    redis_url = store_url
+    order = tmp_path / "order"
+    backend = backend_for(redis_url)
     gov = Governor(Policy.of(parallel()), backend)
     holder = await gov.check(U1)
     names = [f"p{i}" for i in range(4)]
     procs: list[subprocess.Popen[Any]] = []
     try:
         for i, name in enumerate(names):  # each joins the queue before the next starts
-            procs.append(subprocess.Popen([sys.executable, "-c", WAITER, redis_url, name]))  # noqa: ASYNC220
+            argv = [sys.executable, "-c", WAITER, redis_url, name, str(order)]
+            procs.append(subprocess.Popen(argv))  # noqa: ASYNC220
             await until_queued(backend, i + 1)
         # A caller that does not wait is refused while they queue, slot or not.
         assert not (await gov.check(Context(user="u_1"))).admitted
         await gov.release(holder)
         for p in procs:
             assert await asyncio.to_thread(p.wait, 120) == 0
-        client = aioredis.Redis.from_url(redis_url)
-        assert [n.decode() for n in await client.lrange("test:order", 0, -1)] == names
-        await client.aclose()
+        assert order.read_text().split() == names
         assert await queued(backend) == 0
         (n,) = await backend.in_progress([LEASES])
         assert n == 0

@@ -495,17 +495,15 @@ async def test_cli_change_through_the_file_ledger_waits_for_the_projection(
 
 
 def test_file_ledger_replay_restores_run_time_changes_after_flushall(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`mcpbg replay` (the file ledger through the DuckDB path, as the archive) restores
-    caps, plans, grants and resets in ledger order, and a second replay changes nothing."""
+    caps, plans, grants and resets in ledger order, and a second replay changes nothing
+    (on Redis and on Postgres)."""
     import asyncio
 
-    import redis as redis_sync
-
-    from mcp_budget_governor import RedisBackend
-    from mcp_budget_governor.caps import PLANS_KEY, caps_key
     from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+    from testing.stores import backend_for, store_args, wipe
 
     beta = Context(tenant="beta", user="u_9")
 
@@ -521,36 +519,37 @@ def test_file_ledger_replay_restores_run_time_changes_after_flushall(
         await gov.aclose()
 
     asyncio.run(write())
-    client = redis_sync.Redis.from_url(redis_url)
+
+    async def read() -> tuple[Any, ...]:
+        backend = backend_for(store_url)
+        keys = await backend.counter_keys(100, match="mcpbg:v1:tenant_calls:tenant=beta:*")
+        states = [await backend.state(k) for k in keys]
+        caps, plans = await backend.overrides()
+        await backend.aclose()
+        return caps, plans, [(s.committed, s.grant) for s in states]
 
     def state() -> tuple[Any, ...]:
-        counters = sorted(client.scan_iter(match="mcpbg:v1:tenant_calls:tenant=beta:*"))
-        return (
-            client.hgetall(caps_key("tenant_calls")),
-            client.hgetall(PLANS_KEY),
-            [client.hmget(k, "c", "g") for k in counters],
-        )
+        return asyncio.run(read())
 
     async def project() -> None:  # the live path: what replay must reproduce
-        backend = RedisBackend.from_url(redis_url)
+        backend = backend_for(store_url)
         await FileProjector(tmp_path, backend).catch_up()
         await backend.aclose()
 
     asyncio.run(project())
     live = state()
-    assert live[0] and live[1] and live[2] == [[b"2", b"3"]]
-    client.flushdb()
-    argv = ("replay", "--source", "file", "--ledger-dir", str(tmp_path), "--redis-url", redis_url)
+    assert live[0] and live[1] and live[2] == [(2, 3)]
+    wipe(store_url)
+    argv = ("replay", "--source", "file", "--ledger-dir", str(tmp_path), *store_args(store_url))
     assert _cli(*argv) == 0
     out = capsys.readouterr().out
     assert "5 run-time changes" in out and "restored" in out, out
     assert state() == live
     assert _cli(*argv) == 0  # again, onto the restored state: grants not doubled
     assert state() == live
-    client.close()
 
-    async def enforced() -> int:
-        gov = Governor(policy(), RedisBackend.from_url(redis_url))
+    async def enforced() -> tuple[int, int]:
+        gov = Governor(policy(), backend_for(store_url))
         n = await admitted(gov, Context(tenant="beta", user="u_8"), 9)
         burst = (await gov.status(beta))["burst"]["cap"]
         await gov.aclose()

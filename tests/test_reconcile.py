@@ -1,6 +1,6 @@
 """``mcpbg reconcile``: finds a tampered counter (exit 1, the table names the key), ``--fix``
 repairs it, and a stream caught mid-flight (archived but not applied, or in flight)
-is no drift."""
+is no drift; on Redis and on Postgres alike (``store_url``)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis as redis_sync
 
 from mcp_budget_governor.events import parse
 from mcp_budget_governor.stream.archiver import Archiver
 from testing.ledger_run import TOPIC, extend, live_counters, mixed_run, run_cli
 from testing.services import KafkaService, start_kafka
+from testing.stores import (
+    add_committed,
+    backend_for,
+    committed_of,
+    drop_counter,
+    pending_of,
+    put_counter,
+    put_in_flight,
+    store_args,
+)
 
 
 def reconcile(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -24,22 +33,20 @@ def reconcile(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
 
 
 async def test_tampered_counter_is_found_and_fixed(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = await mixed_run(redis_url, tmp_path)
-    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    run = await mixed_run(store_url, tmp_path)
+    args = ["--archive-dir", str(run.archive), *store_args(store_url)]
     code, out, _ = reconcile(capsys, *args)
     assert code == 0 and "no drift" in out, out
 
     totals = run.totals()
     key = max(totals, key=lambda k: (k.startswith("mcpbg:v1:spend:"), totals[k]))
-    client = redis_sync.Redis.from_url(redis_url)
-    client.hincrby(key, "c", 12_345)
+    add_committed(store_url, key, 12_345)
     gone = next(k for k in totals if k.startswith("mcpbg:v1:daily:"))
-    client.delete(gone)  # a lost counter is drift too
+    drop_counter(store_url, gone)  # a lost counter is drift too
     stray = "mcpbg:v1:spend:tenant=nobody:20261129"
-    client.hset(stray, "c", 99)
-    client.expire(stray, 3600)
+    put_counter(store_url, stray, 99)
 
     code, out, _ = reconcile(capsys, *args)
     assert code == 1
@@ -51,49 +58,45 @@ async def test_tampered_counter_is_found_and_fixed(
 
     code, out, _ = reconcile(capsys, "--fix", *args)
     assert code == 1 and "(fixed)" in out
-    assert int(client.hget(key, "c") or 0) == totals[key]
-    assert int(client.hget(gone, "c") or 0) == totals[gone] and client.ttl(gone) > 0
-    assert int(client.hget(stray, "c") or 0) == 0 and client.ttl(stray) > 0
+    assert committed_of(store_url, key) == (totals[key], True)
+    assert committed_of(store_url, gone) == (totals[gone], True)
+    assert committed_of(store_url, stray) == (0, True)
     code, out, _ = reconcile(capsys, *args)
     assert code == 0, out
-    client.close()
 
 
 async def test_events_archived_but_not_applied_and_in_flight_are_no_drift(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The worker archives a batch before applying it, and the hot path writes in flight:
     a reconcile in between compares at the watermarks and reports no drift."""
-    run = await mixed_run(redis_url, tmp_path)
-    archived = await extend(redis_url, run, 80, seed=21)  # in flight in Redis
+    run = await mixed_run(store_url, tmp_path)
+    archived = await extend(store_url, run, 80, seed=21)  # in flight in the store
     archiver = Archiver(run.archive, topic=TOPIC)
     for p, records in archived.items():
         archiver.write_batch(p, [(o, parse(raw)) for o, raw in records])
-    assert any(f for _, f in live_counters(redis_url).values())
-    code, out, _ = reconcile(capsys, "--archive-dir", str(run.archive), "--redis-url", redis_url)
+    assert any(f for _, f in live_counters(store_url).values())
+    code, out, _ = reconcile(capsys, "--archive-dir", str(run.archive), *store_args(store_url))
     assert code == 0, out
     assert "no drift" in out and "in flight: 0" not in out
 
 
 async def test_stale_in_flight_entry_is_drift_and_fix_drops_it(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = await mixed_run(redis_url, tmp_path)
+    run = await mixed_run(store_url, tmp_path)
     event_id = run.ids[5]
     key = next(c.key for c in parse(run.partitions[0][0][1]).data.charges)
-    client = redis_sync.Redis.from_url(redis_url)
-    client.hincrby(key, "f", 3)
-    client.hincrby(key, f"e:{event_id}", 3)  # an applied event left in flight
-    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    put_in_flight(store_url, key, event_id, 3)  # an applied event left in flight
+    args = ["--archive-dir", str(run.archive), *store_args(store_url)]
     code, out, _ = reconcile(capsys, "--json", *args)
     assert code == 1
     ((entry,),) = [json.loads(out)["drift"]]
     assert (entry["key"], entry["drift"], entry["stale_in_flight"]) == (key, 0, 1)
     code, _, _ = reconcile(capsys, "--fix", *args)
     assert code == 1
-    assert client.hget(key, f"e:{event_id}") is None and int(client.hget(key, "f") or 0) == 0
+    assert pending_of(store_url, key) == ({}, 0)
     assert reconcile(capsys, *args)[0] == 0
-    client.close()
 
 
 def test_bad_input_is_one_line_and_exit_code_2(
@@ -115,17 +118,17 @@ def test_bad_input_is_one_line_and_exit_code_2(
 
 
 async def test_file_ledger_reconcile(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The embedded mode: a FileLedger projected by the FileProjector reconciles too."""
     import random
 
-    from mcp_budget_governor import Governor, RedisBackend
+    from mcp_budget_governor import Governor
     from mcp_budget_governor.prices import PriceTable
     from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
     from testing.ledger_run import policy, workload
 
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    backend = backend_for(store_url)
     folder = tmp_path / "ledger"
     ledger = FileLedger(folder, fsync="never")
     gov = Governor(policy(), backend, ledger=ledger, prices=PriceTable.builtin())
@@ -133,14 +136,12 @@ async def test_file_ledger_reconcile(
     await ledger.aclose()
     await FileProjector(folder, backend).catch_up()
     await backend.aclose()
-    args = ["--ledger-dir", str(folder), "--redis-url", redis_url]
+    args = ["--ledger-dir", str(folder), *store_args(store_url)]
     assert reconcile(capsys, *args)[0] == 0
-    key = next(iter(live_counters(redis_url)))
-    client = redis_sync.Redis.from_url(redis_url)
-    client.hincrby(key, "c", -1)
+    key = next(iter(live_counters(store_url)))
+    add_committed(store_url, key, -1)
     code, out, _ = reconcile(capsys, *args)
     assert code == 1 and key in out and "-1" in out
-    client.close()
 
 
 # --------------------------------------------------------------------------- #
@@ -166,11 +167,11 @@ class LostLedger:
 
 async def orphan_ops(redis_url: str) -> LostLedger:
     """A check (calls) and a meter (USD micros) whose events never reach the ledger."""
-    from mcp_budget_governor import Context, Governor, RedisBackend
+    from mcp_budget_governor import Context, Governor
     from testing.ledger_run import TENANTS, policy
 
     lost = LostLedger()
-    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=5.0), ledger=lost)
+    gov = Governor(policy(), backend_for(redis_url), ledger=lost)
     ctx = Context(user="orphan-user", tenant=TENANTS[0], tool="search")  # a fresh burst budget
     assert (await gov.check(ctx)).admitted
     assert (await gov.meter("spend", 12_345, ctx)).charged == 12_345
@@ -194,20 +195,20 @@ def kafka() -> Iterator[KafkaService]:
 
 
 async def test_orphaned_in_flight_is_listed_per_unit_and_settled_through_the_topic(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], kafka: KafkaService
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], kafka: KafkaService
 ) -> None:
     """Orphans are listed per unit once older than the bound; ``--fix`` appends one
     ``recovered`` event per operation to the topic (the lost ids and charges); the worker's
     projection settles them, so counters, ledger and the costs view agree; a late
     original changes nothing; a limit the ledger never named is listed, not settled."""
-    from mcp_budget_governor import RedisBackend
     from mcp_budget_governor.ledger import EntryType, new_id
     from mcp_budget_governor.projections.ledger_view import open_ledger
     from mcp_budget_governor.stream.projector import Projector
     from mcp_budget_governor.stream.topic_reader import read_topic
 
+    redis_url = store_url
     run = await mixed_run(redis_url, tmp_path)
-    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    args = ["--archive-dir", str(run.archive), *store_args(redis_url)]
     assert reconcile(capsys, *args)[0] == 0
     lost = await orphan_ops(redis_url)
     expected = per_unit(lost.entries)
@@ -225,10 +226,8 @@ async def test_orphaned_in_flight_is_listed_per_unit_and_settled_through_the_top
     assert code == 1 and "orphaned in flight" in out and "usd_micros" in out
 
     # An orphan of a limit no ledger event names: its unit is unknown.
-    client = redis_sync.Redis.from_url(redis_url)
     ghost, ghost_id = "mcpbg:v1:ghost:user=u9:20261201", new_id()
-    client.hset(ghost, mapping={"f": 5, f"e:{ghost_id}": 5})
-    client.expire(ghost, 3600)
+    put_in_flight(redis_url, ghost, ghost_id, 5)
     topic = f"mcpbg.recovery.{new_id()[-8:]}"
     fix = ["--fix", "--older-than", "0", "--kafka-url", kafka.bootstrap, "--topic", topic]
     # The command runs its own event loop (asyncio.run), as from a shell.
@@ -251,7 +250,7 @@ async def test_orphaned_in_flight_is_listed_per_unit_and_settled_through_the_top
         assert named and all(getattr(original, k) == v for k, v in named.items()), named
 
     # The worker projects (and archives) the topic: the orphans are settled, once.
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    backend = backend_for(redis_url)
     archiver = Archiver(run.archive, topic=topic)
     projector = Projector(backend, topic, dlq=lambda letter: None, archive=archiver.write_batch)
 
@@ -263,7 +262,7 @@ async def test_orphaned_in_flight_is_listed_per_unit_and_settled_through_the_top
             await projector.apply_batch(p, batch)
 
     await project(list(records))
-    client.delete(ghost)
+    drop_counter(redis_url, ghost)
     code, out, _ = reconcile(capsys, "--json", "--older-than", "0", *args)
     assert code == 0, out
     con = open_ledger(run.archive)
@@ -289,38 +288,45 @@ async def test_orphaned_in_flight_is_listed_per_unit_and_settled_through_the_top
     await backend.aclose()
     assert live_counters(redis_url) == before
     assert reconcile(capsys, "--older-than", "0", *args)[0] == 0
-    client.close()
 
 
 async def test_orphans_of_the_file_ledger_are_settled_in_it(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The embedded mode: ``--fix`` appends the recovery events to the file ledger itself,
-    and the FileProjector settles them; no --kafka-url needed."""
+    and the FileProjector settles them; no --kafka-url needed. With a planted drift too:
+    one ``--fix`` repairs both, and the next reconcile is clean."""
     import random
 
-    from mcp_budget_governor import Governor, RedisBackend
+    from mcp_budget_governor import Governor
     from mcp_budget_governor.prices import PriceTable
     from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
     from testing.ledger_run import policy, workload
 
-    backend = RedisBackend.from_url(redis_url, timeout=5.0)
+    redis_url = store_url
+    backend = backend_for(redis_url)
     folder = tmp_path / "ledger"
     ledger = FileLedger(folder, fsync="never")
     gov = Governor(policy(), backend, ledger=ledger, prices=PriceTable.builtin())
     await workload(gov, 80, random.Random(5))
     await ledger.aclose()
+    await FileProjector(folder, backend).catch_up()
     lost = await orphan_ops(redis_url)
-    args = ["--ledger-dir", str(folder), "--redis-url", redis_url, "--older-than", "0"]
+    drifted = next(k for k in live_counters(redis_url) if k.startswith("mcpbg:v1:daily:"))
+    add_committed(redis_url, drifted, 7)
+    args = ["--ledger-dir", str(folder), *store_args(redis_url), "--older-than", "0"]
     code, out, _ = reconcile(capsys, "--json", *args)
-    assert code == 1 and json.loads(out)["orphaned_by_unit"] == per_unit(lost.entries)
+    report = json.loads(out)
+    assert code == 1 and report["orphaned_by_unit"] == per_unit(lost.entries)
+    assert {d["key"]: d["drift"] for d in report["drift"]} == {drifted: 7}
     code, out, err = await asyncio.to_thread(reconcile, capsys, "--fix", *args)
     assert code == 1 and "settled: 2 recovery events appended to the ledger" in out, err
+    assert "(fixed)" in out
     await FileProjector(folder, backend).catch_up()
     await backend.aclose()
     assert all(f == 0 for _, f in live_counters(redis_url).values())
     code, out, _ = reconcile(capsys, *args)
-    assert code == 0 and "no orphaned in-flight amounts" in out, out
+    assert code == 0 and "no orphaned in-flight amounts" in out and "no drift" in out, out
 
 
 def test_fix_without_a_ledger_to_append_to_is_one_line(

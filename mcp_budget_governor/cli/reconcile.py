@@ -3,7 +3,8 @@
 Exit code 0 when every counter equals the ledger's total for it and no
 in-flight amount is orphaned, 1 when any counter drifts or any in-flight
 entry older than ``--older-than`` has no event in the ledger (the tables name
-each key; also with ``--fix``, which repairs drift in Redis and settles
+each key; also with ``--fix``, which repairs drift in the counters (Redis, or
+Postgres with ``--postgres URL``) and settles
 orphans by appending ``recovered`` events to the ledger, projected by the
 worker: a later run then exits 0), 2 for bad input, an unreachable Redis or
 broker, an empty or corrupt ledger. Exact while a worker runs
@@ -18,13 +19,12 @@ import sys
 from typing import Any
 
 from ..settings import SETTINGS
+from .counters_args import add_counters_options, counters_store
 from .ledger_args import (
     DEFAULT_TOPIC,
     add_ledger_options,
     add_option,
-    add_redis_option,
     open_ledger_from,
-    required,
     setting,
 )
 
@@ -37,7 +37,7 @@ def register(sub: Any) -> None:
         "each partition's applied watermark, read in one atomic snapshot, so a running "
         "worker causes no false drift. In-flight amounts are shown, not compared.",
     )
-    add_redis_option(p)
+    add_counters_options(p)
     add_ledger_options(p)
     p.add_argument(
         "--fix",
@@ -67,7 +67,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.counters.sync import redis_client
+    from ..projections.counters.rebuild import open_store
     from ..projections.reconcile import DEFAULT_ORPHAN_AGE, limit_meta, reconcile
     from .render import console, print_table
 
@@ -76,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     older_than = DEFAULT_ORPHAN_AGE if args.older_than is None else args.older_than
     if older_than < 0:
         raise InvalidInputError("--older-than", older_than, "seconds, 0 or more")
-    redis_url = required(args, "redis_url", "the counters' Redis, redis://host:port/db")
-    client = redis_client(redis_url)  # first: a bad URL is the error to see
+    name, url = counters_store(args)
+    store = "postgres" if name == "postgres_url" else "redis"
+    client = open_store(url)  # first: a bad URL is the error to see
     try:
         con = open_ledger_from(args)
     except BaseException:
@@ -133,12 +134,12 @@ def run(args: argparse.Namespace) -> int:
             print_table(
                 f"drift: {len(result.drifts):,} of {result.compared:,} counters"
                 + (" (fixed)" if result.fixed else ""),
-                ["key", "redis", "ledger", "drift", "in-flight", "stale in-flight"],
+                ["key", store, "ledger", "drift", "in-flight", "stale in-flight"],
                 [
                     [d.key, d.redis, d.ledger, f"{d.drift:+d}", d.in_flight, d.stale]
                     for d in result.drifts[: args.show]
                 ],
-                numeric=["redis", "ledger", "drift", "in-flight", "stale in-flight"],
+                numeric=[store, "ledger", "drift", "in-flight", "stale in-flight"],
             )
             if len(result.drifts) > args.show:
                 console().print(f"... and {len(result.drifts) - args.show:,} more (--show N)")

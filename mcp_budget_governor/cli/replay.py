@@ -1,11 +1,12 @@
-"""``mcpbg replay``: rebuild the Redis counters from the ledger after an outage.
+"""``mcpbg replay``: rebuild the counters (Redis or Postgres) from the ledger after an outage.
 
 ``--source archive`` (the default; DuckDB over the Parquet archive, the fast
 path), ``--source file`` (the embedded file ledger, same path) or
 ``--source kafka`` (every retained event through the projection's apply).
 Stop the workers first: a write finding that a projector moved meanwhile is
 refused. Exit code 0, or 2 for bad input, an unreachable service, an empty or
-corrupt ledger.
+corrupt ledger. On Postgres (``--postgres URL``) the whole rebuild is one
+transaction: nobody sees half-rebuilt counters.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import argparse
 import asyncio
 from typing import Any, ClassVar
 
+from .counters_args import add_counters_options, counters_store
 from .ledger_args import (
     DEFAULT_TOPIC,
     add_ledger_options,
     add_option,
-    add_redis_option,
     required,
     setting,
 )
@@ -29,7 +30,8 @@ SOURCES = ("archive", "file", "kafka")
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "replay",
-        help="rebuild the Redis counters from the ledger (archive, file ledger or Kafka)",
+        help="rebuild the counters (Redis or Postgres) from the ledger (archive, file ledger "
+        "or Kafka)",
         description="Sets each counter's committed amount from the ledger, the applied-offset "
         "watermarks, the seen-id sets and the epoch marker, so the live worker resumes "
         "right after what was replayed and counts nothing twice. Stop the workers first.",
@@ -49,7 +51,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--show", type=int, default=50, help="changed counters listed by --dry-run (default 50)"
     )
-    add_redis_option(p)
+    add_counters_options(p)
     add_ledger_options(p)
     add_option(p, "kafka_url", "Kafka bootstrap, kafka://host:port")
     add_option(p, "topic", "the ledger topic")
@@ -60,17 +62,17 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
     from ..projections.counters.rebuild import (
         RebuildReport,
+        open_store,
         rebuild_from_kafka,
         rebuild_from_ledger,
     )
-    from ..projections.counters.sync import redis_client
 
     source = args.source
     if source not in SOURCES:
         raise InvalidInputError("--source", source, f"one of {', '.join(SOURCES)}")
     if args.show < 0:
         raise InvalidInputError("--show", args.show, "0 or more")
-    redis_url = required(args, "redis_url", "the counters' Redis, redis://host:port/db")
+    _, url = counters_store(args)
     with _Bar(args.dry_run) as bar:
         if source == "kafka":
             from ..producers.kafka_ledger import parse_bootstrap
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             topic = setting(args, "topic") or DEFAULT_TOPIC
             result: RebuildReport = asyncio.run(
                 rebuild_from_kafka(
-                    redis_url,
+                    url,
                     bootstrap,
                     topic,
                     all_buckets=args.all_buckets,
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             from ..projections.ledger_view import open_ledger
 
-            client = redis_client(redis_url)  # first: a bad URL is the error to see
+            client = open_store(url)  # first: a bad URL is the error to see
             try:
                 if source == "archive":
                     folder = required(args, "archive_dir", "the Parquet archive")
@@ -178,6 +180,7 @@ class _Bar:
         "read": "reading the ledger",
         "counters": "writing counters",
         "seen": "writing seen ids",
+        "commit": "committing (one transaction)",
         "events": "applying events",
     }
 

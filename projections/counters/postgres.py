@@ -60,13 +60,32 @@ _UNAVAILABLE = (psycopg.OperationalError, PoolTimeout, TimeoutError, OSError)
 _CHARGE = (
     "SELECT mcpbg_charge(%s, %s, %s, %s, %s::text[], %s::bigint[], %s::bigint[], "
     "%s::boolean[], %s::float8[], %s, %s::boolean[], %s::text[], %s::text[], %s::bigint[], "
-    "%s::text[], %s::text[], %s::text[], %s, %s)"
+    "%s::text[], %s::text[], %s::text[], %s, %s, %s)"
 )
 _APPLY = (
     "SELECT mcpbg_apply(%s, %s, %s, %s::bigint[], %s::text[], %s::text[], %s::float8[], "
     "%s::int[], %s::int[], %s::text[], %s::bigint[], %s::float8[], %s::text[], %s::text[], "
     "%s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::text[])"
 )
+
+
+CHANGE_SQL = (
+    "SELECT mcpbg_change(%s::text[], %s::text[], %s::text[], %s::bigint[], "
+    "%s::bigint[], %s::text[], %s::text[])"
+)
+
+
+def change_params(changes: Sequence[Change]) -> tuple[list[Any], ...]:
+    """The arrays of one ``mcpbg_change`` call (:data:`CHANGE_SQL`)."""
+    return (
+        [c.kind.value for c in changes],
+        [c.key for c in changes],
+        [c.field or "-" for c in changes],
+        [c.amount for c in changes],
+        [c.until for c in changes],
+        [c.plan or "-" for c in changes],
+        [why_token(c.actor, c.reason) for c in changes],
+    )
 
 
 def like_pattern(match: str) -> str:
@@ -82,7 +101,7 @@ def like_pattern(match: str) -> str:
 # A charge that refuses (cap 0) on a key no counter has: it writes nothing.
 _WARM_PARAMS = (
     "", "", True, False, ["mcpbg:v1:_warm:-:-"], [1], [0], [True], [0.0], True, [True],
-    [PLANS_KEY], ["-"], [None], [""], [""], [""], "", 1,
+    [PLANS_KEY], ["-"], [None], [""], [""], [""], "", 1, "",
 )  # fmt: skip
 
 
@@ -242,10 +261,8 @@ class PostgresBackend:
         lease_ttl: float = 0.0,
         ticket: str | None = None,
     ) -> ChargeResult:
-        # ``ticket`` (a call waiting for a concurrency slot, Governor.check(wait=)):
-        # Postgres keeps no queue yet, so a waiting call retries until its wait ends
-        # and a freed slot goes to whichever retry comes first, not to the oldest.
-        del ticket
+        # ``ticket``: a call waiting for a concurrency slot (Governor.check(wait=)) holds
+        # its place in mcpbg_wait, so a freed slot goes to the oldest waiter.
         if op_id is None or event_id is not None:
             op_id = None
         leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
@@ -273,6 +290,7 @@ class PostgresBackend:
             ["" if r is None else r.file_plan or "" for r in refs],
             lease or "" if leases else "",
             max(1, round(lease_ttl * 1000)),
+            ticket or "" if leases else "",
         )
         reply: list[int] = await self._call(_CHARGE, params)
         head = reply[0]
@@ -303,8 +321,10 @@ class PostgresBackend:
         return list(await self._call(sql, (mode, list(keys), lease, ttl_ms)))
 
     async def leave(self, keys: Sequence[str], ticket: str) -> int:
-        """A waiting call gives up: nothing to take back (no queue on Postgres yet)."""
-        return 0
+        """Take waiting ticket ``ticket`` out of the queues of lease sets ``keys``."""
+        if not keys:
+            return 0
+        return int(await self._call("SELECT mcpbg_leave(%s::text[], %s)", (list(keys), ticket)))
 
     async def release(self, keys: Sequence[str], lease: str) -> int:
         """Give lease ``lease`` back on every set in ``keys``; how many held it."""
@@ -496,20 +516,7 @@ class PostgresBackend:
         """Apply run-time changes directly (no ledger), all in one function call."""
         if not changes:
             return
-        params = (
-            [c.kind.value for c in changes],
-            [c.key for c in changes],
-            [c.field or "-" for c in changes],
-            [c.amount for c in changes],
-            [c.until for c in changes],
-            [c.plan or "-" for c in changes],
-            [why_token(c.actor, c.reason) for c in changes],
-        )
-        await self._call_long(
-            "SELECT mcpbg_change(%s::text[], %s::text[], %s::text[], %s::bigint[], "
-            "%s::bigint[], %s::text[], %s::text[])",
-            params,
-        )
+        await self._call_long(CHANGE_SQL, change_params(changes))
 
     async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
         """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments."""

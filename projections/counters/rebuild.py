@@ -1,11 +1,12 @@
-"""Rebuild the Redis counters from the ledger after an outage (``mcpbg replay``).
+"""Rebuild the counters (Redis or Postgres) from the ledger after an outage (``mcpbg replay``).
 
 :func:`rebuild_from_ledger` sets every live counter to its ledger total in one
 DuckDB aggregation over the ledger view, with the watermarks, seen-id sets and
 epoch marker the live worker resumes from; :func:`rebuild_from_kafka` applies
 every retained event of the topic instead (:func:`mcp_budget_governor.stream.
 rebuild.rebuild`). ``docs/exactly-once.md`` (*Rebuilding from the ledger view*)
-lists the steps and what they assume.
+lists the steps and what they assume. On Redis the writes go in blocks of
+scripts; on Postgres (:class:`~.pg_sync.PostgresStore`) in one transaction.
 
 >>> from mcp_budget_governor.projections.counters.sync import redis_client
 >>> from mcp_budget_governor.projections.ledger_view import open_ledger
@@ -18,9 +19,9 @@ lists the steps and what they assume.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import duckdb
 import redis
@@ -37,6 +38,7 @@ from mcp_budget_governor.lua import source
 from ..ledger_view import query_error
 from .redis import change_tokens
 from .sync import (
+    Snapshot,
     is_current,
     ledger_ids,
     ledger_totals,
@@ -56,12 +58,45 @@ __all__ = [
 
 _SEEN_CHUNK = 10_000
 
+if TYPE_CHECKING:
+    from .pg_sync import PostgresStore
+
+#: The counters' store of a rebuild or reconcile: a Redis client or a Postgres store.
+Store: TypeAlias = "redis.Redis | PostgresStore"
+
+
+def is_postgres(store: Any) -> bool:
+    """Whether ``store`` is a :class:`~.pg_sync.PostgresStore` (psycopg imported only then)."""
+    return not isinstance(store, redis.Redis)
+
+
+def read_store(store: Any, keys: Iterable[str] | None = None, *, atomic: bool = True) -> Snapshot:
+    """Every counter of ``store`` (and ``keys``), its watermarks and its clock."""
+    if is_postgres(store):
+        snap: Snapshot = store.snapshot(keys or ())
+        return snap
+    wanted = scan_counter_keys(store) if keys is None else set(keys)
+    return snapshot(store, wanted, atomic=atomic)
+
+
+def open_store(url: str) -> Any:
+    """A Redis client or, for a ``postgresql://`` URL, a Postgres store."""
+    if url.lower().startswith(("postgresql:", "postgres:")):
+        from .pg_sync import PostgresStore
+
+        return PostgresStore.connect(url)
+    from .sync import redis_client
+
+    return redis_client(url)
+
 
 class LedgerBehindError(GovernorError):
-    """Redis has applied a partition beyond what the ledger holds: a rebuild would lose events."""
+    """The store has applied a partition beyond what the ledger holds: a rebuild would lose
+    events."""
 
 
-#: ``progress(phase, done, total)``: phases "read", "counters", "seen", "events".
+#: ``progress(phase, done, total)``: phases "read", "counters", "seen", "events", and on
+#: Postgres "commit" (0 of 1 inside the transaction, 1 of 1 once committed).
 Progress = Callable[[str, int, int | None], None]
 
 
@@ -108,7 +143,7 @@ class RebuildReport:
 
 def rebuild_from_ledger(
     con: duckdb.DuckDBPyConnection,
-    client: redis.Redis,
+    client: Store,
     *,
     source: str = "archive",
     all_buckets: bool = False,
@@ -116,16 +151,17 @@ def rebuild_from_ledger(
     now: int | None = None,
     progress: Progress = _quiet,
 ) -> RebuildReport:
-    """Rebuild the counters in ``client``'s Redis from the ``ledger`` view on ``con``.
+    """Rebuild the counters in ``client`` (Redis, or a Postgres store) from the ``ledger``
+    view on ``con``.
 
-    ``now`` (epoch seconds) overrides Redis's clock for which buckets are
+    ``now`` (epoch seconds) overrides the store's clock for which buckets are
     alive and current (benchmarks and tests of a past month).
     """
     started = time.perf_counter()
     result = RebuildReport(source, dry_run)
     progress("read", 0, None)
-    existing = scan_counter_keys(client)
-    before = snapshot(client, existing, atomic=False)
+    postgres = is_postgres(client)
+    before = read_store(client, atomic=False)
     clock = before.now if now is None else int(now)
     totals = ledger_totals(con, clock, current_only=not all_buckets)
     try:
@@ -142,8 +178,9 @@ def rebuild_from_ledger(
     for name, last in sorted(marks.items()):
         applied = before.watermarks.get(name, -1)
         if applied > last:
+            store = "Postgres" if postgres else "Redis"
             raise LedgerBehindError(
-                f"partition {name}: Redis has applied up to offset {applied}, the ledger ends "
+                f"partition {name}: {store} has applied up to offset {applied}, the ledger ends "
                 f"at {last}; replaying would lose offsets {last + 1}..{applied} "
                 "(replay from Kafka, or bring the archive up to date)"
             )
@@ -195,7 +232,24 @@ def rebuild_from_ledger(
     if dry_run:
         result.seconds = time.perf_counter() - started
         return result
-
+    marks_after = {name: after for name, (_, after) in result.watermarks.items()}
+    if postgres:
+        todo = [c for c in run_time if c is not None]
+        epoch = new_id()
+        client.rewrite(  # type: ignore[union-attr]
+            writes,
+            expected=before.watermarks,
+            drop=drops,
+            seen=seen,
+            marks=marks_after,
+            changes=todo,
+            epoch=epoch,
+            progress=progress,
+        )
+        result.replayed_changes, result.epoch = len(todo), epoch
+        result.seconds = time.perf_counter() - started
+        return result
+    assert isinstance(client, redis.Redis)
     try:
         client.delete(EPOCH_KEY)
         done = 0
@@ -210,7 +264,7 @@ def rebuild_from_ledger(
             writes,
             drop=drops,
             watermarks=before.watermarks,
-            set_watermarks={name: after for name, (_, after) in result.watermarks.items()},
+            set_watermarks=marks_after,
             progress=advance,
         )
         added = 0
@@ -251,9 +305,7 @@ def _run_time_changes(con: duckdb.DuckDBPyConnection) -> list[CapsChange | None]
     return out
 
 
-def _restore_changes(
-    client: redis.Redis, changes: Sequence[CapsChange | None], now: float
-) -> int:
+def _restore_changes(client: redis.Redis, changes: Sequence[CapsChange | None], now: float) -> int:
     """Apply run-time changes in ledger order through lua/change.lua, as the projection
     does, at clock ``now`` (epoch seconds: a grant whose bucket has ended changes
     nothing). A grant adds to its counter's: the grants of the counters they touch
@@ -366,7 +418,7 @@ class _CurrentOnly:
 
 
 async def rebuild_from_kafka(
-    redis_url: str,
+    url: str,
     bootstrap: str,
     topic: str,
     *,
@@ -378,25 +430,22 @@ async def rebuild_from_kafka(
 ) -> RebuildReport:
     """Rebuild the counters from every retained event of ``topic`` (``stream/rebuild.py``).
 
-    Applied through ``apply`` into Redis. On a Redis that still holds a
-    projection only events past its watermarks count (``apply``'s guards), a
-    catch-up; after an outage (Redis empty) that is everything retained. A
-    dry run rebuilds into a MemoryBackend from nothing and lists the counters
-    whose committed amount differs from Redis's: what a rebuild of an empty
-    Redis would give.
+    Applied through ``apply`` into the store at ``url`` (Redis, or Postgres for a
+    ``postgresql://`` URL). On a store that still holds a projection only events
+    past its watermarks count (``apply``'s guards), a catch-up; after an outage
+    (the store empty) that is everything retained. A dry run rebuilds into a
+    MemoryBackend from nothing and lists the counters whose committed amount
+    differs from the store's: what a rebuild of an empty store would give.
     """
     from mcp_budget_governor.projections.counters.memory import MemoryBackend
-    from mcp_budget_governor.projections.counters.redis import RedisBackend
     from mcp_budget_governor.stream.rebuild import rebuild
 
-    from .sync import redis_client
-
     started = time.perf_counter()
-    client = redis_client(redis_url)
+    client = open_store(url)
     try:
-        before = snapshot(client, (), atomic=True)
+        before = read_store(client, ())
         result = RebuildReport("kafka", dry_run)
-        inner: Any = MemoryBackend() if dry_run else RedisBackend.from_url(redis_url, timeout=30.0)
+        inner: Any = MemoryBackend() if dry_run else _backend(client, url)
         backend = _CurrentOnly(
             inner, all_buckets=all_buckets, now=before.now, progress=progress, dry_run=dry_run
         )
@@ -414,7 +463,7 @@ async def rebuild_from_kafka(
             after = (
                 {n: await inner.watermark(n) for n in _memory_partitions(inner)}
                 if dry_run
-                else snapshot(client, (), atomic=True).watermarks
+                else read_store(client, ()).watermarks
             )
             for name in sorted(set(before.watermarks) | set(after)):
                 result.watermarks[name] = (
@@ -422,7 +471,7 @@ async def rebuild_from_kafka(
                     after.get(name, before.watermarks.get(name, -1)),
                 )
             if dry_run:
-                current = snapshot(client, backend.keys, atomic=False).counters
+                current = read_store(client, backend.keys, atomic=False).counters
                 for key in sorted(backend.keys):
                     rebuilt = (await inner.state(key)).committed
                     was = current[key]
@@ -440,6 +489,17 @@ async def rebuild_from_kafka(
         client.close()
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _backend(store: Any, url: str) -> Any:
+    """The backend the Kafka path applies through: the store's own kind."""
+    if is_postgres(store):
+        from .postgres import PostgresBackend
+
+        return PostgresBackend.from_url(url, timeout=30.0, max_connections=2)
+    from .redis import RedisBackend
+
+    return RedisBackend.from_url(url, timeout=30.0)
 
 
 def _memory_partitions(backend: Any) -> list[str]:
