@@ -22,16 +22,19 @@ interface Op {
   amount?: number;
 }
 
-const [policyFile, url, bootstrap, topic, outbox, opsFile, from, killAfter] = process.argv.slice(2);
-if (opsFile === undefined || from === undefined) {
+const args = process.argv.slice(2);
+if (args.length < 7) {
   process.stderr.write("usage: governed.ts POLICY REDIS_URL BOOTSTRAP TOPIC OUTBOX OPS FROM [KILL_AFTER]\n");
   process.exit(2);
 }
+const [policyFile, url, bootstrap, topic, outbox, opsFile, from, killAfter] = args as [
+  string, string, string, string, string, string, string, string | undefined,
+];
 const say = (value: unknown) => process.stdout.write(JSON.stringify(value) + "\n"); // a pipe: synchronous
 
 async function main(): Promise<void> {
-  const ops = JSON.parse(readFileSync(opsFile ?? "", "utf8")) as Op[];
-  const ledger = KafkaLedger.fromUrl(`kafka://${bootstrap ?? ""}`, {
+  const ops = JSON.parse(readFileSync(opsFile, "utf8")) as Op[];
+  const ledger = KafkaLedger.fromUrl(`kafka://${bootstrap}`, {
     topic,
     outboxDir: outbox,
     partitions: 3,
@@ -39,7 +42,7 @@ async function main(): Promise<void> {
     lingerMs: 5,
     warn: (m) => process.stderr.write(m + "\n"),
   });
-  const governor = new Governor(loadPolicyFile(policyFile ?? ""), RedisBackend.fromUrl(url ?? "", { timeout: 5 }), {
+  const governor = new Governor(loadPolicyFile(policyFile), RedisBackend.fromUrl(url, { timeout: 5 }), {
     ledger,
   });
   const kill = killAfter === undefined ? -1 : Number(killAfter);
