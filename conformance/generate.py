@@ -19,6 +19,7 @@ files, refusals and the tool-price metadata of the integrations.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -33,11 +34,14 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from mcp_budget_governor import (  # noqa: E402
     Context,
     InvalidInputError,
+    Policy,
     PriceTable,
     UnknownModelError,
+    admin,
     planning,
     usd,
 )
+from mcp_budget_governor.caps import Change  # noqa: E402
 from mcp_budget_governor.decision import Decision  # noqa: E402
 from mcp_budget_governor.integrations.fastmcp import tool_estimate, tool_price  # noqa: E402
 from mcp_budget_governor.integrations.flow import refusal_body, refusal_text  # noqa: E402
@@ -334,6 +338,99 @@ def charge_vectors() -> list[dict[str, Any]]:
     return out
 
 
+# -- run-time changes -----------------------------------------------------------
+
+#: Run-time changes (admin.py's builders, the governor's set_cap ... reset): per case
+#: the call, the Change it builds, its context and the change.lua command; a bad one
+#: the field its error names. ``used`` is what a reset read from the counter.
+CHANGE_CASES: list[dict[str, Any]] = [
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "acme"}, "cap": 300_000_000, "until": NOW + 86_400,
+     "reason": "incident 42, a trial", "actor": "ops@acme"},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "user_calls",
+     "scope": {"user": "a:b,{c}=é", "tool": "search"}, "cap": 7},
+    {"policy": "caps_and_plans", "call": "unset_cap", "limit": "user_calls",
+     "scope": {"user": "u_42", "tool": "x y"}, "actor": "ops"},
+    {"policy": "caps_and_plans", "call": "assign_plan", "plan": "pro", "tenant": "x,y",
+     "reason": "upgrade (!*'~)", "actor": "billing"},
+    {"policy": "caps_and_plans", "call": "assign_plan", "plan": None, "user": "u_42"},
+    {"policy": "caps_and_plans", "call": "grant", "limit": "tenant_spend",
+     "scope": {"tenant": "acme"}, "amount": 5_000_000, "reason": "goodwill"},
+    {"policy": "caps_and_plans", "call": "grant", "limit": "user_calls",
+     "scope": {"user": "u_7", "tool": "search"}, "amount": 3},
+    {"policy": "caps_and_plans", "call": "reset", "limit": "user_calls",
+     "scope": {"tool": "search", "user": "u_7"}, "used": 42, "actor": "support"},
+    {"policy": "concurrency", "call": "set_cap", "limit": "parallel", "scope": {"user": "u"},
+     "cap": 2},
+    # Bad input: one error naming the field, nothing built.
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "nope", "scope": {"tenant": "a"},
+     "cap": 1},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"user": "u"}, "cap": 1},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "user_calls",
+     "scope": {"user": "u"}, "cap": 1},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": ""}, "cap": 1},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": -1},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": 1.5},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": 1, "until": NOW - 1},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": 1, "reason": "x" * 1025},
+    {"policy": "caps_and_plans", "call": "assign_plan", "plan": "gold", "tenant": "a"},
+    {"policy": "caps_and_plans", "call": "assign_plan", "plan": "pro", "tenant": "a",
+     "user": "u"},
+    {"policy": "caps_and_plans", "call": "assign_plan", "plan": "pro"},
+    {"policy": "caps_and_plans", "call": "grant", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "amount": 0},
+    {"policy": "caps_and_plans", "call": "grant", "limit": "global_calls", "scope": {},
+     "amount": 1},
+]  # fmt: skip
+
+
+def _build_change(policy: Policy, case: dict[str, Any]) -> tuple[Change, Context]:
+    who = {k: case[k] for k in ("reason", "actor") if k in case}
+    call = case["call"]
+    if call == "set_cap":
+        return admin.cap_change(policy, case["limit"], case["scope"], case["cap"],
+                                until=case.get("until"), now=NOW, **who)  # fmt: skip
+    if call == "unset_cap":
+        return admin.uncap_change(policy, case["limit"], case["scope"], **who)
+    if call == "assign_plan":
+        return admin.plan_change(policy, case["plan"], tenant=case.get("tenant"),
+                                 user=case.get("user"), **who)  # fmt: skip
+    if call == "grant":
+        return admin.grant_change(policy, case["limit"], case["scope"], case["amount"], now=NOW,
+                                  **who)  # fmt: skip
+    return admin.grant_change(policy, case["limit"], case["scope"], None, now=NOW,
+                              used=case["used"], **who)  # fmt: skip
+
+
+def change_vectors() -> list[dict[str, Any]]:
+    """Per case the Change, its context and the change.lua command (or the error's field)."""
+    from mcp_budget_governor.projections.counters.redis import change_tokens
+
+    sha = hashlib.sha1(source("change").encode()).hexdigest()
+    out = []
+    for case in CHANGE_CASES:
+        policy = loads(POLICIES[case["policy"]])
+        try:
+            change, ctx = _build_change(policy, case)
+        except InvalidInputError as exc:
+            out.append({**case, "now": NOW, "error": exc.field})
+            continue
+        keys: list[str] = []
+        tokens = change_tokens([change], keys, {})
+        command = ["EVALSHA", sha, str(len(keys)), *keys, tokens, str(int(NOW * 1000))]
+        fields = dataclasses.asdict(change)
+        fields["kind"] = change.kind.value
+        out.append({**case, "now": NOW, "change": fields, "context": _context(ctx),
+                    "command": command})  # fmt: skip
+    return out
+
+
 # -- prices -------------------------------------------------------------------
 
 #: Built-in models priced in the vectors (an id that moves out of genai-prices
@@ -492,6 +589,7 @@ def vectors() -> dict[str, Any]:
     out["script_layout"] = {"prefix": "lib.lua", "joiner": "\n", "names": list(SCRIPTS)}
     out["policies"] = policy_vectors()
     out["charge"] = charge_vectors()
+    out["changes"] = change_vectors()
     out["builtin_prices"] = price_vectors()
     out["usd_more"] = usd_vectors()
     out["refusals"] = refusal_vectors()

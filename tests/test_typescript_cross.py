@@ -201,3 +201,17 @@ async def test_a_hostile_id_lands_on_the_same_counter_from_both(
     assert await python_gov.usage("together", Context(**ctx)) == 3
     # A neighbour whose id differs only after the separator shares nothing.
     assert node("usage", limit="burst", ctx={"user": "a:b"})["usage"] == 0
+
+
+@pytest.mark.slow
+async def test_a_cap_set_in_one_language_is_enforced_by_the_other(
+    node: Node, python_gov: Governor
+) -> None:
+    # TypeScript sets user "small"'s burst to 2 (no ledger: lua/change.lua); Python enforces it.
+    node("set_cap", limit="burst", amount=2, ctx={"user": "small"})
+    statuses = [(await python_gov.check(Context(user="small"))).status for _ in range(4)]
+    assert statuses == [200, 200, 429, 429]
+    # Python sets user "big"'s burst to 9; TypeScript enforces it.
+    await python_gov.set_cap("burst", 9, user="big")
+    ts = [node("check", ctx={"user": "big"})["status"] for _ in range(11)]
+    assert ts == [200] * 9 + [429] * 2

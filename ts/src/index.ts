@@ -36,3 +36,4 @@ export {
   LimitExceeded,
   BudgetUnavailable,
 } from "./errors.js";
+export { setCap, unsetCap, assignPlan, grant, reset, capChange, uncapChange, planChange, grantChange, changeCommand, whyToken, type Change } from "./admin.js";

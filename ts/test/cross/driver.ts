@@ -7,10 +7,12 @@
 //   {"op": "checks", "n": 10, "spread_ms": 500, "ctx": {...}} -> {"statuses": [200, ...]}  (concurrently)
 //   {"op": "meter", "limit": "spend", "amount": 5, "ctx": {...}} -> {"total": 5}
 //   {"op": "usage", "limit": "spend", "ctx": {...}}  -> {"usage": 5}
+//   {"op": "set_cap", "limit": "burst", "amount": 2, "ctx": {"user": "u"}} -> {"change": {...}}
 //   {"op": "key", "limit": "burst", "ctx": {...}}    -> {"key": "mcpbg:v1:..."}
 import { createInterface } from "node:readline";
 
 import { Governor, RedisBackend, context, loadPolicyFile, type Context } from "../../src/index.js";
+import { setCap } from "../../src/admin.js";
 import { checkPlan } from "../../src/planning.js";
 
 const [policyFile, url] = process.argv.slice(2);
@@ -57,6 +59,8 @@ async function run(cmd: Command): Promise<unknown> {
       const slot = checkPlan(policy, ctx, Date.now() / 1000).slots.find((s) => s.limit.name === cmd.limit);
       return { key: slot?.key ?? null };
     }
+    case "set_cap":
+      return { change: await setCap(governor, cmd.limit ?? "", cmd.amount ?? 0, cmd.ctx ?? {}) };
     case "close":
       await governor.close();
       return { closed: true };

@@ -1,0 +1,72 @@
+// A TypeScript governor with a RedisBackend and a KafkaLedger on a real broker, for
+// tests/test_typescript_governed.py: it runs a list of operations and says what each
+// did on stdout (one JSON line each, written before the next starts), so the Python
+// `mcpbg worker` projecting the topic can be held to exactly what TypeScript admitted.
+//
+//   tsx test/cross/governed.ts POLICY.toml REDIS_URL BOOTSTRAP TOPIC OUTBOX OPS.json FROM [KILL_AFTER]
+//     OPS.json: [{"op": "check", "ctx": {...}}, {"op": "meter", "limit": "spend", "amount": 5, "ctx": {...}}]
+//     runs ops [FROM, end): {"i": 3, "status": 200} / {"i": 4, "total": 5}; then close()
+//     and {"closed": <events left unshipped>}
+//     KILL_AFTER=K: at op K/2, waits until the shipper has shipped everything so far
+//     (so the killed run has shipped part of its events); right after op K is reported, {"killing": K, "unshipped": n} and a
+//     SIGKILL of this very process (its outbox then holds what it had not shipped)
+import { readFileSync } from "node:fs";
+
+import { Governor, RedisBackend, context, loadPolicyFile } from "../../src/index.js";
+import { KafkaLedger } from "../../src/ledger/kafka.js";
+
+interface Op {
+  op: "check" | "meter";
+  ctx: Record<string, string>;
+  limit?: string;
+  amount?: number;
+}
+
+const args = process.argv.slice(2);
+if (args.length < 7) {
+  process.stderr.write("usage: governed.ts POLICY REDIS_URL BOOTSTRAP TOPIC OUTBOX OPS FROM [KILL_AFTER]\n");
+  process.exit(2);
+}
+const [policyFile, url, bootstrap, topic, outbox, opsFile, from, killAfter] = args as [
+  string, string, string, string, string, string, string, string | undefined,
+];
+const say = (value: unknown) => process.stdout.write(JSON.stringify(value) + "\n"); // a pipe: synchronous
+
+async function main(): Promise<void> {
+  const ops = JSON.parse(readFileSync(opsFile, "utf8")) as Op[];
+  const ledger = KafkaLedger.fromUrl(`kafka://${bootstrap}`, {
+    topic,
+    outboxDir: outbox,
+    partitions: 3,
+    batchSize: 10,
+    lingerMs: 5,
+    warn: (m) => process.stderr.write(m + "\n"),
+  });
+  const governor = new Governor(loadPolicyFile(policyFile), RedisBackend.fromUrl(url, { timeout: 5 }), {
+    ledger,
+  });
+  const kill = killAfter === undefined ? -1 : Number(killAfter);
+  for (let i = Number(from); i < ops.length; i++) {
+    const op = ops[i]!;
+    const ctx = context(op.ctx);
+    if (op.op === "check") say({ i, status: (await governor.check(ctx)).status });
+    else say({ i, total: (await governor.meter(op.limit ?? "", op.amount ?? 0, ctx)).total });
+    if (i === Math.floor(kill / 2)) {
+      for (let waited = 0; ledger.unshipped > 0 && waited < 30_000; waited += 10) {
+        await new Promise((resolve) => setTimeout(resolve, 10));
+      }
+      say({ shipped: i, unshipped: ledger.unshipped });
+    }
+    if (i === kill) {
+      say({ killing: i, unshipped: ledger.unshipped });
+      process.kill(process.pid, "SIGKILL");
+    }
+  }
+  await governor.close();
+  say({ closed: ledger.unshipped });
+}
+
+main().catch((err: unknown) => {
+  process.stderr.write(`governed: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}\n`);
+  process.exit(1);
+});
