@@ -24,7 +24,7 @@ import { randomBytes } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { parseArgs } from "node:util";
 
-import { Command, type Redis } from "ioredis";
+import { Command, Redis } from "ioredis";
 
 import { Governor, Limit, MAX_AMOUNT, Policy, RedisBackend, Scope, Window, chargeCommand, context, script } from "../src/index.js";
 import { newId } from "../src/ledger/events.js";
@@ -155,10 +155,16 @@ async function profile(): Promise<Profile> {
     for (let r = 0; r < 3; r++) xs.push(await serverUs(run, 2000));
     server_us[name] = quantile(xs, 0.5);
   }
-  // The governor and RedisBackend with Redis taken away: a client that answers
-  // every EVALSHA at once with what charge.lua replies to an admitted check.
+  // The governor and RedisBackend with Redis taken away: an ioredis client whose
+  // every command is framed for the socket as usual, then answered at once with
+  // what charge.lua replies to an admitted check.
   const reply = [0, ...ops.map(() => 0), ...ops.map(() => MAX_AMOUNT)];
-  const stub = { call: () => Promise.resolve(reply) } as unknown as Redis;
+  const stub = new Redis({ lazyConnect: true });
+  stub.sendCommand = (c: Command) => {
+    c.toWritable(undefined as never);
+    c.resolve(reply);
+    return c.promise;
+  };
   const offline = new Governor(policy, new RedisBackend(stub));
   const command = (args: string[]) => () => new Command("evalsha", args).toWritable(undefined as never);
   const node_us = {
