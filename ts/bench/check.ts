@@ -5,9 +5,11 @@
 //
 // Variants are interleaved in chunks, alternating which goes first, so drift
 // on a busy machine hits both alike; each call is timed on its own. Besides
-// the baseline and check(), two variants split the gap: the no-op script sent
-// the charge's own KEYS and ARGV (what the request's size costs), and the
-// charge command alone (charge.lua's work in Redis, no governor code).
+// the baseline and check(), two variants split the gap, both written as
+// ready RESP text (no framing in Node): the no-op script sent the charge's
+// own KEYS and ARGV (what the request's size costs), and the charge command
+// alone, byte for byte what check() writes (charge.lua's work in Redis, no
+// governor code: the floor of check()).
 //
 //   npx tsx bench/check.ts [--redis URL] [--calls N] [--rounds R] [--json] [--profile]
 //
@@ -58,25 +60,41 @@ const ctx = context({ user: "bench_user", tenant: "bench_tenant", tool: "search"
 const noop = readFileSync(new URL("../../testing/noop.lua", import.meta.url), "utf8");
 const noopSha = (await backend.client.call("SCRIPT", "LOAD", noop)) as string;
 
-// The script alone: the very command check() sends (built once, a fresh operation id
-// per call), to tell the script's own cost in Redis from the governor's in Node.
+// The script alone: the very command check() sends, as the very RESP text it
+// writes (framed once, a fresh operation id and clock per call), to tell the
+// script's own cost in Redis from the governor's in Node.
 const ops = checkPlan(policy, ctx, Date.now() / 1000).ops;
-const template = chargeCommand(script("charge").sha, ops, { opId: "OPID", wantUsed: true });
-const opAt = template.map((a, i) => (a.includes("OPID") ? i : -1)).filter((i) => i >= 0);
-function chargeArgs(sha: string): string[] {
-  const id = newId();
-  const args = [...template];
-  args[0] = sha;
-  for (const i of opAt) args[i] = (args[i] ?? "").replace("OPID", id);
-  return args;
+const PLACEHOLDER = "0190f5a2-7e3b-7c1d-9f00-0000000000aa"; // as long as every id newId() makes
+const template = chargeCommand(script("charge").sha, ops, { opId: PLACEHOLDER, wantUsed: true });
+const bulk = (a: string): string => `$${Buffer.byteLength(a)}\r\n${a}\r\n`;
+function framedWithout(sha: string): string {
+  const args = ["EVALSHA", sha, ...template.slice(1)];
+  const text = `*${args.length}\r\n${args.map(bulk).join("")}`;
+  return text.slice(0, text.lastIndexOf("$")); // all but the clock
 }
-const chargeSha = template[0] ?? "";
+/** A command written as the given RESP text (ioredis frames nothing). */
+class Framed extends Command {
+  constructor(private readonly text: string) {
+    super("evalsha", [], { replyEncoding: "utf8" });
+  }
+
+  override toWritable(): string {
+    return this.text;
+  }
+}
+function sendFramed(head: string): Promise<unknown> {
+  const c = new Framed(head.replaceAll(PLACEHOLDER, newId()) + bulk(String(Date.now())));
+  void backend.client.sendCommand(c);
+  return c.promise;
+}
+const chargeHead = framedWithout(template[0] ?? "");
+const noopHead = framedWithout(noopSha);
 const variants: Record<string, () => Promise<unknown>> = {
   "noop EVALSHA": () => backend.client.call("EVALSHA", noopSha, 0),
   "check() 3 limits": () => governor.check(ctx),
-  "charge.lua alone": () => backend.client.call("EVALSHA", ...chargeArgs(chargeSha)),
+  "charge.lua alone": () => sendFramed(chargeHead),
   // The no-op script sent the charge's KEYS and ARGV: what the request's size costs.
-  "noop, charge's args": () => backend.client.call("EVALSHA", ...chargeArgs(noopSha)),
+  "noop, charge's args": () => sendFramed(noopHead),
 };
 const samples: Record<string, number[]> = Object.fromEntries(Object.keys(variants).map((k) => [k, []]));
 
@@ -169,8 +187,8 @@ async function profile(): Promise<Profile> {
   const command = (args: string[]) => () => new Command("evalsha", args).toWritable(undefined as never);
   const node_us = {
     "check() over an instant client": await nodeUs(() => offline.check(ctx), 20_000),
-    "ioredis Command, noop": await nodeUs(command([noopSha, "0"]), 20_000),
-    "ioredis Command, charge": await nodeUs(command(chargeArgs(chargeSha)), 20_000),
+    "ioredis framing the noop": await nodeUs(command([noopSha, "0"]), 20_000),
+    "ioredis framing the charge": await nodeUs(command([...template]), 20_000),
   };
   return { server_us, node_us };
 }
