@@ -6,7 +6,7 @@ import { createHash } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { describe, it } from "node:test";
 
-import { chargeCommand } from "../src/backends/redis.js";
+import { chargeCommand, chargeFrame } from "../src/backends/redis.js";
 import { Decision, refusalBody, refusalText } from "../src/decision.js";
 import { InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
 import { KeyBuilder, SEPARATORS } from "../src/keys.js";
@@ -120,7 +120,7 @@ describe("scripts", () => {
         const lim = planning.meteredLimit(policy, c.limit);
         ops = planning.meterSlots([[lim, c.amount]], ctx, c.now, policy).map(planning.opOf);
       }
-      const command = chargeCommand(script("charge").sha, ops, {
+      const options = {
         eventId: c.ledger ? "0190f5a2-7e3b-7c1d-9f00-0000000000bb" : null,
         opId: c.ledger ? null : "0190f5a2-7e3b-7c1d-9f00-0000000000aa",
         wantUsed: true,
@@ -128,8 +128,13 @@ describe("scripts", () => {
         leaseTtl: 30,
         requireEpoch: c.require_epoch ?? false,
         nowMs: c.now * 1000,
-      });
-      assert.deepEqual(["EVALSHA", ...command], c.command, `${c.policy} ${c.call} ${JSON.stringify(c.context)}`);
+      };
+      const what = `${c.policy} ${c.call} ${JSON.stringify(c.context)}`;
+      assert.deepEqual(["EVALSHA", ...chargeCommand(script("charge").sha, ops, options)], c.command, what);
+      // What RedisBackend writes to the socket: Python's command, framed here on its own.
+      const resp = (args: string[]): string =>
+        `*${args.length}\r\n` + args.map((a) => `$${Buffer.byteLength(a)}\r\n${a}\r\n`).join("");
+      assert.equal(chargeFrame(script("charge").sha, ops, options), resp(c.command), `${what}: framed`);
     }
   });
 });

@@ -3,12 +3,14 @@
  * (Python: projections/counters/redis.py). Every call is one EVALSHA with
  * exactly the KEYS and ARGV the Python RedisBackend sends (the conformance
  * vectors hold the two together), so a Node server and a Python worker on one
- * Redis share every counter.
+ * Redis share every counter. The hot path writes each charge as RESP text
+ * framed once per plan but for what varies per call (operation or event id,
+ * lease, clock): the conformance suite holds that text to Python's command too.
  *
  * @example
  * const backend = RedisBackend.fromUrl("redis://127.0.0.1:6379/0");
  */
-import { Redis, type RedisOptions } from "ioredis";
+import { Command, Redis, type RedisOptions } from "ioredis";
 
 import { BackendUnavailableError, CounterOverflowError, InvalidInputError } from "../errors.js";
 import { EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey, queueKey } from "../keys.js";
@@ -40,6 +42,17 @@ interface Prepared {
   tail: string[];
   /** How many lease sets (concurrency caps) the charge takes; their queues close KEYS. */
   leases: number;
+  /** The same parts as RESP bulk strings (flags apart: the lease's arguments follow them). */
+  headText: string;
+  countersText: string;
+  flagsText: string;
+  restText: string;
+}
+
+/** One RESP bulk string. */
+function bulk(arg: string | number): string {
+  const s = String(arg);
+  return `$${Buffer.byteLength(s)}\r\n${s}\r\n`;
 }
 
 /**
@@ -53,6 +66,19 @@ export function chargeCommand(
 ): string[] {
   const p = prepare(sha, ops, options.wantUsed ?? true, options.opId != null && options.eventId == null, options.requireEpoch ?? false);
   return assemble(p, options, options.nowMs ?? Date.now()).map(String);
+}
+
+/**
+ * The same command as the RESP text RedisBackend writes to the socket (the
+ * conformance suite checks it against Python's command, encoded on its own).
+ */
+export function chargeFrame(
+  sha: string,
+  ops: readonly CounterOp[],
+  options: ChargeOptions & { requireEpoch?: boolean; nowMs?: number } = {},
+): string {
+  const p = prepare(sha, ops, options.wantUsed ?? true, options.opId != null && options.eventId == null, options.requireEpoch ?? false);
+  return frame(p, options, options.nowMs ?? Date.now());
 }
 
 function prepare(sha: string, ops: readonly CounterOp[], wantUsed: boolean, withOp: boolean, requireEpoch: boolean): Prepared {
@@ -84,7 +110,24 @@ function prepare(sha: string, ops: readonly CounterOp[], wantUsed: boolean, with
     counters = [];
   }
   tail.unshift(flags || "-");
-  return { head, counters, tail, leases };
+  const text = (xs: readonly (string | number)[]): string => xs.map(bulk).join("");
+  return {
+    head,
+    counters,
+    tail,
+    leases,
+    headText: text(head),
+    countersText: text(counters),
+    flagsText: bulk(tail[0] ?? "-"),
+    restText: text(tail.slice(1)),
+  };
+}
+
+/** A charge taking leases: the lease id, its time to live (ms), the ticket and how many sets. */
+function leaseArgs(p: Prepared, options: ChargeOptions): string[] {
+  if (options.lease == null) throw new InvalidInputError("lease", options.lease ?? null, "a charge taking leases needs a lease id");
+  const ttl = String(Math.max(1, Math.round((options.leaseTtl ?? 0) * 1000)));
+  return [options.lease, ttl, options.ticket ?? "-", String(p.leases)];
 }
 
 /** The charge's arguments around what varies per call; the caller's clock (epoch ms)
@@ -94,14 +137,46 @@ function assemble(p: Prepared, options: ChargeOptions, nowMs: number): (string |
   const args = withOp
     ? [...p.head, opKey(options.opId ?? ""), ...p.counters, options.opId ?? "", ...p.tail]
     : [...p.head, options.eventId ?? "", ...p.tail];
-  if (p.leases) {
-    if (options.lease == null) throw new InvalidInputError("lease", options.lease ?? null, "a charge taking leases needs a lease id");
-    const at = args.length - p.tail.length + 1;
-    const ttl = String(Math.max(1, Math.round((options.leaseTtl ?? 0) * 1000)));
-    args.splice(at, 0, options.lease, ttl, options.ticket ?? "-", String(p.leases));
-  }
+  if (p.leases) args.splice(args.length - p.tail.length + 1, 0, ...leaseArgs(p, options));
   args.push(String(Math.floor(nowMs)));
   return args;
+}
+
+/**
+ * assemble() as the RESP text of `EVALSHA <args>`: the parts fixed for a plan
+ * were framed by prepare(), so a call frames only its ids and clock (ioredis
+ * would count the bytes of every argument again on every call).
+ */
+function frame(p: Prepared, options: ChargeOptions, nowMs: number): string {
+  const withOp = options.opId != null && options.eventId == null;
+  let argc = p.head.length + 1 + p.tail.length + 1;
+  let text = p.headText;
+  if (withOp) {
+    const id = options.opId ?? "";
+    text += bulk(opKey(id)) + p.countersText + bulk(id);
+    argc += 1 + p.counters.length;
+  } else text += bulk(options.eventId ?? "");
+  text += p.flagsText;
+  if (p.leases) {
+    text += leaseArgs(p, options).map(bulk).join("");
+    argc += 4;
+  }
+  return `*${argc + 1}\r\n$7\r\nEVALSHA\r\n${text}${p.restText}${bulk(Math.floor(nowMs))}`;
+}
+
+/**
+ * An EVALSHA written as prepared RESP text (ioredis' Command, but for how it
+ * is framed). Its arguments stay out of ioredis' hands: key prefixes (which
+ * would move the keys away from Python's) make RedisBackend use client.call.
+ */
+class FramedCommand extends Command {
+  constructor(private readonly text: string) {
+    super("evalsha", [], { replyEncoding: "utf8" });
+  }
+
+  override toWritable(): string {
+    return this.text;
+  }
 }
 
 function isUnavailable(err: unknown): boolean {
@@ -125,7 +200,9 @@ export class RedisBackend implements Backend {
   readonly requireEpoch: boolean;
   readonly clock: () => number;
   private readonly scripts: Record<"charge" | "usage" | "lease", Script>;
-  private readonly prepared = new WeakMap<readonly CounterOp[], Map<string, Prepared>>();
+  private readonly preparedByOps = new WeakMap<readonly CounterOp[], Prepared[]>();
+  /** Whether charges go out as framed RESP text (not when ioredis prefixes keys). */
+  private readonly framed: boolean;
 
   constructor(
     readonly client: Redis,
@@ -134,6 +211,7 @@ export class RedisBackend implements Backend {
     this.requireEpoch = options.requireEpoch ?? false;
     this.clock = options.clock ?? (() => Date.now() / 1000);
     this.scripts = { charge: script("charge"), usage: script("usage"), lease: script("lease") };
+    this.framed = typeof client.sendCommand === "function" && !(client.options?.keyPrefix ?? "");
   }
 
   /**
@@ -179,21 +257,46 @@ export class RedisBackend implements Backend {
     }
   }
 
-  async charge(ops: readonly CounterOp[], options: ChargeOptions = {}): Promise<ChargeResult> {
-    const wantUsed = options.wantUsed ?? true;
-    const withOp = options.opId != null && options.eventId == null;
-    const variant = `${wantUsed ? 1 : 0}${withOp ? 1 : 0}`;
-    let byVariant = this.prepared.get(ops);
+  /** evalsha() of a framed command: one promise, no further await unless Redis lost the script. */
+  private sendFramed(s: Script, text: string): Promise<unknown> {
+    const send = (): Promise<unknown> => {
+      const command = new FramedCommand(text);
+      void this.client.sendCommand(command);
+      return command.promise;
+    };
+    return send().catch(async (err: unknown) => {
+      try {
+        if (!(err instanceof Error && err.message.startsWith("NOSCRIPT"))) throw err;
+        await this.client.call("SCRIPT", "LOAD", s.source);
+        return await send();
+      } catch (e) {
+        if (isUnavailable(e)) throw BackendUnavailableError.redis(e);
+        throw e;
+      }
+    });
+  }
+
+  private prepared(ops: readonly CounterOp[], wantUsed: boolean, withOp: boolean): Prepared {
+    const variant = (wantUsed ? 1 : 0) + (withOp ? 2 : 0);
+    let byVariant = this.preparedByOps.get(ops);
     if (byVariant === undefined) {
-      byVariant = new Map();
-      this.prepared.set(ops, byVariant);
+      byVariant = [];
+      this.preparedByOps.set(ops, byVariant);
     }
-    let p = byVariant.get(variant);
+    let p = byVariant[variant];
     if (p === undefined) {
       p = prepare(this.scripts.charge.sha, ops, wantUsed, withOp, this.requireEpoch);
-      byVariant.set(variant, p);
+      byVariant[variant] = p;
     }
-    const reply = (await this.evalsha(this.scripts.charge, assemble(p, options, this.clock() * 1000))) as number[];
+    return p;
+  }
+
+  async charge(ops: readonly CounterOp[], options: ChargeOptions = {}): Promise<ChargeResult> {
+    const p = this.prepared(ops, options.wantUsed ?? true, options.opId != null && options.eventId == null);
+    const nowMs = this.clock() * 1000;
+    const reply = (await (this.framed
+      ? this.sendFramed(this.scripts.charge, frame(p, options, nowMs))
+      : this.evalsha(this.scripts.charge, assemble(p, options, nowMs)))) as number[];
     const head = Number(reply[0]);
     if (head === 0 && reply.length === 1) return ADMITTED_RESULT;
     if (head === -2) {
@@ -202,12 +305,20 @@ export class RedisBackend implements Backend {
       throw new CounterOverflowError(limit, op?.amount ?? 0, op?.key ?? "", MAX_AMOUNT);
     }
     if (head < 0) throw new BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding");
-    const values = reply.slice(1).map(Number);
     const n = ops.length;
-    if (values.length === 2 * n && ops.some((op) => op.ref !== null)) {
-      return { refused: head - 1, used: values.slice(0, n), caps: values.slice(n) };
+    const values = reply.length - 1;
+    if (values === 2 * n && ops.some((op) => op.ref !== null)) {
+      const used = new Array<number>(n);
+      const caps = new Array<number>(n);
+      for (let i = 0; i < n; i++) {
+        used[i] = Number(reply[i + 1]);
+        caps[i] = Number(reply[n + i + 1]);
+      }
+      return { refused: head - 1, used, caps };
     }
-    return { refused: head - 1, used: values, caps: [] };
+    const used = new Array<number>(values);
+    for (let i = 0; i < values; i++) used[i] = Number(reply[i + 1]);
+    return { refused: head - 1, used, caps: [] };
   }
 
   async usage(keys: readonly string[]): Promise<number[]> {

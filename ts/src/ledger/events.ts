@@ -228,15 +228,11 @@ let lastMs = -1;
 let sequence = 0;
 const pool = Buffer.alloc(10 * 512);
 let poolAt = pool.length;
-
-function random10(): Buffer {
-  if (poolAt + 10 > pool.length) {
-    randomFillSync(pool);
-    poolAt = 0;
-  }
-  poolAt += 10;
-  return pool.subarray(poolAt - 10, poolAt);
-}
+// Ids are made on the hot path (every inline check's operation id): hex by table,
+// and the millisecond's 14 characters ("xxxxxxxx-xxxx-") reused within it.
+const HEX = Array.from({ length: 256 }, (_, b) => b.toString(16).padStart(2, "0"));
+let textMs = -1;
+let msText = "";
 
 /**
  * A time-ordered UUIDv7 (RFC 9562): 48 bits of Unix milliseconds, then a 12-bit
@@ -244,24 +240,42 @@ function random10(): Buffer {
  * millisecond), then 62 random bits.
  */
 export function newId(now: number = Date.now()): string {
-  const rand = random10();
+  if (poolAt + 10 > pool.length) {
+    randomFillSync(pool);
+    poolAt = 0;
+  }
+  const r = poolAt;
+  poolAt += 10;
   let ms = Math.max(Math.floor(now), lastMs);
   if (ms === lastMs) {
     sequence += 1;
     if (sequence > 0xfff) {
       ms += 1; // the counter ran out: borrow the next millisecond
-      sequence = rand.readUInt16BE(0) & 0x7ff;
+      sequence = ((pool[r]! << 8) | pool[r + 1]!) & 0x7ff;
     }
   } else {
-    sequence = rand.readUInt16BE(0) & 0x7ff; // room left to count up
+    sequence = ((pool[r]! << 8) | pool[r + 1]!) & 0x7ff; // room left to count up
   }
   lastMs = ms;
-  const hex =
-    ms.toString(16).padStart(12, "0") +
+  if (ms !== textMs) {
+    const h = ms.toString(16).padStart(12, "0");
+    msText = `${h.slice(0, 8)}-${h.slice(8, 12)}-`;
+    textMs = ms;
+  }
+  return (
+    msText +
     (0x7000 | sequence).toString(16) +
-    ((rand[2]! & 0x3f) | 0x80).toString(16).padStart(2, "0") +
-    rand.subarray(3, 10).toString("hex");
-  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
+    "-" +
+    HEX[(pool[r + 2]! & 0x3f) | 0x80]! +
+    HEX[pool[r + 3]!]! +
+    "-" +
+    HEX[pool[r + 4]!]! +
+    HEX[pool[r + 5]!]! +
+    HEX[pool[r + 6]!]! +
+    HEX[pool[r + 7]!]! +
+    HEX[pool[r + 8]!]! +
+    HEX[pool[r + 9]!]!
+  );
 }
 
 /** When a UUIDv7 was made (epoch seconds, to the millisecond); null if not a UUIDv7. */
