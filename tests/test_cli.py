@@ -327,3 +327,19 @@ def test_budgets_stopped_early_still_exits_1_and_says_partial(
     result = mcpbg("budgets", "--policy", str(policy), "--redis-url", redis_url, "--max-keys", "2")
     assert result.returncode == 1, result.stderr
     assert result.stdout.count(" yes ") == 2 and "listing stopped at 2 keys" in result.stdout
+
+
+def test_a_missing_optional_dependency_names_its_extra(tmp_path: Path) -> None:
+    """A new user's `scripts/demo --postgres URL` on an install without psycopg: one line
+    naming the extra that brings it, not "ModuleNotFoundError: No module named ..."."""
+    code = (
+        "import sys; sys.modules['psycopg'] = None; sys.modules['psycopg_pool'] = None\n"
+        "from mcp_budget_governor.cli import main\n"
+        f"sys.exit(main(['demo', '--postgres', 'postgresql://u@127.0.0.1:1/d', "
+        f"'--out', {str(tmp_path / 'out')!r}]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    err = assert_one_line(result)
+    assert "psycopg is not installed; install the postgres extra: pip install" in err, err

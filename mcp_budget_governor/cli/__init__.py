@@ -98,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(command, str(exc))
     except RecursionError:
         return fail(command, "input nested too deeply to read")
+    except ModuleNotFoundError as exc:  # an optional dependency: name the extra
+        from .render import missing_dependency
+
+        return fail(command, missing_dependency(exc))
     except Exception as exc:  # the last line of defence: one line, never a traceback
         return fail(command, f"{type(exc).__name__}: {exc}")
     return code

@@ -32,6 +32,38 @@ def install_hint(extra: str) -> str:
     return f"pip install '{DISTRIBUTION}[{extra}]'"
 
 
+# The extra that brings each optional dependency a command may import late (pyproject.toml).
+_EXTRA_OF = {
+    "psycopg": "postgres",
+    "psycopg_pool": "postgres",
+    "redis": "redis",
+    "aiokafka": "kafka",
+    "duckdb": "duckdb",
+    "pyarrow": "duckdb",
+    "rich": "duckdb",
+    "fastmcp": "fastmcp",
+    "aiohttp": "stream",
+    "prometheus_client": "stream",
+    "faust": "faust",
+    "starlette": "serve",
+    "uvicorn": "serve",
+    "opentelemetry": "otel",
+}
+
+
+def missing_dependency(exc: ModuleNotFoundError) -> str:
+    """One line for an optional dependency that is not installed: which extra brings it.
+
+    >>> missing_dependency(ModuleNotFoundError("No module named 'psycopg'", name="psycopg"))
+    "psycopg is not installed; install the postgres extra: pip install 'mcpbg[postgres]'"
+    """
+    top = (exc.name or "").split(".")[0]
+    extra = _EXTRA_OF.get(top)
+    if extra is None:
+        return f"{exc}"
+    return f"{top} is not installed; install the {extra} extra: {install_hint(extra)}"
+
+
 def printable(value: object) -> str:
     r"""``value`` as text a terminal shows and never obeys: control characters escaped.
 
