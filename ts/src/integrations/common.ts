@@ -99,7 +99,8 @@ export function refusalResult(decision: Decision): {
 
 /**
  * One governed call: identify, check (a refusal throws BudgetExceeded and the
- * work never runs), reserve estimates, run, then charge: a completed call is
+ * work never runs; `wait`: seconds a full concurrency cap may hold the call
+ * for a slot first), reserve estimates, run, then charge: a completed call is
  * charged its price even past a cap; a failed one its fixed price.
  */
 export async function governedCall<R>(
@@ -108,6 +109,7 @@ export async function governedCall<R>(
   work: () => Promise<R>,
   fixed: Charges | null,
   estimate: Charges | null,
+  wait = 0,
 ): Promise<R> {
   const caller = await governor.identified(ctx);
   return governor.admitted(caller, async () => {
@@ -139,7 +141,7 @@ export async function governedCall<R>(
     }
     await charge();
     return result;
-  });
+  }, { wait });
 }
 
 export function isRefusal(err: unknown): err is BudgetExceeded {

@@ -16,7 +16,7 @@ import { UserError } from "fastmcp";
 import { context, type Context } from "../context.js";
 import { refusalText } from "../decision.js";
 import { BudgetExceeded } from "../errors.js";
-import type { Governor } from "../governor.js";
+import { waitSeconds, type Governor } from "../governor.js";
 import { governedCall, toolPrices, type Identify } from "./common.js";
 
 /** What fastmcp passes `execute` as its second argument (the parts used here). */
@@ -27,6 +27,8 @@ export interface ToolContext {
 
 export interface GovernFastMCPOptions<C = ToolContext> {
   identify?: Identify<C>;
+  /** Seconds a call refused by a full concurrency cap waits for a slot (first come, first served); 0: refuse at once. */
+  wait?: number;
 }
 
 /** The default identity: the session's `user`, `sub` or `id` (from `authenticate`), and the MCP session id. */
@@ -56,6 +58,7 @@ export class BudgetToolError extends UserError {
 /** One fastmcp tool, governed. */
 export function governTool<T extends ToolLike>(governor: Governor, tool: T, options: GovernFastMCPOptions = {}): T {
   const { price, estimate } = toolPrices(governor.policy, tool.name, tool._meta);
+  const wait = waitSeconds(options.wait ?? 0);
   const execute = tool.execute as (args: unknown, ctx: ToolContext) => Promise<unknown>;
   return {
     ...tool,
@@ -63,7 +66,7 @@ export function governTool<T extends ToolLike>(governor: Governor, tool: T, opti
       try {
         const found = options.identify !== undefined ? await options.identify(ctx) : callerOf(ctx);
         const caller = context({ ...(found ?? {}), tool: tool.name });
-        return await governedCall(governor, caller, () => execute(args, ctx), price, estimate);
+        return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait);
       } catch (err) {
         if (err instanceof BudgetExceeded) throw new BudgetToolError(err);
         throw err;

@@ -15,7 +15,7 @@
  */
 import { context, type Context } from "../context.js";
 import { BudgetExceeded } from "../errors.js";
-import type { Governor } from "../governor.js";
+import { waitSeconds, type Governor } from "../governor.js";
 import { governedCall, refusalResult, toolPrices, type Identify } from "./common.js";
 
 /** What the SDK passes a handler as its last argument (the parts used here). */
@@ -27,6 +27,8 @@ export interface RequestExtra {
 export interface GovernOptions<E = RequestExtra> {
   /** Names the caller; default: the access token's subject (`authInfo.extra.sub`), else its client id. */
   identify?: Identify<E>;
+  /** Seconds a call refused by a full concurrency cap waits for a slot (first come, first served); 0: refuse at once. */
+  wait?: number;
 }
 
 /** The default identity: the OAuth access token's subject, else its client id, and the MCP session. */
@@ -52,11 +54,12 @@ export function governHandler<H extends Handler>(
   options: GovernOptions = {},
 ): H {
   const { price, estimate } = toolPrices(governor.policy, tool, meta); // a bad price fails at registration
+  const wait = waitSeconds(options.wait ?? 0); // and so does a bad wait
   const wrapped = async (...args: unknown[]): Promise<unknown> => {
     const extra = args[args.length - 1] as RequestExtra;
     try {
       const ctx = await caller(options.identify, extra, tool);
-      return await governedCall(governor, ctx, async () => (handler as unknown as (...a: unknown[]) => unknown)(...args), price, estimate);
+      return await governedCall(governor, ctx, async () => (handler as unknown as (...a: unknown[]) => unknown)(...args), price, estimate, wait);
     } catch (err) {
       if (err instanceof BudgetExceeded) return refusalResult(err.decision);
       throw err;
@@ -102,12 +105,13 @@ export function governedCallTool<Req extends CallToolRequest, E extends RequestE
   handler: (request: Req, extra: E) => Promise<R>,
   options: GovernOptions<E> & { meta?: (tool: string) => Record<string, unknown> | undefined } = {},
 ): (request: Req, extra: E) => Promise<R | ReturnType<typeof refusalResult>> {
+  const wait = waitSeconds(options.wait ?? 0);
   return async (request, extra) => {
     const tool = request.params.name;
     const { price, estimate } = toolPrices(governor.policy, tool, options.meta?.(tool));
     try {
       const ctx = await caller(options.identify, extra, tool);
-      return await governedCall(governor, ctx, () => handler(request, extra), price, estimate);
+      return await governedCall(governor, ctx, () => handler(request, extra), price, estimate, wait);
     } catch (err) {
       if (err instanceof BudgetExceeded) return refusalResult(err.decision);
       throw err;
