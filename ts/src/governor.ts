@@ -56,6 +56,12 @@ export interface CheckOptions {
    * waiters_ahead); past it, the refusal (429, retry hint). 0: refuse at once.
    */
   wait?: number;
+  /**
+   * Aborted while the call waits for a slot (e.g. the MCP request was
+   * cancelled): the call gives its place in the queue back at once and the
+   * check throws the signal's reason.
+   */
+  signal?: AbortSignal;
 }
 
 /** @internal `wait` validated: seconds from 0 to MAX_WAIT, else the error naming it. */
@@ -66,8 +72,17 @@ export function waitSeconds(wait: unknown): number {
   return wait;
 }
 
-function sleep(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
+/** Sleep `ms`, or less when `signal` aborts meanwhile. */
+function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
+  return new Promise((resolve) => {
+    const done = (): void => {
+      clearTimeout(timer);
+      signal?.removeEventListener("abort", done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener("abort", done, { once: true });
+  });
 }
 
 function local(limit: Limit): boolean {
@@ -202,7 +217,7 @@ export class Governor {
     const c = ctx ?? EMPTY;
     const approved = options.approved ?? [];
     const allowed = approved.length ? this.approvable(approved) : null;
-    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait);
+    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal);
     const now = this.clock();
     if (allowed !== null) {
       const plan = planning.checkPlan(this.policy, c, now, amount, allowed);
@@ -229,16 +244,28 @@ export class Governor {
    * lua/charge.lua admits nobody else while it waits ahead. The retries back
    * off from 5 ms to 100 ms; only the outcome reaches the ledger.
    */
-  private async checkWaiting(ctx: Context, amount: number, allowed: Set<string> | null, wait: number): Promise<Decision> {
+  private async checkWaiting(
+    ctx: Context,
+    amount: number,
+    allowed: Set<string> | null,
+    wait: number,
+    signal: AbortSignal | undefined,
+  ): Promise<Decision> {
     const ticket = `${newId()}/${Math.ceil(wait * 1000)}`;
     const deadline = performance.now() + wait * 1000;
     const approved = allowed === null ? [] : [...allowed].sort();
     let delay = 5;
+    let queued: readonly string[] = [];
     for (;;) {
+      if (signal?.aborted) {
+        await this.leave(queued, ticket); // a cancelled call holds nobody back
+        throw signal.reason;
+      }
       const now = this.clock();
       const plan = allowed !== null ? planning.checkPlan(this.policy, ctx, now, amount, allowed) : this.plan(ctx, now, amount);
       const [decision, eventId] = await this.admit(plan, ctx, now, EntryType.ADMITTED, approved, plan.leases.length ? ticket : null, false);
       if (decision.admitted) return decision;
+      queued = plan.leases;
       const left = deadline - performance.now();
       const full = decision.limit !== null && this.policy.get(decision.limit).concurrent;
       if (left <= 0 || !plan.leases.length || !full || decision.status === 503) {
@@ -246,7 +273,7 @@ export class Governor {
         if (eventId !== null) await this.logAdmission(eventId, EntryType.ADMITTED, now, ctx, plan, decision, []);
         return decision;
       }
-      await sleep(Math.min(delay, left));
+      await sleep(Math.min(delay, left), signal);
       delay = Math.min(delay * 2, 100);
     }
   }

@@ -146,6 +146,24 @@ for (const [name, make] of backends) {
       assert.equal(await gov.usage("parallel", ctx), 0);
     });
 
+    it("a waiter whose signal aborts stops waiting and gives its place to the next", async () => {
+      const gov = new Governor(parallel(1), backend());
+      const ctx = context({ user: fresh("u") });
+      const holder = (await gov.check(ctx)).raiseForStatus();
+      const cancel = new AbortController();
+      const first = gov.check(ctx, { wait: 60, signal: cancel.signal });
+      await sleep(50);
+      const second = gov.check(ctx, { wait: 60 });
+      await sleep(50);
+      cancel.abort();
+      await assert.rejects(within(first, 2000, "the cancelled waiter"), (err: Error) => err.name === "AbortError");
+      await gov.release(holder);
+      // Without giving its place back, the first waiter's ticket would hold the slot for 60 s.
+      const d = await within(second, 3000, "the next waiter");
+      assert.equal(d.status, 200);
+      await gov.release(d);
+    });
+
     it("does not wait for a limit that is not a concurrency cap", async () => {
       const gov = new Governor(
         Policy.of(

@@ -164,6 +164,7 @@ export async function governedCall<R>(
   estimate: Charges | null,
   wait = 0,
   ask: Ask | null = null,
+  signal?: AbortSignal,
 ): Promise<R> {
   const caller = await governor.identified(ctx);
   const approved: string[] = [];
@@ -176,7 +177,7 @@ export async function governedCall<R>(
           entered = true;
           return run(governor, caller, work, fixed, estimate, approved);
         },
-        { wait, approved },
+        { wait, approved, ...(signal !== undefined && { signal }) },
       );
     } catch (err) {
       // Only the check's own refusal may be asked about (not one from inside the work).

@@ -36,6 +36,8 @@ import {
 export interface ToolContext {
   session?: unknown;
   sessionId?: string | undefined;
+  /** Aborted when the client cancels the call: a call waiting for a slot stops waiting. */
+  signal?: AbortSignal | undefined;
   /** fastmcp's elicitation (OnExceed.ASK approvals). */
   elicit?(params: ReturnType<typeof approvalRequest>, options?: { timeout?: number }): Promise<unknown>;
 }
@@ -96,7 +98,7 @@ export function governTool<T extends ToolLike>(governor: Governor, tool: T, opti
       try {
         const found = options.identify !== undefined ? await options.identify(ctx) : callerOf(ctx);
         const caller = context({ ...(found ?? {}), tool: tool.name });
-        return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait, askVia(ctx, tool.name, timeout));
+        return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait, askVia(ctx, tool.name, timeout), ctx?.signal);
       } catch (err) {
         if (err instanceof BudgetExceeded) throw new BudgetToolError(err);
         throw err;

@@ -41,6 +41,8 @@ import {
 export interface RequestExtra {
   authInfo?: { clientId?: string; extra?: Record<string, unknown> } | undefined;
   sessionId?: string | undefined;
+  /** Aborted when the client cancels the request: a call waiting for a slot stops waiting. */
+  signal?: AbortSignal | undefined;
   /** The SDK's request to the client (elicitation, for OnExceed.ASK approvals). */
   sendRequest?(request: { method: string; params?: unknown }, resultSchema: typeof ElicitResultSchema, options?: { timeout?: number }): Promise<unknown>;
 }
@@ -97,7 +99,7 @@ export function governHandler<H extends Handler>(
     try {
       const ctx = await caller(options.identify, extra, tool);
       const work = async (): Promise<unknown> => (handler as unknown as (...a: unknown[]) => unknown)(...args);
-      return await governedCall(governor, ctx, work, price, estimate, wait, askVia(extra, tool, timeout));
+      return await governedCall(governor, ctx, work, price, estimate, wait, askVia(extra, tool, timeout), extra?.signal);
     } catch (err) {
       if (err instanceof BudgetExceeded) return refusalResult(err.decision);
       throw err;
@@ -150,7 +152,7 @@ export function governedCallTool<Req extends CallToolRequest, E extends RequestE
     const { price, estimate } = toolPrices(governor.policy, tool, options.meta?.(tool));
     try {
       const ctx = await caller(options.identify, extra, tool);
-      return await governedCall(governor, ctx, () => handler(request, extra), price, estimate, wait, askVia(extra, tool, timeout));
+      return await governedCall(governor, ctx, () => handler(request, extra), price, estimate, wait, askVia(extra, tool, timeout), extra.signal);
     } catch (err) {
       if (err instanceof BudgetExceeded) return refusalResult(err.decision);
       throw err;
