@@ -5,7 +5,8 @@ driven line by line from here, with the same policy file, against the Redis of
 the fixtures: calls alternating between the two languages admit exactly the
 cap (one after the other, and all at once); a charge made in TypeScript is what
 Python's ``usage()`` and ``mcpbg budgets`` report; a hostile id lands on one
-counter from both.
+counter from both; Python and TypeScript calls waiting for a concurrency slot
+(``wait=``) share one queue and are admitted in arrival order.
 """
 
 from __future__ import annotations
