@@ -31,14 +31,18 @@ after(async () => {
   for (const s of sessions) await s.close();
 });
 
-/** A client that answers every elicitation with `answer` (null: it cannot elicit). */
-async function connect(server: { connect(t: InMemoryTransport): Promise<unknown> }, answer: ElicitResult | null, asked: string[] = []): Promise<Client> {
+/** A client that answers every elicitation with `answer` (null: it cannot elicit; "never": it never answers). */
+async function connect(
+  server: { connect(t: InMemoryTransport): Promise<unknown> },
+  answer: ElicitResult | null | "never",
+  asked: string[] = [],
+): Promise<Client> {
   const [clientSide, serverSide] = InMemoryTransport.createLinkedPair();
   const client = new Client({ name: "test-client", version: "1.0.0" }, { capabilities: answer === null ? {} : { elicitation: {} } });
   if (answer !== null) {
     client.setRequestHandler(ElicitRequestSchema, async (request) => {
       asked.push(request.params.message);
-      return answer;
+      return answer === "never" ? new Promise<ElicitResult>(() => undefined) : answer;
     });
   }
   const [session] = await Promise.all([server.connect(serverSide), client.connect(clientSide)]);
@@ -60,7 +64,7 @@ const frameworks: [string, (gov: Governor, user: string) => { connect(t: InMemor
     "@modelcontextprotocol/sdk McpServer",
     (gov, user) => {
       const server = new McpServer({ name: "s", version: "1.0.0" });
-      governTools(server, gov, { identify: () => context({ user }) });
+      governTools(server, gov, { identify: () => context({ user }), approvalTimeout: 0.3 });
       server.registerTool("search", {}, async () => ({ content: [{ type: "text", text: "ran" }] }));
       return server;
     },
@@ -69,7 +73,7 @@ const frameworks: [string, (gov: Governor, user: string) => { connect(t: InMemor
     "fastmcp",
     (gov, user) => {
       const server = new FastMCP(fastOptions);
-      governFastMCP(server, gov, { identify: () => context({ user }) });
+      governFastMCP(server, gov, { identify: () => context({ user }), approvalTimeout: 0.3 });
       server.addTool({ name: "search", execute: async () => "ran" });
       return server;
     },
@@ -92,8 +96,11 @@ for (const [name, serve] of frameworks) {
       assert.match(asked[0] ?? "", /^Budget 'asked' is spent \(budget_exceeded:user\/minute\)\. Allow this one call to 'search' to go over it\?$/);
       const admissions = ledger.entries.filter((e) => e.type === EntryType.ADMITTED);
       assert.deepEqual(
-        admissions.map((e) => e.approved ?? []),
-        [[], ["asked"]],
+        admissions.map((e) => [e.approved ?? [], e.over]),
+        [
+          [[], []],
+          [["asked"], ["asked"]],
+        ],
       );
       assert.equal(await gov.usage("asked", context({ user: "yes" })), 2);
       await client.close();
@@ -109,6 +116,20 @@ for (const [name, serve] of frameworks) {
       assert.match(r.content[0]?.text ?? "", /^budget_exceeded:user\/minute limit=asked status=429/);
       assert.equal(asked.length, 1);
       assert.equal(await gov.usage("asked", context({ user: "no" })), 1);
+      await client.close();
+    });
+
+    it("refuses as usual when the user does not answer within approvalTimeout", async () => {
+      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend());
+      const asked: string[] = [];
+      const client = await connect(serve(gov, "silent"), "never", asked);
+      await call(client, "search");
+      const started = performance.now();
+      const r = await call(client, "search");
+      assert.equal(r.isError, true);
+      assert.match(r.content[0]?.text ?? "", /limit=asked status=429/);
+      assert.equal(asked.length, 1);
+      assert.ok(performance.now() - started >= 250, "waited for the answer until the timeout");
       await client.close();
     });
 
