@@ -297,6 +297,9 @@ CHARGE_CASES: list[dict[str, Any]] = [
     {"policy": "breaker_and_shadow", "context": {"user": "u_42", "tenant": "acme"},
      "call": "check"},
     {"policy": "concurrency", "context": {"user": "u_42"}, "call": "check", "lease": True},
+    # A call waiting for a slot (Governor.check(wait=1.5)): its ticket is "<id>/<wait ms>".
+    {"policy": "concurrency", "context": {"user": "u_42"}, "call": "check", "lease": True,
+     "ticket": "0190f5a2-7e3b-7c1d-9f00-0000000000dd/1500"},
     {"policy": "session", "context": {"agent": "coder", "session": "s-1"}, "call": "check"},
 ]  # fmt: skip
 OP_ID = "0190f5a2-7e3b-7c1d-9f00-0000000000aa"
@@ -329,8 +332,9 @@ def charge_vectors() -> list[dict[str, Any]]:
             ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
         lease = LEASE_ID if case.get("lease") else None
         args = backend.charge_args(
-            ops, event_id=event_id, want_used=True, op_id=op_id, lease=lease, lease_ttl=LEASE_TTL
-        )
+            ops, event_id=event_id, want_used=True, op_id=op_id, lease=lease, lease_ttl=LEASE_TTL,
+            ticket=case.get("ticket"),
+        )  # fmt: skip
         command = ["EVALSHA", backend._charge.sha] + [
             a.decode() if isinstance(a, bytes) else str(a) for a in args
         ]

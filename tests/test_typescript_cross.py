@@ -5,7 +5,8 @@ driven line by line from here, with the same policy file, against the Redis of
 the fixtures: calls alternating between the two languages admit exactly the
 cap (one after the other, and all at once); a charge made in TypeScript is what
 Python's ``usage()`` and ``mcpbg budgets`` report; a hostile id lands on one
-counter from both.
+counter from both; Python and TypeScript calls waiting for a concurrency slot
+(``wait=``) share one queue and are admitted in arrival order.
 """
 
 from __future__ import annotations
@@ -215,3 +216,93 @@ async def test_a_cap_set_in_one_language_is_enforced_by_the_other(
     await python_gov.set_cap("burst", 9, user="big")
     ts = [node("check", ctx={"user": "big"})["status"] for _ in range(11)]
     assert ts == [200] * 9 + [429] * 2
+
+
+WAIT_POLICY = """
+[[limits]]
+name = "parallel"
+cap = 2
+unit = "concurrent"
+scope = "user"
+"""
+
+
+@pytest.fixture
+def wait_node(node_ready: None, tmp_path: Path, redis_url: str) -> Iterator[tuple[Node, Path]]:
+    path = tmp_path / "wait_policy.toml"
+    path.write_text(WAIT_POLICY, encoding="utf-8")
+    n = Node(path, redis_url)
+    yield n, path
+    n.close()
+
+
+@pytest.mark.slow
+async def test_python_and_typescript_waiters_share_one_queue_first_come_first_served(
+    wait_node: tuple[Node, Path], redis_url: str
+) -> None:
+    """Six callers, alternately Python and TypeScript, wait for a cap of 2 concurrent
+    calls held by Python: each slot that frees goes to the oldest waiter, whatever
+    its language (lua/charge.lua's queue), and a wait that runs out is a 429 with a
+    retry hint on either side."""
+    node, path = wait_node
+    gov = Governor(load_file(path), RedisBackend.from_url(redis_url, timeout=5.0))
+    ctx = {"user": f"waiting-{time.time_ns()}"}
+    try:
+        held: list[tuple[str, Any]] = []  # (who, Python decision or TypeScript name), oldest first
+        for _ in range(2):
+            d = await gov.check(Context(**ctx))
+            assert d.admitted
+            held.append(("py", d))
+        arrivals: list[tuple[str, Any]] = []
+        py_done: list[str] = []
+
+        async def py_wait(name: str) -> Any:
+            d = await gov.check(Context(**ctx), wait=30)
+            if d.admitted:
+                py_done.append(name)
+            return d
+
+        for i in range(6):
+            name = f"w{i}"
+            if i % 2 == 0:
+                arrivals.append(("py", (name, asyncio.create_task(py_wait(name)))))
+            else:
+                assert node("wait_check", name=name, wait=30, ctx=ctx) == {"started": True}
+                arrivals.append(("ts", (name, None)))
+            await asyncio.sleep(0.15)  # each arrives (is queued) before the next
+        order: list[str] = []
+        for who, (name, task) in arrivals:
+            old_who, old = held.pop(0)
+            if old_who == "py":
+                await gov.release(old)
+            else:
+                node("release", name=old)
+            if who == "py":
+                d = await asyncio.wait_for(task, 10)
+                assert d.status == 200
+                held.append(("py", d))
+            else:
+                r = await asyncio.wait_for(asyncio.to_thread(node, "result", name=name), 10)
+                assert r["status"] == 200
+                held.append(("ts", name))
+            order.append(name)
+            ts_done = node("admitted_names")["names"]
+            # Nobody else got in: exactly the waiters up to this one were admitted.
+            assert sorted(py_done + ts_done) == sorted(order), (py_done, ts_done, order)
+        print(f"cross-language waiters admitted in order {order} ({[w for w, _ in arrivals]})")
+        assert order == [f"w{i}" for i in range(6)]
+        assert await gov.usage("parallel", Context(**ctx)) == 2
+        # Both slots held (one by each language): a wait that runs out is the refusal.
+        assert node("wait_check", name="late-ts", wait=0.3, ctx=ctx) == {"started": True}
+        late_py = await gov.check(Context(**ctx), wait=0.3)
+        late_ts = await asyncio.to_thread(node, "result", name="late-ts")
+        assert (late_py.status, late_py.retry_after) == (429, 1)
+        assert (late_ts["status"], late_ts["retry_after"], late_ts["limit"]) == (429, 1, "parallel")
+        for who, old in held:
+            if who == "py":
+                await gov.release(old)
+            else:
+                node("release", name=old)
+        assert await gov.usage("parallel", Context(**ctx)) == 0
+    finally:
+        await gov.aclose()

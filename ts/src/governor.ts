@@ -41,6 +41,50 @@ export interface GovernorOptions {
   maxPending?: number;
 }
 
+/** The longest `wait` (seconds) a call may wait for a concurrency slot (Python: MAX_WAIT). */
+export const MAX_WAIT = 3600;
+
+/** What check() and admitted() take besides the context. */
+export interface CheckOptions {
+  /** How many calls this one counts as on gated CALLS limits. */
+  amount?: number;
+  /** OnExceed.ASK limits the user let this call go over (the ledger records the approval). */
+  approved?: readonly string[];
+  /**
+   * Seconds a call refused by a full concurrency cap waits for a slot, first
+   * come, first served across replicas and languages (lua/lib.lua
+   * waiters_ahead); past it, the refusal (429, retry hint). 0: refuse at once.
+   */
+  wait?: number;
+  /**
+   * Aborted while the call waits for a slot (e.g. the MCP request was
+   * cancelled): the call gives its place in the queue back at once and the
+   * check throws the signal's reason.
+   */
+  signal?: AbortSignal;
+}
+
+/** @internal `wait` validated: seconds from 0 to MAX_WAIT, else the error naming it. */
+export function waitSeconds(wait: unknown): number {
+  if (typeof wait !== "number" || !(wait >= 0 && wait <= MAX_WAIT)) {
+    throw new InvalidInputError("wait", wait, `expected seconds from 0 to ${MAX_WAIT}`);
+  }
+  return wait;
+}
+
+/** Sleep `ms`, or less when `signal` aborts meanwhile. */
+function sleep(ms: number, signal: AbortSignal | undefined): Promise<void> {
+  return new Promise((resolve) => {
+    const done = (): void => {
+      clearTimeout(timer);
+      signal?.removeEventListener("abort", done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener("abort", done, { once: true });
+  });
+}
+
 function local(limit: Limit): boolean {
   return limit.failMode === FailMode.OPEN && limit.localFallback;
 }
@@ -165,33 +209,93 @@ export class Governor {
   /**
    * Admit or refuse a call, charging every gated limit all or nothing, in one
    * round trip however many limits apply. A refusal charges nothing anywhere.
+   * `wait`: see CheckOptions; use it through admitted(), which gives the slot back.
    */
-  async check(ctx: Context | null = null, options: { amount?: number; approved?: readonly string[] } = {}): Promise<Decision> {
+  async check(ctx: Context | null = null, options: CheckOptions = {}): Promise<Decision> {
     const amount = options.amount ?? 1;
     if (amount !== 1) checkAmount(amount, "amount");
     const c = ctx ?? EMPTY;
-    const now = this.clock();
     const approved = options.approved ?? [];
-    if (approved.length) {
-      for (const name of approved) {
-        if (this.policy.get(name).onExceed !== OnExceed.ASK) {
-          throw new InvalidInputError("approved", name, "only an on_exceed=ASK limit can be approved");
-        }
-      }
-      const plan = planning.checkPlan(this.policy, c, now, amount, new Set(approved));
-      return (await this.admit(plan, c, now, EntryType.ADMITTED, [...approved].sort()))[0];
+    const allowed = approved.length ? this.approvable(approved) : null;
+    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal);
+    const now = this.clock();
+    if (allowed !== null) {
+      const plan = planning.checkPlan(this.policy, c, now, amount, allowed);
+      return (await this.admit(plan, c, now, EntryType.ADMITTED, [...allowed].sort()))[0];
     }
     const plan = this.plan(c, now, amount);
     if (this.ledger === null && !plan.slots.length) return ADMITTED;
     return (await this.admit(plan, c, now, EntryType.ADMITTED))[0];
   }
 
+  private approvable(approved: readonly string[]): Set<string> {
+    for (const name of approved) {
+      if (this.policy.get(name).onExceed !== OnExceed.ASK) {
+        throw new InvalidInputError("approved", name, "only an on_exceed=ASK limit can be approved");
+      }
+    }
+    return new Set(approved);
+  }
+
+  /**
+   * check() retried while a concurrency cap refuses, holding a place in the
+   * caps' queues (Python: Governor._check_waiting): a slot that frees goes to
+   * the oldest waiter on every replica, whatever its language, because
+   * lua/charge.lua admits nobody else while it waits ahead. The retries back
+   * off from 5 ms to 100 ms; only the outcome reaches the ledger.
+   */
+  private async checkWaiting(
+    ctx: Context,
+    amount: number,
+    allowed: Set<string> | null,
+    wait: number,
+    signal: AbortSignal | undefined,
+  ): Promise<Decision> {
+    const ticket = `${newId()}/${Math.ceil(wait * 1000)}`;
+    const deadline = performance.now() + wait * 1000;
+    const approved = allowed === null ? [] : [...allowed].sort();
+    let delay = 5;
+    let queued: readonly string[] = [];
+    for (;;) {
+      if (signal?.aborted) {
+        await this.leave(queued, ticket); // a cancelled call holds nobody back
+        throw signal.reason;
+      }
+      const now = this.clock();
+      const plan = allowed !== null ? planning.checkPlan(this.policy, ctx, now, amount, allowed) : this.plan(ctx, now, amount);
+      const [decision, eventId] = await this.admit(plan, ctx, now, EntryType.ADMITTED, approved, plan.leases.length ? ticket : null, false);
+      if (decision.admitted) return decision;
+      queued = plan.leases;
+      const left = deadline - performance.now();
+      const full = decision.limit !== null && this.policy.get(decision.limit).concurrent;
+      if (left <= 0 || !plan.leases.length || !full || decision.status === 503) {
+        await this.leave(plan.leases, ticket);
+        if (eventId !== null) await this.logAdmission(eventId, EntryType.ADMITTED, now, ctx, plan, decision, []);
+        return decision;
+      }
+      await sleep(Math.min(delay, left), signal);
+      delay = Math.min(delay * 2, 100);
+    }
+  }
+
+  /** Take a waiting call that gives up out of the queues (else its place holds until its wait ends). */
+  private async leave(leases: readonly string[], ticket: string): Promise<void> {
+    if (!leases.length) return;
+    await this.fallback.leave(leases, ticket);
+    try {
+      await this.backend.leave(leases, ticket);
+    } catch (err) {
+      if (!(err instanceof BackendUnavailableError)) throw err;
+    }
+  }
+
   /**
    * check() for the duration of `work`: refused, throws the refusal; admitted,
    * concurrency-cap leases are renewed while it runs and given back however it ends.
+   * `options.wait`: seconds to wait for a concurrency slot (see CheckOptions).
    */
-  async admitted<R>(ctx: Context | null, work: (decision: Decision) => Promise<R>): Promise<R> {
-    const decision = (await this.check(ctx)).raiseForStatus();
+  async admitted<R>(ctx: Context | null, work: (decision: Decision) => Promise<R>, options: CheckOptions = {}): Promise<R> {
+    const decision = (await this.check(ctx, options)).raiseForStatus();
     let timer: NodeJS.Timeout | undefined;
     if (decision.lease !== null) {
       timer = setInterval(() => {
@@ -368,34 +472,59 @@ export class Governor {
     return plan;
   }
 
-  /** @internal The admission step of check() and reserve(), one round trip. */
-  async admit(plan: Plan, ctx: Context, now: number, kind: EntryType, approved: readonly string[] = []): Promise<[Decision, string | null]> {
+  /**
+   * @internal The admission step of check() and reserve(), one round trip.
+   * `ticket`: a waiting call's place in the concurrency caps' queues; not
+   * `recordRefusal`, only an admission goes to the ledger (the waiting call
+   * records its one refusal when it gives up).
+   */
+  async admit(
+    plan: Plan,
+    ctx: Context,
+    now: number,
+    kind: EntryType,
+    approved: readonly string[] = [],
+    ticket: string | null = null,
+    recordRefusal = true,
+  ): Promise<[Decision, string | null]> {
     if (this.ledger !== null && this.ledger.accepting === false) return [planning.ledgerFull(this.retryInterval), null];
     const eventId = this.ledger !== null ? newId() : null;
     const opId = eventId === null ? newId() : null;
     const lease = plan.leases.length ? newId() : null;
     let decision: Decision;
     try {
-      const result = await this.charge(plan.ops, eventId, true, opId, lease);
+      const result = await this.charge(plan.ops, eventId, true, opId, lease, ticket);
       decision = result.refused < 0 ? planning.admitted(plan.slots, result.used, false, result.caps) : this.decide(plan.slots, result, now);
     } catch (err) {
       if (!(err instanceof BackendUnavailableError)) throw err;
-      decision = await this.degradedCheck(plan.slots, now, opId, lease);
+      decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
     }
     if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
-    if (this.ledger !== null && eventId !== null) {
-      const ok = decision.admitted;
-      await this.ledger.append(
-        entry(eventId, ok ? kind : EntryType.REJECTED, now, ctx, ok ? plan.charges : [], {
-          limit: decision.limit,
-          status: decision.status,
-          over: decision.over,
-          degraded: decision.degraded,
-          approved: ok ? approved : [],
-        }),
-      );
-    }
+    if (eventId !== null && (recordRefusal || decision.admitted)) await this.logAdmission(eventId, kind, now, ctx, plan, decision, approved);
     return [decision, eventId];
+  }
+
+  /** The ledger entry of an admission step: `kind`, or a rejection. */
+  private async logAdmission(
+    eventId: string,
+    kind: EntryType,
+    now: number,
+    ctx: Context,
+    plan: Plan,
+    decision: Decision,
+    approved: readonly string[],
+  ): Promise<void> {
+    if (this.ledger === null) return;
+    const ok = decision.admitted;
+    await this.ledger.append(
+      entry(eventId, ok ? kind : EntryType.REJECTED, now, ctx, ok ? plan.charges : [], {
+        limit: decision.limit,
+        status: decision.status,
+        over: decision.over,
+        degraded: decision.degraded,
+        approved: ok ? approved : [],
+      }),
+    );
   }
 
   private decide(slots: readonly Slot[], result: ChargeResult, now: number): Decision {
@@ -411,13 +540,14 @@ export class Governor {
     wantUsed: boolean,
     opId: string | null,
     lease: string | null = null,
+    ticket: string | null = null,
   ): Promise<ChargeResult> {
     if (this.downUntil) {
       if (this.clock() < this.downUntil) throw new BackendUnavailableError("backend marked down; retrying later");
       await this.flushPending();
     }
     try {
-      return await this.backend.charge(ops, { eventId, wantUsed, opId, lease, leaseTtl: this.leaseTtl });
+      return await this.backend.charge(ops, { eventId, wantUsed, opId, lease, leaseTtl: this.leaseTtl, ticket });
     } catch (err) {
       if (err instanceof BackendUnavailableError) this.markDown();
       throw err;
@@ -455,12 +585,18 @@ export class Governor {
     this.pending.push([opId, ops]);
   }
 
-  private async degradedCheck(slots: readonly Slot[], now: number, opId: string | null, lease: string | null): Promise<Decision> {
+  private async degradedCheck(
+    slots: readonly Slot[],
+    now: number,
+    opId: string | null,
+    lease: string | null,
+    ticket: string | null = null,
+  ): Promise<Decision> {
     for (const s of slots) {
       if (s.enforce && s.limit.failMode === FailMode.CLOSED) return planning.unavailable(s, this.retryInterval);
     }
     const localSlots = slots.filter((s) => local(s.limit));
-    const result = await this.fallback.charge(localSlots.map(planning.opOf), { lease, leaseTtl: this.leaseTtl });
+    const result = await this.fallback.charge(localSlots.map(planning.opOf), { lease, leaseTtl: this.leaseTtl, ticket });
     if (result.refused >= 0) {
       const s = localSlots[result.refused];
       if (s !== undefined) {

@@ -126,6 +126,7 @@ describe("scripts", () => {
         wantUsed: true,
         lease: c.lease ? "0190f5a2-7e3b-7c1d-9f00-0000000000cc" : null,
         leaseTtl: 30,
+        ticket: c.ticket ?? null,
         requireEpoch: c.require_epoch ?? false,
         nowMs: c.now * 1000,
       };

@@ -48,6 +48,9 @@ export class MemoryBackend implements Backend {
   private readonly counters = new Map<string, Counter>();
   private readonly leases = new Map<string, Map<string, number>>();
   private readonly ops = new Map<string, number>();
+  /** Lease set key -> waiting ticket -> [arrival, deadline] (epoch s), in arrival
+   * order (a Map keeps insertion order): lua/lib.lua's queues. */
+  private readonly queues = new Map<string, Map<string, [number, number]>>();
 
   constructor(private readonly clock: () => number = () => Date.now() / 1000) {}
 
@@ -68,6 +71,20 @@ export class MemoryBackend implements Backend {
     return set.size;
   }
 
+  /** Live waiters before `ticket` (null: all) in the queue of lease set `key`, at
+   * most `room` (lib.lua waiters_ahead). */
+  private ahead(key: string, ticket: string | null, room: number, now: number): number {
+    const queue = this.queues.get(key);
+    if (queue === undefined) return 0;
+    for (const [t, [, until]] of queue) if (until <= now) queue.delete(t);
+    let ahead = 0;
+    for (const t of queue.keys()) {
+      if (t === ticket || ahead >= room) break;
+      ahead++;
+    }
+    return ahead;
+  }
+
   async charge(ops: readonly CounterOp[], options: ChargeOptions = {}): Promise<ChargeResult> {
     const now = this.clock();
     const opId = options.eventId == null ? (options.opId ?? null) : null;
@@ -81,11 +98,16 @@ export class MemoryBackend implements Backend {
     const caps: number[] = [];
     const resolve = ops.some((op) => op.ref !== null);
     let refusedAt = -1;
+    const ticket = options.ticket ?? null;
+    const queued = ops.map((op) => options.lease != null && op.key.startsWith(LEASE_PREFIX));
     ops.forEach((op, i) => {
       let total: number;
       let cap = op.cap;
-      if (options.lease != null && op.key.startsWith(LEASE_PREFIX)) total = this.live(op.key);
-      else {
+      let waiting = 0;
+      if (queued[i] === true) {
+        total = this.live(op.key);
+        if (cap > total) waiting = this.ahead(op.key, ticket, cap - total, now);
+      } else {
         const c = this.counter(op.key);
         if (c !== undefined && !staysExact(c.c, c.f, 0, inline)) throw new CounterOverflowError(op.key.split(":")[2] ?? "", op.amount, op.key, MAX_AMOUNT);
         total = c === undefined ? 0 : c.c + c.f;
@@ -93,10 +115,22 @@ export class MemoryBackend implements Backend {
       }
       used.push(total);
       caps.push(cap);
-      if (refusedAt < 0 && op.enforce && !fits(total, op.amount, cap)) refusedAt = i;
+      if (refusedAt < 0 && op.enforce && !fits(total + waiting, op.amount, cap)) refusedAt = i;
     });
     const result: ChargeResult = { refused: refusedAt, used: options.wantUsed === false ? [] : used, caps: resolve && options.wantUsed !== false ? caps : [] };
-    if (refusedAt >= 0) return result;
+    if (refusedAt >= 0) {
+      // Only a full lease set is worth waiting for: then the ticket joins every queue of the call.
+      if (ticket !== null && queued[refusedAt] === true) {
+        const waitS = Number(ticket.slice(ticket.lastIndexOf("/") + 1)) / 1000;
+        ops.forEach((op, i) => {
+          if (queued[i] !== true) return;
+          let queue = this.queues.get(op.key);
+          if (queue === undefined) this.queues.set(op.key, (queue = new Map()));
+          if (!queue.has(ticket)) queue.set(ticket, [now, now + waitS]);
+        });
+      }
+      return result;
+    }
     for (const op of ops) {
       if (op.key.startsWith(LEASE_PREFIX)) continue;
       const c = this.counter(op.key);
@@ -110,6 +144,7 @@ export class MemoryBackend implements Backend {
         let set = this.leases.get(op.key);
         if (set === undefined) this.leases.set(op.key, (set = new Map()));
         set.set(options.lease, now * 1000 + (options.leaseTtl ?? 30) * 1000);
+        if (ticket !== null) this.queues.get(op.key)?.delete(ticket);
         continue;
       }
       if (op.amount === 0) continue;
@@ -151,6 +186,12 @@ export class MemoryBackend implements Backend {
         n++;
       }
     }
+    return n;
+  }
+
+  async leave(keys: readonly string[], ticket: string): Promise<number> {
+    let n = 0;
+    for (const k of keys) if (this.queues.get(k)?.delete(ticket)) n++;
     return n;
   }
 

@@ -345,6 +345,10 @@ export class RedisBackend implements Backend {
     return (await this.leases(keys, "n", lease, String(Math.max(1, Math.round(ttl * 1000))))).reduce((a, b) => a + b, 0);
   }
 
+  async leave(keys: readonly string[], ticket: string): Promise<number> {
+    return (await this.leases(keys.map(queueKey), "q", ticket)).reduce((a, b) => a + b, 0);
+  }
+
   async inProgress(keys: readonly string[]): Promise<number[]> {
     return this.leases(keys, "c");
   }

@@ -32,6 +32,8 @@ export interface Backend {
   release(keys: readonly string[], lease: string): Promise<number>;
   /** Extend a live lease by `ttl` seconds; how many were renewed. */
   renew(keys: readonly string[], lease: string, ttl: number): Promise<number>;
+  /** Take a waiting call's ticket out of the queues of lease sets `keys`; how many held it. */
+  leave(keys: readonly string[], ticket: string): Promise<number>;
   /** Live leases per set. */
   inProgress(keys: readonly string[]): Promise<number[]>;
   close(): Promise<void>;

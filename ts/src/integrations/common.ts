@@ -8,11 +8,11 @@
  * // { price: { spend: 10000 }, estimate: null }
  */
 import type { Context } from "../context.js";
-import { refusalBody, refusalText, type Decision } from "../decision.js";
+import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
 import { BudgetExceeded, InvalidInputError } from "../errors.js";
 import type { Governor, Reservation } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
-import type { Policy } from "../policy.js";
+import { OnExceed, type Policy } from "../policy.js";
 
 /** What a call costs: limit name -> amount in that limit's unit. */
 export type Charges = Record<string, number>;
@@ -97,10 +97,64 @@ export function refusalResult(decision: Decision): {
   };
 }
 
+/** Asks the client's user whether a call refused by an OnExceed.ASK limit may go over it. */
+export type Ask = (decision: Decision) => Promise<boolean>;
+
+/** How long (seconds) the user has to answer an approval by default (Python: approval_timeout). */
+export const APPROVAL_TIMEOUT = 120;
+
+/**
+ * The OnExceed.ASK limit whose refusal the user may wave through, else null:
+ * never a breaker, an unnamed caller, unreachable counters or a full ledger
+ * (Python: integrations/flow.py askable).
+ */
+export function askable(governor: Governor, decision: Decision, approved: readonly string[]): string | null {
+  const name = decision.limit;
+  if (decision.admitted || decision.degraded || name === null || approved.includes(name)) return null;
+  if (!decision.reason.startsWith(EXCEEDED) || !governor.policy.has(name)) return null;
+  const limit = governor.policy.get(name);
+  return limit.onExceed === OnExceed.ASK && !limit.breaker ? name : null;
+}
+
+/** The question put to the user (the Python middleware's words). */
+export function approvalMessage(decision: Decision, tool: string): string {
+  return `Budget '${decision.limit ?? ""}' is spent (${decision.reason}). Allow this one call to '${tool}' to go over it?`;
+}
+
+/** The MCP elicitation (form mode) of that question: one boolean, true to go over. */
+export function approvalRequest(decision: Decision, tool: string): {
+  message: string;
+  requestedSchema: { type: "object"; properties: { value: { type: "boolean"; title: string } }; required: string[] };
+} {
+  return {
+    message: approvalMessage(decision, tool),
+    requestedSchema: { type: "object", properties: { value: { type: "boolean", title: "Go over budget" } }, required: ["value"] },
+  };
+}
+
+/** Whether an elicitation result says yes (accepted, with value true). */
+export function approvalGiven(result: unknown): boolean {
+  const r = result as { action?: unknown; content?: Record<string, unknown> } | null | undefined;
+  return r?.action === "accept" && r.content?.["value"] === true;
+}
+
+/** `approvalTimeout` validated (seconds, more than 0, at most a day). */
+export function approvalSeconds(timeout: unknown): number {
+  if (typeof timeout !== "number" || !(timeout > 0 && timeout <= 86_400)) {
+    throw new InvalidInputError("approval_timeout", timeout, "expected seconds, more than 0 and at most 86400");
+  }
+  return timeout;
+}
+
 /**
  * One governed call: identify, check (a refusal throws BudgetExceeded and the
- * work never runs), reserve estimates, run, then charge: a completed call is
+ * work never runs; `wait`: seconds a full concurrency cap may hold the call
+ * for a slot first), reserve estimates, run, then charge: a completed call is
  * charged its price even past a cap; a failed one its fixed price.
+ *
+ * `ask(decision)` is asked when the check refuses by an OnExceed.ASK limit:
+ * true admits the call over that limit (the ledger records the approval),
+ * false refuses it as usual. A breaker never asks.
  */
 export async function governedCall<R>(
   governor: Governor,
@@ -108,38 +162,73 @@ export async function governedCall<R>(
   work: () => Promise<R>,
   fixed: Charges | null,
   estimate: Charges | null,
+  wait = 0,
+  ask: Ask | null = null,
+  signal?: AbortSignal,
 ): Promise<R> {
   const caller = await governor.identified(ctx);
-  return governor.admitted(caller, async () => {
-    const held: Reservation[] = [];
+  const approved: string[] = [];
+  for (;;) {
+    let entered = false;
     try {
-      for (const [limit, amount] of Object.entries(estimate ?? {})) held.push(await governor.reserve(limit, amount, caller));
+      return await governor.admitted(
+        caller,
+        async () => {
+          entered = true;
+          return run(governor, caller, work, fixed, estimate, approved);
+        },
+        { wait, approved, ...(signal !== undefined && { signal }) },
+      );
     } catch (err) {
-      for (const r of held) r.release();
-      for (const r of held) await r.finish(false);
-      throw err;
+      // Only the check's own refusal may be asked about (not one from inside the work).
+      if (entered || ask === null || !(err instanceof BudgetExceeded)) throw err;
+      const limit = askable(governor, err.decision, approved);
+      if (limit === null || !(await ask(err.decision))) throw err;
+      approved.push(limit); // a refused check charged nothing: check again
     }
-    const charge = async (): Promise<void> => {
-      const rest: Charges = { ...(fixed ?? {}) };
-      for (const r of held) {
-        if (r.limit.name in rest) {
-          r.actual = rest[r.limit.name] ?? null;
-          delete rest[r.limit.name];
-        }
-        await r.finish(false);
+  }
+}
+
+/** The admitted part of governedCall: reserve estimates, run, charge. */
+async function run<R>(
+  governor: Governor,
+  caller: Context,
+  work: () => Promise<R>,
+  fixed: Charges | null,
+  estimate: Charges | null,
+  approved: readonly string[],
+): Promise<R> {
+  const held: Reservation[] = [];
+  try {
+    for (const [limit, amount] of Object.entries(estimate ?? {})) {
+      // An approved call goes over that limit: holding an estimate there would refuse it again.
+      if (!approved.includes(limit)) held.push(await governor.reserve(limit, amount, caller));
+    }
+  } catch (err) {
+    for (const r of held) r.release();
+    for (const r of held) await r.finish(false);
+    throw err;
+  }
+  const charge = async (): Promise<void> => {
+    const rest: Charges = { ...(fixed ?? {}) };
+    for (const r of held) {
+      if (r.limit.name in rest) {
+        r.actual = rest[r.limit.name] ?? null;
+        delete rest[r.limit.name];
       }
-      if (Object.keys(rest).length) await governor.meterCharges(rest, caller);
-    };
-    let result: R;
-    try {
-      result = await work();
-    } catch (err) {
-      await charge();
-      throw err;
+      await r.finish(false);
     }
+    if (Object.keys(rest).length) await governor.meterCharges(rest, caller);
+  };
+  let result: R;
+  try {
+    result = await work();
+  } catch (err) {
     await charge();
-    return result;
-  });
+    throw err;
+  }
+  await charge();
+  return result;
 }
 
 export function isRefusal(err: unknown): err is BudgetExceeded {

@@ -5,6 +5,10 @@
  * `authenticate` result when it has a `user`/`id`), the tool's `_meta.mcpbg`
  * price, and a refusal thrown as fastmcp's `UserError` carrying the Python
  * middleware's refusal text (the client gets an error result with that text).
+ * A limit with `onExceed: OnExceed.ASK` that refuses a call asks the client's
+ * user through `context.elicit` (MCP elicitation) whether this one call may go
+ * over it; declined, unanswered (`approvalTimeout`) or a client that cannot
+ * elicit: the usual refusal. A breaker never asks.
  *
  * @example
  * const server = new FastMCP({ name: "my-server", version: "1.0.0" });
@@ -16,17 +20,46 @@ import { UserError } from "fastmcp";
 import { context, type Context } from "../context.js";
 import { refusalText } from "../decision.js";
 import { BudgetExceeded } from "../errors.js";
-import type { Governor } from "../governor.js";
-import { governedCall, toolPrices, type Identify } from "./common.js";
+import { waitSeconds, type Governor } from "../governor.js";
+import {
+  APPROVAL_TIMEOUT,
+  approvalGiven,
+  approvalRequest,
+  approvalSeconds,
+  governedCall,
+  toolPrices,
+  type Ask,
+  type Identify,
+} from "./common.js";
 
 /** What fastmcp passes `execute` as its second argument (the parts used here). */
 export interface ToolContext {
   session?: unknown;
   sessionId?: string | undefined;
+  /** Aborted when the client cancels the call: a call waiting for a slot stops waiting. */
+  signal?: AbortSignal | undefined;
+  /** fastmcp's elicitation (OnExceed.ASK approvals). */
+  elicit?(params: ReturnType<typeof approvalRequest>, options?: { timeout?: number }): Promise<unknown>;
 }
 
 export interface GovernFastMCPOptions<C = ToolContext> {
   identify?: Identify<C>;
+  /** Seconds a call refused by a full concurrency cap waits for a slot (first come, first served); 0: refuse at once. */
+  wait?: number;
+  /** Seconds the user has to answer an OnExceed.ASK approval (MCP elicitation); unanswered, the call is refused. */
+  approvalTimeout?: number;
+}
+
+/** Asking the user through fastmcp's elicit; false for no, no answer in time, or a client that cannot be asked. */
+function askVia(ctx: ToolContext | undefined, tool: string, timeout: number): Ask {
+  return async (decision) => {
+    if (typeof ctx?.elicit !== "function") return false;
+    try {
+      return approvalGiven(await ctx.elicit(approvalRequest(decision, tool), { timeout: timeout * 1000 }));
+    } catch {
+      return false; // the client cannot elicit, or did not answer: the normal refusal
+    }
+  };
 }
 
 /** The default identity: the session's `user`, `sub` or `id` (from `authenticate`), and the MCP session id. */
@@ -56,6 +89,8 @@ export class BudgetToolError extends UserError {
 /** One fastmcp tool, governed. */
 export function governTool<T extends ToolLike>(governor: Governor, tool: T, options: GovernFastMCPOptions = {}): T {
   const { price, estimate } = toolPrices(governor.policy, tool.name, tool._meta);
+  const wait = waitSeconds(options.wait ?? 0);
+  const timeout = approvalSeconds(options.approvalTimeout ?? APPROVAL_TIMEOUT);
   const execute = tool.execute as (args: unknown, ctx: ToolContext) => Promise<unknown>;
   return {
     ...tool,
@@ -63,7 +98,7 @@ export function governTool<T extends ToolLike>(governor: Governor, tool: T, opti
       try {
         const found = options.identify !== undefined ? await options.identify(ctx) : callerOf(ctx);
         const caller = context({ ...(found ?? {}), tool: tool.name });
-        return await governedCall(governor, caller, () => execute(args, ctx), price, estimate);
+        return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait, askVia(ctx, tool.name, timeout), ctx?.signal);
       } catch (err) {
         if (err instanceof BudgetExceeded) throw new BudgetToolError(err);
         throw err;

@@ -9,9 +9,14 @@
 //   {"op": "usage", "limit": "spend", "ctx": {...}}  -> {"usage": 5}
 //   {"op": "set_cap", "limit": "burst", "amount": 2, "ctx": {"user": "u"}} -> {"change": {...}}
 //   {"op": "key", "limit": "burst", "ctx": {...}}    -> {"key": "mcpbg:v1:..."}
+//   {"op": "wait_check", "name": "w1", "wait": 10, "ctx": {...}} -> {"started": true}
+//       (check(ctx, {wait}) in the background, its decision kept under the name)
+//   {"op": "result", "name": "w1"}                   -> {"status": 200, "retry_after": null}  (when it ends)
+//   {"op": "admitted_names"}                         -> {"names": ["w1", ...]}  (in order of admission)
+//   {"op": "release", "name": "w1"}                  -> {"released": true}
 import { createInterface } from "node:readline";
 
-import { Governor, RedisBackend, context, loadPolicyFile, type Context } from "../../src/index.js";
+import { Governor, RedisBackend, context, loadPolicyFile, type Context, type Decision } from "../../src/index.js";
 import { setCap } from "../../src/admin.js";
 import { checkPlan } from "../../src/planning.js";
 
@@ -23,8 +28,14 @@ if (policyFile === undefined || url === undefined) {
 const policy = loadPolicyFile(policyFile);
 const governor = new Governor(policy, RedisBackend.fromUrl(url, { timeout: 5 }));
 
+/** Background checks (wait_check) by name, and the names admitted so far, in order. */
+const checks = new Map<string, Promise<Decision>>();
+const admittedNames: string[] = [];
+
 interface Command {
   op: string;
+  name?: string;
+  wait?: number;
   ctx?: Record<string, string>;
   limit?: string;
   amount?: number;
@@ -61,6 +72,27 @@ async function run(cmd: Command): Promise<unknown> {
     }
     case "set_cap":
       return { change: await setCap(governor, cmd.limit ?? "", cmd.amount ?? 0, cmd.ctx ?? {}) };
+    case "wait_check": {
+      const name = cmd.name ?? "";
+      const pending = governor.check(ctx, { wait: cmd.wait ?? 0 }).then((d) => {
+        if (d.admitted) admittedNames.push(name);
+        return d;
+      });
+      pending.catch(() => undefined); // reported by "result"
+      checks.set(name, pending);
+      return { started: true };
+    }
+    case "result": {
+      const d = await (checks.get(cmd.name ?? "") ?? Promise.reject(new Error(`no check ${cmd.name}`)));
+      return { status: d.status, admitted: d.admitted, retry_after: d.retryAfter, limit: d.limit };
+    }
+    case "admitted_names":
+      return { names: admittedNames };
+    case "release": {
+      const d = await (checks.get(cmd.name ?? "") ?? Promise.reject(new Error(`no check ${cmd.name}`)));
+      await governor.release(d);
+      return { released: true };
+    }
     case "close":
       await governor.close();
       return { closed: true };
