@@ -33,6 +33,7 @@ from mcp_budget_governor.stream.archiver import Archiver
 from mcp_budget_governor.stream.projector import Projector
 from testing.ledger_run import TOPIC, Run, extend, mixed_run, run_cli
 from testing.services import (
+    KafkaService,
     RedisClusterService,
     RedisUnavailable,
     start_local_redis_cluster,
@@ -41,13 +42,16 @@ from testing.services import (
 from testing.stream_support import (
     PARTITIONS,
     TENANTS,
+    Names,
     Stream,
+    Worker,
     applied_offsets,
     assert_exact,
     both_engines,
     engine,
     kafka,
     names,
+    read_ledger,
     stream,
     workers,
 )
@@ -328,3 +332,68 @@ def test_a_failover_that_lost_writes_is_reported_and_fixed(
     assert code == 0 and "no drift" in out, out
     totals = run.totals()
     assert _committed(own_cluster, sorted(totals)) == totals
+
+
+@needs_broker
+@pytest.mark.slow
+async def test_the_worker_across_a_master_killed_mid_run_then_reconcile_fix(
+    own_cluster: RedisClusterService,
+    kafka: KafkaService,
+    names: Names,
+    workers: list[Worker],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = own_cluster.url
+    backend = ClusterBackend.from_url(url, timeout=5.0)
+    await backend.mark_ready("test")
+    stream = Stream(kafka, url, backend, names, workers, tmp_path)
+    archive = tmp_path / "archive"
+    tag = new_tag()
+    rng = random.Random(11)
+    try:
+        async with stream.governor(tagged_policy(tag)) as gov:
+            await tagged_workload(gov, tag, 150, rng)
+            stream.start_worker("--archive-dir", str(archive))
+            await stream.caught_up()
+
+            keys = {
+                c.key for r in await read_ledger(kafka, stream.topic) for c in r.event.data.charges
+            }
+            resume_master = _owner(own_cluster, key_slot(WATERMARK_KEY.encode()))
+            victim = next(
+                m
+                for m in sorted({_owner(own_cluster, key_slot(k.encode())) for k in keys})
+                if m != resume_master
+            )
+            replica = own_cluster.replica_of(victim)
+            os.kill(own_cluster.pid(replica), signal.SIGSTOP)
+            try:
+                redis.Redis(port=victim).execute_command("CLIENT", "KILL", "TYPE", "replica")
+                await tagged_workload(gov, tag, 150, rng)
+                assert gov.ledger is not None and await gov.ledger.flush(30.0)
+                await stream.caught_up()  # the worker applied them: on the victim only
+                own_cluster.kill(victim)  # the master dies while the worker runs
+            finally:
+                os.kill(own_cluster.pid(replica), signal.SIGCONT)
+            redis.Redis(port=replica).execute_command("CLUSTER FAILOVER TAKEOVER")
+            await asyncio.to_thread(_wait_failed_over, own_cluster, victim)
+            await tagged_workload(gov, tag, 150, rng)
+        records = await stream.caught_up()
+
+        args = ["--archive-dir", str(archive), "--redis-url", url]
+        code, out, _ = run_cli(capsys, "reconcile", "--json", *args)
+        assert code == 1, out
+        report = json.loads(out)
+        assert report["drift"] and all(d["ledger"] > d["redis"] for d in report["drift"]), out
+        assert all(
+            _owner(own_cluster, key_slot(d["key"].encode())) == replica for d in report["drift"]
+        )
+        code, out, _ = run_cli(capsys, "reconcile", "--fix", *args)
+        assert code == 1 and "(fixed)" in out, out
+        code, out, _ = run_cli(capsys, "reconcile", *args)
+        assert code == 0 and "no drift" in out, out
+        await assert_exact(backend, records)
+        assert workers[0].terminate() == 0  # it ran through it all
+    finally:
+        await backend.aclose()
