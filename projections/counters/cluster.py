@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
+from redis import exceptions as redis_errors
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
@@ -311,24 +312,51 @@ class ClusterBackend:
                     )
                 )
         now_ms = str(int(self._node.clock() * 1000))
-        calls = []
-        for slot, share in by_slot.items():
-            keys, args = apply_args(
-                partition,
-                share,
-                require_epoch=False,
-                through=-1,
-                now_ms=now_ms,
-                tag=slot_tag(slot),
+        calls = [
+            apply_args(
+                partition, share, require_epoch=False, through=-1, now_ms=now_ms, tag=slot_tag(slot)
             )
-            calls.append(self._node.run_apply(keys, args))
-        applied = await asyncio.gather(*calls)
+            for slot, share in by_slot.items()
+        ]
+        applied = await self._apply_slots(calls)
         last = max([through, *(e.offset for e in events)])
         try:
             await self.client.eval(_RAISE_WATERMARK, 1, WATERMARK_KEY, partition, last)
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError.redis(exc) from exc
         return max(applied, default=0)
+
+    async def _apply_slots(self, calls: Sequence[tuple[list[str], list[Any]]]) -> list[int]:
+        """Run lua/apply.lua once per slot, pipelined: one round trip per master, one
+        connection each (a batch may touch thousands of slots)."""
+        script = self._node._apply
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for command, body in (("EVALSHA", script.sha), ("EVAL", script.script)):
+            if not todo:
+                break
+            try:
+                async with self.client.pipeline() as pipe:
+                    for i in todo:
+                        keys, args = calls[i]
+                        pipe.execute_command(command, body, len(keys), *keys, *args)
+                    got = await pipe.execute(raise_on_error=False)
+            except _UNAVAILABLE as exc:
+                raise BackendUnavailableError.redis(exc) from exc
+            for i, reply in zip(todo, got, strict=True):
+                replies[i] = reply
+            # A node without the script (restarted, failed over): EVAL there.
+            todo = [i for i in todo if isinstance(replies[i], redis_errors.NoScriptError)]
+        out = []
+        for reply in replies:
+            if isinstance(reply, redis_errors.ResponseError) and "mcpbg apply:" in str(reply):
+                raise ValueError(str(reply))  # a key of no counter's shape: that slot wrote nothing
+            if isinstance(reply, _UNAVAILABLE):
+                raise BackendUnavailableError.redis(reply)
+            if isinstance(reply, BaseException):
+                raise reply
+            out.append(int(reply))
+        return out
 
     async def watermark(self, partition: str) -> int:
         """Where the worker resumes ``partition`` from, less one (-1: none)."""
