@@ -72,7 +72,8 @@ def redis_url(redis_cluster: RedisClusterService) -> str:
 
 @pytest.fixture
 async def backend(redis_url: str) -> AsyncIterator[ClusterBackend]:
-    b = ClusterBackend.from_url(redis_url, timeout=5.0)
+    # The worker's pool: 4 connections per node, however many slots a batch touches.
+    b = ClusterBackend.from_url(redis_url, timeout=5.0, max_connections=4)
     await b.mark_ready("test")  # an intact projection: the live path, not a rebuild
     yield b
     await b.aclose()
@@ -122,8 +123,8 @@ async def test_each_slot_applies_once_a_batch_that_landed_on_some_slots_only(
     backend: ClusterBackend,
 ) -> None:
     tag = new_tag()
-    keys = [f"mcpbg:v1:{tag}:user=u{i}:20261202" for i in range(12)]  # gone in an hour
-    assert len({key_slot(k.encode()) for k in keys}) > 3
+    keys = [f"mcpbg:v1:{tag}:user=u{i}:20261202" for i in range(60)]  # gone in an hour
+    assert len({key_slot(k.encode()) for k in keys}) > 40
     partition = f"{tag}.ledger:0"
     now = time.time()
     events = [
