@@ -2,6 +2,8 @@
 --
 -- KEYS[1]    the watermark hash (partition -> last applied offset)
 -- KEYS[2]    the epoch marker
+--            (on Redis Cluster these and the seen sets carry the hash tag of
+--            the slot the batch's counters share: one call per slot group)
 -- KEYS[3..]  the seen-id sets the batch touches (ARGV[5] of them), then its counters
 -- ARGV[1]    the partition field; ARGV[2] the number of events; ARGV[3] '1' when
 --            the epoch marker must be whole (a Redis that restarted empty has lost
@@ -45,8 +47,11 @@ end
 local seen_sets = tonumber(ARGV[5])
 for i = 3, #KEYS do
   local shape = '^mcpbg:v1:%w[%w_.%-]*:[^:]+:[^:]+$'
+  -- A seen set may carry a hash tag (Redis Cluster: the slot of its counters).
   if i <= 2 + seen_sets then shape = '^mcpbg:v1:_seen:%d+$' end
-  if not string.find(KEYS[i], shape) and (i <= 2 + seen_sets or not change_key_ok(KEYS[i])) then
+  if not string.find(KEYS[i], shape) and not (i <= 2 + seen_sets
+      and string.find(KEYS[i], '^mcpbg:v1:_seen:%d+{%x+}$'))
+      and (i <= 2 + seen_sets or not change_key_ok(KEYS[i])) then
     return redis.error_reply('mcpbg apply: refused the batch: ' .. KEYS[i] .. ' is not a '
       .. (i <= 2 + seen_sets and 'seen-id set' or 'counter key'))
   end

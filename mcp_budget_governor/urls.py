@@ -31,6 +31,35 @@ def redact(url: str) -> str:
     return f"{scheme}{sep}{rest}"
 
 
+#: Redis Cluster, the ``limits`` library's form: ``redis+cluster://h1:p1[,h2:p2]``.
+CLUSTER_SCHEME = "redis+cluster://"
+
+
+def parse_cluster_url(url: str, field: str = "url") -> list[tuple[str, int]]:
+    """``redis+cluster://h1:p1[,h2:p2]`` -> its seed nodes.
+
+    >>> parse_cluster_url("redis+cluster://127.0.0.1:7000,127.0.0.1:7001")
+    [('127.0.0.1', 7000), ('127.0.0.1', 7001)]
+    >>> parse_cluster_url("redis+cluster://h:x")
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: url: port 'x' is not 1-65535 \
+(got 'redis+cluster://h:x')
+    """
+    expected = "expected redis+cluster://host:port[,host:port]"
+    if not isinstance(url, str) or not url.lower().startswith(CLUSTER_SCHEME):
+        raise InvalidInputError(field, url, expected)
+    nodes = []
+    for part in url[len(CLUSTER_SCHEME) :].rstrip("/").split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host:
+            raise InvalidInputError(field, url, expected)
+        if not (port.isdigit() and 0 < int(port) < 65536):
+            raise InvalidInputError(field, url, f"port {port!r} is not 1-65535")
+        nodes.append((host, int(port)))
+    return nodes
+
+
 def check_redis_url(url: object, field: str = "--redis-url") -> str:
     """``url`` if redis-py can connect with it, else an error naming ``field`` (URL redacted).
 
@@ -48,6 +77,9 @@ def check_redis_url(url: object, field: str = "--redis-url") -> str:
     """
     if not isinstance(url, str) or not url.strip():
         raise InvalidInputError(field, url, _EXPECTED)
+    if url.lower().startswith(CLUSTER_SCHEME):  # Redis Cluster: its seed nodes
+        parse_cluster_url(url, field)
+        return url
     shown = redact(url)
     try:
         parts = urlsplit(url)

@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import duckdb
+from redis.cluster import RedisCluster
 
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.errors import GovernorError
@@ -66,9 +67,18 @@ from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, id_
 from mcp_budget_governor.money import Unit
 from mcp_budget_governor.windows import Window, bucket_of
 
+from .counters.cluster_sync import (
+    SlotSnapshot,
+    correct_slot,
+    is_cluster,
+    resume_watermarks,
+    scan_keys,
+    slot_snapshots,
+)
 from .counters.rebuild import Store, is_postgres, read_store
 from .counters.sync import (
     Snapshot,
+    Totals,
     ledger_ids,
     ledger_totals,
     scan_counter_keys,
@@ -161,9 +171,11 @@ def reconcile(
     fix: bool = False,
     older_than: int = DEFAULT_ORPHAN_AGE,
 ) -> ReconcileResult:
-    """Compare every live counter in ``client`` (Redis, or a Postgres store) with the
-    ``ledger`` view on ``con``, and list the orphaned in-flight entries older than
-    ``older_than`` seconds."""
+    """Compare every live counter in ``client`` (Redis, Redis Cluster, or a Postgres
+    store) with the ``ledger`` view on ``con``, and list the orphaned in-flight entries
+    older than ``older_than`` seconds."""
+    if is_cluster(client):
+        return _reconcile_cluster(con, client, fix=fix, older_than=older_than)
     postgres = is_postgres(client)
     # Postgres reads every counter in its snapshot; Redis reads the keys a SCAN found.
     keys: set[str] = set() if postgres else scan_counter_keys(client)  # type: ignore[arg-type]
@@ -177,6 +189,29 @@ def reconcile(
     else:
         raise ReconcileRaceError("counters kept appearing while reading them; run reconcile again")
     result = ReconcileResult(snap.now, dict(snap.watermarks))
+    stale_by_key = _compare(con, snap, totals, result)
+    result.orphans = _orphans(con, snap, older_than)
+    if fix and result.drifts:
+        corrections = _corrections(result.drifts, totals)
+        if postgres:
+            client.rewrite(corrections, add=True, drop=stale_by_key)  # type: ignore[union-attr]
+        else:
+            write_counters(
+                client,  # type: ignore[arg-type]
+                corrections,
+                watermarks=None,
+                add=True,
+                drop=stale_by_key,
+            )
+        result.fixed = len(corrections)
+    return result
+
+
+def _compare(
+    con: duckdb.DuckDBPyConnection, snap: Snapshot, totals: Totals, result: ReconcileResult
+) -> dict[str, list[str]]:
+    """Add the drifts of ``snap`` against ``totals`` to ``result``; the stale in-flight
+    event ids per key (events the ledger holds at or below the watermarks)."""
     pending = {i for c in snap.counters.values() for i in c.pending}
     applied = ledger_ids(con, pending, upto=snap.watermarks)
     stale_by_key: dict[str, list[str]] = {}
@@ -195,24 +230,54 @@ def reconcile(
             )
             if stale:
                 stale_by_key[key] = stale
-    result.orphans = _orphans(con, snap, older_than)
-    if fix and result.drifts:
-        corrections = []
-        for d in result.drifts:
-            total = totals.get(d.key)
-            # A counter the ledger does not know keeps its own expiry (0: untouched).
-            corrections.append((d.key, d.ledger - d.redis, 0 if total is None else total[1]))
-        if postgres:
-            client.rewrite(corrections, add=True, drop=stale_by_key)  # type: ignore[union-attr]
-        else:
-            write_counters(
-                client,  # type: ignore[arg-type]
-                corrections,
-                watermarks=None,
-                add=True,
-                drop=stale_by_key,
-            )
-        result.fixed = len(corrections)
+    return stale_by_key
+
+
+def _corrections(drifts: Sequence[Drift], totals: Totals) -> list[tuple[str, int, int]]:
+    out = []
+    for d in drifts:
+        total = totals.get(d.key)
+        # A counter the ledger does not know keeps its own expiry (0: untouched).
+        out.append((d.key, d.ledger - d.redis, 0 if total is None else total[1]))
+    return out
+
+
+def _reconcile_cluster(
+    con: duckdb.DuckDBPyConnection, client: RedisCluster, *, fix: bool, older_than: int
+) -> ReconcileResult:
+    """Redis Cluster: each slot compared on its own cut (projections/counters/cluster_sync.py).
+
+    The keys: every counter a SCAN of every master finds and every counter
+    the ledger keeps alive (a counter whose writes a failover lost entirely
+    is drift too).
+    """
+    now = int(client.time()[0])
+    keys = scan_keys(client) | set(ledger_totals(con, now))
+    parts = slot_snapshots(client, keys)
+    resume = resume_watermarks(client)
+    result = ReconcileResult(min((p.snap.now for p in parts), default=now), resume)
+    # One ledger query per distinct cut (usually every slot's is the resume watermarks).
+    cuts: dict[tuple[tuple[str, int], ...], list[SlotSnapshot]] = {}
+    for part in parts:
+        cuts.setdefault(tuple(sorted(part.snap.watermarks.items())), []).append(part)
+    fixes: list[tuple[SlotSnapshot, list[tuple[str, int, int]], dict[str, list[str]]]] = []
+    for group in cuts.values():
+        upto = group[0].snap.watermarks
+        group_keys = [k for p in group for k in p.snap.counters]
+        totals = ledger_totals(con, group[0].snap.now, upto=upto, keys=group_keys)
+        for part in group:
+            before = len(result.drifts)
+            stale = _compare(con, part.snap, totals, result)
+            drifts = result.drifts[before:]
+            if drifts:
+                fixes.append((part, _corrections(drifts, totals), stale))
+    result.drifts.sort(key=lambda d: d.key)
+    every = {k: c for p in parts for k, c in p.snap.counters.items()}
+    result.orphans = _orphans(con, Snapshot(result.now, resume, every), older_than)
+    if fix:
+        for part, corrections, stale in fixes:
+            correct_slot(client, part, corrections, stale)
+            result.fixed += len(corrections)
     return result
 
 

@@ -1094,9 +1094,27 @@ class RedisClusterService:
             proc.kill()
             proc.wait()
 
+    def pid(self, port: int) -> int:
+        """The process id of this cluster's node on ``port`` (a local cluster only)."""
+        return self._procs[port].pid
+
+    def replica_of(self, master: int) -> int:
+        """The port of the node replicating ``master`` (a local cluster only)."""
+        import redis
+
+        for port in self.ports:
+            if port == master or self._procs[port].poll() is not None:
+                continue
+            role = redis.Redis(port=port, socket_timeout=1).execute_command("ROLE")
+            if role[0] in (b"slave", "slave") and int(role[2]) == master:
+                return port
+        raise LookupError(f"no replica of {master}")
+
     def stop(self) -> None:
         for proc in self._procs.values():
             if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped node cannot exit
                 proc.terminate()
         for proc in self._procs.values():
             try:
@@ -1131,6 +1149,12 @@ def start_redis_cluster() -> RedisClusterService:
     url = os.environ.get(REDIS_CLUSTER_ENV_VAR)
     if url:
         return RedisClusterService(url=url, ports=[], kind="env")
+    return start_local_redis_cluster()
+
+
+def start_local_redis_cluster() -> RedisClusterService:
+    """A 3 + 3 cluster of this process's own, on free ports, whatever the environment says:
+    for tests that kill, stop or fail over its nodes (never a shared cluster's)."""
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if binary is None or cli is None:
         raise RedisUnavailable("a Redis Cluster needs redis-server and redis-cli on the PATH")

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--older-than", older_than, "seconds, 0 or more")
     name, url = counters_store(args)
     store = "postgres" if name == "postgres_url" else "redis"
-    client = open_store(url)  # first: a bad URL is the error to see
+    client = open_store(url, cluster=True)  # first: a bad URL is the error to see
     try:
         con = open_ledger_from(args)
     except BaseException:

@@ -24,49 +24,47 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
+from redis import exceptions as redis_errors
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
-from mcp_budget_governor.caps import effective
-from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
-from mcp_budget_governor.errors import BackendUnavailableError, InvalidInputError
-from mcp_budget_governor.keys import LEASE_PREFIX
+from mcp_budget_governor.caps import Change, effective
+from mcp_budget_governor.counters import (
+    AppliedCharge,
+    AppliedEvent,
+    ChargeResult,
+    CounterOp,
+    CounterState,
+)
+from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
+from mcp_budget_governor.keys import EPOCH_KEY, EPOCH_VALUE, LEASE_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.urls import CLUSTER_SCHEME, parse_cluster_url
 
-from .redis import DEFAULT_TIMEOUT, RedisBackend
+from .redis import _UNAVAILABLE, DEFAULT_TIMEOUT, RedisBackend, apply_args
 
 log = logging.getLogger("mcp_budget_governor")
 
-SCHEME = "redis+cluster://"
+SCHEME = CLUSTER_SCHEME
 
 #: A check refused by one slot group while another admitted it is tried again
 #: this many times (each attempt taken back first): the refusal may have come
 #: from other checks' transient holds, which would otherwise under-admit.
 RETRIES = 2
 
+# A taken-back hold's in-flight entries, once they net to zero (ARGV[1]: e:<event id>).
+_FORGET = """
+for _, key in ipairs(KEYS) do
+  if redis.call('HGET', key, ARGV[1]) == '0' then redis.call('HDEL', key, ARGV[1]) end
+end
+return 1
+"""
 
-def parse_cluster_url(url: str) -> list[tuple[str, int]]:
-    """``redis+cluster://h1:p1[,h2:p2]`` -> its seed nodes (the ``limits`` library's form).
-
-    >>> parse_cluster_url("redis+cluster://127.0.0.1:7000,127.0.0.1:7001")
-    [('127.0.0.1', 7000), ('127.0.0.1', 7001)]
-    >>> parse_cluster_url("redis+cluster://h:x")
-    Traceback (most recent call last):
-    ...
-    mcp_budget_governor.errors.InvalidInputError: url: port 'x' is not 1-65535 \
-(got 'redis+cluster://h:x')
-    """
-    expected = "expected redis+cluster://host:port[,host:port]"
-    if not isinstance(url, str) or not url.startswith(SCHEME):
-        raise InvalidInputError("url", url, expected)
-    nodes = []
-    for part in url[len(SCHEME) :].rstrip("/").split(","):
-        host, _, port = part.strip().rpartition(":")
-        if not host:
-            raise InvalidInputError("url", url, expected)
-        if not (port.isdigit() and 0 < int(port) < 65536):
-            raise InvalidInputError("url", url, f"port {port!r} is not 1-65535")
-        nodes.append((host, int(port)))
-    return nodes
+# The resume watermark only moves forward (a rebuild re-applies from offset 0).
+_RAISE_WATERMARK = """
+local was = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) > was then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
 
 
 @cache
@@ -235,6 +233,13 @@ class ClusterBackend:
                     want_used=False,
                     op_id=None if op_id is None else f"{op_id}-back{slot_tag(g.slot)}",
                 )
+                if event_id is not None:
+                    # The take-back leaves the event's in-flight entries at 0: drop them,
+                    # or a refused check (in the ledger, charging nothing here) would
+                    # leave entries no apply ever moves (stale in reconcile's eyes).
+                    await self.client.eval(
+                        _FORGET, len(back), *(op.key for op in back), f"e:{event_id}"
+                    )
             if leases and lease is not None:
                 await self._node.release(leases, lease)
 
@@ -278,9 +283,102 @@ class ClusterBackend:
         require_epoch: bool = False,
         through: int = -1,
     ) -> int:
-        raise BackendUnavailableError(
-            "the projection into Redis Cluster is not built yet (docs/cluster.md)"
-        )
+        """Project ``events`` exactly once per slot group, then move the resume watermark.
+
+        Each event's charges (and run-time changes) are split by the slot of
+        their keys; each slot's share is one ``lua/apply.lua`` call with a
+        watermark hash and seen-id sets of that slot (:func:`slot_tag`), so a
+        slot skips what it applied before on its own, and a retried batch
+        that landed on some slots only lands on the rest. The resume
+        watermark (``keys.WATERMARK_KEY``, where the worker reads from) moves
+        only after every slot's share landed. Returns the most events any
+        slot applied.
+        """
+        if not events and through < 0:
+            return 0
+        if require_epoch and not await self.has_epoch():
+            raise EpochMissingError("the cluster lost its state (epoch marker missing): rebuild")
+        by_slot: dict[int, list[AppliedEvent]] = {}
+        for event in events:
+            parts: dict[int, tuple[list[AppliedCharge], list[Change]]] = {}
+            for charge in event.charges:
+                parts.setdefault(key_slot(charge.key.encode()), ([], []))[0].append(charge)
+            for change in event.changes:
+                parts.setdefault(key_slot(change.key.encode()), ([], []))[1].append(change)
+            for slot, (charges, changes) in parts.items():
+                by_slot.setdefault(slot, []).append(
+                    AppliedEvent(
+                        event.offset, event.event_id, event.time, tuple(charges), tuple(changes)
+                    )
+                )
+        now_ms = str(int(self._node.clock() * 1000))
+        calls = [
+            apply_args(
+                partition, share, require_epoch=False, through=-1, now_ms=now_ms, tag=slot_tag(slot)
+            )
+            for slot, share in by_slot.items()
+        ]
+        applied = await self._apply_slots(calls)
+        last = max([through, *(e.offset for e in events)])
+        try:
+            await self.client.eval(_RAISE_WATERMARK, 1, WATERMARK_KEY, partition, last)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        return max(applied, default=0)
+
+    async def _apply_slots(self, calls: Sequence[tuple[list[str], list[Any]]]) -> list[int]:
+        """Run lua/apply.lua once per slot, pipelined: one round trip per master, one
+        connection each (a batch may touch thousands of slots)."""
+        script = self._node._apply
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for command, body in (("EVALSHA", script.sha), ("EVAL", script.script)):
+            if not todo:
+                break
+            try:
+                async with self.client.pipeline() as pipe:
+                    for i in todo:
+                        keys, args = calls[i]
+                        pipe.execute_command(command, body, len(keys), *keys, *args)
+                    got = await pipe.execute(raise_on_error=False)
+            except _UNAVAILABLE as exc:
+                raise BackendUnavailableError.redis(exc) from exc
+            for i, reply in zip(todo, got, strict=True):
+                replies[i] = reply
+            # A node without the script (restarted, failed over): EVAL there.
+            todo = [i for i in todo if isinstance(replies[i], redis_errors.NoScriptError)]
+        out = []
+        for reply in replies:
+            if isinstance(reply, redis_errors.ResponseError) and "mcpbg apply:" in str(reply):
+                raise ValueError(str(reply))  # a key of no counter's shape: that slot wrote nothing
+            if isinstance(reply, _UNAVAILABLE):
+                raise BackendUnavailableError.redis(reply)
+            if isinstance(reply, BaseException):
+                raise reply
+            out.append(int(reply))
+        return out
+
+    async def watermark(self, partition: str) -> int:
+        """Where the worker resumes ``partition`` from, less one (-1: none)."""
+        try:
+            raw = await self.client.hget(WATERMARK_KEY, partition)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        return -1 if raw is None else int(raw)
+
+    async def has_epoch(self) -> bool:
+        """Whether the epoch marker (one, in its own slot) is whole; see docs/cluster.md."""
+        try:
+            if (await self.client.type(EPOCH_KEY)) not in (b"string", "string"):
+                return False
+            value = await self.client.getrange(EPOCH_KEY, 0, 64)
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+        text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+        return EPOCH_VALUE.fullmatch(text) is not None
+
+    async def mark_ready(self, epoch: str) -> None:
+        await self._node.mark_ready(epoch)
 
     async def state(self, key: str) -> CounterState:
         return await self._node.state(key)

@@ -29,7 +29,7 @@ import redis
 from mcp_budget_governor.caps import Change as CapsChange
 from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
-from mcp_budget_governor.errors import BackendUnavailableError, GovernorError
+from mcp_budget_governor.errors import BackendUnavailableError, GovernorError, InvalidInputError
 from mcp_budget_governor.events import ChangeData, to_change
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
 from mcp_budget_governor.ledger import EntryType, new_id
@@ -79,12 +79,21 @@ def read_store(store: Any, keys: Iterable[str] | None = None, *, atomic: bool = 
     return snapshot(store, wanted, atomic=atomic)
 
 
-def open_store(url: str) -> Any:
-    """A Redis client or, for a ``postgresql://`` URL, a Postgres store."""
+def open_store(url: str, *, cluster: bool = False) -> Any:
+    """A Redis client or, for a ``postgresql://`` URL, a Postgres store; with ``cluster``
+    (a command that reads a cluster slot by slot: reconcile), a Redis Cluster client."""
     if url.lower().startswith(("postgresql:", "postgres:")):
         from .pg_sync import PostgresStore
 
         return PostgresStore.connect(url)
+    if url.lower().startswith("redis+cluster://"):
+        if not cluster:
+            raise InvalidInputError(
+                "--redis-url", url, "replay on Redis Cluster is not built yet (docs/cluster.md)"
+            )
+        from .cluster_sync import cluster_client
+
+        return cluster_client(url)
     from .sync import redis_client
 
     return redis_client(url)

@@ -129,6 +129,64 @@ def _position(keys: list[str], index: dict[str, int], key: str) -> int:
     return pos
 
 
+def apply_args(
+    partition: str,
+    events: Sequence[AppliedEvent],
+    *,
+    require_epoch: bool,
+    through: int,
+    now_ms: str,
+    tag: str = "",
+) -> tuple[list[str], list[Any]]:
+    """lua/apply.lua's KEYS and ARGV for ``events`` of ``partition``.
+
+    ``tag``: a hash tag (``{...}``) appended to the watermark hash, the epoch
+    marker and the seen-id sets, so that on Redis Cluster they share the slot
+    of the counters they guard (projections/counters/cluster.py); "" on one Redis.
+    """
+    counters: list[str] = []
+    index: dict[str, int] = {}
+    seen_sets: list[str] = []
+    # The events travel as one space-separated string (see lua/apply.lua): a
+    # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
+    tokens: list[str] = []
+    days: dict[float, str] = {}  # UTC day -> "<seen-set position> <its expire_at>"
+
+    for event in events:
+        event_id = event.event_id
+        if not event_id or len(event_id.split()) != 1:
+            raise ValueError(f"event id {event_id!r}: empty or holds whitespace")
+        # Events of one UTC day share the seen-set entry (negative times: no sharing).
+        day = event.time // SECONDS_PER_DAY if event.time >= 0 else event.time
+        seen = days.get(day)
+        if seen is None:
+            seen_sets.append(f"{SEEN_PREFIX}:{event.seen_day}{tag}")
+            seen = days[day] = f"{len(seen_sets)} {event.seen_expire_at}"
+        tokens.append(f"{event.offset} {event_id} {seen} {len(event.charges)}")
+        for charge in event.charges:
+            pos = index.get(charge.key) or _position(counters, index, charge.key)
+            tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
+        changes = event.changes
+        tokens.append(str(len(changes)))
+        for c in changes:
+            pos = _position(counters, index, c.key)
+            tokens.append(
+                f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
+                f"{why_token(c.actor, c.reason)}"
+            )
+    keys = [WATERMARK_KEY + tag, EPOCH_KEY + tag, *seen_sets, *counters]
+    args: list[Any] = [
+        partition,
+        len(events),
+        "1" if require_epoch else "0",
+        " ".join(tokens),
+        len(seen_sets),
+        through,
+        now_ms,
+    ]
+    return keys, args
+
+
 class RedisBackend:
     """Counters in Redis, shared by every replica.
 
@@ -524,46 +582,13 @@ class RedisBackend:
     ) -> int:
         if not events and through < 0:
             return 0
-        counters: list[str] = []
-        index: dict[str, int] = {}
-        seen_sets: list[str] = []
-        # The events travel as one space-separated string (see lua/apply.lua): a
-        # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
-        tokens: list[str] = []
-        days: dict[float, str] = {}  # UTC day -> "<seen-set position> <its expire_at>"
+        keys, args = apply_args(
+            partition, events, require_epoch=require_epoch, through=through, now_ms=self._now_ms()
+        )
+        return await self.run_apply(keys, args)
 
-        for event in events:
-            event_id = event.event_id
-            if not event_id or len(event_id.split()) != 1:
-                raise ValueError(f"event id {event_id!r}: empty or holds whitespace")
-            # Events of one UTC day share the seen-set entry (negative times: no sharing).
-            day = event.time // SECONDS_PER_DAY if event.time >= 0 else event.time
-            seen = days.get(day)
-            if seen is None:
-                seen_sets.append(f"{SEEN_PREFIX}:{event.seen_day}")
-                seen = days[day] = f"{len(seen_sets)} {event.seen_expire_at}"
-            tokens.append(f"{event.offset} {event_id} {seen} {len(event.charges)}")
-            for charge in event.charges:
-                pos = index.get(charge.key) or _position(counters, index, charge.key)
-                tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
-            changes = event.changes
-            tokens.append(str(len(changes)))
-            for c in changes:
-                pos = _position(counters, index, c.key)
-                tokens.append(
-                    f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
-                    f"{why_token(c.actor, c.reason)}"
-                )
-        keys = [WATERMARK_KEY, EPOCH_KEY, *seen_sets, *counters]
-        args = [
-            partition,
-            len(events),
-            "1" if require_epoch else "0",
-            " ".join(tokens),
-            len(seen_sets),
-            through,
-            self._now_ms(),
-        ]
+    async def run_apply(self, keys: Sequence[str], args: Sequence[Any]) -> int:
+        """Run lua/apply.lua with what :func:`apply_args` built; the number applied."""
         try:
             applied = int(await self._run(self._apply, keys, args))
         except redis_errors.ResponseError as exc:

@@ -251,6 +251,7 @@ def write_counters(
     set_watermarks: Mapping[str, int] | None = None,
     progress: Callable[[int], None] | None = None,
     chunk: int = _CHUNK,
+    watermark_key: str = WATERMARK_KEY,
 ) -> None:
     """Rewrite ``counters`` (``(key, committed, expire_at)``), one ``lua/rewrite.lua`` call
     per block of ``chunk``. ``add=True``: the amounts are corrections added
@@ -263,7 +264,8 @@ def write_counters(
     raises :class:`ConcurrentProjectionError` (None: no check). ``set_watermarks`` are written
     by the last block, in the same atomic step as its counters, so the live
     projector resumes after what was written. ``progress(n)`` is called
-    after each block with the number of counters it wrote.
+    after each block with the number of counters it wrote. ``watermark_key``: the
+    watermark hash (on Redis Cluster, the one of the counters' slot).
     """
     script = client.register_script(source("rewrite"))
     drops = drop or {}
@@ -277,7 +279,7 @@ def write_counters(
     blocks = [counters[i : i + chunk] for i in range(0, len(counters), chunk)] or [[]]
     try:
         for n, block in enumerate(blocks):
-            keys: list[str] = [WATERMARK_KEY]
+            keys: list[str] = [watermark_key]
             args: list[str | int] = list(expected)
             for key, committed, expire_at in block:
                 keys.append(key)

