@@ -96,23 +96,32 @@ if #ARGV ~= off + n * width then
 end
 local result = {0}
 local refused = 0
-local cs, fs, caps = {}, {}, {}
+-- Each counter's amount and default cap are parsed once (tonumber of a 16-digit
+-- cap is a strtod), and whether its admitted amount keeps it exact is known from
+-- the first pass: the first counter it would not is reported only when nothing
+-- refused, as before.
+local unexact = 0
+local caps, leased = {}, {}
 local queue_of, q = {}, 0
 for i = 1, n do
   local base = off + (i - 1) * width
   local key = KEYS[first + i - 1]
+  local amount = tonumber(ARGV[base])
   local c, f, g
   if lease_id and is_lease(key) then
     c, f, g = live_leases(key), 0, 0
     q = q + 1
     queue_of[i] = KEYS[#KEYS - queues + q]
+    leased[i] = true
   else
     c, f, g = parts_and_grant(key)
     if not stays_exact(c, f, 0, inline) then
       return {-2, i}
     end
+    if unexact == 0 and not stays_exact(c, f, amount, inline) then
+      unexact = i
+    end
   end
-  cs[i], fs[i] = c, f
   local used = c + f
   result[i + 1] = used
   local cap = tonumber(ARGV[base + 1])
@@ -128,7 +137,7 @@ for i = 1, n do
       if value_cap == '-' then value_cap = '' end
       if file_plan == '-' then file_plan = '' end
     end
-    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS], field, ARGV[base + 1],
+    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS], field, cap,
       value_cap, plan_fields, plan_caps, file_plan) + g
     caps[i] = cap
   end
@@ -137,7 +146,7 @@ for i = 1, n do
     waiting = waiters_ahead(queue_of[i], ticket, cap - used, now)
   end
   if refused == 0 and ARGV[base + 2] == '1'
-      and not fits(used + waiting, tonumber(ARGV[base]), cap) then
+      and not fits(used + waiting, amount, cap) then
     refused = i
   end
 end
@@ -156,11 +165,8 @@ if refused > 0 then
   result[1] = refused
   return result
 end
-for i = 1, n do
-  if not (lease_id and is_lease(KEYS[first + i - 1]))
-      and not stays_exact(cs[i], fs[i], tonumber(ARGV[off + (i - 1) * width]), inline) then
-    return {-2, i}
-  end
+if unexact > 0 then
+  return {-2, unexact}
 end
 
 local wrote = false
@@ -168,7 +174,7 @@ for i = 1, n do
   local base = off + (i - 1) * width
   local amount = ARGV[base]
   local key = KEYS[first + i - 1]
-  if lease_id and is_lease(key) then
+  if leased[i] then
     take_lease(key, lease_id, lease_until)
     if ticket ~= '-' then redis.call('ZREM', queue_of[i], ticket) end
   elseif amount ~= '0' then

@@ -86,7 +86,8 @@ local function parts_and_grant(key)
   return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
 end
 
--- The effective cap of one counter: caps.resolve / caps.effective, step for step.
+-- The effective cap of one counter: caps.resolve / caps.effective, step for step
+-- (default: the policy's cap, a number).
 -- field '' means no run-time lookup (a global limit). A run-time value cap is
 -- "<cap> <until>" in the limit's caps hash and holds while now < until (0: for
 -- good); then the policy's value cap; then the plan assigned at run time to the
@@ -99,7 +100,7 @@ local clock_s = nil
 
 local function effective_cap(caps_key, plans_key, field, default, value_cap,
                              plan_fields, plan_caps, file_plan)
-  if field == '' then return tonumber(default) end
+  if field == '' then return default end
   local rt = redis.call('HGET', caps_key, field)
   if rt then
     local cap, untl = string.match(rt, '^(%d+) (%d+)')
@@ -110,7 +111,7 @@ local function effective_cap(caps_key, plans_key, field, default, value_cap,
     end
   end
   if value_cap ~= '' then return tonumber(value_cap) end
-  if plan_caps == '' then return tonumber(default) end
+  if plan_caps == '' then return default end
   local plan = false
   for f in string.gmatch(plan_fields, '[^,]+') do
     plan = assigned_plan[f]
@@ -126,7 +127,7 @@ local function effective_cap(caps_key, plans_key, field, default, value_cap,
       if name == plan then return tonumber(cap) end
     end
   end
-  return tonumber(default)
+  return default
 end
 
 -- The shapes of the keys a run-time change may write (caps.caps_key, caps.PLANS_KEY).
