@@ -191,6 +191,38 @@ def test_charges_no_governor_writes_are_malformed(event: dict[str, Any], problem
     assert "data.charges.0: " in info.value.reason and problem in info.value.reason
 
 
+@pytest.mark.parametrize(
+    ("kind", "reservation", "problem"),
+    [
+        (
+            "settled",
+            None,
+            "data.reservation: a settled event without charges names its reservation",
+        ),
+        ("released", "DROP", "data.reservation: a released event without charges names its"),
+        ("settled", "r1", "data.reservation: 'r1' is not a reserved event's id"),
+        ("settled", "SELF", "data.reservation: an event cannot close itself"),
+    ],
+)
+def test_a_zero_delta_close_names_its_reservation(
+    kind: str, reservation: str | None, problem: str
+) -> None:
+    """A settlement of a zero delta (the estimate stood) has no charges: its link to the
+    reservation it closes is all it says, so a bad one is refused naming the field."""
+    event = good()
+    event["type"] = f"mcpbg.{kind}.v1"
+    event["data"]["charges"] = []
+    event["data"]["reservation"] = new_id()
+    assert parse(json.dumps(event)).data.charges == ()  # the governor's own shape
+    if reservation == "DROP":
+        del event["data"]["reservation"]
+    else:
+        event["data"]["reservation"] = event["id"] if reservation == "SELF" else reservation
+    with pytest.raises(MalformedEventError) as info:
+        parse(json.dumps(event))
+    assert problem in info.value.reason, info.value.reason
+
+
 def test_each_kind_has_its_sign() -> None:
     assert set(SIGNS) == set(EntryType)  # a new kind must say what its charges may be
     for kind, amount, ok in [
