@@ -113,6 +113,9 @@ async def _entries() -> list[LedgerEntry]:
     async with gov.reserved("spend", usd(2), alice) as r:  # reserved, then released
         r.release()  # the work never ran
     tick()
+    async with gov.reserved("spend", usd("0.5"), alice):  # reserved, the estimate stands:
+        pass  # settled with no charges, naming its reservation
+    tick()
     forked = Context(user="bob", session="fork-7", session_root="root-1", tool="fetch")
     await gov.check(forked)
     anon_tenant = Context(tenant="solo")

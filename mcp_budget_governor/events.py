@@ -181,6 +181,8 @@ class _Event(_Model):
             self.time.timestamp(),
             self.data.context.__dict__,
             [(c.limit, c.window.value, c.bucket, c.key, c.amount, c.expire_at) for c in charges],
+            event_id=self.id,
+            reservation=self.data.reservation,
         )
         kind = _KINDS[self.type]  # type: ignore[attr-defined]
         change = self.data.change
@@ -230,7 +232,8 @@ class ReservedEvent(_Event):
 
 
 class SettledEvent(_Event):
-    """A reservation corrected to the real cost (a signed delta); ``reservation`` links it."""
+    """A reservation closed at its real cost; ``reservation`` links it. Its charges are the
+    signed delta, none when the estimate stood or was exact (then the link is required)."""
 
     type: Literal["mcpbg.settled.v1"]
 

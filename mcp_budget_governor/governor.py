@@ -799,12 +799,14 @@ class Governor(Metering[MeterResult]):
         op_id = None if event_id is not None else new_id()
         degraded = False
         before: int | None = None
-        sent = self._sent(slots, event_id, op_id) if detach else None
+        # Nothing to count or read (a settlement's zero delta): no round trip.
+        idle = not want_used and not any(s.amount for s in slots)
+        sent = self._sent(slots, event_id, op_id) if detach and not idle else None
         if sent is not None:
             task = asyncio.ensure_future(self._detached_reply(sent, slots, op_id))
             self._detached.add(task)
             task.add_done_callback(self._detached.discard)
-        else:
+        elif not idle:
             try:
                 result = await self._charge(
                     [s.op for s in slots], event_id, want_used=want_used, op_id=op_id

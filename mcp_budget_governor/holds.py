@@ -106,6 +106,8 @@ class Reservation:
     Set ``actual`` to the real cost before the block ends; left unset, the
     estimate stands (the safe direction: an unknown cost is not assumed zero).
     ``release()`` returns the whole estimate, for work that never started.
+    With a ledger, every reservation ends with exactly one closing event naming
+    it: ``released``, or ``settled`` with the delta (no charges when it is zero).
     Outside a block, :meth:`Governor.reserve` enters and :meth:`settle` exits;
     a reservation settles once, so an explicit settle inside a block wins.
     """
@@ -190,13 +192,14 @@ class Reservation:
             return NOTHING_METERED
         if self._released:
             final, kind = 0, EntryType.RELEASED
-        elif self.actual is None:
-            self._settled = True
-            return NOTHING_METERED  # the estimate stands as the charge
+        elif self.actual is None:  # the estimate stands as the charge: a zero delta
+            final, kind = self.estimate, EntryType.SETTLED
         else:
             final, kind = check_amount(self.actual, "actual"), EntryType.SETTLED
         self._settled = True
         s = self._slot.with_amount(final - self.estimate)
+        # Every reservation ends with one closing event, so the ledger can tell a
+        # closed one from an open one; a zero delta with no ledger has nothing to do.
         if s.amount == 0 and self._gov.ledger is None and not report:
             return NOTHING_METERED
         before, degraded, cap = await self._gov._record(

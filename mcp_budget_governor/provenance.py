@@ -17,7 +17,9 @@ only if it has the shape the planning rules give it:
   end plus grace, exactly; for a session, at most the event's time plus the
   session TTL (and no earlier than a check planned in the same minute gives);
 - its amount is non-zero, with the sign of the event's kind (:data:`SIGNS`);
-- no limit is charged twice by one event.
+- no limit is charged twice by one event;
+- a closing event (settled, released) that charges nothing names the
+  reservation it closes (:func:`closing_problem`).
 
 Pure (no I/O): the fast decoder of the stream worker and the pydantic models
 of :mod:`.events` both call :func:`event_problem`, so the two cannot disagree.
@@ -67,6 +69,14 @@ SIGNS: Mapping[EntryType, Sign] = {
     EntryType.GRANTED: Sign.NONE,
     EntryType.RESET: Sign.NONE,
 }
+#: The kinds that close a reservation: every reservation ends with exactly one,
+#: naming it in ``reservation``. A settlement whose delta is zero (the estimate
+#: stood, or was exact) charges nothing: its charges are empty, never a zero
+#: amount, so the projection touches no counter for it (the reserved event's own
+#: charge already moves the estimate from in flight to committed) and the
+#: non-zero rule above keeps holding for every charge that exists.
+CLOSING_KINDS = frozenset({EntryType.SETTLED, EntryType.RELEASED})
+_EVENT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 #: The kinds that carry a ``change`` (and only they do).
 CHANGE_KINDS = frozenset(
     {
@@ -229,18 +239,48 @@ def charge_problem(
     return None
 
 
+def closing_problem(
+    kind: EntryType, event_id: str, reservation: str | None, charged: bool
+) -> str | None:
+    """Why a closing event's link to its reservation cannot be a governor's (None: fine).
+
+    A settlement or release that charges nothing (``charged`` False: a zero
+    delta) is only the record that its reservation ended, so it must say which
+    one: ``reservation`` is an event id (a UUID, as :func:`ledger.new_id`
+    makes) and not the event's own. One with charges is checked by its charges
+    (older ledgers wrote those without insisting on the link).
+    """
+    if kind not in CLOSING_KINDS or charged:
+        return None
+    if reservation is None:
+        return f"data.reservation: a {kind.value} event without charges names its reservation"
+    if len(reservation) != 36 or _EVENT_ID.fullmatch(reservation) is None:
+        return f"data.reservation: {_show(reservation)} is not a reserved event's id"
+    if reservation == event_id:
+        return "data.reservation: an event cannot close itself"
+    return None
+
+
 def event_problem(
     kind: EntryType,
     time: float,
     context: Mapping[str, str | None],
     charges: Sequence[tuple[str, str, str, str, int, int]],
+    *,
+    event_id: str = "",
+    reservation: str | None = None,
 ) -> str | None:
     """Why an event's charges cannot be a governor's, naming the first bad one; None if fine.
 
-    ``charges`` are ``(limit, window, bucket, key, amount, expire_at)``.
+    ``charges`` are ``(limit, window, bucket, key, amount, expire_at)``;
+    ``event_id`` and ``reservation`` the event's own id and the reservation it
+    names (:func:`closing_problem`).
     """
     if charges and SIGNS[kind] is Sign.NONE:
         return f"data.charges: {kind.value} events carry no charges"
+    problem = closing_problem(kind, event_id, reservation, bool(charges))
+    if problem is not None:
+        return problem
     limits: set[str] = set()
     for i, (limit, window, bucket, key, amount, expire_at) in enumerate(charges):
         if limit in limits:

@@ -235,9 +235,10 @@ def with_ledger(report: BudgetReport, con: duckdb.DuckDBPyConnection) -> BudgetR
     settled or released event for it), and the forks of each session root seen.
 
     Redis keeps no record of a reservation (its estimate is simply counted), so
-    the ledger is where they are listed; a reservation whose estimate was left
-    to stand (``Reservation.actual`` never set) has no closing event and stays
-    listed.
+    the ledger is where they are listed; every reservation ends with one closing
+    event naming it (a release, or a settlement: without charges when the
+    estimate stood), so only those still in progress, or whose process died
+    before closing them, are listed.
     """
     rows = {row.key: row for row in report.rows}
     open_ = tuple(

@@ -56,6 +56,7 @@ from mcp_budget_governor.provenance import (
     CounterShape,
     change_problem,
     charge_problem,
+    closing_problem,
     counter_shape,
 )
 from mcp_budget_governor.windows import Window
@@ -263,6 +264,8 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
         return None  # the model refuses a rejection with charges
     if not raw_charges and kind == _RECOVERED:
         return None  # and a recovery without any
+    if not raw_charges and closing_problem(_KINDS[kind], event_id, reservation, False):
+        return None  # a zero-delta close without its reservation: the full parse says why
     decoded: list[DecodedCharge] = []
     applied: list[AppliedCharge] = []
     event_kind = _KINDS[kind]

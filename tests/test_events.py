@@ -18,7 +18,7 @@ from mcp_budget_governor.events import MalformedEventError, encode, json_schemas
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from mcp_budget_governor.limits import NAME_PATTERN
-from mcp_budget_governor.provenance import SIGNS, Sign
+from mcp_budget_governor.provenance import CLOSING_KINDS, SIGNS, Sign
 from testing.change_support import CHANGE_KINDS, changes_for
 
 texts = st.one_of(st.none(), st.text(max_size=40))
@@ -70,7 +70,9 @@ def entries(draw: Any) -> LedgerEntry:
         over=tuple(draw(st.lists(st.just("shadow"), max_size=1))),
         usage=draw(usages),
         degraded=draw(st.booleans()),
-        reservation=draw(st.one_of(st.none(), st.just(new_id()))),
+        reservation=new_id()
+        if kind in CLOSING_KINDS and not charges  # then it must name its reservation
+        else draw(st.one_of(st.none(), st.just(new_id()))),
         change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
     )
 
@@ -93,6 +95,7 @@ def test_a_check_event_joined_from_its_template_is_the_full_encoding(entry: Ledg
     """A check's event (no usage, no reservation) is spliced from a cached template
     around its id and time: the same bytes as the whole event written by orjson, for
     the first event of a template and for the next ones (another id)."""
+    assume(entry.type not in CLOSING_KINDS or entry.charges)  # else it names a reservation
     first = dataclasses.replace(entry, usage=None, reservation=None)
     second = dataclasses.replace(first, id=new_id())
     for one in (first, second, first):
@@ -186,6 +189,38 @@ def test_charges_no_governor_writes_are_malformed(event: dict[str, Any], problem
     with pytest.raises(MalformedEventError) as info:
         parse(json.dumps(event))
     assert "data.charges.0: " in info.value.reason and problem in info.value.reason
+
+
+@pytest.mark.parametrize(
+    ("kind", "reservation", "problem"),
+    [
+        (
+            "settled",
+            None,
+            "data.reservation: a settled event without charges names its reservation",
+        ),
+        ("released", "DROP", "data.reservation: a released event without charges names its"),
+        ("settled", "r1", "data.reservation: 'r1' is not a reserved event's id"),
+        ("settled", "SELF", "data.reservation: an event cannot close itself"),
+    ],
+)
+def test_a_zero_delta_close_names_its_reservation(
+    kind: str, reservation: str | None, problem: str
+) -> None:
+    """A settlement of a zero delta (the estimate stood) has no charges: its link to the
+    reservation it closes is all it says, so a bad one is refused naming the field."""
+    event = good()
+    event["type"] = f"mcpbg.{kind}.v1"
+    event["data"]["charges"] = []
+    event["data"]["reservation"] = new_id()
+    assert parse(json.dumps(event)).data.charges == ()  # the governor's own shape
+    if reservation == "DROP":
+        del event["data"]["reservation"]
+    else:
+        event["data"]["reservation"] = event["id"] if reservation == "SELF" else reservation
+    with pytest.raises(MalformedEventError) as info:
+        parse(json.dumps(event))
+    assert problem in info.value.reason, info.value.reason
 
 
 def test_each_kind_has_its_sign() -> None:

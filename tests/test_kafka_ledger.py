@@ -168,10 +168,10 @@ async def one_op(gov: Governor, rng: random.Random, tally: Counter[str]) -> None
                 if kind < 0.3:
                     r.release()
                     tally["released"] += 1
-                elif kind < 0.9:
-                    r.actual = rng.randrange(0, 40_000)
-                    tally["settled"] += 1
-                # else: the estimate stands as the charge; no settlement event
+                else:  # settled to an actual, or (kind >= 0.9) the estimate stands
+                    if kind < 0.9:
+                        r.actual = rng.randrange(0, 40_000)
+                    tally["settled"] += 1  # a standing estimate is settled by a zero delta
         except BudgetExceeded:
             tally["rejected"] += 1
 

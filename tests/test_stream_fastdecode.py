@@ -33,7 +33,7 @@ from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from mcp_budget_governor.limits import NAME_PATTERN, Limit
 from mcp_budget_governor.money import MAX_AMOUNT, Unit
-from mcp_budget_governor.provenance import RECOVERED_SESSION_SECONDS, SIGNS, Sign
+from mcp_budget_governor.provenance import CLOSING_KINDS, RECOVERED_SESSION_SECONDS, SIGNS, Sign
 from mcp_budget_governor.scopes import Scope
 from mcp_budget_governor.stream.fastdecode import decode
 from mcp_budget_governor.stream.projector import DeadLetter, Projector, to_applied
@@ -119,7 +119,8 @@ def entries(draw: st.DrawFn) -> LedgerEntry:
         over=tuple(draw(st.lists(names, max_size=2))),
         usage=draw(usages),
         degraded=draw(st.booleans()),
-        reservation=draw(st.none() | texts),
+        # A close that charges nothing names its reservation (provenance.closing_problem).
+        reservation=new_id() if kind in CLOSING_KINDS and not charges else draw(st.none() | texts),
         change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
     )
 
@@ -324,8 +325,71 @@ def hostile_records(draw: st.DrawFn) -> bytes:
     return orjson.dumps(doc)
 
 
+def hostile_links(event_id: str, reservation: str) -> list[Any]:
+    """``reservation`` values no governor writes in a close that charges nothing."""
+    return [
+        None,
+        "DELETE",
+        "",
+        "r1",
+        event_id,  # closes itself
+        reservation.upper(),
+        reservation[:-1],
+        reservation + "0",
+        reservation + "\n",
+        reservation.replace("-", "_"),
+        1,
+        [reservation],
+    ]
+
+
+@st.composite
+def hostile_closings(draw: st.DrawFn) -> bytes:
+    """A zero-delta close (settled or released, no charges) whose link to its reservation
+    is not a governor's, or that carries the zero as a charge on the counter."""
+    entry = LedgerEntry(
+        new_id(),
+        draw(st.sampled_from(sorted(CLOSING_KINDS))),
+        draw(st.floats(0, 4e9, allow_nan=False)),
+        draw(contexts),
+        (),
+        reservation=new_id(),
+    )
+    doc = orjson.loads(encode(entry, "/mcpbg/test"))
+    assert parse(orjson.dumps(doc)).data.reservation == entry.reservation  # valid as written
+    assert entry.reservation is not None
+    if draw(st.booleans()):
+        zero = planned(SPEND, Context(user="u1"), entry.time, 1)
+        doc["data"]["context"]["user"] = "u1"
+        doc["data"]["charges"] = [{**dataclass_dict(zero), "amount": 0}]
+        return orjson.dumps(doc)
+    link = draw(st.sampled_from(hostile_links(entry.id, entry.reservation)))
+    if link == "DELETE":
+        del doc["data"]["reservation"]
+    else:
+        doc["data"]["reservation"] = link
+    return orjson.dumps(doc)
+
+
+def dataclass_dict(charge: LedgerCharge) -> dict[str, Any]:
+    return {
+        "limit": charge.limit,
+        "unit": charge.unit.value,
+        "amount": charge.amount,
+        "window": charge.window.value,
+        "bucket": charge.bucket,
+        "key": charge.key,
+        "expire_at": charge.expire_at,
+    }
+
+
 any_record = st.one_of(
-    valid_records, mutated_records(), hostile_records(), duplicated_keys(), corrupted_bytes()
+    valid_records,
+    mutated_records(),
+    hostile_records(),
+    hostile_closings(),
+    duplicated_keys(),
+    corrupted_bytes(),
 )
 
 
@@ -361,9 +425,28 @@ def test_hostile_charges_are_refused_by_both_paths(raw: bytes, offset: int) -> N
     assert isinstance(reason, str) and "data.charges" in reason, reason
 
 
+@settings(SETTINGS, max_examples=200)
+@given(hostile_closings(), st.integers(0, 99))
+def test_a_zero_delta_close_without_its_reservation_is_refused_by_both_paths(
+    raw: bytes, offset: int
+) -> None:
+    """A close that charges nothing must name the reservation it ends (a UUID, not its own
+    id), and a zero delta is no charge: the counters never see either variant."""
+    assert decode(raw, offset) is None
+    reason = verdict(raw, offset)
+    assert isinstance(reason, str), reason
+    assert "data.reservation" in reason or "data.charges.0: amount 0" in reason, reason
+
+
 @settings(SETTINGS, max_examples=2000)
 @given(
-    st.one_of(mutated_records(), hostile_records(), duplicated_keys(), corrupted_bytes()),
+    st.one_of(
+        mutated_records(),
+        hostile_records(),
+        hostile_closings(),
+        duplicated_keys(),
+        corrupted_bytes(),
+    ),
     st.integers(0, 99),
 )
 def test_whatever_the_fast_path_accepts_the_full_parse_accepts_identically(

@@ -143,12 +143,12 @@ export class Reservation {
     let final: number;
     let kind: EntryType;
     if (this.released) [final, kind] = [0, EntryType.RELEASED];
-    else if (this.actual === null) {
-      this.done = true;
-      return NOTHING_METERED;
-    } else [final, kind] = [checkAmount(this.actual, "actual"), EntryType.SETTLED];
+    else if (this.actual === null) [final, kind] = [this.estimate, EntryType.SETTLED]; // the estimate stands
+    else [final, kind] = [checkAmount(this.actual, "actual"), EntryType.SETTLED];
     this.done = true;
     const s = planning.withAmount(this.slot, final - this.estimate);
+    // Every reservation ends with one closing event, so the ledger can tell a closed
+    // one from an open one; a zero delta with no ledger has nothing to do.
     if (s.amount === 0 && this.gov.ledger === null && !report) return NOTHING_METERED;
     const [before, degraded, cap] = await this.gov.record([s], this.ctx, kind, null, this.gov.now(), this.id, report);
     return planning.metered(s, before, degraded, cap);
@@ -631,21 +631,25 @@ export class Governor {
     const opId = eventId === null ? newId() : null;
     let degraded = false;
     let before: number | null = null;
-    try {
-      const result = await this.charge(slots.map(planning.opOf), eventId, wantUsed, opId);
-      if (wantUsed && result.used.length) {
-        before = result.used[0] ?? null;
-        cap = result.caps.length ? (result.caps[0] ?? null) : null;
+    // Nothing to count or read (a settlement's zero delta): no round trip.
+    const idle = !wantUsed && slots.every((s) => s.amount === 0);
+    if (!idle) {
+      try {
+        const result = await this.charge(slots.map(planning.opOf), eventId, wantUsed, opId);
+        if (wantUsed && result.used.length) {
+          before = result.used[0] ?? null;
+          cap = result.caps.length ? (result.caps[0] ?? null) : null;
+        }
+      } catch (err) {
+        if (!(err instanceof BackendUnavailableError)) throw err;
+        degraded = true;
+        const localOps = slots.filter((s) => local(s.limit)).map(planning.opOf);
+        if (localOps.length) {
+          const fb = await this.fallback.charge(localOps);
+          if (slots[0] !== undefined && local(slots[0].limit)) before = fb.used[0] ?? null;
+        }
+        this.keepForLater(slots, opId);
       }
-    } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
-      degraded = true;
-      const localOps = slots.filter((s) => local(s.limit)).map(planning.opOf);
-      if (localOps.length) {
-        const fb = await this.fallback.charge(localOps);
-        if (slots[0] !== undefined && local(slots[0].limit)) before = fb.used[0] ?? null;
-      }
-      this.keepForLater(slots, opId);
     }
     if (eventId !== null) {
       await this.append(eventId, kind, now, ctx, planning.ledgerCharges(slots), { usage, degraded, reservation });

@@ -144,6 +144,37 @@ for (const [name, make] of backends) {
       assert.equal(await gov.usage("burst", ctx), 1);
       assert.match(ledger.entries[0]?.id ?? "", /^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/);
     });
+
+    it("closes every reservation with one event naming it, the estimate left to stand too", async () => {
+      const ledger = new MemoryLedger();
+      const gov = new Governor(
+        Policy.of(new Limit("spend", { cap: usd(1), window: Window.DAY, scope: Scope.USER, unit: Unit.USD_MICROS })),
+        backend(),
+        { ledger },
+      );
+      const ctx = context({ user: fresh("u") });
+      await gov.reserved("spend", 50, ctx, async () => {}); // actual never set: the estimate stands
+      await gov.reserved("spend", 30, ctx, async (held) => {
+        held.actual = 30;
+      });
+      await gov.reserved("spend", 40, ctx, async (held) => {
+        held.actual = 10;
+      });
+      await gov.reserved("spend", 20, ctx, async (held) => {
+        held.release();
+      });
+      const reserved = ledger.entries.filter((e) => e.type === EntryType.RESERVED).map((e) => e.id);
+      const closes = reserved.map((id) =>
+        ledger.entries.filter((e) => e.reservation === id).map((e) => [e.type, (e.charges ?? []).map((c) => c.amount)]),
+      );
+      assert.deepEqual(closes, [
+        [[EntryType.SETTLED, []]], // a zero delta: no charges, only the link
+        [[EntryType.SETTLED, []]],
+        [[EntryType.SETTLED, [-30]]],
+        [[EntryType.RELEASED, [-20]]],
+      ]);
+      assert.equal(await gov.usage("spend", ctx), 90);
+    });
   });
 }
 
