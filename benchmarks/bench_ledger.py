@@ -57,7 +57,9 @@ class OutboxOnlyLedger:
     group commits by a Flusher, as KafkaLedger's outbox does, and never shipped."""
 
     def __init__(self, directory: str, batch_interval: float) -> None:
-        self.log = RecordLog(directory, prefix="outbox", batch_interval=batch_interval)
+        self.log = RecordLog(
+            directory, prefix="outbox", batch_interval=batch_interval, mapped=True
+        )
         self.flusher = Flusher(self.log)
 
     async def append(self, entry: Any) -> None:

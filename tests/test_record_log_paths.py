@@ -393,7 +393,7 @@ def test_a_torn_newest_line_is_read_once_complete_and_reported_once_when_stale(
 def test_a_write_that_runs_out_of_disk_leaves_no_half_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    outbox = Outbox(tmp_path, max_bytes=1 << 20)
+    outbox = Outbox(tmp_path, max_bytes=1 << 20, mapped=False)  # the write() path
     outbox.append([rec(0), rec(1)])
     (segment,) = tmp_path.glob("*.jsonl")
     before = segment.read_bytes()
@@ -428,6 +428,34 @@ def test_a_write_that_runs_out_of_disk_leaves_no_half_record(
     with Outbox(tmp_path, max_bytes=1 << 20) as again:
         assert [raw for _, raw in again.peek(10)] == [rec(0), rec(1), rec(2)]
         assert [cursor.seq for cursor, _ in again.peek(10)] == [1, 2, 3]
+
+
+def test_a_mapped_segment_that_finds_no_disk_space_fails_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mapped outbox reserves each segment's blocks when it starts it: a full disk
+    is an OSError from the append that needed the new segment (never a SIGBUS in
+    the copy), the books are unchanged, and the append after it succeeds."""
+    outbox = Outbox(tmp_path, max_bytes=1 << 20, segment_bytes=len(rec(0)) * 2 + 2)
+    outbox.append([rec(0)])
+    outbox.log.append_line(rec(1))
+    pending, length = outbox.pending_bytes, len(outbox)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "posix_fallocate", full)
+        with pytest.raises(OSError, match="No space left"):
+            outbox.log.append_line(rec(2))  # needs a new segment
+    assert (outbox.pending_bytes, len(outbox)) == (pending, length)
+    outbox.log.append_line(rec(2))
+    assert [raw for _, raw in outbox.peek(10)] == [rec(0), rec(1), rec(2)]
+    outbox.close()
+    for segment in tmp_path.glob("*.jsonl"):  # closed: no zeroed tails left
+        assert not segment.read_bytes().endswith(b"\0")
+    with Outbox(tmp_path, max_bytes=1 << 20) as again:
+        assert [raw for _, raw in again.peek(10)] == [rec(0), rec(1), rec(2)]
 
 
 @needs_proc
