@@ -748,9 +748,7 @@ def _scan_lines(path: Path, limit: int | None = None) -> tuple[int, int]:
     bytes), and how many there are."""
     end = count = pos = 0
     with open(path, "rb") as f:
-        while chunk := f.read(
-            _SCAN_CHUNK if limit is None else min(_SCAN_CHUNK, limit - pos)
-        ):
+        while chunk := f.read(_SCAN_CHUNK if limit is None else min(_SCAN_CHUNK, limit - pos)):
             n = chunk.count(b"\n")
             if n:
                 count += n
