@@ -185,7 +185,8 @@ class RecordLog:
         self.batch_interval = batch_interval
         self.segment_bytes = segment_bytes
         self.writable = writable
-        self.mapped = mapped and writable
+        # Without posix_fallocate (macOS) a full disk would be a SIGBUS: write() instead.
+        self.mapped = mapped and writable and hasattr(os, "posix_fallocate")
         # The memory map of the segment being written (mapped logs) and its length.
         self._map: mmap.mmap | None = None
         self._map_size = 0
@@ -237,6 +238,8 @@ class RecordLog:
         segments = self.segments()
         for seg in segments:
             self._sizes[seg] = self.path(seg).stat().st_size
+            if self.mapped and seg != segments[-1]:
+                self._cut_zeros(seg)
         if not segments:
             self._create_segment(first_seq)
             return
@@ -267,6 +270,21 @@ class RecordLog:
         self._end = Position(last, end, count)
         if self.mapped:
             self._map_segment(end)
+
+    def _cut_zeros(self, seg: int) -> None:
+        """Cut the zeroed tail of a finished segment whose cut a machine crash undid
+        (the truncate of a rotation is durable only with the fsync after it)."""
+        path = self.path(seg)
+        size = self._sizes[seg]
+        if not size:
+            return
+        with open(path, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) != b"\0":
+                return
+        end = _data_end(path, size)
+        os.truncate(path, end)
+        self._sizes[seg] = end
 
     def _create_segment(self, seq: int) -> None:
         path = self.path(seq)
