@@ -447,14 +447,14 @@ class RecordLog:
         the plain ``(segment, offset, index)`` of a :class:`Position`.
 
         The same write as :meth:`append` of one record, without the batch's
-        bookkeeping: one ``write()``, no temporary list, join or Position.
+        bookkeeping: one ``write()`` (or, mapped, one copy into the map), no
+        temporary list, join or Position.
         """
         if not record or b"\n" in record:
             raise ValueError(
                 f"a record is one non-empty line: no newline inside (got {record[:60]!r}...)"
             )
-        buf = record + b"\n"
-        size = len(buf)
+        size = len(record) + 1
         with self._lock:
             if self._closed or self._failed is not None or not self.writable:
                 self._check_open()
@@ -479,6 +479,7 @@ class RecordLog:
                 self._sizes[segment] += size
                 self._written += size
                 return at
+            buf = record + b"\n"
             try:
                 written = os.write(self._fd, buf)
             except BaseException:
