@@ -589,7 +589,11 @@ class Governor(Metering[MeterResult]):
                     event_id, kind, now, ctx, plan.charges, None, 200, (), None, False,
                     None, None, approved,
                 )  # fmt: skip
-                self.ledger.prepare(ahead)  # type: ignore[union-attr]
+                try:
+                    self.ledger.prepare(ahead)  # type: ignore[union-attr]
+                except Exception:  # an optimisation only: the append encodes as before
+                    log.debug("ledger prepare() failed", exc_info=True)
+                    ahead = None
                 try:
                     result = await sent
                 except BackendUnavailableError:
