@@ -577,11 +577,33 @@ class Governor(Metering[MeterResult]):
         event_id = new_id() if self.ledger is not None else None
         op_id = None if event_id is not None else new_id()
         lease = new_id() if plan.leases else None
+        ahead: LedgerEntry | None = None
         try:
-            # The totals come back in the same reply: they give Decision.remaining.
-            result = await self._charge(
-                plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
-            )
+            sent = None if lease or ticket else self._sent_ahead(plan.ops, event_id)
+            if sent is not None:
+                assert event_id is not None  # (_sent_ahead is None without one)
+                # The reply is a round trip away: meanwhile the ledger encodes the
+                # event of the common outcome (admitted, nothing over), which
+                # _log appends if that is the outcome. Nothing is written yet.
+                ahead = LedgerEntry(
+                    event_id, kind, now, ctx, plan.charges, None, 200, (), None, False,
+                    None, None, approved,
+                )  # fmt: skip
+                try:
+                    self.ledger.prepare(ahead)  # type: ignore[union-attr]
+                except Exception:  # an optimisation only: the append encodes as before
+                    log.debug("ledger prepare() failed", exc_info=True)
+                    ahead = None
+                try:
+                    result = await sent
+                except BackendUnavailableError:
+                    self._mark_down()
+                    raise
+            else:
+                # The totals come back in the same reply: they give Decision.remaining.
+                result = await self._charge(
+                    plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
+                )
         except BackendUnavailableError:
             decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
         else:
@@ -594,8 +616,31 @@ class Governor(Metering[MeterResult]):
         if lease is not None and decision.admitted:
             decision = dataclasses.replace(decision, lease=Lease(lease, plan.leases))
         if event_id is not None and (record_refusal or decision.admitted):
-            await self._log(event_id, kind, now, ctx, plan, decision, approved)
+            if (
+                ahead is not None
+                and decision.admitted
+                and decision.limit is None
+                and decision.status == 200
+                and not decision.over
+                and not decision.degraded
+            ):
+                await self.ledger.append(ahead)  # type: ignore[union-attr]  # the very entry
+            else:
+                await self._log(event_id, kind, now, ctx, plan, decision, approved)
         return decision, event_id
+
+    def _sent_ahead(
+        self, ops: Sequence[CounterOp], event_id: str | None
+    ) -> Awaitable[ChargeResult] | None:
+        """An admission's charge written at once, its reply to await (``charge_sent``),
+        when the ledger can prepare its event meanwhile (``prepare``); else None."""
+        if event_id is None or getattr(self.ledger, "prepare", None) is None:
+            return None
+        send = getattr(self.backend, "charge_sent", None)
+        if send is None or self._down_until:
+            return None
+        sent: Awaitable[ChargeResult] | None = send(ops, event_id=event_id, want_used=True)
+        return sent
 
     async def _log(
         self,

@@ -139,3 +139,8 @@ class Ledger(Protocol):
     async def aclose(self) -> None:
         """Flush what is buffered and release resources."""
         ...
+
+    # Optional: ``prepare(entry) -> None``, called while the governor waits for the
+    # counters' reply with the entry it will most likely append (admitted, nothing
+    # over), so the ledger can encode it meanwhile; the append that follows may be of
+    # that very object, or of another entry (then the preparation is forgotten).

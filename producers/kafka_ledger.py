@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 _SEND_ERRORS = (KafkaError, OSError, asyncio.TimeoutError)
 #: At most one "refusals dropped" warning per this many seconds.
 DROP_LOG_INTERVAL = 10.0
+#: Events prepared ahead and not yet appended, at most (concurrent checks in flight).
+_AHEAD_MAX = 1024
 
 
 class LedgerTimeoutError(GovernorError, TimeoutError):
@@ -93,6 +95,9 @@ class KafkaLedger:
     - ``outbox_max_bytes``, ``on_full``: the disk budget of unshipped events
       (module docstring).
     - ``batch_interval``: the group-commit window (seconds between fsyncs).
+    - ``outbox_mapped``: append by copying into a memory map of the outbox's
+      preallocated segment (default) rather than one ``write()`` per event;
+      both leave the event in the OS page cache before ``append`` returns.
     - ``queue_size``: appended events kept in memory for shipping; past it
       (a backlog) the shipper reads them back from the files.
     - ``linger_ms``: how long the shipper lets a batch form; ``batch_size``
@@ -114,6 +119,7 @@ class KafkaLedger:
         outbox_max_bytes: int = 1 << 30,
         on_full: Literal["refuse", "admit"] = "refuse",
         batch_interval: float = DEFAULT_BATCH_INTERVAL,
+        outbox_mapped: bool = True,
         partitions: int = 6,
         replication_factor: int = 1,
         queue_size: int = 10_000,
@@ -169,7 +175,11 @@ class KafkaLedger:
         self._client_options = dict(client_options or {})
         directory = outbox_dir or Path(tempfile.gettempdir()) / f"mcpbg-outbox-{topic}"
         self.outbox = Outbox(
-            directory, max_bytes=outbox_max_bytes, on_full=on_full, batch_interval=batch_interval
+            directory,
+            max_bytes=outbox_max_bytes,
+            on_full=on_full,
+            batch_interval=batch_interval,
+            mapped=outbox_mapped,
         )
         self._flusher = Flusher(self.outbox.log)
         self._log = self.outbox.log
@@ -192,6 +202,8 @@ class KafkaLedger:
         self._closed = False
         self._drop_logged_at = float("-inf")
         self._dropped_since_log = 0
+        # prepare(): event id -> (entry, its encoding), until its append.
+        self._ahead: dict[str, tuple[LedgerEntry, bytes]] = {}
         self.stats = LedgerStats()
 
     @classmethod
@@ -206,12 +218,23 @@ class KafkaLedger:
         """False while a full outbox refuses new admissions (the governor answers 503)."""
         return self._pending_bytes < self.outbox.max_bytes or self.outbox.on_full != "refuse"
 
+    def prepare(self, entry: LedgerEntry) -> None:
+        """Encode ``entry`` now, while its caller waits for the counters' reply, for an
+        :meth:`append` of that very object (the governor's likely outcome). Writes
+        nothing: an entry prepared and never appended is simply forgotten."""
+        ahead = self._ahead
+        if len(ahead) >= _AHEAD_MAX:  # outcomes that never came (refusals, failures)
+            ahead.clear()
+        ahead[entry.id] = (entry, encode(entry, self.source))
+
     async def append(self, entry: LedgerEntry) -> None:
         """Commit one event to the outbox (written to the OS before this returns) for
         shipping; waits on the broker only with ``durability="acked"``."""
         if self._closing:
             raise GovernorError("ledger: append after aclose()")
-        raw = encode(entry, self.source)
+        held = self._ahead.pop(entry.id, None) if self._ahead else None
+        # Identity, not equality: the held entry is alive, so no other object has its id.
+        raw = held[1] if held is not None and held[0] is entry else encode(entry, self.source)
         size = len(raw) + 1
         box = self.outbox
         if self._pending_bytes + size <= box.max_bytes:

@@ -76,6 +76,9 @@ class Outbox:
     - ``segment_bytes``: segment size (default: a quarter of ``max_bytes``,
       between 64 KiB and 16 MiB), so shipped space is freed in steps.
     - ``on_malformed``: called once per damaged line met by ``peek``.
+    - ``mapped``: append by copying into a memory map of the preallocated
+      segment (default; no ``write()`` per record, see :class:`RecordLog`)
+      rather than by ``write()``.
 
     One process owns a directory at a time (the log's writer lock).
     """
@@ -92,6 +95,7 @@ class Outbox:
         prefix: str = "outbox",
         full_log_interval: float = 10.0,
         on_malformed: MalformedHandler | None = None,
+        mapped: bool = True,
     ) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes: a positive size (got {max_bytes!r})")
@@ -119,6 +123,7 @@ class Outbox:
             batch_interval=batch_interval,
             segment_bytes=segment_bytes,
             first_seq=0 if cursor is None else cursor.seq,
+            mapped=mapped,
         )
         self._acked = self._reconcile(cursor)
 

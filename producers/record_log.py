@@ -22,15 +22,16 @@ import contextlib
 import fcntl
 import json
 import logging
+import mmap
 import os
 import re
 import threading
 import time
 import warnings
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from mcp_budget_governor.errors import GovernorError
 
@@ -146,6 +147,15 @@ class RecordLog:
     continues its numbering from its cursor). ``fresh_segment=True`` makes a
     writer continue in a new segment rather than the newest one unless that
     is empty (see :class:`~mcp_budget_governor.producers.file_ledger.FileLedger`).
+
+    ``mapped=True`` (the outbox's hot path) preallocates the segment being
+    written to ``segment_bytes`` (``posix_fallocate``: a full disk fails here,
+    as an error, not later as a SIGBUS) and appends by copying into a shared
+    memory map of it instead of a ``write()`` per record: the bytes are in the
+    page cache when the copy returns (a killed process loses nothing) and
+    fsync covers them as it covers written ones. Only that segment has a
+    zeroed tail: a rotation and :meth:`close` cut it to its records, and the
+    writer that opens it again strips trailing NUL bytes with the torn tail.
     """
 
     def __init__(
@@ -159,6 +169,7 @@ class RecordLog:
         writable: bool = True,
         first_seq: int = 0,
         fresh_segment: bool = False,
+        mapped: bool = False,
     ) -> None:
         if not _PREFIX.match(prefix):
             raise ValueError(f"prefix: use letters, digits, '_' and '.' only (got {prefix!r})")
@@ -174,6 +185,11 @@ class RecordLog:
         self.batch_interval = batch_interval
         self.segment_bytes = segment_bytes
         self.writable = writable
+        # Without posix_fallocate (macOS) a full disk would be a SIGBUS: write() instead.
+        self.mapped = mapped and writable and hasattr(os, "posix_fallocate")
+        # The memory map of the segment being written (mapped logs) and its length.
+        self._map: mmap.mmap | None = None
+        self._map_size = 0
         name = rf"^{re.escape(prefix)}-(\d{{{SEQ_DIGITS}}}){re.escape(SUFFIX)}$"
         self._pattern = re.compile(name)
         # Torn tails already reported by this reader, so a tailing reader warns once.
@@ -222,14 +238,21 @@ class RecordLog:
         segments = self.segments()
         for seg in segments:
             self._sizes[seg] = self.path(seg).stat().st_size
+            if self.mapped and seg != segments[-1]:
+                self._cut_zeros(seg)
         if not segments:
             self._create_segment(first_seq)
             return
         last = segments[-1]
         path = self.path(last)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-        end, count = _scan_lines(path)
+        flags = os.O_RDWR if self.mapped else os.O_WRONLY | os.O_APPEND
+        self._fd = os.open(path, flags)
         size = self._sizes[last]
+        if self.mapped:
+            # The zeroed, preallocated tail of a mapped segment a process left
+            # open (killed, or a machine crash): not records, and not damage.
+            size = self._sizes[last] = _data_end(path, size)
+        end, count = _scan_lines(path, size)
         if end < size:
             # A crash mid-write left a line without its newline: cut it off so
             # the next record starts on a clean line instead of extending it.
@@ -245,14 +268,60 @@ class RecordLog:
                 os.fsync(self._fd)
             self._sizes[last] = end
         self._end = Position(last, end, count)
+        if self.mapped:
+            self._map_segment(end)
+
+    def _cut_zeros(self, seg: int) -> None:
+        """Cut the zeroed tail of a finished segment whose cut a machine crash undid
+        (the truncate of a rotation is durable only with the fsync after it)."""
+        path = self.path(seg)
+        size = self._sizes[seg]
+        if not size:
+            return
+        with open(path, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) != b"\0":
+                return
+        end = _data_end(path, size)
+        os.truncate(path, end)
+        self._sizes[seg] = end
 
     def _create_segment(self, seq: int) -> None:
         path = self.path(seq)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        flags = os.O_RDWR if self.mapped else os.O_WRONLY | os.O_APPEND
+        self._fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
         if self.fsync != "never":
             fsync_dir(self.directory)
         self._sizes[seq] = 0
         self._end = Position(seq, 0, 0)
+        if self.mapped:
+            self._map_segment(0)
+
+    def _map_segment(self, used: int, need: int = 0) -> None:
+        """Preallocate the segment being written and map it (mapped logs; lock held
+        or opening). ``used``: its bytes of records; ``need``: a record that must fit."""
+        size = max(self.segment_bytes, used + need)
+        size += -size % mmap.PAGESIZE
+        try:
+            # Blocks reserved now: a full disk is an OSError here, never a SIGBUS
+            # in the copy of a record into the map.
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, used)  # leave no zeroed tail behind
+            raise
+        self._map = mmap.mmap(self._fd, size)
+        self._map_size = size
+
+    def _unmap(self) -> None:
+        """Release the map and cut the zeroed tail: the segment becomes a plain
+        JSON Lines file again (lock held)."""
+        if self._map is None:
+            return
+        self._map.close()
+        self._map = None
+        self._map_size = 0
+        os.ftruncate(self._fd, self._sizes.get(self._end.segment, self._end.offset))
 
     # -- layout --------------------------------------------------------------
 
@@ -354,7 +423,10 @@ class RecordLog:
             if self._end.offset and self._end.offset + len(buf) > self.segment_bytes:
                 self._rotate(self._end.seq)
             first = self._end
-            _write_all(self._fd, buf, first.offset)
+            if self.mapped:
+                self._copy_records(records, len(buf), first.offset)
+            else:
+                _write_all(self._fd, buf, first.offset)
             self._end = Position(first.segment, first.offset + len(buf), first.index + len(records))
             self._sizes[first.segment] += len(buf)
             self._written += len(buf)
@@ -375,14 +447,14 @@ class RecordLog:
         the plain ``(segment, offset, index)`` of a :class:`Position`.
 
         The same write as :meth:`append` of one record, without the batch's
-        bookkeeping: one ``write()``, no temporary list, join or Position.
+        bookkeeping: one ``write()`` (or, mapped, one copy into the map), no
+        temporary list, join or Position.
         """
         if not record or b"\n" in record:
             raise ValueError(
                 f"a record is one non-empty line: no newline inside (got {record[:60]!r}...)"
             )
-        buf = record + b"\n"
-        size = len(buf)
+        size = len(record) + 1
         with self._lock:
             if self._closed or self._failed is not None or not self.writable:
                 self._check_open()
@@ -390,6 +462,24 @@ class RecordLog:
             if offset and offset + size > self.segment_bytes:
                 self._rotate(segment + index)
                 segment, offset, index = self._at
+            m = self._map
+            if m is not None and offset + size <= self._map_size:
+                # A copy into the page cache, no system call: the record, then its
+                # newline, so a process killed mid-copy leaves a torn line, never a
+                # whole-looking one with a hole (a memcpy may store its tail first).
+                m[offset : offset + size - 1] = record
+                m[offset + size - 1] = 10
+                at = self._at = (segment, offset + size, index + 1)
+                self._sizes[segment] += size
+                self._written += size
+                return at
+            if self.mapped:
+                self._copy_records((record,), size, offset)
+                at = self._at = (segment, offset + size, index + 1)
+                self._sizes[segment] += size
+                self._written += size
+                return at
+            buf = record + b"\n"
             try:
                 written = os.write(self._fd, buf)
             except BaseException:
@@ -403,8 +493,25 @@ class RecordLog:
             self._written += size
         return at
 
+    def _copy_records(self, records: Sequence[bytes], size: int, offset: int) -> None:
+        """Copy records into the map at ``offset``, growing it first if they do not
+        fit (one record bigger than a segment); each record before its newline."""
+        if self._map is None or offset + size > self._map_size:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+            self._map_segment(offset, size)
+        m = self._map
+        assert m is not None
+        for record in records:
+            end = offset + len(record)
+            m[offset:end] = record
+            m[end] = 10
+            offset = end + 1
+
     def _rotate(self, seq: int) -> None:
         """Start a new segment at ``seq`` (lock held)."""
+        self._unmap()
         if self.fsync != "never" and self._written > self._synced:
             # The old segment is closed for good: make it durable now rather
             # than leave a Flusher holding on to its descriptor.
@@ -509,6 +616,9 @@ class RecordLog:
         if self._closed:
             return
         try:
+            if self._map is not None:
+                with self._lock:
+                    self._unmap()
             if self.writable and self._failed is None and self._written > self._synced:
                 self.sync()
         finally:
@@ -556,11 +666,15 @@ class RecordLog:
                 f = open(path, "rb")  # noqa: SIM115 - closed in the finally below
             except FileNotFoundError:
                 continue  # deleted (shipped) while we listed
+            # A mapped writer's own segments hold zeros past their records: it
+            # reads what it wrote (the size it keeps), not the preallocated tail.
+            limit = self._sizes.get(seg) if self.mapped else None
             try:
                 f.seek(offset)
-                for line in f:
+                for line in f if limit is None else _lines_upto(f, limit - offset):
                     if not line.endswith(b"\n"):
-                        self._torn(path, seg, offset, len(line), newest)
+                        if line.strip(b"\0"):  # all NUL: a mapped segment's zeroed tail
+                            self._torn(path, seg, offset, len(line), newest)
                         break
                     data = line[:-1]
                     error = None
@@ -627,11 +741,33 @@ def _write_all(fd: int, buf: bytes, start: int) -> None:
         raise
 
 
-def _scan_lines(path: Path) -> tuple[int, int]:
-    """The byte length of the complete lines of a file, and how many there are."""
+def _lines_upto(f: BinaryIO, size: int) -> Iterator[bytes]:
+    """The lines of ``f`` within its next ``size`` bytes (the last one maybe cut)."""
+    while size > 0 and (line := f.readline(size)):
+        size -= len(line)
+        yield line
+
+
+def _data_end(path: Path, size: int) -> int:
+    """The length of a file without its trailing NUL bytes (a mapped segment's
+    zeroed tail); a NUL inside the records, followed by more, is damage, kept."""
+    with open(path, "rb") as f:
+        while size > 0:
+            start = max(0, size - _SCAN_CHUNK)
+            f.seek(start)
+            chunk = f.read(size - start).rstrip(b"\0")
+            if chunk:
+                return start + len(chunk)
+            size = start
+    return 0
+
+
+def _scan_lines(path: Path, limit: int | None = None) -> tuple[int, int]:
+    """The byte length of the complete lines of a file (of its first ``limit``
+    bytes), and how many there are."""
     end = count = pos = 0
     with open(path, "rb") as f:
-        while chunk := f.read(_SCAN_CHUNK):
+        while chunk := f.read(_SCAN_CHUNK if limit is None else min(_SCAN_CHUNK, limit - pos)):
             n = chunk.count(b"\n")
             if n:
                 count += n

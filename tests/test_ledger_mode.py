@@ -171,3 +171,50 @@ async def test_hot_path_never_admits_from_a_flushed_redis(redis_url: str) -> Non
     d = await gov.check(ctx)
     assert (d.admitted, d.status, d.degraded) == (False, 503, True)
     await gov.aclose()
+
+
+class PreparingLedger(MemoryLedger):
+    """A ledger that prepares: records what it was asked to prepare."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[object] = []
+
+    def prepare(self, entry: object) -> None:
+        self.prepared.append(entry)
+
+
+async def test_the_prepared_entry_is_appended_only_when_it_is_the_outcome(redis_url: str) -> None:
+    """check() hands the ledger the likely entry while the counters' reply is on its
+    way; the append is that very entry on a plain admission, and a fresh one when
+    Redis refuses (nothing prepared is appended unless it is the outcome)."""
+    from mcp_budget_governor import RedisBackend
+
+    ctx = Context(user=f"prep-{random.randrange(1 << 30)}")
+    ledger = PreparingLedger()
+    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=ledger)
+    try:
+        decisions = [await gov.check(ctx) for _ in range(5)]  # burst: 5 a minute
+    finally:
+        await gov.aclose()
+    assert all(d.admitted for d in decisions)
+    assert [e.type for e in ledger.entries] == [EntryType.ADMITTED] * 5
+    # (the first check connects: its charge could not be written at once)
+    assert len(ledger.prepared) >= 4
+    appended = {e.id: e for e in ledger.entries}
+    for prepared in ledger.prepared:
+        assert appended[prepared.id] is prepared  # type: ignore[attr-defined]
+
+    # A new governor knows nothing locally: Redis refuses its check.
+    other = PreparingLedger()
+    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=other)
+    try:
+        assert (await gov.check(Context(user=f"{ctx.user}-warm-up"))).admitted  # connects
+        refused = await gov.check(ctx)
+    finally:
+        await gov.aclose()
+    assert not refused.admitted
+    entry = other.entries[-1]
+    prepared = other.prepared[-1]
+    assert entry is not prepared and entry.id == prepared.id  # type: ignore[attr-defined]
+    assert entry.type is EntryType.REJECTED and entry.limit == "burst" and not entry.charges

@@ -393,7 +393,7 @@ def test_a_torn_newest_line_is_read_once_complete_and_reported_once_when_stale(
 def test_a_write_that_runs_out_of_disk_leaves_no_half_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    outbox = Outbox(tmp_path, max_bytes=1 << 20)
+    outbox = Outbox(tmp_path, max_bytes=1 << 20, mapped=False)  # the write() path
     outbox.append([rec(0), rec(1)])
     (segment,) = tmp_path.glob("*.jsonl")
     before = segment.read_bytes()
@@ -428,6 +428,34 @@ def test_a_write_that_runs_out_of_disk_leaves_no_half_record(
     with Outbox(tmp_path, max_bytes=1 << 20) as again:
         assert [raw for _, raw in again.peek(10)] == [rec(0), rec(1), rec(2)]
         assert [cursor.seq for cursor, _ in again.peek(10)] == [1, 2, 3]
+
+
+def test_a_mapped_segment_that_finds_no_disk_space_fails_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mapped outbox reserves each segment's blocks when it starts it: a full disk
+    is an OSError from the append that needed the new segment (never a SIGBUS in
+    the copy), the books are unchanged, and the append after it succeeds."""
+    outbox = Outbox(tmp_path, max_bytes=1 << 20, segment_bytes=len(rec(0)) * 2 + 2)
+    outbox.append([rec(0)])
+    outbox.log.append_line(rec(1))
+    pending, length = outbox.pending_bytes, len(outbox)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(os, "posix_fallocate", full)
+        with pytest.raises(OSError, match="No space left"):
+            outbox.log.append_line(rec(2))  # needs a new segment
+    assert (outbox.pending_bytes, len(outbox)) == (pending, length)
+    outbox.log.append_line(rec(2))
+    assert [raw for _, raw in outbox.peek(10)] == [rec(0), rec(1), rec(2)]
+    outbox.close()
+    for segment in tmp_path.glob("*.jsonl"):  # closed: no zeroed tails left
+        assert not segment.read_bytes().endswith(b"\0")
+    with Outbox(tmp_path, max_bytes=1 << 20) as again:
+        assert [raw for _, raw in again.peek(10)] == [rec(0), rec(1), rec(2)]
 
 
 @needs_proc
@@ -824,3 +852,49 @@ def test_an_empty_line_is_reported_once_and_still_shipped(tmp_path: Path) -> Non
             assert [raw for _, raw in outbox.peek(10)] == [rec(0), b"", rec(1)]
         assert reports == [(segment, Position(0, 12, 1), b"", "empty line")]
         assert outbox.malformed == 1 and len(outbox) == 3
+
+
+def test_a_finished_segment_whose_cut_was_undone_is_cut_again(tmp_path: Path) -> None:
+    """A machine crash may undo the truncate that cut a rotated segment's zeroed
+    tail: the writer that opens the outbox cuts it again, and nothing is lost."""
+    with Outbox(tmp_path, max_bytes=1 << 20, segment_bytes=len(rec(0)) * 2 + 2) as outbox:
+        for i in range(5):  # two records a segment
+            outbox.log.append_line(rec(i))
+    first = tmp_path / segment_name("outbox", 0)
+    assert len(list(tmp_path.glob("*.jsonl"))) == 3
+    clean = first.read_bytes()
+    with first.open("ab") as f:
+        f.write(bytes(8192))  # the preallocated tail is back
+    with Outbox(tmp_path, max_bytes=1 << 20) as again:
+        assert first.read_bytes() == clean
+        assert [raw for _, raw in again.peek(10)] == [rec(i) for i in range(5)]
+        assert again.pending_bytes == sum(len(rec(i)) + 1 for i in range(5))
+
+
+KILLED_MID_COPY = """
+import os, signal, sys
+from mcp_budget_governor.producers.record_log import RecordLog
+log = RecordLog(sys.argv[1], prefix="outbox", mapped=True)
+for i in range(int(sys.argv[2])):
+    log.append_line(('{"n":"%03d"}' % i).encode())
+offset = log.end.offset
+log._map[offset : offset + 8] = b'{"n":"to'  # killed in the middle of the next copy
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_mapped_writer_killed_mid_copy_loses_no_returned_record(tmp_path: Path) -> None:
+    """SIGKILL of a mapped writer: every record whose append returned is in the
+    file (the page cache has it), the half-copied one is a torn tail, and the
+    preallocated zeros are no damage; the next writer continues on a clean line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_COPY, str(tmp_path), "7"], capture_output=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    (segment,) = tmp_path.glob("*.jsonl")
+    assert segment.read_bytes().endswith(b"\0")  # left preallocated
+    with Outbox(tmp_path, max_bytes=1 << 20) as outbox:
+        assert [raw for _, raw in outbox.peek(10)] == [rec(i) for i in range(7)]
+        outbox.log.append_line(rec(7))
+        assert [raw for _, raw in outbox.peek(10)] == [rec(i) for i in range(8)]
+    assert segment.read_bytes() == b"".join(rec(i) + b"\n" for i in range(8))
