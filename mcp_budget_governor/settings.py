@@ -247,6 +247,14 @@ SETTINGS: Mapping[str, Setting] = {
         ),
         Setting("alert_topic", str, "mcpbg.alerts", "Kafka topic for alerts, '' for none"),
         Setting(
+            "alert_keep",
+            int,
+            1000,
+            "alerts the worker keeps in Redis (a capped stream) for mcpbg serve's /v1/alerts, "
+            "0 for none",
+            _non_negative_int,
+        ),
+        Setting(
             "archive_dir",
             str,
             "",

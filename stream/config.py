@@ -50,6 +50,7 @@ class WorkerConfig:
     policy_poll: float = _default("policy_poll")
     alert_webhook: str = _default("alert_webhook")
     alert_topic: str = _default("alert_topic")
+    alert_keep: int = _default("alert_keep")
     archive_dir: str = _default("archive_dir")
     metrics_port: int = _default("metrics_port")
     partitions: int = _default("partitions")

@@ -38,6 +38,7 @@ from .alerts import (
     LogSink,
     MemoryDeduper,
     RedisDeduper,
+    RedisLogSink,
     TopicSink,
     WebhookSink,
 )
@@ -267,6 +268,9 @@ class Projection:
             sinks.append(WebhookSink(self.config.alert_webhook))
         if self.config.alert_topic:
             sinks.append(TopicSink(self._produce_alert, self.config.alert_topic))
+        if self.config.alert_keep and isinstance(self._backend, RedisBackend):
+            # The latest alerts where mcpbg serve (which always has Redis) reads them.
+            sinks.append(RedisLogSink(self._backend.client, self.config.alert_keep))
         return sinks
 
     async def _produce_alert(self, topic: str, key: bytes, value: bytes) -> None:

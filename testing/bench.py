@@ -1,4 +1,5 @@
-"""The benchmarks' harness: a Redis to talk to, stats, tables, cleanup, CPU seconds.
+"""The benchmarks' harness: a Redis to talk to, stats, tables, cleanup, CPU seconds,
+instruction counts (:func:`instructions_per_op`, valgrind's callgrind).
 
 The scripts of ``benchmarks/`` import it (``python -m benchmarks.<script>`` from the
 repository root), as the tests import the services it starts them with.
@@ -11,11 +12,14 @@ import os
 import platform
 import pstats
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,3 +244,52 @@ def short_path(filename: str) -> str:
         return filename.split("site-packages/", 1)[1]
     stdlib = re.sub(r"^.*/lib/python3\.\d+/", "", filename)
     return stdlib if stdlib != filename else filename.replace(str(REPO) + "/", "")
+
+
+# -- instruction counts ------------------------------------------------------------
+#
+# Wall-clock ratios on a shared machine move by more than the 2 % a hot-path target
+# allows. valgrind's callgrind counts the instructions a process executes, which
+# does not depend on the load: running the same workload with n and 2n operations
+# and subtracting cancels start-up, imports and set-up, leaving n operations' worth.
+
+
+def callgrind_available() -> bool:
+    return shutil.which("valgrind") is not None
+
+
+def callgrind_instructions(
+    argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path = REPO
+) -> int:
+    """Instructions (callgrind's ``Ir``) that the process ``argv`` executes, all its
+    threads, not its children. ``PYTHONHASHSEED=0`` unless ``env`` sets it: the
+    same dict layouts in every run. Raises ``RuntimeError`` with the tail of the
+    output when the process fails."""
+    if not callgrind_available():
+        raise RuntimeError("valgrind is not installed (apt-get install valgrind)")
+    environ = {**os.environ, **(env or {})}
+    environ.setdefault("PYTHONHASHSEED", "0")
+    with tempfile.TemporaryDirectory(prefix="mcpbg-callgrind-") as tmp:
+        out = Path(tmp) / "callgrind.out"
+        cmd = [
+            "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+            "--trace-children=no", *argv,
+        ]  # fmt: skip
+        done = subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+            raise RuntimeError(f"{' '.join(argv)} failed under callgrind:\n{tail}")
+        for line in out.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+    raise RuntimeError(f"no instruction total in callgrind's output for {' '.join(argv)}")
+
+
+def instructions_per_op(
+    argv_for: Callable[[int], Sequence[str]], n: int, *, env: Mapping[str, str] | None = None
+) -> float:
+    """Instructions per operation: ``(I(argv_for(2n)) - I(argv_for(n))) / n``, where
+    ``argv_for(k)`` is a command doing the same set-up then ``k`` operations."""
+    once = callgrind_instructions(argv_for(n), env=env)
+    twice = callgrind_instructions(argv_for(2 * n), env=env)
+    return (twice - once) / n

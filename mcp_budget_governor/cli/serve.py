@@ -5,7 +5,8 @@ with ``MCPBG_READ_TOKEN`` / ``MCPBG_WRITE_TOKEN`` (or their ``_FILE``
 variables) set; the dashboard is at ``/dashboard?token=<read token>``, the API
 under ``/v1/`` (``/openapi.json``). Writes go to the ledger when
 ``--kafka-url`` or ``--ledger-dir`` is given (like ``mcpbg caps``), else
-straight to the counters in Redis.
+straight to the counters in Redis. ``GET /v1/alerts`` shows the stream worker's
+latest alerts from the same Redis (``mcpbg worker --alert-keep``, docs/alerts.md).
 """
 
 from __future__ import annotations

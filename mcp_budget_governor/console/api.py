@@ -3,7 +3,8 @@
 Every route needs a bearer token (:mod:`.auth`): a missing or wrong one is
 401, a read token on a write route 403. Reads: ``GET /v1/budgets`` (the rows
 of ``mcpbg budgets --json``), ``/v1/costs`` (``mcpbg costs --json``),
-``/v1/alerts`` (breaker trips and the latest refusals, from the ledger),
+``/v1/alerts`` (the stream worker's alerts, kept in Redis; breaker trips and
+the latest refusals, from the ledger),
 ``/v1/events/{id}``, ``/v1/caps`` (``mcpbg caps list --json``); writes:
 ``POST``/``DELETE /v1/caps``, ``POST /v1/grants``, ``POST /v1/resets``, built
 and validated by the same ``admin.py`` builders as the CLI's verbs. Errors
@@ -44,6 +45,7 @@ from .auth import Tokens
 COOKIE = "mcpbg_token"
 
 _SCOPES = ("user", "tenant", "tool", "session", "agent")
+_NO_LEDGER = "mcpbg serve was started without --archive-dir or --ledger-dir"
 
 
 @dataclass
@@ -65,10 +67,23 @@ class Console:
         from ..projections.ledger_view import open_ledger
 
         if self.archive_dir is None and self.ledger_dir is None:
-            raise InvalidInputError(
-                "ledger", None, "mcpbg serve was started without --archive-dir or --ledger-dir"
-            )
+            raise InvalidInputError("ledger", None, _NO_LEDGER)
         return open_ledger(self.archive_dir, self.ledger_dir, since=since, until=until)
+
+    async def worker_alerts(self, n: int, limit: str | None = None) -> list[dict[str, Any]]:
+        """The ``n`` newest alerts the stream worker kept in the counters' Redis
+        (``stream/alerts/store.py``), newest first; none on another backend."""
+        from ..stream.alerts.store import latest_alerts
+
+        client = getattr(self.backend, "client", None)
+        if client is None or not hasattr(client, "xrevrange"):
+            return []  # Postgres counters, or none: the worker keeps no alerts there
+        import redis
+
+        try:
+            return await latest_alerts(client, n, limit=limit)
+        except (redis.RedisError, OSError) as exc:  # 503: try again later
+            raise BackendUnavailableError.redis(exc) from None
 
 
 # -- errors ---------------------------------------------------------------------
@@ -260,6 +275,7 @@ async def alerts(request: Request) -> Response:
     p = _params(request, (*_COST_PARAMS, "n"))
     flt = cost_filter(p)
     n = _int(p, "n") or 50
+    worker = await c.worker_alerts(n, p.get("limit"))
 
     def read() -> Any:
         con = c.ledger(flt.start, flt.end)
@@ -272,7 +288,10 @@ async def alerts(request: Request) -> Response:
         finally:
             con.close()
 
-    return _json(await run_in_threadpool(read))
+    if c.archive_dir is None and c.ledger_dir is None:
+        # Kafka + Redis without an archive: the worker's alerts are still there.
+        return _json({"alerts": worker, "ledger_error": _NO_LEDGER})
+    return _json({"alerts": worker, **await run_in_threadpool(read)})
 
 
 async def event(request: Request) -> Response:
@@ -459,6 +478,7 @@ ROUTES: tuple[tuple[str, str, Handler, str, list[dict[str, Any]], dict[str, Any]
         "/v1/alerts",
         "GET",
         alerts,
+        "the stream worker's latest alerts (limit, scope, level, time; from Redis), "
         "breaker trips and refusals from the ledger",
         _q(*_COST_PARAMS, "n"),
         None,

@@ -1,4 +1,4 @@
-"""The live dashboard of ``mcpbg serve``: budgets, breakers, spend, spenders, refusals.
+"""The live dashboard of ``mcpbg serve``: budgets, breakers, alerts, spend, spenders, refusals.
 
 ``GET /dashboard`` is the page (server-rendered HTML, Chart.js from ``/static/``);
 it reads ``GET /dashboard/data`` (:func:`snapshot`) every few seconds and
@@ -21,11 +21,14 @@ if TYPE_CHECKING:
 
 #: Seconds between two refreshes of the page's data.
 REFRESH = 5
+#: How many of the worker's latest alerts the page lists.
+ALERTS_SHOWN = 15
 
 
 async def snapshot(console: Console, period: str | None = None) -> dict[str, Any]:
     """Everything the page draws, as JSON: budget rows, breakers, the spend series with
-    caps, top spenders, refusals by reason and the latest ones (today, or ``period``)."""
+    caps, top spenders, refusals by reason and the latest ones (today, or ``period``),
+    and the stream worker's latest alerts (kept in Redis, whatever the period)."""
     from starlette.concurrency import run_in_threadpool
 
     from ..cli.costs import costs_json
@@ -44,6 +47,7 @@ async def snapshot(console: Console, period: str | None = None) -> dict[str, Any
         j["who"] = b.who
         rows.append(j)
     breakers = [r for r in rows if r["scope"] == "global"]
+    alerts = await console.worker_alerts(ALERTS_SHOWN)
     day = period or datetime.fromtimestamp(time.time(), UTC).strftime("%Y-%m-%d")
     start, end = parse_period(day)
     flt = Filter(start, end)
@@ -81,6 +85,7 @@ async def snapshot(console: Console, period: str | None = None) -> dict[str, Any
         "budgets": rows,
         "breakers": breakers,
         "caps": caps,
+        "alerts": alerts,
         **ledger,
     }
 
@@ -104,6 +109,7 @@ dashed lines: caps · red dashed line: breaker tripped</div>
 <section class="card"><h2>Top spenders</h2><div id="top"></div></section>
 <section class="card"><h2>Refusals by reason</h2>
 <div class="chart short"><canvas id="reasons"></canvas></div></section>
+<section class="card wide"><h2>Budget alerts (stream worker)</h2><div id="alerts"></div></section>
 <section class="card wide"><h2>Latest refusals</h2><div id="refusals"></div></section>
 <section class="card wide"><h2>Budgets per tenant and user</h2><div id="budgets"></div></section>
 </main>

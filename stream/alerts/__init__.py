@@ -39,9 +39,11 @@ from .sinks import (
     TopicSink,
     WebhookSink,
 )
+from .store import ALERT_LOG_KEY, RedisLogSink, alert_row, latest_alerts
 
 __all__ = [
     "ALERTED_PREFIX",
+    "ALERT_LOG_KEY",
     "ALERT_SOURCE",
     "ALERT_TYPE",
     "DEFAULT_ALERT_TOPIC",
@@ -58,10 +60,13 @@ __all__ = [
     "Mark",
     "MemoryDeduper",
     "RedisDeduper",
+    "RedisLogSink",
     "TopicProducer",
     "TopicSink",
     "WebhookSink",
     "alert_levels",
+    "alert_row",
+    "latest_alerts",
     "marker_key",
     "parse_alert",
 ]

@@ -5,6 +5,7 @@ const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) =>
   ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"})[c]);
 const usd = (m) => "$" + (m / 1e6).toFixed(2);
+const amount = (v, unit) => unit === "usd_micros" ? usd(v) : String(v);
 let spendChart = null, reasonChart = null;
 function tableOf(headers, rows, numeric) {
   if (!rows.length) return '<div class="empty">nothing yet</div>';
@@ -31,6 +32,10 @@ function draw(d) {
       esc(r.shown.cap), bar(r.spent, r.limit + r.grant), esc(r.limit_source) + (r.grant ? " + grant" : ""),
       esc(r.shown.remaining), r.exceeded ? '<span class="pill bad">exceeded</span>' : '<span class="pill ok">ok</span>']),
     ["spent", "limit ", "remaining"]);
+  $("alerts").innerHTML = tableOf(["time", "kind", "limit", "scope", "level", "used", "cap", "bucket"],
+    (d.alerts || []).map((a) => [esc(a.time), `<span class="pill ${a.kind === "breaker" ? "bad" : "warn"}">${esc(a.kind)}</span>`,
+      esc(a.limit), esc(a.scope), esc(a.level + "%"), esc(amount(a.used, a.unit)), esc(amount(a.cap, a.unit)),
+      esc(a.bucket)]), ["level", "used", "cap"]);
   if (d.ledger_error) {
     $("top").innerHTML = $("refusals").innerHTML = `<div class="empty">${esc(d.ledger_error)}</div>`;
     return;
