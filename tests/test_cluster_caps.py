@@ -61,7 +61,9 @@ async def admitted(gov: Governor, ctx: Context, tries: int) -> int:
     return sum([(await gov.check(ctx)).admitted for _ in range(tries)])
 
 
-async def test_policy_value_caps_and_plans_on_the_cluster(cluster: ClusterBackend, tag: str) -> None:
+async def test_policy_value_caps_and_plans_on_the_cluster(
+    cluster: ClusterBackend, tag: str
+) -> None:
     gov = Governor(policy(tag), cluster)
     assert await admitted(gov, Context(tenant="acme", user=f"a{tag}"), 9) == 5  # its value cap
     assert await admitted(gov, Context(tenant="beta", user=f"b{tag}"), 9) == 3  # the default
