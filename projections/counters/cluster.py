@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -204,7 +205,7 @@ class _RunTime:
         values: dict[_Entry, str | None] = {}
         fresh = float("inf")
         for e in wanted:
-            at, value = seen.get(e, (now, None))
+            at, value = seen.get(e, (-math.inf, None))  # dropped meanwhile: read it again next
             values[e] = value
             fresh = min(fresh, at + self.refresh)
         return values, fresh
@@ -214,6 +215,7 @@ class _RunTime:
         todo = [e for e in stale if e not in self._reading]
         others = {self._reading[e] for e in stale if e in self._reading}
         if todo:
+            generation = self.generation
             done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             for e in todo:
                 self._reading[e] = done
@@ -236,8 +238,10 @@ class _RunTime:
                         del self._reading[e]
             if len(self._seen) >= 65_536:
                 self._seen.clear()
+            # A change written here during the read may postdate what it got: stale at once.
+            at = now if generation == self.generation else -math.inf
             for e, raw in zip(todo, got, strict=True):
-                self._seen[e] = (now, raw.decode() if isinstance(raw, bytes) else raw)
+                self._seen[e] = (at, raw.decode() if isinstance(raw, bytes) else raw)
             done.set_result(None)
         for other in others:
             await asyncio.shield(other)
