@@ -9,15 +9,21 @@ in the plans hash) of its own, named with a fresh tag.
 from __future__ import annotations
 
 import asyncio
+import json
+import runpy
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from redis.crc import key_slot
 
 from mcp_budget_governor import Context, Governor, Limit, Plan, Policy, Scope, Window, planning
+from mcp_budget_governor.caps import PLANS_KEY, CapRef, Change, ChangeKind
+from mcp_budget_governor.counters import CounterOp
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.events import encode
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
@@ -215,3 +221,45 @@ def test_caps_refresh_is_checked(redis_cluster: RedisClusterService) -> None:
     for bad in (-1, float("nan"), "1", True):
         with pytest.raises(InvalidInputError, match="caps_refresh"):
             ClusterBackend.from_url(redis_cluster.url, caps_refresh=bad)  # type: ignore[arg-type]
+
+
+def _golden_caps() -> list[dict[str, Any]]:
+    path = Path(__file__).parent / "golden" / "vectors.json"
+    cases: list[dict[str, Any]] = json.loads(path.read_text())["caps"]
+    return cases
+
+
+@pytest.mark.parametrize("case", _golden_caps(), ids=lambda c: str(c["source"]))
+async def test_the_cluster_resolves_caps_as_the_golden_vectors(
+    cluster: ClusterBackend, tag: str, case: dict[str, Any]
+) -> None:
+    """The client-side rule plus the script's grant (flag 'g') against caps.resolve:
+    tests/test_customer_caps.py's golden test, with names of this test's own."""
+    golden = runpy.run_path(str(Path(__file__).parent / "golden" / "generate.py"))
+    now = time.time()
+    limit, field = f"t{tag}", f"tenant=acme{tag},user=u42{tag}"
+    caps_hash = f"mcpbg:v1:_caps:{limit}"
+    key = f"mcpbg:v1:{limit}:{field}:20991231"
+    user, tenant = f"user=u42{tag}", f"tenant=acme{tag}"
+    tagged = {"user=u_42": user, "tenant=acme": tenant}
+    expire = int(now) + 86_400
+    changes = []
+    runtime = case["runtime"]
+    if runtime is not None:
+        until = int(now) + runtime[1] if runtime[1] else 0
+        changes.append(Change(ChangeKind.CAP_SET, limit, caps_hash, field, runtime[0], until))
+    for f, plan in case["assigned"].items():
+        changes.append(Change(ChangeKind.PLAN_ASSIGNED, limit, PLANS_KEY, tagged[f], plan=plan))
+    if case["grant"]:
+        changes.append(Change(ChangeKind.GRANTED, limit, key, "", int(case["grant"]), expire))
+    await cluster.change(changes)
+    ref = CapRef(
+        caps_hash,
+        field,
+        case["value_cap"],
+        (user, tenant),
+        case["file_plan"],
+        tuple((str(n), int(c)) for n, c in golden["CAP_PLANS"]),
+    )
+    result = await cluster.charge([CounterOp(key, 0, golden["CAP_DEFAULT"], True, expire, ref)])
+    assert result.caps == (case["room"],)
