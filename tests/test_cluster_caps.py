@@ -218,6 +218,10 @@ async def test_a_check_over_several_masters_uses_each_counters_effective_cap(
 
 
 def test_caps_refresh_is_checked(redis_cluster: RedisClusterService) -> None:
+    from mcp_budget_governor import RedisBackend
+
+    backend = RedisBackend.from_url(redis_cluster.url, caps_refresh=0.25)
+    assert isinstance(backend, ClusterBackend) and backend._runtime.refresh == 0.25
     for bad in (-1, float("nan"), "1", True):
         with pytest.raises(InvalidInputError, match="caps_refresh"):
             ClusterBackend.from_url(redis_cluster.url, caps_refresh=bad)  # type: ignore[arg-type]
@@ -263,3 +267,46 @@ async def test_the_cluster_resolves_caps_as_the_golden_vectors(
     )
     result = await cluster.charge([CounterOp(key, 0, golden["CAP_DEFAULT"], True, expire, ref)])
     assert result.caps == (case["room"],)
+
+
+async def test_is_tripped_and_the_fail_open_fallback_read_the_effective_caps(
+    cluster: ClusterBackend, tag: str
+) -> None:
+    from mcp_budget_governor import FailMode
+    from mcp_budget_governor.errors import BackendUnavailableError
+
+    gov = Governor(policy(tag), cluster)
+    acme, beta = Context(tenant="acme"), Context(tenant="beta")
+    await gov.set_cap(f"tc{tag}", 6, tenant="beta")
+    await gov.grant(f"tc{tag}", 2, tenant="beta")
+    assert await admitted(gov, beta, 9) == 8
+    assert await gov.is_tripped(f"tc{tag}", beta)
+    assert await admitted(gov, acme, 4) == 4
+    assert not await gov.is_tripped(f"tc{tag}", acme)  # 4 of its 5
+
+    class Outage:
+        """The cluster, switchable to unreachable."""
+
+        down = False
+
+        def __getattr__(self, name: str) -> Any:
+            attr = getattr(cluster, name)
+            if not callable(attr):
+                return attr
+
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                if self.down:
+                    raise BackendUnavailableError("switched off")
+                return await attr(*args, **kwargs)
+
+            return call
+
+    pol = Policy.of(
+        Limit(f"open{tag}", cap=2, window=Window.DAY, scope=Scope.TENANT, fail_mode=FailMode.OPEN)
+    )
+    outage = Outage()
+    fallback = Governor(pol, outage, retry_interval=3600)  # type: ignore[arg-type]
+    await fallback.set_cap(f"open{tag}", 4, tenant="beta")
+    assert (await fallback.check(beta)).admitted  # the effective cap (4) seen once
+    outage.down = True
+    assert await admitted(fallback, beta, 6) == 4  # the fallback counts against 4, not 2
