@@ -250,7 +250,9 @@ class RedisBackend:
         nothing is admitted from empty counters.
 
         ``redis+cluster://host:port[,host:port]`` connects to a Redis Cluster
-        instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md).
+        instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md); there
+        ``caps_refresh=`` (seconds, default 1) bounds how old the client's copy
+        of run-time caps and plan assignments may be.
 
         ``coalesce`` (the default): the scripts share one auto-pipelined
         connection per event loop (concurrent calls go out in one write); off,
