@@ -8,6 +8,9 @@
 --              empty counters); 'u' to reply with every counter's total;
 --              'o' when the next key is the marker of operation ARGV[1]
 --              'c' when each counter's effective cap is resolved here (caps.py)
+--              'g' when each counter's cap is already its effective cap (resolved by
+--              the caller: Redis Cluster, whose caps and plans hashes live in other
+--              slots) and only its grant is added here; the reply as flagged 'c'
 --              'l' when some counters are lease sets (keys.lease_key): then
 --              ARGV[3] is the lease id, ARGV[4] its time to live (ms), ARGV[5]
 --              the waiting call's ticket ('-': not waiting; lib.lua
@@ -28,7 +31,7 @@
 --              plans hash (mcpbg:v1:_plans); flagged 'l', last the queue of
 --              each lease set (keys.queue_key)
 --
--- Flagged 'c', a counter is compared with its effective cap plus its grant
+-- Flagged 'c' (or 'g'), a counter is compared with its effective cap plus its grant
 -- (field 'g' of the counter: room for this bucket, not spend), and the reply
 -- flagged 'u' also carries those caps: {refused, used..., caps...}.
 --
@@ -74,6 +77,7 @@ if string.find(flags, 'o', 1, true) then
 end
 local inline = event_id == ''
 local resolve = string.find(flags, 'c', 1, true) ~= nil
+local granted = not resolve and string.find(flags, 'g', 1, true) ~= nil
 local width = resolve and 5 or 4
 local off = 3
 local lease_id, lease_until, ticket, queues, now = nil, 0, '-', 0, 0
@@ -140,6 +144,9 @@ for i = 1, n do
     cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS], field, cap,
       value_cap, plan_fields, plan_caps, file_plan) + g
     caps[i] = cap
+  elseif granted then
+    cap = cap + g
+    caps[i] = cap
   end
   local waiting = 0
   if queue_of[i] and cap > used then
@@ -150,7 +157,7 @@ for i = 1, n do
     refused = i
   end
 end
-if resolve then
+if resolve or granted then
   for i = 1, n do result[n + i + 1] = caps[i] end
 end
 if not string.find(flags, 'u', 1, true) then

@@ -8,6 +8,15 @@ taken back by a compensating charge, so a check never admits past a cap and a
 refused check leaves no lasting charge. In between, its holds can refuse
 someone else: docs/cluster.md bounds that window.
 
+Run-time value caps and plan assignments (``caps.caps_key`` hashes, the
+``caps.PLANS_KEY`` hash) live in slots of their own, so the slot scripts
+cannot read them: the client resolves each counter's effective cap with the
+one rule (``caps.effective``) from a copy of the entries its checks need,
+each re-read at most every ``caps_refresh`` seconds (:class:`_RunTime`, one
+pipelined read per refresh, grouped per node by redis-py), and the script
+adds the counter's grant, which lives in the counter's own hash
+(``lua/charge.lua`` flag 'g'). docs/cluster.md states the staleness bound.
+
 The operation marker of an inline charge (``keys.op_key``) gets a hash tag
 that puts it in its group's slot (:func:`slot_tag`), so each group's charge
 stays idempotent on its own.
@@ -20,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
@@ -28,7 +38,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
-from mcp_budget_governor.caps import Change, effective
+from mcp_budget_governor.caps import PLANS_KEY, Change, effective
 from mcp_budget_governor.counters import (
     AppliedCharge,
     AppliedEvent,
@@ -36,11 +46,15 @@ from mcp_budget_governor.counters import (
     CounterOp,
     CounterState,
 )
-from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
+from mcp_budget_governor.errors import (
+    BackendUnavailableError,
+    EpochMissingError,
+    InvalidInputError,
+)
 from mcp_budget_governor.keys import EPOCH_KEY, EPOCH_VALUE, LEASE_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.urls import CLUSTER_SCHEME, parse_cluster_url
 
-from .redis import _UNAVAILABLE, DEFAULT_TIMEOUT, RedisBackend, apply_args
+from .redis import _UNAVAILABLE, DEFAULT_TIMEOUT, RedisBackend, apply_args, change_tokens
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -50,6 +64,14 @@ SCHEME = CLUSTER_SCHEME
 #: this many times (each attempt taken back first): the refusal may have come
 #: from other checks' transient holds, which would otherwise under-admit.
 RETRIES = 2
+
+#: Seconds a run-time value cap or plan assignment read from the cluster is used
+#: before it is read again: how long a run-time change that reached the cluster
+#: may go unenforced by a process (docs/cluster.md). 0: read before every charge.
+CAPS_REFRESH = 1.0
+
+#: A (hash, field) the run-time rule reads: a value cap or a plan assignment.
+_Entry = tuple[str, str]
 
 # A taken-back hold's in-flight entries, once they net to zero (ARGV[1]: e:<event id>).
 _FORGET = """
@@ -100,6 +122,131 @@ def _policy_capped(op: CounterOp) -> CounterOp:
     return dataclasses.replace(op, cap=cap, ref=None)
 
 
+def _wanted(ops: Sequence[CounterOp]) -> tuple[_Entry, ...]:
+    """The run-time entries the effective caps of ``ops`` depend on: each scoped
+    counter's value cap, and where a plan caps its limit, its plan assignments."""
+    out: dict[_Entry, None] = {}
+    for op in ops:
+        ref = op.ref
+        if ref is None or not ref.field:  # no ref, or a global limit: no run-time lookup
+            continue
+        out[(ref.caps_key, ref.field)] = None
+        if ref.plan_caps:
+            for f in ref.plan_fields:
+                out[(PLANS_KEY, f)] = None
+    return tuple(out)
+
+
+def _runtime_cap(raw: str | None) -> tuple[int, int] | None:
+    """A caps-hash value, ``"<cap> <until> <why>"`` (lua/lib.lua apply_change), as (cap, until)."""
+    if raw is None:
+        return None
+    cap, _, rest = raw.partition(" ")
+    until = rest.partition(" ")[0]
+    if not cap.isdigit() or not (until or "0").isdigit():
+        return None  # not of the shape apply_change writes: ignored, as effective_cap does
+    return int(cap), int(until or 0)
+
+
+def _resolved(
+    ops: Sequence[CounterOp], values: dict[_Entry, str | None], now: float
+) -> tuple[tuple[int, ...], float]:
+    """Each op's effective cap (caps.effective, without its grant: the script adds
+    it) and until when those hold (a run-time cap's until-date ends it)."""
+    caps, holds = [], float("inf")
+    for op in ops:
+        ref = op.ref
+        if ref is None:
+            caps.append(op.cap)
+            continue
+        runtime = _runtime_cap(values.get((ref.caps_key, ref.field))) if ref.field else None
+        assigned = {}
+        if ref.plan_caps:
+            for f in ref.plan_fields:
+                plan = values.get((PLANS_KEY, f))
+                if plan is not None:
+                    assigned[f] = plan
+        caps.append(
+            effective(ref, op.cap, runtime=runtime, assigned=assigned, grant=0, now=now).cap
+        )
+        if runtime is not None and runtime[1] > now:
+            holds = min(holds, float(runtime[1]))
+    return tuple(caps), holds
+
+
+class _RunTime:
+    """The run-time entries (value caps, plan assignments) this process's checks
+    need, as last read from the cluster, each re-read once ``refresh`` seconds old.
+
+    Stale entries are read in one pipeline (redis-py groups it per node: one
+    round trip of wall time); concurrent checks needing the same entries share
+    one read. A change written through this backend drops the copy at once.
+    """
+
+    def __init__(self, client: RedisCluster, refresh: float) -> None:
+        self.client = client
+        self.refresh = refresh
+        self.generation = 0  # moves when the copy is dropped (a change written here)
+        self._seen: dict[_Entry, tuple[float, str | None]] = {}  # read at (epoch s), value
+        self._reading: dict[_Entry, asyncio.Future[None]] = {}
+
+    def drop(self) -> None:
+        self._seen.clear()
+        self.generation += 1
+
+    async def read(
+        self, wanted: Sequence[_Entry], now: float
+    ) -> tuple[dict[_Entry, str | None], float]:
+        """The values of ``wanted`` and until when they are fresh."""
+        seen = self._seen
+        stale = [e for e in wanted if (hit := seen.get(e)) is None or now >= hit[0] + self.refresh]
+        if stale:
+            await self._fetch(stale, now)
+        values: dict[_Entry, str | None] = {}
+        fresh = float("inf")
+        for e in wanted:
+            at, value = seen.get(e, (-math.inf, None))  # dropped meanwhile: read it again next
+            values[e] = value
+            fresh = min(fresh, at + self.refresh)
+        return values, fresh
+
+    async def _fetch(self, stale: Sequence[_Entry], now: float) -> None:
+        """Read ``stale`` (those no other check is reading already) in one pipeline."""
+        todo = [e for e in stale if e not in self._reading]
+        others = {self._reading[e] for e in stale if e in self._reading}
+        if todo:
+            generation = self.generation
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            for e in todo:
+                self._reading[e] = done
+            try:
+                async with self.client.pipeline() as pipe:
+                    for key, field in todo:
+                        pipe.hget(key, field)
+                    got = await pipe.execute()
+            except _UNAVAILABLE as exc:
+                failed = BackendUnavailableError.redis(exc)
+                done.set_exception(failed)
+                done.exception()  # retrieved: no other check may be waiting for it
+                raise failed from exc
+            except BaseException:
+                done.cancel()  # the checks sharing this read fail with it
+                raise
+            finally:
+                for e in todo:
+                    if self._reading.get(e) is done:
+                        del self._reading[e]
+            if len(self._seen) >= 65_536:
+                self._seen.clear()
+            # A change written here during the read may postdate what it got: stale at once.
+            at = now if generation == self.generation else -math.inf
+            for e, raw in zip(todo, got, strict=True):
+                self._seen[e] = (at, raw.decode() if isinstance(raw, bytes) else raw)
+            done.set_result(None)
+        for other in others:
+            await asyncio.shield(other)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Group:
     slot: int
@@ -107,18 +254,55 @@ class _Group:
     ops: tuple[CounterOp, ...]
 
 
+@dataclasses.dataclass(slots=True)
+class _Split:
+    """One op list split by slot, with its ops capped as last resolved."""
+
+    ops: Sequence[CounterOp]
+    slots: tuple[tuple[int, tuple[int, ...]], ...]
+    wanted: tuple[_Entry, ...]  # the run-time entries its caps depend on
+    groups: tuple[_Group, ...]
+    caps: tuple[int, ...] | None = None  # resolved with run-time entries (None: not yet)
+    fresh_until: float = 0.0
+    generation: int = -1
+
+
 class ClusterBackend:
     """Counters on a Redis Cluster; see the module docstring."""
 
-    def __init__(self, client: RedisCluster, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        client: RedisCluster,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        caps_refresh: float = CAPS_REFRESH,
+    ) -> None:
+        if (
+            isinstance(caps_refresh, bool)
+            or not isinstance(caps_refresh, (int, float))
+            or not 0 <= caps_refresh < float("inf")
+        ):
+            raise InvalidInputError("caps_refresh", caps_refresh, "expected seconds >= 0")
         self.client = client
-        # The single-node charge, routed by redis-py to its slot's master.
-        self._node = RedisBackend(client, coalesce=False, timeout=timeout)  # type: ignore[arg-type]
-        self._groups: dict[int, tuple[object, tuple[_Group, ...]]] = {}
+        # The single-node charge, routed by redis-py to its slot's master; each op's
+        # cap is resolved here, the script adds its grant (lua/charge.lua 'g').
+        self._node = RedisBackend(
+            client,  # type: ignore[arg-type]
+            coalesce=False,
+            timeout=timeout,
+            resolved_caps=True,
+        )
+        self._runtime = _RunTime(client, float(caps_refresh))
+        self._splits: dict[int, _Split] = {}
 
     @classmethod
     def from_url(
-        cls, url: str, *, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+        cls,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        caps_refresh: float = CAPS_REFRESH,
+        **kwargs: Any,
     ) -> ClusterBackend:
         nodes = [ClusterNode(host, port) for host, port in parse_cluster_url(url)]
         kwargs.setdefault("max_connections", 1024)  # per node: a burst must not run out
@@ -128,30 +312,54 @@ class ClusterBackend:
             socket_connect_timeout=timeout,
             **kwargs,
         )
-        return cls(client, timeout=timeout)
+        return cls(client, timeout=timeout, caps_refresh=caps_refresh)
 
-    def _groups_of(self, ops: Sequence[CounterOp]) -> tuple[_Group, ...]:
-        hit = self._groups.get(id(ops))
-        if hit is not None and hit[0] is ops:
-            return hit[1]
+    def _split(self, ops: Sequence[CounterOp]) -> _Split:
+        """``ops`` by slot, cached by the op list's identity (the governor reuses one
+        tuple per context and minute; the entry keeps it alive, checked with ``is``)."""
+        hit = self._splits.get(id(ops))
+        if hit is not None and hit.ops is ops:
+            return hit
         by_slot: dict[int, list[int]] = {}
         for i, op in enumerate(ops):
             by_slot.setdefault(key_slot(op.key.encode()), []).append(i)
-        # Run-time caps, plans and grants live in hashes of their own slots: not
-        # read here (docs/cluster.md); each counter is compared with its cap by
-        # the policy alone (value cap, the policy's plan, else the default).
+        slots = tuple((slot, tuple(pos)) for slot, pos in by_slot.items())
+        # Until run-time entries are read: each counter against its cap by the policy.
         groups = tuple(
-            _Group(
-                slot,
-                tuple(pos),
-                tuple(_policy_capped(ops[i]) for i in pos),
-            )
-            for slot, pos in by_slot.items()
+            _Group(slot, pos, tuple(_policy_capped(ops[i]) for i in pos)) for slot, pos in slots
         )
-        if len(self._groups) >= 8192:
-            self._groups.clear()
-        self._groups[id(ops)] = (ops, groups)
-        return groups
+        split = _Split(ops, slots, _wanted(ops), groups)
+        if len(self._splits) >= 8192:
+            self._splits.clear()
+        self._splits[id(ops)] = split
+        return split
+
+    async def _groups_of(self, ops: Sequence[CounterOp]) -> tuple[_Group, ...]:
+        """The slot groups of ``ops``, each op capped by its effective cap (caps.effective
+        over run-time entries at most ``caps_refresh`` seconds old; the script adds grants)."""
+        split = self._split(ops)
+        if not split.wanted:  # nothing run-time: the policy's caps (and the grants) decide
+            return split.groups
+        now = self._node.clock()
+        runtime = self._runtime
+        if now < split.fresh_until and split.generation == runtime.generation:
+            return split.groups
+        generation = runtime.generation
+        values, fresh = await runtime.read(split.wanted, now)
+        caps, holds = _resolved(ops, values, now)
+        if caps != split.caps:
+            split.groups = tuple(
+                _Group(
+                    slot,
+                    pos,
+                    tuple(dataclasses.replace(ops[i], cap=caps[i], ref=None) for i in pos),
+                )
+                for slot, pos in split.slots
+            )
+            split.caps = caps
+        split.fresh_until = min(fresh, holds)
+        split.generation = generation
+        return split.groups
 
     async def charge(
         self,
@@ -163,7 +371,7 @@ class ClusterBackend:
         lease: str | None = None,
         lease_ttl: float = 0.0,
     ) -> ChargeResult:
-        groups = self._groups_of(ops)
+        groups = await self._groups_of(ops)
 
         def one(g: _Group, tag_op: str | None) -> Any:
             return self._node.charge(
@@ -176,8 +384,8 @@ class ClusterBackend:
             )
 
         if len(groups) == 1:
-            result = await one(groups[0], op_id)  # one slot: as on a single Redis
-            return ChargeResult(result.refused, result.used)
+            result: ChargeResult = await one(groups[0], op_id)  # one slot: as on one Redis
+            return result
         for attempt in range(1 + RETRIES):
             # Each attempt (and its take-back) has operation markers of its own: a
             # marker left by a taken-back attempt must not make the next one a no-op.
@@ -208,11 +416,16 @@ class ClusterBackend:
             # transient holds; once they are taken back it may fit (docs/cluster.md).
             await asyncio.sleep(0)
         used = [0] * len(ops)
+        caps = [0] * len(ops)
         for g, o in zip(groups, outcomes, strict=True):
             assert isinstance(o, ChargeResult)
             for pos, u in zip(g.positions, o.used, strict=False):
                 used[pos] = u
-        return ChargeResult(min(refused) if refused else -1, tuple(used) if want_used else ())
+            for pos, c in zip(g.positions, o.caps, strict=False):
+                caps[pos] = c  # the effective cap plus the grant, as the script compared
+        if not want_used:
+            return ChargeResult(min(refused) if refused else -1, ())
+        return ChargeResult(min(refused) if refused else -1, tuple(used), tuple(caps))
 
     async def _take_back(
         self, groups: Sequence[_Group], event_id: str | None, op_id: str | None, lease: str | None
@@ -252,6 +465,38 @@ class ClusterBackend:
                     ", ".join(op.key for op in g.ops),
                     o,
                 )
+
+    async def change(self, changes: Sequence[Change]) -> None:
+        """Apply run-time changes directly (no ledger): one lua/change.lua call per slot
+        of the keys they write, all at once. This process's copy of the run-time
+        entries is dropped, so its next check reads them again."""
+        if not changes:
+            return
+        by_slot: dict[int, list[Change]] = {}
+        for c in changes:
+            by_slot.setdefault(key_slot(c.key.encode()), []).append(c)
+
+        async def one(share: Sequence[Change]) -> None:
+            keys: list[str] = []
+            tokens = change_tokens(share, keys, {})
+            await self._node._run(self._node._change, keys, (tokens, self._node._now_ms()))
+
+        try:
+            await asyncio.gather(*(one(share) for share in by_slot.values()))
+        except redis_errors.ResponseError as exc:
+            if "mcpbg change:" not in str(exc):
+                raise
+            raise ValueError(str(exc)) from None
+        finally:
+            self._runtime.drop()
+
+    async def grants_of(self, keys: Sequence[str]) -> list[int]:
+        """Each counter's grant (0 when none)."""
+        return await self._node.grants_of(keys)
+
+    async def grant_reason(self, key: str) -> str:
+        """The why token (``caps.why_token``) of the counter's last grant or reset."""
+        return await self._node.grant_reason(key)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         by_slot: dict[int, list[int]] = {}

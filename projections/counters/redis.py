@@ -201,8 +201,13 @@ class RedisBackend:
         clock: Callable[[], float] = time.time,
         coalesce: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
+        resolved_caps: bool = False,
     ) -> None:
         self.client = client
+        # resolved_caps: each op's cap is its effective cap already (the cluster
+        # resolves run-time caps and plans on the client, cluster.py), so the
+        # script only adds each counter's grant (lua/charge.lua 'g').
+        self.resolved_caps = resolved_caps
         self.require_epoch = require_epoch
         self.clock = clock  # epoch seconds; the scripts get it in ms (lua/lib.lua caller_ms)
         self._charge = _Script(source("charge"))
@@ -245,7 +250,9 @@ class RedisBackend:
         nothing is admitted from empty counters.
 
         ``redis+cluster://host:port[,host:port]`` connects to a Redis Cluster
-        instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md).
+        instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md); there
+        ``caps_refresh=`` (seconds, default 1) bounds how old the client's copy
+        of run-time caps and plan assignments may be.
 
         ``coalesce`` (the default): the scripts share one auto-pipelined
         connection per event loop (concurrent calls go out in one write); off,
@@ -349,6 +356,7 @@ class RedisBackend:
             + ("u" if want_used else "")
             + ("o" if with_op else "")
             + ("c" if resolve else "")
+            + ("g" if self.resolved_caps and not resolve else "")
         )
         numkeys = len(keys) + len(counters) + (1 if with_op else 0)
         if with_op:
@@ -536,7 +544,8 @@ class RedisBackend:
         if head_value < 0:
             raise BackendUnavailableError("redis lost its state (epoch marker missing): rebuilding")
         values = tuple(map(int, reply[1:]))
-        if len(values) == 2 * len(ops) and any(op.ref is not None for op in ops):
+        # Flagged 'c' or 'g' the reply carries each counter's cap after its total.
+        if ops and len(values) == 2 * len(ops):
             n = len(ops)
             return ChargeResult(head_value - 1, values[:n], values[n:])
         return ChargeResult(head_value - 1, values)
