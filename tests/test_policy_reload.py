@@ -30,6 +30,7 @@ from mcp_budget_governor import (
     Unit,
     Window,
 )
+from mcp_budget_governor.planning import slot
 from mcp_budget_governor.policy_reload import (
     PolicyWatcher,
     Stamp,
@@ -231,6 +232,49 @@ async def test_replace_policy_keeps_counters_and_held_reservations(backend: Back
     gov.replace_policy(Policy.of(calls))
     with pytest.raises(PolicyError, match="no such limit"):
         await gov.meter(spend.name, 1, U1)
+    await gov.aclose()
+
+
+async def test_a_tenants_billing_day_set_at_run_time_by_the_reloaded_file(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """Issue 11's per-tenant anchor set at run time: the file's `anchors` changed and
+    reloaded (as every replica does, by poll or SIGHUP) moves that tenant's monthly
+    period to its billing day at once; the other tenants keep the calendar month."""
+    tag = uuid.uuid4().hex[:8]
+
+    def text(anchors: str) -> str:
+        return textwrap.dedent(
+            f"""\
+            [[limits]]
+            name = "month_{tag}"
+            cap = 2
+            window = "month"
+            scope = "tenant"
+            {anchors}
+            """
+        )
+
+    path = tmp_path / "policy.toml"
+    path.write_text(text(""))
+    watcher = PolicyWatcher(path, lambda p: gov.replace_policy(p), interval=None)
+    gov = Governor(watcher.policy, backend)
+    acme, beta = Context(tenant="acme"), Context(tenant="beta")
+    assert [(await gov.check(acme)).admitted for _ in range(3)] == [True, True, False]
+    assert [(await gov.check(beta)).admitted for _ in range(3)] == [True, True, False]
+    # acme now bills from the 15th: its period (from the last 15th) is a new bucket
+    # (label YYYYMM+15, not the calendar month's YYYYMM), with room.
+    write(path, text("anchors = { acme = 15 }"))
+    outcome = watcher.check()
+    assert outcome is not None and outcome.reloaded
+    lim = gov.policy[f"month_{tag}"]
+    assert lim.anchor_for(("acme",)) == 15 and lim.anchor_for(("beta",)) == 1
+    acme_slot = slot(lim, acme, time.time(), gov.policy.tz, 1, enforce=True)
+    assert acme_slot is not None and acme_slot.key.endswith("+15"), acme_slot
+    assert [(await gov.check(acme)).admitted for _ in range(3)] == [True, True, False]
+    assert not (await gov.check(beta)).admitted  # beta: still the calendar month, spent
+    keys = {k: v["total"] for k, v in (await gov.status(acme)).items()}
+    assert keys == {f"month_{tag}": 2}
     await gov.aclose()
 
 
