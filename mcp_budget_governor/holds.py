@@ -3,7 +3,9 @@
 :class:`Admission` (``Governor.admitted``) holds a checked call's leases,
 renewing them while the block runs and giving them back however it ends;
 :class:`Reservation` (``Governor.reserved``) holds an estimate on one limit
-and settles it to the actual cost.
+and settles it to the actual cost; :class:`Reservations` holds estimates on
+several limits at once, all or nothing in one round trip (the integrations'
+hard caps).
 
 >>> import asyncio
 >>> from mcp_budget_governor import (
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -206,3 +208,85 @@ class Reservation:
             (s,), self.ctx, kind, None, self._gov._clock(), reservation=self.id, want_used=report
         )
         return planning.metered(s, before, degraded=degraded, cap=cap)
+
+
+class Reservations:
+    """Estimates held on several limits at once, for one call's hard caps.
+
+    Entering reserves every estimate in one charge, all or nothing, as one
+    ``reserved`` event (raising :class:`BudgetExceeded` when one does not fit:
+    nothing is held then, so two calls near their caps cannot each hold part
+    and refuse the other). ``actual[limit]`` is what the call cost on that
+    limit (a limit left out keeps its estimate); exiting settles every limit
+    in one charge and one closing event naming the reservation, ``settled``
+    with the non-zero deltas (none: no charges), or ``released`` after
+    :meth:`release`.
+    """
+
+    def __init__(self, gov: Governor, estimates: Mapping[str, int], ctx: Context) -> None:
+        self._gov = gov
+        self.estimates = {
+            name: check_amount(amount, f"estimate for {name!r}")
+            for name, amount in estimates.items()
+        }
+        self.ctx = ctx
+        self.actual: dict[str, int] = {}
+        self.decision: Decision | None = None
+        self.id: str | None = None
+        self._slots: tuple[Slot, ...] = ()
+        self._released = False
+        self._settled = False
+
+    @property
+    def limit_names(self) -> frozenset[str]:
+        return frozenset(self.estimates)
+
+    def release(self) -> None:
+        """Return every estimate on exit (the work did not happen)."""
+        self._released = True
+
+    async def __aenter__(self) -> Reservations:
+        gov = self._gov
+        now = gov._clock()
+        slots = []
+        for name, estimate in self.estimates.items():
+            limit = planning.metered_limit(gov.policy, name)
+            s = planning.slot(
+                limit, self.ctx, now, gov.policy.tz, estimate,
+                enforce=planning.enforces(limit), policy=gov.policy,
+            )  # fmt: skip
+            if s is not None:
+                slots.append(s)
+        if not slots:
+            self.decision = ADMITTED
+            return self
+        decision, event_id = await gov._admit(
+            planning.Plan.of(tuple(slots)), self.ctx, now, EntryType.RESERVED
+        )
+        self.decision = decision
+        if not decision.admitted:
+            raise BudgetExceeded(decision)
+        self._slots = tuple(slots)
+        self.id = event_id
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._slots or self._settled:
+            return
+        self._settled = True
+        kind = EntryType.RELEASED if self._released else EntryType.SETTLED
+        deltas = []
+        for s in self._slots:
+            final = 0 if self._released else self.actual.get(s.limit.name, s.amount)
+            delta = check_amount(final, f"actual for {s.limit.name!r}") - s.amount
+            if delta:
+                deltas.append(s.with_amount(delta))
+        gov = self._gov
+        if not deltas and gov.ledger is None:
+            return  # every estimate stands and nothing records the close
+        await gov._record(tuple(deltas), self.ctx, kind, None, gov._clock(), reservation=self.id)

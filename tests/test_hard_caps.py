@@ -27,6 +27,7 @@ from mcp_budget_governor import (
 )
 from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware, tool_estimate
 from mcp_budget_governor.integrations.flow import governed_call
+from mcp_budget_governor.ledger import LedgerEntry
 
 USD = Unit.USD_MICROS
 ANA = Context(user="ana")
@@ -156,3 +157,70 @@ def test_an_estimate_in_float_dollars_is_refused_naming_the_field() -> None:
         tool_estimate(policy(), "browse", {"mcpbg": {"estimate_usd": 0.05, "limit": "spend"}})
     assert "meta.mcpbg.estimate_usd" in str(err.value) and "0.05" in str(err.value)
     assert "string" in str(err.value)
+
+
+class Kept:
+    """A ledger that keeps what it is given (the entries a call appends, in order)."""
+
+    def __init__(self) -> None:
+        self.entries: list[LedgerEntry] = []
+
+    async def append(self, entry: LedgerEntry) -> None:
+        self.entries.append(entry)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def two_limits() -> Policy:
+    return Policy.of(
+        Limit("user_spend", cap=usd(1), window=Window.DAY, scope="user", unit=USD),
+        Limit("tenant_spend", cap=usd("0.10"), window=Window.DAY, scope="tenant", unit=USD),
+    )
+
+
+async def test_estimates_on_several_limits_are_held_all_or_nothing_in_one_round_trip(
+    backend: Backend,
+) -> None:
+    """Two hard-capped limits: one charge reserves both (one `reserved` event with both
+    charges), one closes both (one `settled` event naming it); a refusal on one holds
+    nothing on the other, so two calls near their caps never each hold half."""
+    kept = Kept()
+    gov = Governor(two_limits(), backend, ledger=kept, clock=lambda: NOW)
+    ctx = Context(user="ana", tenant="acme")
+    charges = 0
+    real = backend.charge
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal charges
+        charges += 1
+        return await real(*args, **kwargs)
+
+    backend.charge = counted  # type: ignore[method-assign]
+
+    async def work() -> str:
+        return "ok"
+
+    both = {"user_spend": usd("0.05"), "tenant_spend": usd("0.05")}
+    charges = 0
+    await governed_call(gov, ctx, work, estimate=both, fixed={"user_spend": usd("0.02")})
+    # check, reserve both, settle both: three charges, whatever the number of limits.
+    assert charges == 3
+    reserved, closed = [e for e in kept.entries if e.type.value in ("reserved", "settled")]
+    assert reserved.type.value == "reserved" and len(reserved.charges) == 2
+    assert closed.type.value == "settled" and closed.reservation == reserved.id
+    assert [(c.limit, c.amount) for c in closed.charges] == [("user_spend", -usd("0.03"))]
+    assert await gov.usage("user_spend", ctx) == usd("0.02")
+    assert await gov.usage("tenant_spend", ctx) == usd("0.05")  # its estimate stands
+
+    # tenant_spend has 0.05 left: 0.06 does not fit, and user_spend holds nothing.
+    kept.entries.clear()
+    with pytest.raises(Exception, match="budget_exceeded"):
+        await governed_call(
+            gov, ctx, work, estimate={"user_spend": usd("0.06"), "tenant_spend": usd("0.06")}
+        )
+    assert await gov.usage("user_spend", ctx) == usd("0.02")
+    assert await gov.usage("tenant_spend", ctx) == usd("0.05")
+    # The call's check admitted it; the reservation was refused whole: nothing reserved.
+    assert [e.type.value for e in kept.entries] == ["admitted", "rejected"]
+    await gov.aclose()

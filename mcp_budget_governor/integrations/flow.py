@@ -54,7 +54,7 @@ from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import EXCEEDED, Decision
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.governor import Governor
-from mcp_budget_governor.holds import Admission, Reservation
+from mcp_budget_governor.holds import Admission, Reservations
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
@@ -104,10 +104,10 @@ async def governed_call(
     identify callers pass it through :meth:`Governor.identified` first.
 
     ``estimate`` (``{limit: amount}``, a Governor only) makes the call a hard
-    cap: each estimate is reserved before the work runs (refused when it does
-    not fit, so calls in flight cannot overshoot by more than their estimates'
-    error), and settled afterwards to what the call is charged; a limit the
-    charges do not name keeps its estimate.
+    cap: the estimates are reserved before the work runs, all or nothing in one
+    round trip (refused when one does not fit, so calls in flight cannot overshoot
+    by more than their estimates' error), and settled afterwards, together, to
+    what the call is charged; a limit the charges do not name keeps its estimate.
 
     ``ask(decision)`` (a Governor only) is asked when the check refuses by an
     ``OnExceed.ASK`` limit: True admits the call over that limit (the ledger
@@ -118,7 +118,7 @@ async def governed_call(
     (:meth:`Governor.check`). ``approved``: ``OnExceed.ASK`` limits the user
     already let this call go over (an answer from an earlier round).
     """
-    held: list[Reservation] = []
+    held: Reservations | None = None
     # A Governor admits for the whole call: its concurrency-cap leases are
     # renewed while the work runs and given back when it ends, however it ends.
     admission: Admission | None = None
@@ -182,38 +182,44 @@ def askable(governor: Governor, decision: Decision, approved: Sequence[str]) -> 
     return name
 
 
-async def _reserve_all(governor: Governor, estimate: Charges, ctx: Context) -> list[Reservation]:
-    """Reserve every estimate, or none: a refusal returns those already held."""
-    held: list[Reservation] = []
+async def _reserve_all(governor: Governor, estimate: Charges, ctx: Context) -> Reservations:
+    """Reserve every estimate, all or nothing, in one round trip. The charge runs to its
+    end even when the call is cancelled meanwhile; what it held is then given back."""
+    held = Reservations(governor, _validated(governor, estimate), ctx)
+
+    async def enter() -> None:
+        await held.__aenter__()
+
     try:
-        for limit, amount in _validated(governor, estimate).items():
-            held.append(await governor.reserve(limit, amount, ctx))
-    except BaseException:
-        for r in held:
-            r.release()
-        await _to_the_end(_settle_all(held, {}))
+        await _to_the_end(enter())
+    except asyncio.CancelledError:
+        if held.decision is not None and held.decision.admitted:
+            held.release()
+            await _to_the_end(held.__aexit__(None, None, None))
         raise
     return held
 
 
-async def _settle_all(held: Sequence[Reservation], charges: Charges) -> None:
-    for r in held:
-        if r.limit_name in charges:
-            r.actual = charges[r.limit_name]
-        await r.__aexit__(None, None, None)
+async def _settle_all(held: Reservations | None, charges: Charges) -> None:
+    if held is None:
+        return
+    for limit, amount in charges.items():
+        if limit in held.estimates:
+            held.actual[limit] = amount
+    await held.__aexit__(None, None, None)
 
 
 async def _charge(
     governor: Governor | Recorder,
     ctx: Context,
     charges: Charges | None,
-    held: Sequence[Reservation],
+    held: Reservations | None,
 ) -> None:
     """Charge ``charges``: reserved limits settle to them (else keep their estimate),
     the others are metered as one event."""
     charges = charges or {}
     await _settle_all(held, charges)
-    reserved = {r.limit_name for r in held}
+    reserved = held.limit_names if held is not None else frozenset()
     rest = {limit: amount for limit, amount in charges.items() if limit not in reserved}
     if rest:
         await meter_all(governor, rest, ctx)
@@ -225,7 +231,7 @@ async def _settle(
     result: Any,
     fixed: Charges | None,
     priced: PricedCost | None,
-    held: Sequence[Reservation] = (),
+    held: Reservations | None = None,
 ) -> None:
     """Charge a completed call: ``priced(result)`` when it gives valid charges, else ``fixed``."""
     charges = fixed
