@@ -149,29 +149,14 @@ class Reservation:
         self._released = True
 
     async def __aenter__(self) -> Reservation:
-        gov = self._gov
-        now = gov._clock()
-        enforce = planning.enforces(self.limit)
-        s = planning.slot(
-            self.limit,
-            self.ctx,
-            now,
-            gov.policy.tz,
-            self.estimate,
-            enforce=enforce,
-            policy=gov.policy,
+        self.decision, event_id, slots = await _hold(
+            self._gov, self.ctx, ((self.limit, self.estimate),)
         )
-        if s is None:
-            self.decision = ADMITTED
-            return self
-        decision, event_id = await gov._admit(
-            planning.Plan.of((s,)), self.ctx, now, EntryType.RESERVED
-        )
-        self.decision = decision
-        if not decision.admitted:
-            raise BudgetExceeded(decision)
-        self._slot = s
-        self.id = event_id
+        if not self.decision.admitted:
+            raise BudgetExceeded(self.decision)
+        if slots:
+            (self._slot,) = slots
+            self.id = event_id
         return self
 
     async def __aexit__(
@@ -246,27 +231,15 @@ class Reservations:
         self._released = True
 
     async def __aenter__(self) -> Reservations:
-        gov = self._gov
-        now = gov._clock()
-        slots = []
-        for name, estimate in self.estimates.items():
-            limit = planning.metered_limit(gov.policy, name)
-            s = planning.slot(
-                limit, self.ctx, now, gov.policy.tz, estimate,
-                enforce=planning.enforces(limit), policy=gov.policy,
-            )  # fmt: skip
-            if s is not None:
-                slots.append(s)
-        if not slots:
-            self.decision = ADMITTED
-            return self
-        decision, event_id = await gov._admit(
-            planning.Plan.of(tuple(slots)), self.ctx, now, EntryType.RESERVED
+        policy = self._gov.policy
+        wanted = tuple(
+            (planning.metered_limit(policy, name), estimate)
+            for name, estimate in self.estimates.items()
         )
-        self.decision = decision
-        if not decision.admitted:
-            raise BudgetExceeded(decision)
-        self._slots = tuple(slots)
+        self.decision, event_id, slots = await _hold(self._gov, self.ctx, wanted)
+        if not self.decision.admitted:
+            raise BudgetExceeded(self.decision)
+        self._slots = slots
         self.id = event_id
         return self
 
@@ -290,3 +263,25 @@ class Reservations:
         if not deltas and gov.ledger is None:
             return  # every estimate stands and nothing records the close
         await gov._record(tuple(deltas), self.ctx, kind, None, gov._clock(), reservation=self.id)
+
+
+async def _hold(
+    gov: Governor, ctx: Context, wanted: Sequence[tuple[Limit, int]]
+) -> tuple[Decision, str | None, tuple[Slot, ...]]:
+    """Reserve each (limit, estimate) of ``wanted`` that applies to ``ctx`` in one charge,
+    all or nothing, as one ``reserved`` event: the decision, the event's id and the
+    slots held (none when refused, or when no limit applies)."""
+    now = gov._clock()
+    found = []
+    for limit, estimate in wanted:
+        enforce = planning.enforces(limit)
+        s = planning.slot(
+            limit, ctx, now, gov.policy.tz, estimate, enforce=enforce, policy=gov.policy
+        )
+        if s is not None:
+            found.append(s)
+    slots = tuple(found)
+    if not slots:
+        return ADMITTED, None, ()
+    decision, event_id = await gov._admit(planning.Plan.of(slots), ctx, now, EntryType.RESERVED)
+    return decision, event_id, slots if decision.admitted else ()
