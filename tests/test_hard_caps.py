@@ -27,7 +27,7 @@ from mcp_budget_governor import (
 )
 from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware, tool_estimate
 from mcp_budget_governor.integrations.flow import governed_call
-from mcp_budget_governor.ledger import LedgerEntry
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 
 USD = Unit.USD_MICROS
 ANA = Context(user="ana")
@@ -159,19 +159,6 @@ def test_an_estimate_in_float_dollars_is_refused_naming_the_field() -> None:
     assert "string" in str(err.value)
 
 
-class Kept:
-    """A ledger that keeps what it is given (the entries a call appends, in order)."""
-
-    def __init__(self) -> None:
-        self.entries: list[LedgerEntry] = []
-
-    async def append(self, entry: LedgerEntry) -> None:
-        self.entries.append(entry)
-
-    async def aclose(self) -> None:
-        return None
-
-
 def two_limits() -> Policy:
     return Policy.of(
         Limit("user_spend", cap=usd(1), window=Window.DAY, scope="user", unit=USD),
@@ -185,7 +172,7 @@ async def test_estimates_on_several_limits_are_held_all_or_nothing_in_one_round_
     """Two hard-capped limits: one charge reserves both (one `reserved` event with both
     charges), one closes both (one `settled` event naming it); a refusal on one holds
     nothing on the other, so two calls near their caps never each hold half."""
-    kept = Kept()
+    kept = MemoryLedger()
     gov = Governor(two_limits(), backend, ledger=kept, clock=lambda: NOW)
     ctx = Context(user="ana", tenant="acme")
     charges = 0
