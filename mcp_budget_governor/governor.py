@@ -632,15 +632,11 @@ class Governor(Metering[MeterResult]):
     def _sent_ahead(
         self, ops: Sequence[CounterOp], event_id: str | None
     ) -> Awaitable[ChargeResult] | None:
-        """An admission's charge written at once, its reply to await (``charge_sent``),
+        """An admission's charge written at once, its reply to await (:meth:`_sent`),
         when the ledger can prepare its event meanwhile (``prepare``); else None."""
         if event_id is None or getattr(self.ledger, "prepare", None) is None:
             return None
-        send = getattr(self.backend, "charge_sent", None)
-        if send is None or self._down_until:
-            return None
-        sent: Awaitable[ChargeResult] | None = send(ops, event_id=event_id, want_used=True)
-        return sent
+        return self._sent(ops, event_id, None, want_used=True)
 
     async def _log(
         self,
@@ -846,7 +842,7 @@ class Governor(Metering[MeterResult]):
         before: int | None = None
         # Nothing to count or read (a settlement's zero delta): no round trip.
         idle = not want_used and not any(s.amount for s in slots)
-        sent = self._sent(slots, event_id, op_id) if detach and not idle else None
+        sent = self._sent([s.op for s in slots], event_id, op_id) if detach and not idle else None
         if sent is not None:
             task = asyncio.ensure_future(self._detached_reply(sent, slots, op_id))
             self._detached.add(task)
@@ -888,14 +884,19 @@ class Governor(Metering[MeterResult]):
         return before
 
     def _sent(
-        self, slots: Sequence[Slot], event_id: str | None, op_id: str | None
+        self,
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        op_id: str | None,
+        *,
+        want_used: bool = False,
     ) -> Awaitable[ChargeResult] | None:
         """The charge written at once, its reply not awaited (``charge_sent``), or None."""
         send = getattr(self.backend, "charge_sent", None)
         if send is None or self._down_until:
             return None
         sent: Awaitable[ChargeResult] | None = send(
-            [s.op for s in slots], event_id=event_id, want_used=False, op_id=op_id
+            ops, event_id=event_id, want_used=want_used, op_id=op_id
         )
         return sent
 
