@@ -11,6 +11,9 @@
 --              'g' when each counter's cap is already its effective cap (resolved by
 --              the caller: Redis Cluster, whose caps and plans hashes live in other
 --              slots) and only its grant is added here; the reply as flagged 'c'
+--              's' when some counters are session counters (keys.slides), whose
+--              expiry every write moves; a window's counter keeps the expiry
+--              its first write gave it (lib.lua add)
 --              'l' when some counters are lease sets (keys.lease_key): then
 --              ARGV[3] is the lease id, ARGV[4] its time to live (ms), ARGV[5]
 --              the waiting call's ticket ('-': not waiting; lib.lua
@@ -70,12 +73,10 @@ local op_key = nil
 if string.find(flags, 'o', 1, true) then
   op_key = KEYS[first]
   first = first + 1
-  if redis.call('EXISTS', op_key) == 1 then
-    return {0}
-  end
   event_id = ''
 end
 local inline = event_id == ''
+local sliding = string.find(flags, 's', 1, true) ~= nil
 local resolve = string.find(flags, 'c', 1, true) ~= nil
 local granted = not resolve and string.find(flags, 'g', 1, true) ~= nil
 local width = resolve and 5 or 4
@@ -98,6 +99,15 @@ if #ARGV ~= off + n * width then
   return redis.error_reply('mcpbg charge: expected ' .. (off + n * width)
     .. ' arguments (the last the caller clock, epoch ms), got ' .. #ARGV)
 end
+if op_key then
+  -- The marker is taken before anything is read (one call where EXISTS then SET
+  -- were two) and given back by every outcome that writes nothing, so a refused
+  -- charge leaves none. Past the argument count, nothing below raises on what
+  -- the clients build (the conformance vectors hold their arguments).
+  if not redis.call('SET', op_key, '1', 'NX', 'EX', OP_HORIZON) then
+    return {0}
+  end
+end
 local result = {0}
 local refused = 0
 -- Each counter's amount and default cap are parsed once (tonumber of a 16-digit
@@ -105,7 +115,7 @@ local refused = 0
 -- the first pass: the first counter it would not is reported only when nothing
 -- refused, as before.
 local unexact = 0
-local caps, leased = {}, {}
+local caps, leased, held = {}, {}, {}
 local queue_of, q = {}, 0
 for i = 1, n do
   local base = off + (i - 1) * width
@@ -118,8 +128,9 @@ for i = 1, n do
     queue_of[i] = KEYS[#KEYS - queues + q]
     leased[i] = true
   else
-    c, f, g = parts_and_grant(key)
+    c, f, g, held[i] = parts_and_grant(key)
     if not stays_exact(c, f, 0, inline) then
+      if op_key then redis.call('DEL', op_key) end
       return {-2, i}
     end
     if unexact == 0 and not stays_exact(c, f, amount, inline) then
@@ -170,9 +181,11 @@ if refused > 0 then
     end
   end
   result[1] = refused
+  if op_key then redis.call('DEL', op_key) end
   return result
 end
 if unexact > 0 then
+  if op_key then redis.call('DEL', op_key) end
   return {-2, unexact}
 end
 
@@ -185,11 +198,13 @@ for i = 1, n do
     take_lease(key, lease_id, lease_until)
     if ticket ~= '-' then redis.call('ZREM', queue_of[i], ticket) end
   elseif amount ~= '0' then
-    add(key, amount, event_id, ARGV[base + 3])
+    local expire_at = nil  -- a held window counter keeps its expiry (lib.lua add)
+    if not held[i] or (sliding and is_session(key)) then expire_at = ARGV[base + 3] end
+    add(key, amount, event_id, expire_at)
     wrote = true
   end
 end
-if op_key and wrote then
-  redis.call('SET', op_key, '1', 'EX', OP_HORIZON)
+if op_key and not wrote then
+  redis.call('DEL', op_key)
 end
 return result

@@ -36,7 +36,11 @@ local function negate(amount)
 end
 
 -- Add a charge: committed inline when there is no event id, in-flight otherwise.
--- Every write repairs the expiry, so a lost EXPIRE can never make a counter immortal.
+-- expire_at, when given, (re)sets the counter's expiry. charge.lua gives it only
+-- to a counter it creates (the same atomic script, so the expiry cannot be
+-- lost) and to a session counter (whose expiry slides with each write); a
+-- window's counter keeps the bucket's end plus grace it was created with.
+-- The projection (apply.lua) gives it on every write.
 local function add(key, amount, event_id, expire_at)
   if event_id == '' then
     redis.call('HINCRBY', key, 'c', amount)
@@ -44,7 +48,15 @@ local function add(key, amount, event_id, expire_at)
     redis.call('HINCRBY', key, 'f', amount)
     redis.call('HINCRBY', key, 'e:' .. event_id, amount)
   end
-  redis.call('EXPIREAT', key, expire_at)
+  if expire_at then redis.call('EXPIREAT', key, expire_at) end
+end
+
+-- A session counter's key ends with the session bucket (windows.SESSION_BUCKET;
+-- scope values are escaped, so no other key can end so).
+local SESSION_SUFFIX = ':session'
+
+local function is_session(key)
+  return string.sub(key, -#SESSION_SUFFIX) == SESSION_SUFFIX
 end
 
 -- The exact range (counters.MAX_COUNTER, counters.stays_exact): a counter's
@@ -53,10 +65,6 @@ end
 -- outside (doubles round monotonically; the bound is representable), so the
 -- test itself is exact.
 local MAX_EXACT = 9007199254740991
-
-local function exact(v)
-  return v >= -MAX_EXACT and v <= MAX_EXACT
-end
 
 -- A counter's committed and in-flight parts, as numbers (0 when absent).
 local function parts_of(key)
@@ -67,7 +75,9 @@ end
 -- Whether the parts are exact and stay so with amount added (to committed when inline).
 local function stays_exact(c, f, amount, inline)
   if inline then c = c + amount else f = f + amount end
-  return exact(c) and exact(f) and exact(c + f)
+  local t = c + f  -- compared inline: a Lua call per bound costs more than the test
+  return c >= -MAX_EXACT and c <= MAX_EXACT and f >= -MAX_EXACT and f <= MAX_EXACT
+    and t >= -MAX_EXACT and t <= MAX_EXACT
 end
 
 -- The epoch marker is whole only as a string of the shape keys.EPOCH_VALUE
@@ -80,10 +90,11 @@ local function epoch_ok(key)
 end
 
 -- A counter's committed and in-flight parts and its grant (field 'g': extra room
--- this bucket, not spend), in one read.
+-- this bucket, not spend), in one read, and whether the counter holds any of them.
 local function parts_and_grant(key)
   local v = redis.call('HMGET', key, 'c', 'f', 'g')
-  return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
+  return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
+    (v[1] or v[2] or v[3]) ~= false
 end
 
 -- The effective cap of one counter: caps.resolve / caps.effective, step for step

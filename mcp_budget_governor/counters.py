@@ -86,7 +86,9 @@ class CounterOp:
 
     ``amount`` is added when the whole charge is admitted; ``enforce`` makes
     this counter able to refuse it (per :func:`fits`); ``expire_at`` is the
-    absolute expiry (epoch seconds) every write repairs. ``cap`` is the limit's
+    absolute expiry (epoch seconds): one per bucket for a window's counter (set
+    with its first write, in the same atomic step), moved by every write for a
+    session's (:func:`keys.slides`). ``cap`` is the limit's
     default; ``ref`` (when given) lets the backend resolve the counter's
     effective cap (value cap, plan, run-time cap) and add its grant, in the
     same atomic step (``caps.resolve``).

@@ -26,6 +26,7 @@ from urllib.parse import unquote_to_bytes
 from .limits import NAME_PATTERN
 from .memo import BytesCache, text_bytes
 from .scopes import Dimensions, Scope
+from .windows import SESSION_BUCKET
 
 PREFIX = "mcpbg:v1"
 GLOBAL_SCOPE = "global"
@@ -46,6 +47,22 @@ MAX_KEY_CHARS = (
     + 1
     + MAX_BUCKET_CHARS
 )
+
+#: A session counter's key ends so: scope values are escaped (no ``:``), so the
+#: last segment is always the bucket label.
+SESSION_SUFFIX = ":" + SESSION_BUCKET
+
+
+def slides(key: str) -> bool:
+    """Whether a counter's expiry slides with each write: a session's counter lives
+    ``windows.SESSION_TTL_SECONDS`` after its last write; a window's ends with its
+    bucket (lua/charge.lua flag 's').
+
+    >>> slides("mcpbg:v1:chat:session=s_1:session"), slides("mcpbg:v1:burst:user=u:20260101")
+    (True, False)
+    """
+    return key.endswith(SESSION_SUFFIX)
+
 
 # Recent escapes: 8 MiB at most, whatever callers send (see memo.BytesCache).
 _ESCAPED: BytesCache[str, str] = BytesCache(8 << 20)

@@ -82,6 +82,49 @@ def test_the_redis_marker_lives_for_the_horizon(redis_url: str) -> None:
         client.close()
 
 
+def test_a_window_counter_keeps_its_first_expiry_a_session_counter_slides(redis_url: str) -> None:
+    """charge.lua sets a counter's expiry when it creates it (the same atomic call) and
+    moves it only for a session counter (flag 's'), whose life runs from its last write."""
+    import asyncio
+
+    from mcp_budget_governor import RedisBackend
+
+    now = time.time()
+    chat = Limit("chat", cap=100, window=Window.SESSION, scope=Scope.SESSION)
+    window = ops_for("dora", now, 1)[0]
+    s = slot(chat, Context(user="dora", session="s_1"), now, POLICY.tz, 1, enforce=True)
+    assert s is not None
+    session = s.op
+    assert session.key.endswith(":session") and not window.key.endswith(":session")
+    first, later = int(now) + 1000, int(now) + 5000
+
+    async def charge() -> None:
+        backend = RedisBackend.from_url(redis_url, timeout=2.0)
+        for expire_at in (first, later):
+            for op in (window, session):
+                ops = [CounterOp(op.key, 1, 100, True, expire_at)]
+                assert (await backend.charge(ops, op_id=f"{op.key}{expire_at}")).admitted
+        refused = [CounterOp(window.key, 500, 100, True, later)]
+        assert not (await backend.charge(refused, op_id="refused")).admitted
+        await backend.aclose()
+
+    asyncio.run(charge())
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.expiretime(window.key) == first
+        assert client.expiretime(session.key) == later
+        assert client.exists(op_key("refused")) == 0  # a refused charge gives its marker back
+    finally:
+        client.close()
+
+
+def test_the_lua_session_suffix_is_the_python_one() -> None:
+    from mcp_budget_governor.keys import SESSION_SUFFIX
+    from mcp_budget_governor.lua import source
+
+    assert f"local SESSION_SUFFIX = '{SESSION_SUFFIX}'\n" in source("charge")
+
+
 class Clock:
     def __init__(self, now: float) -> None:
         self.now = now

@@ -46,6 +46,7 @@ from mcp_budget_governor.keys import (
     WATERMARK_KEY,
     op_key,
     queue_key,
+    slides,
 )
 from mcp_budget_governor.lua import source
 from mcp_budget_governor.urls import check_redis_url
@@ -357,6 +358,7 @@ class RedisBackend:
             + ("o" if with_op else "")
             + ("c" if resolve else "")
             + ("g" if self.resolved_caps and not resolve else "")
+            + ("s" if any(slides(op.key) for op in ops) else "")
         )
         numkeys = len(keys) + len(counters) + (1 if with_op else 0)
         if with_op:

@@ -13,6 +13,7 @@
 import { createHash } from "node:crypto";
 
 import type { ScopeName } from "./context.js";
+import { SESSION_BUCKET } from "./windows.js";
 
 export const PREFIX = "mcpbg:v1";
 export const GLOBAL_SCOPE = "global";
@@ -111,6 +112,14 @@ export const counterKey = (limit: string, scope: string, bucket: string): string
 export const leaseKey = (limit: string, scope: string): string => KEYS.leaseKey(limit, scope);
 export const capsKey = (limit: string): string => KEYS.capsKey(limit);
 export const opKey = (opId: string): string => KEYS.opKey(opId);
+
+/** A session counter's key ends so (scope values are escaped: the last segment is the bucket). */
+export const SESSION_SUFFIX = `:${SESSION_BUCKET}`;
+
+/** Whether a counter's expiry slides with each write (a session's); lua/charge.lua flag 's'. */
+export function slides(key: string): boolean {
+  return key.endsWith(SESSION_SUFFIX);
+}
 
 export const LEASE_PREFIX = `${PREFIX}:_lease`;
 

@@ -13,7 +13,7 @@
 import { Command, Redis, type RedisOptions } from "ioredis";
 
 import { BackendUnavailableError, CounterOverflowError, InvalidInputError } from "../errors.js";
-import { EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey, queueKey } from "../keys.js";
+import { EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey, queueKey, slides } from "../keys.js";
 import { MAX_AMOUNT } from "../money.js";
 import type { CounterOp } from "../planning.js";
 import { script, type Script } from "../scripts.js";
@@ -101,7 +101,8 @@ function prepare(sha: string, ops: readonly CounterOp[], wantUsed: boolean, with
   counters.push(...queues);
   const leases = queues.length;
   const flags =
-    (leases ? "l" : "") + (requireEpoch ? "e" : "") + (wantUsed ? "u" : "") + (withOp ? "o" : "") + (resolve ? "c" : "");
+    (leases ? "l" : "") + (requireEpoch ? "e" : "") + (wantUsed ? "u" : "") + (withOp ? "o" : "") + (resolve ? "c" : "") +
+    (ops.some((op) => slides(op.key)) ? "s" : "");
   const numkeys = keys.length + counters.length + (withOp ? 1 : 0);
   let head: (string | number)[];
   if (withOp) head = [sha, numkeys, ...keys];
