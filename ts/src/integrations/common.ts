@@ -10,7 +10,7 @@
 import type { Context } from "../context.js";
 import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
 import { BudgetExceeded, InvalidInputError } from "../errors.js";
-import type { Governor, Reservation } from "../governor.js";
+import type { Governor, Reservations } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
 import { OnExceed, type Policy } from "../policy.js";
 
@@ -152,9 +152,17 @@ export function approvalSeconds(timeout: unknown): number {
  * for a slot first), reserve estimates, run, then charge: a completed call is
  * charged its price even past a cap; a failed one its fixed price.
  *
+ * `estimate` (`{limit: amount}`) makes the call a hard cap: the estimates are
+ * reserved after the check, all or nothing in one round trip (refused whole when
+ * one does not fit, so two calls near their caps cannot each hold part and refuse
+ * the other), and settled afterwards together, to what the call is charged; a
+ * limit the charges do not name keeps its estimate.
+ *
  * `ask(decision)` is asked when the check refuses by an OnExceed.ASK limit:
  * true admits the call over that limit (the ledger records the approval),
- * false refuses it as usual. A breaker never asks.
+ * false refuses it as usual. A breaker never asks. `approved`: OnExceed.ASK
+ * limits the user already let this call go over (an answer from an earlier
+ * round, the 2026-07-28 protocol's `input_required`).
  */
 export async function governedCall<R>(
   governor: Governor,
@@ -165,31 +173,29 @@ export async function governedCall<R>(
   wait = 0,
   ask: Ask | null = null,
   signal?: AbortSignal,
+  approved: readonly string[] = [],
 ): Promise<R> {
   const caller = await governor.identified(ctx);
-  const approved: string[] = [];
+  const over = [...approved];
   for (;;) {
-    let entered = false;
-    try {
-      return await governor.admitted(
-        caller,
-        async () => {
-          entered = true;
-          return run(governor, caller, work, fixed, estimate, approved);
-        },
-        { wait, approved, ...(signal !== undefined && { signal }) },
-      );
-    } catch (err) {
-      // Only the check's own refusal may be asked about (not one from inside the work).
-      if (entered || ask === null || !(err instanceof BudgetExceeded)) throw err;
-      const limit = askable(governor, err.decision, approved);
-      if (limit === null || !(await ask(err.decision))) throw err;
-      approved.push(limit); // a refused check charged nothing: check again
-    }
+    // admitted() hands back the decision, refused or not; a refused one holds no lease.
+    const outcome = await governor.admitted(
+      caller,
+      async (decision): Promise<{ refused: Decision } | { result: R }> => {
+        if (!decision.admitted) return { refused: decision };
+        return { result: await run(governor, caller, work, fixed, estimate, over) };
+      },
+      { wait, approved: over, ...(signal !== undefined && { signal }) },
+    );
+    if ("result" in outcome) return outcome.result;
+    const decision = outcome.refused;
+    const limit = ask === null ? null : askable(governor, decision, over);
+    if (ask === null || limit === null || !(await ask(decision))) throw new (decision.refusalType())(decision);
+    over.push(limit); // a refused check charged nothing: check again
   }
 }
 
-/** The admitted part of governedCall: reserve estimates, run, charge. */
+/** The admitted part of governedCall: reserve the estimates (one charge), run, charge. */
 async function run<R>(
   governor: Governor,
   caller: Context,
@@ -198,25 +204,19 @@ async function run<R>(
   estimate: Charges | null,
   approved: readonly string[],
 ): Promise<R> {
-  const held: Reservation[] = [];
-  try {
-    for (const [limit, amount] of Object.entries(estimate ?? {})) {
-      // An approved call goes over that limit: holding an estimate there would refuse it again.
-      if (!approved.includes(limit)) held.push(await governor.reserve(limit, amount, caller));
-    }
-  } catch (err) {
-    for (const r of held) r.release();
-    for (const r of held) await r.finish(false);
-    throw err;
-  }
+  // An approved call goes over that limit: holding an estimate there would refuse it again.
+  const wanted = Object.entries(estimate ?? {}).filter(([limit, amount]) => amount !== 0 && !approved.includes(limit));
+  // After the check: a reservation that fills its limit to the cap exactly must not
+  // make that check refuse the very call it holds.
+  const held: Reservations | null = wanted.length ? await governor.reserveAll(Object.fromEntries(wanted), caller) : null;
   const charge = async (): Promise<void> => {
     const rest: Charges = { ...(fixed ?? {}) };
-    for (const r of held) {
-      if (r.limit.name in rest) {
-        r.actual = rest[r.limit.name] ?? null;
-        delete rest[r.limit.name];
+    if (held !== null) {
+      for (const name of held.limitNames) {
+        if (name in rest) held.actual[name] = rest[name] ?? 0;
+        delete rest[name];
       }
-      await r.finish(false);
+      await held.finish();
     }
     if (Object.keys(rest).length) await governor.meterCharges(rest, caller);
   };
