@@ -7,7 +7,9 @@
  * toolPrices(policy, "search", { mcpbg: { cost_usd: "0.01", limit: "spend" } })
  * // { price: { spend: 10000 }, estimate: null }
  */
-import type { Context } from "../context.js";
+import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+
+import { contextKey, type Context } from "../context.js";
 import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
 import { BudgetExceeded, InvalidInputError } from "../errors.js";
 import type { Governor, Reservations } from "../governor.js";
@@ -136,6 +138,83 @@ export function approvalRequest(decision: Decision, tool: string): {
 export function approvalGiven(result: unknown): boolean {
   const r = result as { action?: unknown; content?: Record<string, unknown> } | null | undefined;
   return r?.action === "accept" && r.content?.["value"] === true;
+}
+
+/** The key of the approval question in an `input_required` result (Python: fastmcp.APPROVAL_REQUEST). */
+export const APPROVAL_REQUEST = "mcpbg_approval";
+
+/** The first protocol revision without a back-channel (SEP-2322): the question is the call's result. */
+export const MODERN_PROTOCOL = "2026-07-28";
+
+/** The `input_required` result of a call refused by an OnExceed.ASK limit (SEP-2322). */
+export interface ApprovalQuestion {
+  [key: string]: unknown;
+  resultType: "input_required";
+  inputRequests: Record<string, { method: "elicitation/create"; params: { mode: "form" } & ReturnType<typeof approvalRequest> }>;
+  requestState: string;
+}
+
+/** The approval question as the call's result: the elicitation under APPROVAL_REQUEST, the sealed limit as requestState. */
+export function approvalQuestion(decision: Decision, tool: string, requestState: string): ApprovalQuestion {
+  return {
+    resultType: "input_required",
+    inputRequests: { [APPROVAL_REQUEST]: { method: "elicitation/create", params: { mode: "form", ...approvalRequest(decision, tool) } } },
+    requestState,
+  };
+}
+
+/** Thrown by an in-round Ask: the call ends with `result`, the question (Python: fastmcp._AskInRound). */
+export class AskInRound extends Error {
+  constructor(readonly result: ApprovalQuestion) {
+    super("the approval question goes out as the call's result");
+    this.name = "AskInRound";
+  }
+}
+
+/** Whether a retried call's `inputResponses` answer our approval question yes (Python: fastmcp._yes). */
+export function answeredYes(responses: unknown): boolean {
+  if (responses === null || typeof responses !== "object") return false;
+  return approvalGiven((responses as Record<string, unknown>)[APPROVAL_REQUEST]);
+}
+
+/**
+ * Seals the refusing limit into the `requestState` a 2026-07-28 client echoes on
+ * its retry, and opens it again: the state is the client's to hold, so it is
+ * signed (HMAC-SHA256) and bound to the caller and the tool, and a client cannot
+ * approve a question it was never asked (Python: FastMCP seals request_state).
+ */
+export interface ApprovalSeal {
+  seal(limit: string, caller: Context): string | Promise<string>;
+  /**
+   * The limit `state` (what `ctx.mcpReq.requestState()` reads) was sealed with for
+   * this caller and tool, else null. A server whose `requestState.verify` hook is
+   * the SDK's codec passes a seal of its own: `codec.mint({ limit })` to seal, and
+   * the verified payload's `limit` to open.
+   */
+  open(state: unknown, caller: Context): string | null | Promise<string | null>;
+}
+
+/**
+ * The HMAC seal: `key` (at least 32 bytes) must be the same on every replica a
+ * client's retry may reach; default: random, for one process.
+ */
+export function approvalSeal(key: string | Uint8Array = randomBytes(32)): ApprovalSeal {
+  const secret = typeof key === "string" ? Buffer.from(key, "utf8") : Buffer.from(key);
+  if (secret.length < 32) throw new InvalidInputError("approval_key", `${secret.length} bytes`, "expected at least 32 bytes");
+  const mac = (limit: string, caller: Context): Buffer =>
+    createHmac("sha256", secret).update(`mcpbg.approval\u0000${contextKey(caller)}\u0000${limit}`).digest();
+  return {
+    seal: (limit, caller) => `mcpbg1.${Buffer.from(limit, "utf8").toString("base64url")}.${mac(limit, caller).toString("base64url")}`,
+    open: (state, caller) => {
+      if (typeof state !== "string") return null;
+      const [version, name, tag, ...rest] = state.split(".");
+      if (version !== "mcpbg1" || name === undefined || tag === undefined || rest.length) return null;
+      const limit = Buffer.from(name, "base64url").toString("utf8");
+      const given = Buffer.from(tag, "base64url");
+      const want = mac(limit, caller);
+      return given.length === want.length && timingSafeEqual(given, want) ? limit : null;
+    },
+  };
 }
 
 /** `approvalTimeout` validated (seconds, more than 0, at most a day). */
