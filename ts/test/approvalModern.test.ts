@@ -25,13 +25,13 @@ on_exceed = "ask"
 type Result = { isError?: boolean; content: { type: string; text?: string }[] };
 type Answer = { action: "accept" | "decline" | "cancel"; content?: Record<string, string | number | boolean | string[]> };
 
-function governed(user: string): { gov: Governor; ledger: MemoryLedger; server: () => McpServer } {
+/** A server factory (createMcpHandler makes one server per request); `key`: the seal's, else the default. */
+function governed(user: string, key?: string): { gov: Governor; ledger: MemoryLedger; server: () => McpServer } {
   const ledger = new MemoryLedger();
   const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { ledger });
-  const seal = approvalSeal(); // one key for every server the factory makes
   const server = (): McpServer => {
     const s = new McpServer({ name: "asking", version: "1.0.0" });
-    governTools(s, gov, { identify: () => context({ user }), approvalSeal: seal });
+    governTools(s, gov, { identify: () => context({ user }), ...(key !== undefined && { approvalSeal: approvalSeal(key) }) });
     s.registerTool("search", { description: "search" }, async () => ({ content: [{ type: "text", text: "results" }] }));
     return s;
   };
@@ -118,7 +118,7 @@ describe("OnExceed.ASK on the 2026-07-28 protocol (SDK 2.x)", () => {
 
   it("the question is Python's input_required result: the elicitation under mcpbg_approval, the limit sealed", async () => {
     const user = fresh("ana");
-    const { server } = governed(user);
+    const { server } = governed(user, "a key every replica shares, 32+ bytes");
     const handler = createMcpHandler(server);
     const envelope = {
       "io.modelcontextprotocol/protocolVersion": "2026-07-28",

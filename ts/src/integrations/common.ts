@@ -194,11 +194,14 @@ export interface ApprovalSeal {
   open(state: unknown, caller: Context): string | null | Promise<string | null>;
 }
 
+/** The default seal's key: random, one per process (every server a per-request factory makes shares it). */
+const PROCESS_KEY = randomBytes(32);
+
 /**
  * The HMAC seal: `key` (at least 32 bytes) must be the same on every replica a
- * client's retry may reach; default: random, for one process.
+ * client's retry may reach; default: random, one per process.
  */
-export function approvalSeal(key: string | Uint8Array = randomBytes(32)): ApprovalSeal {
+export function approvalSeal(key: string | Uint8Array = PROCESS_KEY): ApprovalSeal {
   const secret = typeof key === "string" ? Buffer.from(key, "utf8") : Buffer.from(key);
   if (secret.length < 32) throw new InvalidInputError("approval_key", `${secret.length} bytes`, "expected at least 32 bytes");
   const mac = (limit: string, caller: Context): Buffer =>

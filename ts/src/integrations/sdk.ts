@@ -86,7 +86,7 @@ export interface GovernOptions<E = RequestExtra> {
   approvalTimeout?: number;
   /**
    * Seals the refusing limit into a 2026-07-28 client's `requestState` (see
-   * ApprovalSeal); default: approvalSeal() with a random key, for one process.
+   * ApprovalSeal); default: approvalSeal(), whose random key is one per process.
    * Servers with several replicas pass `approvalSeal(sharedKey)`.
    */
   approvalSeal?: ApprovalSeal;
