@@ -40,6 +40,7 @@ from mcp_budget_governor import (
     usd,
 )
 from mcp_budget_governor.events import encode, json_schemas, parse, type_name
+from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id, partition_key
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 
@@ -137,6 +138,12 @@ async def _entries() -> list[LedgerEntry]:
     await gov.assign_plan(None, user=HOSTILE[2], actor="billing")
     await gov.grant("spend", usd(3), tenant="acme", reason="goodwill", actor="support")
     await gov.reset("burst", user=HOSTILE[0], actor="support")
+    tick()
+    # A hard cap on two limits (the integrations' estimates): one reserved event with
+    # both charges, one settled event naming it with the one non-zero delta.
+    async with Reservations(gov, {"spend": usd(1), "tokens": 5000}, alice) as held:
+        tick()
+        held.actual["spend"] = usd("0.375")
     entries = list(ledger.entries)
     # A recovered event (``mcpbg reconcile --fix``) carries a lost event's charges; and
     # a degraded admission (Redis down, OPEN fallback): built from the entries above.

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor import BudgetExceeded, Context, Governor, RedisBackend
+from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.planning import check_plan
 from mcp_budget_governor.policy_file import load_file
 from testing.node import TS_DIR, npm_ci, require_node, tsx
@@ -304,5 +305,72 @@ async def test_python_and_typescript_waiters_share_one_queue_first_come_first_se
             else:
                 node("release", name=old)
         assert await gov.usage("parallel", Context(**ctx)) == 0
+    finally:
+        await gov.aclose()
+
+
+HOLD_POLICY = """
+[[limits]]
+name = "hold_user"
+cap = 100
+window = "day"
+scope = "user"
+gated = false
+
+[[limits]]
+name = "hold_tenant"
+cap = 100
+window = "day"
+scope = "tenant"
+gated = false
+"""
+
+
+@pytest.fixture
+def hold_node(node_ready: None, tmp_path: Path, redis_url: str) -> Iterator[tuple[Node, Path]]:
+    path = tmp_path / "hold_policy.toml"
+    path.write_text(HOLD_POLICY, encoding="utf-8")
+    n = Node(path, redis_url)
+    yield n, path
+    n.close()
+
+
+@pytest.mark.slow
+async def test_hard_caps_on_two_limits_hold_all_or_nothing_across_languages(
+    hold_node: tuple[Node, Path], redis_url: str
+) -> None:
+    """Estimates on two limits, reserved by Python (holds.Reservations) and TypeScript
+    (Governor.reserveAll) at once, naming the limits in opposite orders: each
+    reservation holds both or neither, so exactly the caps' worth is admitted, and a
+    TypeScript settlement is what Python's usage() reports."""
+    node, path = hold_node
+    gov = Governor(load_file(path), RedisBackend.from_url(redis_url, timeout=5.0))
+    tag = time.time_ns()
+    ctx = {"user": f"holder-{tag}", "tenant": f"acme-{tag}"}
+    try:
+        assert node("reserve_all", estimates={"hold_user": 10, "hold_tenant": 10},
+                    actual={"hold_user": 3}, ctx=ctx) == {"status": 200}  # fmt: skip
+        assert await gov.usage("hold_user", Context(**ctx)) == 3
+        assert await gov.usage("hold_tenant", Context(**ctx)) == 10  # its estimate stands
+        # 97 left on user, 90 on tenant: 9 more reservations of 10 + 10 fit.
+
+        async def py_hold(i: int) -> int:
+            await asyncio.sleep(i * 0.5 / 20)
+            try:
+                async with Reservations(gov, {"hold_tenant": 10, "hold_user": 10}, Context(**ctx)):
+                    await asyncio.sleep(0.2)
+            except BudgetExceeded as exc:
+                return exc.decision.status
+            return 200
+
+        node.send("reserve_alls", n=20, estimates={"hold_user": 10, "hold_tenant": 10},
+                  hold_ms=200, spread_ms=500, ctx=ctx)  # fmt: skip
+        py = await asyncio.gather(*(py_hold(i) for i in range(20)))
+        ts = (await asyncio.to_thread(node.read))["statuses"]
+        print(f"hard caps: python {py.count(200)} + typescript {ts.count(200)} of 40 held")
+        assert py.count(200) + ts.count(200) == 9
+        assert set(py) | set(ts) == {200, 429}
+        assert await gov.usage("hold_user", Context(**ctx)) == 93
+        assert await gov.usage("hold_tenant", Context(**ctx)) == 100
     finally:
         await gov.aclose()

@@ -116,18 +116,11 @@ export class Reservation {
 
   /** @internal */
   async enter(): Promise<this> {
-    const gov = this.gov;
-    const now = gov.now();
-    const s = planning.slot(this.limit, this.ctx, now, gov.policy.tz, this.estimate, planning.enforces(this.limit), gov.policy);
-    if (s === null) {
-      this.decision = ADMITTED;
-      return this;
-    }
-    const [decision, eventId] = await gov.admit(planning.planOf([s]), this.ctx, now, EntryType.RESERVED);
+    const [decision, eventId, slots] = await hold(this.gov, this.ctx, [[this.limit, this.estimate]]);
     this.decision = decision;
     if (!decision.admitted) throw new (decision.refusalType())(decision);
-    this.slot = s;
-    this.id = eventId;
+    this.slot = slots[0] ?? null;
+    if (this.slot !== null) this.id = eventId;
     return this;
   }
 
@@ -153,6 +146,101 @@ export class Reservation {
     const [before, degraded, cap] = await this.gov.record([s], this.ctx, kind, null, this.gov.now(), this.id, report);
     return planning.metered(s, before, degraded, cap);
   }
+}
+
+/**
+ * Estimates held on several limits at once, for one call's hard caps
+ * (Python: holds.Reservations; Governor.reserveAll).
+ *
+ * Entering reserves every estimate in one charge, all or nothing, as one
+ * `reserved` event (throwing the refusal when one does not fit: nothing is
+ * held then, so two calls near their caps cannot each hold part and refuse the
+ * other). `actual[limit]` is what the call cost on that limit (a limit left out
+ * keeps its estimate); finishing settles every limit in one charge and one
+ * closing event naming the reservation, `settled` with the non-zero deltas
+ * (none: no charges), or `released` after release().
+ */
+export class Reservations {
+  readonly estimates: Readonly<Record<string, number>>;
+  readonly actual: Record<string, number> = {};
+  decision: Decision | null = null;
+  id: string | null = null;
+  private slots: readonly Slot[] = [];
+  private released = false;
+  private done = false;
+
+  constructor(
+    private readonly gov: Governor,
+    estimates: Readonly<Record<string, number>>,
+    readonly ctx: Context,
+  ) {
+    const checked: Record<string, number> = {};
+    for (const [name, amount] of Object.entries(estimates)) checked[name] = checkAmount(amount, `estimate for '${name}'`);
+    this.estimates = checked;
+  }
+
+  get limitNames(): ReadonlySet<string> {
+    return new Set(Object.keys(this.estimates));
+  }
+
+  get settled(): boolean {
+    return this.done;
+  }
+
+  /** Return every estimate when it ends (the work did not happen). */
+  release(): void {
+    this.released = true;
+  }
+
+  /** @internal */
+  async enter(): Promise<this> {
+    const policy = this.gov.policy;
+    const wanted = Object.entries(this.estimates).map(([name, estimate]) => [planning.meteredLimit(policy, name), estimate] as const);
+    const [decision, eventId, slots] = await hold(this.gov, this.ctx, wanted);
+    this.decision = decision;
+    if (!decision.admitted) throw new (decision.refusalType())(decision);
+    this.slots = slots;
+    this.id = eventId;
+    return this;
+  }
+
+  /** Settle (or release) every limit, once, in one charge and one closing event. */
+  async finish(): Promise<void> {
+    if (!this.slots.length || this.done) return;
+    this.done = true;
+    const kind = this.released ? EntryType.RELEASED : EntryType.SETTLED;
+    const deltas: Slot[] = [];
+    for (const s of this.slots) {
+      const name = s.limit.name;
+      const final = this.released ? 0 : (this.actual[name] ?? s.amount);
+      const delta = checkAmount(final, `actual for '${name}'`) - s.amount;
+      if (delta) deltas.push(planning.withAmount(s, delta));
+    }
+    const gov = this.gov;
+    if (!deltas.length && gov.ledger === null) return; // every estimate stands and nothing records the close
+    await gov.record(deltas, this.ctx, kind, null, gov.now(), this.id, false);
+  }
+}
+
+/**
+ * Reserve each [limit, estimate] of `wanted` that applies to `ctx` in one charge,
+ * all or nothing, as one `reserved` event (Python: holds._hold): the decision, the
+ * event's id and the slots held (none when refused, or when no limit applies).
+ */
+async function hold(
+  gov: Governor,
+  ctx: Context,
+  wanted: readonly (readonly [Limit, number])[],
+): Promise<[Decision, string | null, readonly Slot[]]> {
+  const now = gov.now();
+  const slots: Slot[] = [];
+  for (const [limit, estimate] of wanted) {
+    const s = planning.slot(limit, ctx, now, gov.policy.tz, estimate, planning.enforces(limit), gov.policy);
+    if (s !== null) slots.push(s);
+  }
+  if (!slots.length) return [ADMITTED, null, []];
+  const [decision, eventId] = await gov.admit(planning.planOf(slots), ctx, now, EntryType.RESERVED);
+  return [decision, eventId, decision.admitted ? slots : []];
 }
 
 /** Enforces a Policy on shared counters. */
@@ -290,12 +378,16 @@ export class Governor {
   }
 
   /**
-   * check() for the duration of `work`: refused, throws the refusal; admitted,
-   * concurrency-cap leases are renewed while it runs and given back however it ends.
-   * `options.wait`: seconds to wait for a concurrency slot (see CheckOptions).
+   * check() for the duration of `work(decision)` (Python: Governor.admitted): the
+   * decision is what check() returns, refused or admitted, never thrown for a
+   * refusal, so `work` starts with `decision.raiseForStatus()` or tests
+   * `decision.admitted`. Admitted, its concurrency-cap leases are renewed every
+   * third of leaseTtl while `work` runs and given back however it ends (a refused
+   * decision holds none). `options.wait`: seconds to wait for a concurrency slot
+   * (see CheckOptions).
    */
   async admitted<R>(ctx: Context | null, work: (decision: Decision) => Promise<R>, options: CheckOptions = {}): Promise<R> {
-    const decision = (await this.check(ctx, options)).raiseForStatus();
+    const decision = await this.check(ctx, options);
     let timer: NodeJS.Timeout | undefined;
     if (decision.lease !== null) {
       timer = setInterval(() => {
@@ -353,6 +445,14 @@ export class Governor {
   async reserve(limit: string, estimate: number, ctx: Context | null = null): Promise<Reservation> {
     const r = new Reservation(this, planning.meteredLimit(this.policy, limit), checkAmount(estimate, "estimate"), ctx ?? EMPTY);
     return r.enter();
+  }
+
+  /**
+   * Hold `{limit: estimate}` on several limits at once, all or nothing in one round
+   * trip, until `finish()`; throws the refusal when one does not fit (nothing held).
+   */
+  async reserveAll(estimates: Readonly<Record<string, number>>, ctx: Context | null = null): Promise<Reservations> {
+    return new Reservations(this, estimates, ctx ?? EMPTY).enter();
   }
 
   /**

@@ -10,7 +10,7 @@
  * );
  * (await governor.check(context({ user: "u_42" }))).raiseForStatus();
  */
-export { Governor, MAX_WAIT, Reservation, type CheckOptions, type GovernorOptions } from "./governor.js";
+export { Governor, MAX_WAIT, Reservation, Reservations, type CheckOptions, type GovernorOptions } from "./governor.js";
 export { Decision, ADMITTED, refusalText, refusalBody, type MeterResult, type Lease } from "./decision.js";
 export { Policy, Limit, Plan, FailMode, OnExceed, Anonymous, type LimitOptions, type PolicyOptions } from "./policy.js";
 export { parsePolicy, loadPolicyFile } from "./policyFile.js";

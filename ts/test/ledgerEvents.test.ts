@@ -18,6 +18,7 @@ import {
   rfc3339,
 } from "../src/ledger/events.js";
 import { ENTRY_TYPES, type LedgerEntry } from "../src/ledger/types.js";
+import { Governor, Limit, MemoryBackend, MemoryLedger, Policy, Scope, Unit, Window, context, usd } from "../src/index.js";
 
 interface Vector {
   entry: LedgerEntry;
@@ -134,4 +135,31 @@ test("a fractional amount is refused with the field named", () => {
   const entry = data.vectors[0]!.entry;
   const charges = [{ ...entry.charges![0]!, amount: 1.5 }];
   assert.throws(() => encode({ ...entry, charges }, "/s"), /charges\[0\]\.amount: expected a whole number.*1\.5/);
+});
+
+test("a hard cap on two limits writes Python's reserved and settled events, byte for byte", async () => {
+  // conformance/events.py: Reservations(gov, {"spend": usd(1), "tokens": 5000}, alice),
+  // then actual["spend"] = usd("0.375"), a tick later.
+  const i = data.vectors.findIndex((v) => v.type === "mcpbg.reserved.v1" && (v.entry.charges ?? []).length === 2);
+  const [reserved, settled] = [data.vectors[i]!, data.vectors[i + 1]!];
+  assert.equal(settled.type, "mcpbg.settled.v1");
+  const clock = [reserved.entry.time];
+  const ledger = new MemoryLedger();
+  const policy = Policy.of(
+    new Limit("spend", { cap: usd(5), window: Window.DAY, unit: Unit.USD_MICROS, scope: Scope.TENANT, gated: false }),
+    new Limit("tokens", { cap: 1_000_000, window: Window.WEEK, unit: Unit.TOKENS, scope: Scope.USER }),
+    { timezone: "Europe/Paris" },
+  );
+  const gov = new Governor(policy, new MemoryBackend(() => clock[0]!), { ledger, clock: () => clock[0]! });
+  const alice = context({ user: "alice", tenant: "acme", tool: "search", agent: "bot-1" });
+  const held = await gov.reserveAll({ spend: usd(1), tokens: 5000 }, alice);
+  clock[0] = settled.entry.time;
+  held.actual["spend"] = usd("0.375");
+  await held.finish();
+  const [r, s] = ledger.entries;
+  assert.equal(ledger.entries.length, 2);
+  assert.equal(s?.reservation, r?.id);
+  const ids = { id: reserved.entry.id };
+  assert.equal(encode({ ...r!, ...ids }, data.source), reserved.event);
+  assert.equal(encode({ ...s!, id: settled.entry.id, reservation: reserved.entry.id }, data.source), settled.event);
 });

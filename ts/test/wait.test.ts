@@ -137,8 +137,10 @@ for (const [name, make] of backends) {
         const lease = holder.lease?.keys[0] ?? "";
         assert.equal(await b.client.zcard(queueKey(lease)), 0, "the ticket left the queue");
       }
+      // admitted() hands the refusal to the block (Python's contract); raiseForStatus throws it.
+      assert.equal(await gov.admitted(ctx, async (x) => `${x.admitted} ${x.status}`, { wait: 0.05 }), "false 429");
       await assert.rejects(
-        gov.admitted(ctx, async () => "ran", { wait: 0.05 }),
+        gov.admitted(ctx, async (x) => x.raiseForStatus().status, { wait: 0.05 }),
         (err: Error) => err.name === "LimitExceeded",
       );
       await gov.release(holder);

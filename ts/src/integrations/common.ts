@@ -7,10 +7,12 @@
  * toolPrices(policy, "search", { mcpbg: { cost_usd: "0.01", limit: "spend" } })
  * // { price: { spend: 10000 }, estimate: null }
  */
-import type { Context } from "../context.js";
+import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
+
+import { contextKey, type Context } from "../context.js";
 import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
 import { BudgetExceeded, InvalidInputError } from "../errors.js";
-import type { Governor, Reservation } from "../governor.js";
+import type { Governor, Reservations } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
 import { OnExceed, type Policy } from "../policy.js";
 
@@ -138,6 +140,86 @@ export function approvalGiven(result: unknown): boolean {
   return r?.action === "accept" && r.content?.["value"] === true;
 }
 
+/** The key of the approval question in an `input_required` result (Python: fastmcp.APPROVAL_REQUEST). */
+export const APPROVAL_REQUEST = "mcpbg_approval";
+
+/** The first protocol revision without a back-channel (SEP-2322): the question is the call's result. */
+export const MODERN_PROTOCOL = "2026-07-28";
+
+/** The `input_required` result of a call refused by an OnExceed.ASK limit (SEP-2322). */
+export interface ApprovalQuestion {
+  [key: string]: unknown;
+  resultType: "input_required";
+  inputRequests: Record<string, { method: "elicitation/create"; params: { mode: "form" } & ReturnType<typeof approvalRequest> }>;
+  requestState: string;
+}
+
+/** The approval question as the call's result: the elicitation under APPROVAL_REQUEST, the sealed limit as requestState. */
+export function approvalQuestion(decision: Decision, tool: string, requestState: string): ApprovalQuestion {
+  return {
+    resultType: "input_required",
+    inputRequests: { [APPROVAL_REQUEST]: { method: "elicitation/create", params: { mode: "form", ...approvalRequest(decision, tool) } } },
+    requestState,
+  };
+}
+
+/** Thrown by an in-round Ask: the call ends with `result`, the question (Python: fastmcp._AskInRound). */
+export class AskInRound extends Error {
+  constructor(readonly result: ApprovalQuestion) {
+    super("the approval question goes out as the call's result");
+    this.name = "AskInRound";
+  }
+}
+
+/** Whether a retried call's `inputResponses` answer our approval question yes (Python: fastmcp._yes). */
+export function answeredYes(responses: unknown): boolean {
+  if (responses === null || typeof responses !== "object") return false;
+  return approvalGiven((responses as Record<string, unknown>)[APPROVAL_REQUEST]);
+}
+
+/**
+ * Seals the refusing limit into the `requestState` a 2026-07-28 client echoes on
+ * its retry, and opens it again: the state is the client's to hold, so it is
+ * signed (HMAC-SHA256) and bound to the caller and the tool, and a client cannot
+ * approve a question it was never asked (Python: FastMCP seals request_state).
+ */
+export interface ApprovalSeal {
+  seal(limit: string, caller: Context): string | Promise<string>;
+  /**
+   * The limit `state` (what `ctx.mcpReq.requestState()` reads) was sealed with for
+   * this caller and tool, else null. A server whose `requestState.verify` hook is
+   * the SDK's codec passes a seal of its own: `codec.mint({ limit })` to seal, and
+   * the verified payload's `limit` to open.
+   */
+  open(state: unknown, caller: Context): string | null | Promise<string | null>;
+}
+
+/** The default seal's key: random, one per process (every server a per-request factory makes shares it). */
+const PROCESS_KEY = randomBytes(32);
+
+/**
+ * The HMAC seal: `key` (at least 32 bytes) must be the same on every replica a
+ * client's retry may reach; default: random, one per process.
+ */
+export function approvalSeal(key: string | Uint8Array = PROCESS_KEY): ApprovalSeal {
+  const secret = typeof key === "string" ? Buffer.from(key, "utf8") : Buffer.from(key);
+  if (secret.length < 32) throw new InvalidInputError("approval_key", `${secret.length} bytes`, "expected at least 32 bytes");
+  const mac = (limit: string, caller: Context): Buffer =>
+    createHmac("sha256", secret).update(`mcpbg.approval\u0000${contextKey(caller)}\u0000${limit}`).digest();
+  return {
+    seal: (limit, caller) => `mcpbg1.${Buffer.from(limit, "utf8").toString("base64url")}.${mac(limit, caller).toString("base64url")}`,
+    open: (state, caller) => {
+      if (typeof state !== "string") return null;
+      const [version, name, tag, ...rest] = state.split(".");
+      if (version !== "mcpbg1" || name === undefined || tag === undefined || rest.length) return null;
+      const limit = Buffer.from(name, "base64url").toString("utf8");
+      const given = Buffer.from(tag, "base64url");
+      const want = mac(limit, caller);
+      return given.length === want.length && timingSafeEqual(given, want) ? limit : null;
+    },
+  };
+}
+
 /** `approvalTimeout` validated (seconds, more than 0, at most a day). */
 export function approvalSeconds(timeout: unknown): number {
   if (typeof timeout !== "number" || !(timeout > 0 && timeout <= 86_400)) {
@@ -152,9 +234,17 @@ export function approvalSeconds(timeout: unknown): number {
  * for a slot first), reserve estimates, run, then charge: a completed call is
  * charged its price even past a cap; a failed one its fixed price.
  *
+ * `estimate` (`{limit: amount}`) makes the call a hard cap: the estimates are
+ * reserved after the check, all or nothing in one round trip (refused whole when
+ * one does not fit, so two calls near their caps cannot each hold part and refuse
+ * the other), and settled afterwards together, to what the call is charged; a
+ * limit the charges do not name keeps its estimate.
+ *
  * `ask(decision)` is asked when the check refuses by an OnExceed.ASK limit:
  * true admits the call over that limit (the ledger records the approval),
- * false refuses it as usual. A breaker never asks.
+ * false refuses it as usual. A breaker never asks. `approved`: OnExceed.ASK
+ * limits the user already let this call go over (an answer from an earlier
+ * round, the 2026-07-28 protocol's `input_required`).
  */
 export async function governedCall<R>(
   governor: Governor,
@@ -165,31 +255,29 @@ export async function governedCall<R>(
   wait = 0,
   ask: Ask | null = null,
   signal?: AbortSignal,
+  approved: readonly string[] = [],
 ): Promise<R> {
   const caller = await governor.identified(ctx);
-  const approved: string[] = [];
+  const over = [...approved];
   for (;;) {
-    let entered = false;
-    try {
-      return await governor.admitted(
-        caller,
-        async () => {
-          entered = true;
-          return run(governor, caller, work, fixed, estimate, approved);
-        },
-        { wait, approved, ...(signal !== undefined && { signal }) },
-      );
-    } catch (err) {
-      // Only the check's own refusal may be asked about (not one from inside the work).
-      if (entered || ask === null || !(err instanceof BudgetExceeded)) throw err;
-      const limit = askable(governor, err.decision, approved);
-      if (limit === null || !(await ask(err.decision))) throw err;
-      approved.push(limit); // a refused check charged nothing: check again
-    }
+    // admitted() hands back the decision, refused or not; a refused one holds no lease.
+    const outcome = await governor.admitted(
+      caller,
+      async (decision): Promise<{ refused: Decision } | { result: R }> => {
+        if (!decision.admitted) return { refused: decision };
+        return { result: await run(governor, caller, work, fixed, estimate, over) };
+      },
+      { wait, approved: over, ...(signal !== undefined && { signal }) },
+    );
+    if ("result" in outcome) return outcome.result;
+    const decision = outcome.refused;
+    const limit = ask === null ? null : askable(governor, decision, over);
+    if (ask === null || limit === null || !(await ask(decision))) throw new (decision.refusalType())(decision);
+    over.push(limit); // a refused check charged nothing: check again
   }
 }
 
-/** The admitted part of governedCall: reserve estimates, run, charge. */
+/** The admitted part of governedCall: reserve the estimates (one charge), run, charge. */
 async function run<R>(
   governor: Governor,
   caller: Context,
@@ -198,25 +286,19 @@ async function run<R>(
   estimate: Charges | null,
   approved: readonly string[],
 ): Promise<R> {
-  const held: Reservation[] = [];
-  try {
-    for (const [limit, amount] of Object.entries(estimate ?? {})) {
-      // An approved call goes over that limit: holding an estimate there would refuse it again.
-      if (!approved.includes(limit)) held.push(await governor.reserve(limit, amount, caller));
-    }
-  } catch (err) {
-    for (const r of held) r.release();
-    for (const r of held) await r.finish(false);
-    throw err;
-  }
+  // An approved call goes over that limit: holding an estimate there would refuse it again.
+  const wanted = Object.entries(estimate ?? {}).filter(([limit, amount]) => amount !== 0 && !approved.includes(limit));
+  // After the check: a reservation that fills its limit to the cap exactly must not
+  // make that check refuse the very call it holds.
+  const held: Reservations | null = wanted.length ? await governor.reserveAll(Object.fromEntries(wanted), caller) : null;
   const charge = async (): Promise<void> => {
     const rest: Charges = { ...(fixed ?? {}) };
-    for (const r of held) {
-      if (r.limit.name in rest) {
-        r.actual = rest[r.limit.name] ?? null;
-        delete rest[r.limit.name];
+    if (held !== null) {
+      for (const name of held.limitNames) {
+        if (name in rest) held.actual[name] = rest[name] ?? 0;
+        delete rest[name];
       }
-      await r.finish(false);
+      await held.finish();
     }
     if (Object.keys(rest).length) await governor.meterCharges(rest, caller);
   };

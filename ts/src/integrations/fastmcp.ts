@@ -8,7 +8,10 @@
  * A limit with `onExceed: OnExceed.ASK` that refuses a call asks the client's
  * user through `context.elicit` (MCP elicitation) whether this one call may go
  * over it; declined, unanswered (`approvalTimeout`) or a client that cannot
- * elicit: the usual refusal. A breaker never asks.
+ * elicit: the usual refusal. A breaker never asks. fastmcp serves the
+ * handshake-era protocols only (it is built on SDK 1.x), so it always asks over
+ * the back-channel; the 2026-07-28 protocol's in-round question (`input_required`)
+ * is the SDK 2.x path of `./sdk` (governTools on `@modelcontextprotocol/server`).
  *
  * @example
  * const server = new FastMCP({ name: "my-server", version: "1.0.0" });

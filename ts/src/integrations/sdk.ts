@@ -18,33 +18,63 @@
  * boolean), whether this one call may go over it (`approvalTimeout` seconds to
  * answer): approved, the call is admitted and its `admitted` event names the
  * limit in `approved`; declined, unanswered, or a client that cannot elicit:
- * the usual refusal. A breaker never asks.
+ * the usual refusal. A breaker never asks. A client on a handshake-era protocol
+ * is asked over its back-channel while the call waits (SDK 1.x
+ * `extra.sendRequest`, SDK 2.x `ctx.mcpReq.elicitInput`); one on the 2026-07-28
+ * protocol (SDK 2.x, `@modelcontextprotocol/server`), which has no back-channel,
+ * gets the question as the call's `input_required` result (SEP-2322: an
+ * elicitation under the key `mcpbg_approval`, the refusing limit sealed in
+ * `requestState`) and is admitted over that limit when it retries the call with
+ * the answer accepted, as Python's FastMCP middleware does.
  */
 import { ElicitResultSchema } from "@modelcontextprotocol/sdk/types.js";
 
 import { context, type Context } from "../context.js";
 import { BudgetExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
+import { OnExceed } from "../policy.js";
 import {
   APPROVAL_TIMEOUT,
+  AskInRound,
+  MODERN_PROTOCOL,
+  answeredYes,
   approvalGiven,
+  approvalQuestion,
   approvalRequest,
+  approvalSeal,
   approvalSeconds,
   governedCall,
   refusalResult,
   toolPrices,
+  type ApprovalQuestion,
+  type ApprovalSeal,
   type Ask,
+  type Charges,
   type Identify,
 } from "./common.js";
 
-/** What the SDK passes a handler as its last argument (the parts used here). */
+export { APPROVAL_REQUEST, approvalSeal, type ApprovalQuestion, type ApprovalSeal } from "./common.js";
+
+type AuthInfo = { clientId?: string; extra?: Record<string, unknown> } | undefined;
+
+/** What the SDK passes a handler as its last argument (the parts used here): SDK 1.x's `extra`, SDK 2.x's `ctx`. */
 export interface RequestExtra {
-  authInfo?: { clientId?: string; extra?: Record<string, unknown> } | undefined;
+  authInfo?: AuthInfo;
   sessionId?: string | undefined;
   /** Aborted when the client cancels the request: a call waiting for a slot stops waiting. */
   signal?: AbortSignal | undefined;
   /** The SDK's request to the client (elicitation, for OnExceed.ASK approvals). */
   sendRequest?(request: { method: string; params?: unknown }, resultSchema: typeof ElicitResultSchema, options?: { timeout?: number }): Promise<unknown>;
+  /** SDK 2.x: the request's envelope (protocol revision, client capabilities) and multi-round-trip state. */
+  mcpReq?: {
+    envelope?: Record<string, unknown> | undefined;
+    inputResponses?: Record<string, unknown> | undefined;
+    requestState?: () => unknown;
+    signal?: AbortSignal | undefined;
+    elicitInput?(params: unknown, options?: { timeout?: number }): Promise<unknown>;
+  };
+  /** SDK 2.x: the HTTP transport's validated access token. */
+  http?: { authInfo?: AuthInfo } | undefined;
 }
 
 export interface GovernOptions<E = RequestExtra> {
@@ -54,25 +84,78 @@ export interface GovernOptions<E = RequestExtra> {
   wait?: number;
   /** Seconds the user has to answer an OnExceed.ASK approval (MCP elicitation); unanswered, the call is refused. */
   approvalTimeout?: number;
+  /**
+   * Seals the refusing limit into a 2026-07-28 client's `requestState` (see
+   * ApprovalSeal); default: approvalSeal(), whose random key is one per process.
+   * Servers with several replicas pass `approvalSeal(sharedKey)`.
+   */
+  approvalSeal?: ApprovalSeal;
+}
+
+const ENVELOPE_VERSION = "io.modelcontextprotocol/protocolVersion";
+const ENVELOPE_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities";
+
+/** Whether the request is on the 2026-07-28 protocol or later (no back-channel: ask in the result). */
+function modern(extra: RequestExtra | undefined): boolean {
+  const version = extra?.mcpReq?.envelope?.[ENVELOPE_VERSION];
+  return typeof version === "string" && version >= MODERN_PROTOCOL;
 }
 
 /** Asking the user through the SDK's elicitation; false for no, no answer in time, or a client that cannot be asked. */
-function askVia(extra: RequestExtra | undefined, tool: string, timeout: number): Ask {
+function askVia(extra: RequestExtra | undefined, tool: string, timeout: number, caller: Context, seal: ApprovalSeal): Ask {
+  if (modern(extra)) return askInRound(extra as RequestExtra, tool, caller, seal);
   return async (decision) => {
-    if (typeof extra?.sendRequest !== "function") return false;
+    const params = approvalRequest(decision, tool);
+    const options = { timeout: timeout * 1000 };
     try {
-      const params = approvalRequest(decision, tool);
-      return approvalGiven(await extra.sendRequest({ method: "elicitation/create", params }, ElicitResultSchema, { timeout: timeout * 1000 }));
+      if (typeof extra?.sendRequest === "function") {
+        return approvalGiven(await extra.sendRequest({ method: "elicitation/create", params }, ElicitResultSchema, options));
+      }
+      const elicit = extra?.mcpReq?.elicitInput;
+      if (typeof elicit === "function") return approvalGiven(await elicit.call(extra?.mcpReq, { mode: "form", ...params }, options));
+      return false;
     } catch {
       return false; // the client cannot elicit, or did not answer: the normal refusal
     }
   };
 }
 
+/**
+ * The approval of a 2026-07-28 client (SEP-2322 multi round trip; Python:
+ * fastmcp._answered_in_round): on the retry that answers our question about this
+ * very limit, true for an accepted yes and false otherwise; asked nothing yet, the
+ * question goes out as the call's result (throws AskInRound). A client that
+ * declares no elicitation capability in the request is not asked.
+ */
+function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: ApprovalSeal): Ask {
+  return async (decision) => {
+    const declared = extra.mcpReq?.envelope?.[ENVELOPE_CAPABILITIES];
+    if (declared === null || typeof declared !== "object" || !("elicitation" in declared)) return false;
+    const limit = decision.limit ?? "";
+    const responses = extra.mcpReq?.inputResponses;
+    if (responses !== undefined && (await seal.open(extra.mcpReq?.requestState?.(), caller)) === limit) return answeredYes(responses);
+    throw new AskInRound(approvalQuestion(decision, tool, await seal.seal(limit, caller)));
+  };
+}
+
+/**
+ * The limit a 2026-07-28 client's retry answers yes for, so the retry is admitted
+ * over it at once (one refusal in the ledger, not two; Python:
+ * fastmcp._approved_in_round). A limit no longer OnExceed.ASK (a policy replaced
+ * since the question) is asked about again, or refuses.
+ */
+async function approvedInRound(governor: Governor, extra: RequestExtra | undefined, caller: Context, seal: ApprovalSeal): Promise<string[]> {
+  if (!modern(extra) || extra?.mcpReq?.inputResponses === undefined) return [];
+  const limit = await seal.open(extra.mcpReq.requestState?.(), caller);
+  if (limit === null || !governor.policy.has(limit) || governor.policy.get(limit).onExceed !== OnExceed.ASK) return [];
+  return answeredYes(extra.mcpReq.inputResponses) ? [limit] : [];
+}
+
 /** The default identity: the OAuth access token's subject, else its client id, and the MCP session. */
 export function callerOf(extra: RequestExtra | undefined): Context {
-  const sub = extra?.authInfo?.extra?.["sub"];
-  const user = typeof sub === "string" && sub ? sub : extra?.authInfo?.clientId;
+  const auth = extra?.authInfo ?? extra?.http?.authInfo;
+  const sub = auth?.extra?.["sub"];
+  const user = typeof sub === "string" && sub ? sub : auth?.clientId;
   return context({ ...(user ? { user } : {}), ...(extra?.sessionId ? { session: extra.sessionId } : {}) });
 }
 
@@ -94,16 +177,11 @@ export function governHandler<H extends Handler>(
   const { price, estimate } = toolPrices(governor.policy, tool, meta); // a bad price fails at registration
   const wait = waitSeconds(options.wait ?? 0); // and so does a bad wait
   const timeout = approvalSeconds(options.approvalTimeout ?? APPROVAL_TIMEOUT);
+  const seal = options.approvalSeal ?? approvalSeal();
   const wrapped = async (...args: unknown[]): Promise<unknown> => {
     const extra = args[args.length - 1] as RequestExtra;
-    try {
-      const ctx = await caller(options.identify, extra, tool);
-      const work = async (): Promise<unknown> => (handler as unknown as (...a: unknown[]) => unknown)(...args);
-      return await governedCall(governor, ctx, work, price, estimate, wait, askVia(extra, tool, timeout), extra?.signal);
-    } catch (err) {
-      if (err instanceof BudgetExceeded) return refusalResult(err.decision);
-      throw err;
-    }
+    const work = async (): Promise<unknown> => (handler as unknown as (...a: unknown[]) => unknown)(...args);
+    return governedTool(governor, tool, options.identify, extra, work, price, estimate, wait, timeout, seal);
   };
   return wrapped as unknown as H;
 }
@@ -144,18 +222,38 @@ export function governedCallTool<Req extends CallToolRequest, E extends RequestE
   governor: Governor,
   handler: (request: Req, extra: E) => Promise<R>,
   options: GovernOptions<E> & { meta?: (tool: string) => Record<string, unknown> | undefined } = {},
-): (request: Req, extra: E) => Promise<R | ReturnType<typeof refusalResult>> {
+): (request: Req, extra: E) => Promise<R | ReturnType<typeof refusalResult> | ApprovalQuestion> {
   const wait = waitSeconds(options.wait ?? 0);
   const timeout = approvalSeconds(options.approvalTimeout ?? APPROVAL_TIMEOUT);
+  const seal = options.approvalSeal ?? approvalSeal();
   return async (request, extra) => {
     const tool = request.params.name;
     const { price, estimate } = toolPrices(governor.policy, tool, options.meta?.(tool));
-    try {
-      const ctx = await caller(options.identify, extra, tool);
-      return await governedCall(governor, ctx, () => handler(request, extra), price, estimate, wait, askVia(extra, tool, timeout), extra.signal);
-    } catch (err) {
-      if (err instanceof BudgetExceeded) return refusalResult(err.decision);
-      throw err;
-    }
+    return governedTool(governor, tool, options.identify, extra, () => handler(request, extra), price, estimate, wait, timeout, seal);
   };
+}
+
+/** One tool call governed: the refusal as an error result, the approval question as an `input_required` result. */
+async function governedTool<E extends RequestExtra | undefined, R>(
+  governor: Governor,
+  tool: string,
+  identify: Identify<E> | undefined,
+  extra: E,
+  work: () => Promise<R>,
+  price: Charges | null,
+  estimate: Charges | null,
+  wait: number,
+  timeout: number,
+  seal: ApprovalSeal,
+): Promise<R | ReturnType<typeof refusalResult> | ApprovalQuestion> {
+  try {
+    const ctx = await caller(identify, extra, tool);
+    const approved = await approvedInRound(governor, extra, ctx, seal);
+    const signal = extra?.signal ?? extra?.mcpReq?.signal;
+    return await governedCall(governor, ctx, work, price, estimate, wait, askVia(extra, tool, timeout, ctx, seal), signal, approved);
+  } catch (err) {
+    if (err instanceof BudgetExceeded) return refusalResult(err.decision);
+    if (err instanceof AskInRound) return err.result; // a 2026-07-28 client: the question is the result
+    throw err;
+  }
 }

@@ -14,9 +14,13 @@
 //   {"op": "result", "name": "w1"}                   -> {"status": 200, "retry_after": null}  (when it ends)
 //   {"op": "admitted_names"}                         -> {"names": ["w1", ...]}  (in order of admission)
 //   {"op": "release", "name": "w1"}                  -> {"released": true}
+//   {"op": "reserve_all", "estimates": {"a": 5, "b": 5}, "actual": {"a": 3}, "ctx": {...}}
+//       -> {"status": 200}  (reserveAll, then settled to actual; a refusal: its status)
+//   {"op": "reserve_alls", "n": 20, "estimates": {...}, "hold_ms": 200, "spread_ms": 500, "ctx": {...}}
+//       -> {"statuses": [200, 402, ...]}  (concurrently, each held hold_ms; estimates stand)
 import { createInterface } from "node:readline";
 
-import { Governor, RedisBackend, context, loadPolicyFile, type Context, type Decision } from "../../src/index.js";
+import { BudgetExceeded, Governor, RedisBackend, context, loadPolicyFile, type Context, type Decision } from "../../src/index.js";
 import { setCap } from "../../src/admin.js";
 import { checkPlan } from "../../src/planning.js";
 
@@ -41,6 +45,24 @@ interface Command {
   amount?: number;
   n?: number;
   spread_ms?: number;
+  estimates?: Record<string, number>;
+  actual?: Record<string, number>;
+  hold_ms?: number;
+}
+
+/** reserveAll, held `holdMs`, then settled to `actual` (left out: the estimate stands). */
+async function reserveAll(cmd: Command, ctx: Context, holdMs: number): Promise<number> {
+  let held;
+  try {
+    held = await governor.reserveAll(cmd.estimates ?? {}, ctx);
+  } catch (err) {
+    if (err instanceof BudgetExceeded) return err.decision.status;
+    throw err;
+  }
+  if (holdMs) await new Promise((resolve) => setTimeout(resolve, holdMs));
+  Object.assign(held.actual, cmd.actual ?? {});
+  await held.finish();
+  return 200;
 }
 
 async function run(cmd: Command): Promise<unknown> {
@@ -92,6 +114,19 @@ async function run(cmd: Command): Promise<unknown> {
       const d = await (checks.get(cmd.name ?? "") ?? Promise.reject(new Error(`no check ${cmd.name}`)));
       await governor.release(d);
       return { released: true };
+    }
+    case "reserve_all":
+      return { status: await reserveAll(cmd, ctx, cmd.hold_ms ?? 0) };
+    case "reserve_alls": {
+      const n = cmd.n ?? 1;
+      const spread = cmd.spread_ms ?? 0;
+      const statuses = await Promise.all(
+        Array.from({ length: n }, async (_, i) => {
+          if (spread) await new Promise((resolve) => setTimeout(resolve, (i * spread) / n));
+          return reserveAll(cmd, ctx, cmd.hold_ms ?? 0);
+        }),
+      );
+      return { statuses };
     }
     case "close":
       await governor.close();
