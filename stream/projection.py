@@ -29,6 +29,7 @@ from mcp_budget_governor.errors import EpochMissingError
 from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.policy_file import load_policy
+from mcp_budget_governor.projections.counters.cluster import ClusterBackend
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 
 from . import metrics
@@ -242,7 +243,8 @@ class Projection:
         )
 
     async def rebuild_until_done(self) -> None:
-        """Replay the ledger into an emptied Redis, retrying until it is complete."""
+        """Replay the ledger into an emptied Redis (on a cluster: the slots of the shards
+        that restarted empty), retrying until it is complete."""
         async with self._rebuilding:
             backend = self.backend
 
@@ -251,7 +253,10 @@ class Projection:
                     return  # another worker finished the rebuild meanwhile
                 metrics.REBUILDS.inc()
                 batch = max(self.config.batch_size, 500)
-                await rebuild(backend, self.config.bootstrap, self.config.topic, batch=batch)
+                # On Redis Cluster only the slots whose marker is missing (the shard
+                # that restarted empty) are rebuilt; the other shards are not touched.
+                target = await backend.lost() if isinstance(backend, ClusterBackend) else backend
+                await rebuild(target, self.config.bootstrap, self.config.topic, batch=batch)
 
             def failed(exc: Exception, number: int, delay: float) -> None:  # Kafka/Redis away
                 log.warning(
