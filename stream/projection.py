@@ -29,7 +29,7 @@ from mcp_budget_governor.errors import EpochMissingError
 from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.policy_file import load_policy
-from mcp_budget_governor.projections.counters.cluster import ClusterBackend
+from mcp_budget_governor.projections.counters.cluster import SLOTS, ClusterBackend
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 
 from . import metrics
@@ -46,7 +46,7 @@ from .alerts import (
 from .archiver import Archiver
 from .config import WorkerConfig
 from .projector import DeadLetter, Projector, ProjectorResult, Record
-from .rebuild import rebuild
+from .rebuild import EpochBackend, rebuild
 from .retry import until_done
 
 if TYPE_CHECKING:  # the postgres extra is needed only by a worker given --postgres
@@ -255,7 +255,15 @@ class Projection:
                 batch = max(self.config.batch_size, 500)
                 # On Redis Cluster only the slots whose marker is missing (the shard
                 # that restarted empty) are rebuilt; the other shards are not touched.
-                target = await backend.lost() if isinstance(backend, ClusterBackend) else backend
+                target: EpochBackend = backend
+                if isinstance(backend, ClusterBackend):
+                    target = lost = await backend.lost()
+                    log.warning(
+                        "rebuild: %d of %d slots of the cluster lost their state; only they "
+                        "are rebuilt",
+                        len(lost.slots),
+                        SLOTS,
+                    )
                 await rebuild(target, self.config.bootstrap, self.config.topic, batch=batch)
 
             def failed(exc: Exception, number: int, delay: float) -> None:  # Kafka/Redis away

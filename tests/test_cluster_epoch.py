@@ -265,7 +265,8 @@ async def test_the_worker_rebuilds_only_a_master_flushed_mid_run(
         records = await stream.caught_up()
         await assert_exact(backend, records)
         assert await backend.has_epoch()
-        assert "rebuild" in worker.text(), worker.tail()
+        lost = len(slots_of(own_cluster)[victim])
+        assert f"rebuild: {lost} of {SLOTS} slots" in worker.text(), worker.tail()
         assert worker.terminate() == 0
     finally:
         await backend.aclose()

@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Set
 
 import duckdb
+import redis
 from redis import exceptions as redis_errors
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
@@ -57,7 +58,7 @@ _Seen = dict[int, dict[str, tuple[list[str], int]]]
 def lost_slots(client: RedisCluster) -> set[int]:
     """The slots whose epoch marker is missing or not whole (``ClusterBackend.lost_slots``)."""
     try:
-        pipe = client.pipeline()
+        pipe = client.pipeline()  # type: ignore[no-untyped-call]
         for slot in range(SLOTS):
             pipe.get(epoch_key(slot))
         got = pipe.execute(raise_on_error=False)
@@ -139,8 +140,8 @@ def rebuild_cluster_from_ledger(
         for slot in sorted({*by_slot, *seen, *changes_by_slot}):
             node = _node(client, epoch_key(slot))
             tag = slot_tag(slot)
-            part = parts.get(slot)
-            own = part.own if part is not None else _own_watermarks(node, tag)
+            read = parts.get(slot)
+            own = read.own if read is not None else _own_watermarks(node, tag)
             write_counters(
                 node,
                 by_slot.get(slot, []),
@@ -171,14 +172,15 @@ def rebuild_cluster_from_ledger(
     return result
 
 
-def _own_watermarks(node: object, tag: str) -> dict[str, int]:
-    raw = node.hgetall(WATERMARK_KEY + tag)  # type: ignore[attr-defined]
+def _own_watermarks(node: redis.Redis, tag: str) -> dict[str, int]:
+    """A slot's own watermark hash (``tag``: the slot's hash tag), as read now."""
+    raw: dict[bytes, bytes] = node.hgetall(WATERMARK_KEY + tag)  # type: ignore[assignment]
     return {_decode(k): int(v) for k, v in raw.items()}
 
 
 def _set_markers(client: RedisCluster, slots: range | list[int], epoch: str | None) -> None:
     """Set (``epoch``) or delete (None) the epoch markers of ``slots``."""
-    pipe = client.pipeline()
+    pipe = client.pipeline()  # type: ignore[no-untyped-call]
     for slot in slots:
         if epoch is None:
             pipe.delete(epoch_key(slot))

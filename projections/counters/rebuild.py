@@ -31,7 +31,7 @@ from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError, InvalidInputError
 from mcp_budget_governor.events import ChangeData, to_change
-from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
+from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, new_id
 from mcp_budget_governor.lua import source
 
@@ -75,12 +75,12 @@ def read_store(store: Any, keys: Iterable[str] | None = None, *, atomic: bool = 
     """Every counter of ``store`` (and ``keys``), its watermarks and its clock; on Redis
     Cluster each slot read at its own instant, with the resume watermarks."""
     if isinstance(store, redis.RedisCluster):
-        from .cluster_sync import resume_watermarks, scan_keys, slot_snapshots
+        from .cluster_sync import _node, resume_watermarks, scan_keys, slot_snapshots
 
         counters = {}
         for part in slot_snapshots(store, scan_keys(store) if keys is None else keys):
             counters.update(part.snap.counters)
-        clock = int(store.get_redis_connection(store.get_random_node()).time()[0])
+        clock = int(_node(store, WATERMARK_KEY).time()[0])
         return Snapshot(clock, resume_watermarks(store), counters)
     if is_postgres(store):
         snap: Snapshot = store.snapshot(keys or ())
