@@ -19,6 +19,7 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from mcp_budget_governor.cli import main
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, CounterOp
 from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
 from mcp_budget_governor.keys import WATERMARK_KEY
@@ -268,5 +269,20 @@ async def test_the_worker_rebuilds_only_a_master_flushed_mid_run(
         lost = len(slots_of(own_cluster)[victim])
         assert f"rebuild: {lost} of {SLOTS} slots" in worker.text(), worker.tail()
         assert worker.terminate() == 0
+
+        # The worker stopped, another master flushed: `mcpbg replay --source kafka --lost`.
+        victim = next(m for m in sorted({owner(own_cluster, k) for k in keys}) if m != victim)
+        redis.Redis(port=victim).flushall()
+        others = {m for m in own_cluster.masters() if m != victim}
+        intact = [k for k in keys if owner(own_cluster, k) != victim]
+        before = values(own_cluster, intact)
+        writes = {m: dirty(m) for m in others}
+        argv = ["replay", "--source", "kafka", "--kafka-url", f"kafka://{kafka.bootstrap}"]
+        argv += ["--topic", stream.topic, "--all", "--lost", "--redis-url", url]
+        assert await asyncio.to_thread(main, argv) == 0
+        assert {m: dirty(m) for m in others} == writes
+        assert values(own_cluster, intact) == before
+        await assert_exact(backend, records)
+        assert await backend.has_epoch()
     finally:
         await backend.aclose()
