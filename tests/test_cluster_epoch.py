@@ -143,8 +143,17 @@ async def test_a_flushed_master_is_found_by_the_apply_and_only_its_slots_rebuilt
         expire = int(now) + 7200
         with pytest.raises(BackendUnavailableError):
             await hot.charge([CounterOp(lost[0], 1, 10**9, True, expire)])
-        # ... an intact one admits.
+        # ... an intact one admits, and a check over both is taken back on the intact one.
         assert (await hot.charge([CounterOp(intact[0], 0, 10**9, True, expire)])).admitted
+        held = await hot.usage([intact[0]])
+        with pytest.raises(BackendUnavailableError):
+            await hot.charge(
+                [
+                    CounterOp(intact[0], 5, 10**9, True, expire),
+                    CounterOp(lost[0], 5, 10**9, True, expire),
+                ]
+            )
+        assert await hot.usage([intact[0]]) == held
 
         # The worker's rebuild (stream/rebuild.py): the topic replayed into the lost slots.
         others = {m for m in own_cluster.masters() if m != victim}

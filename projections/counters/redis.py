@@ -257,7 +257,9 @@ class RedisBackend:
         ``redis+cluster://host:port[,host:port]`` connects to a Redis Cluster
         instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md); there
         ``caps_refresh=`` (seconds, default 1) bounds how old the client's copy
-        of run-time caps and plan assignments may be.
+        of run-time caps and plan assignments may be, and ``require_epoch``
+        checks each slot's own epoch marker (a shard that restarted empty
+        fails its slots' checks only).
 
         ``coalesce`` (the default): the scripts share one auto-pipelined
         connection per event loop (concurrent calls go out in one write); off,
