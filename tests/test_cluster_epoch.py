@@ -180,6 +180,31 @@ async def test_a_flushed_master_is_found_by_the_apply_and_only_its_slots_rebuilt
         await hot.aclose()
 
 
+async def test_a_cluster_that_lost_every_slot_is_rebuilt_whole_and_resumes_after_it(
+    own_cluster: RedisClusterService,
+) -> None:
+    backend = ClusterBackend.from_url(own_cluster.url, timeout=5.0, max_connections=4)
+    try:
+        assert await backend.lost_slots() == set(range(SLOTS))  # new: never marked ready
+        now = time.time()
+        day = time.strftime("%Y%m%d", time.gmtime(now))
+        keys = [f"mcpbg:v1:all:user=u{i}:{day}" for i in range(30)]
+        events = [
+            AppliedEvent(o, new_id(), now, (AppliedCharge(keys[o % 30], 7, int(now) + 7200),))
+            for o in range(40)
+        ]
+        target = await backend.lost()
+        await target.apply("all.ledger:0", events)
+        await target.mark_ready("whole")
+        assert await backend.has_epoch()
+        # Every slot applied it all: the worker resumes after the rebuild, not from 0.
+        assert await backend.watermark("all.ledger:0") == 39
+        got = {k: (await backend.state(k)).committed for k in keys}
+        assert got == {k: 7 * sum(1 for o in range(40) if o % 30 == i) for i, k in enumerate(keys)}
+    finally:
+        await backend.aclose()
+
+
 def _corrupt(service: RedisClusterService, keys: list[str]) -> None:
     client = redis.RedisCluster(host="127.0.0.1", port=service.masters()[0])
     try:

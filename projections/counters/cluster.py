@@ -589,8 +589,9 @@ class ClusterBackend:
         through: int,
         only: Set[int] | None = None,
     ) -> int:
-        """:meth:`apply`; ``only``: apply the share of these slots alone and leave the
-        resume watermark as it is (the rebuild of lost slots, :class:`LostSlots`)."""
+        """:meth:`apply`; ``only``: apply the share of these slots alone and, unless they
+        are every slot, leave the resume watermark as it is (the rebuild of lost
+        slots, :class:`LostSlots`)."""
         if not events and through < 0:
             return 0
         by_slot: dict[int, list[AppliedEvent]] = {}
@@ -627,8 +628,8 @@ class ClusterBackend:
                 f"{len(lost)} slot(s) of the cluster lost their state (epoch marker missing; "
                 f"slot {lost[0]} first): rebuild them"
             )
-        if only is not None:
-            return max(applied, default=0)
+        if only is not None and len(only) < SLOTS:
+            return max(applied, default=0)  # the other slots have not applied this batch
         last = max([through, *(e.offset for e in events)])
         try:
             await self.client.eval(_RAISE_WATERMARK, 1, WATERMARK_KEY, partition, last)
@@ -724,7 +725,8 @@ class LostSlots:
 
     Only each event's share in these slots is applied (the other slots are
     neither read nor written), the resume watermark is left where it is (the
-    intact slots have not applied what the rebuild reads past it), and
+    intact slots have not applied what the rebuild reads past it; when every
+    slot was lost it moves as in :meth:`ClusterBackend.apply`), and
     ``mark_ready`` sets the markers of these slots only.
     """
 
