@@ -29,6 +29,7 @@ from mcp_budget_governor.errors import EpochMissingError
 from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.policy_file import load_policy
+from mcp_budget_governor.projections.counters.cluster import SLOTS, ClusterBackend
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 
 from . import metrics
@@ -45,7 +46,7 @@ from .alerts import (
 from .archiver import Archiver
 from .config import WorkerConfig
 from .projector import DeadLetter, Projector, ProjectorResult, Record
-from .rebuild import rebuild
+from .rebuild import EpochBackend, rebuild
 from .retry import until_done
 
 if TYPE_CHECKING:  # the postgres extra is needed only by a worker given --postgres
@@ -242,7 +243,8 @@ class Projection:
         )
 
     async def rebuild_until_done(self) -> None:
-        """Replay the ledger into an emptied Redis, retrying until it is complete."""
+        """Replay the ledger into an emptied Redis (on a cluster: the slots of the shards
+        that restarted empty), retrying until it is complete."""
         async with self._rebuilding:
             backend = self.backend
 
@@ -251,7 +253,18 @@ class Projection:
                     return  # another worker finished the rebuild meanwhile
                 metrics.REBUILDS.inc()
                 batch = max(self.config.batch_size, 500)
-                await rebuild(backend, self.config.bootstrap, self.config.topic, batch=batch)
+                # On Redis Cluster only the slots whose marker is missing (the shard
+                # that restarted empty) are rebuilt; the other shards are not touched.
+                target: EpochBackend = backend
+                if isinstance(backend, ClusterBackend):
+                    target = lost = await backend.lost()
+                    log.warning(
+                        "rebuild: %d of %d slots of the cluster lost their state; only they "
+                        "are rebuilt",
+                        len(lost.slots),
+                        SLOTS,
+                    )
+                await rebuild(target, self.config.bootstrap, self.config.topic, batch=batch)
 
             def failed(exc: Exception, number: int, delay: float) -> None:  # Kafka/Redis away
                 log.warning(

@@ -6,7 +6,9 @@ path), ``--source file`` (the embedded file ledger, same path) or
 Stop the workers first: a write finding that a projector moved meanwhile is
 refused. Exit code 0, or 2 for bad input, an unreachable service, an empty or
 corrupt ledger. On Postgres (``--postgres URL``) the whole rebuild is one
-transaction: nobody sees half-rebuilt counters.
+transaction: nobody sees half-rebuilt counters. On Redis Cluster
+(``redis+cluster://``) every slot is rebuilt on its master, or with ``--lost``
+only the slots whose epoch marker is missing (a shard that restarted empty).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def register(sub: Any) -> None:
         action="store_true",
         dest="all_buckets",
         help="every bucket still alive (default: the current buckets only)",
+    )
+    p.add_argument(
+        "--lost",
+        action="store_true",
+        help="Redis Cluster: rebuild only the slots whose epoch marker is missing (the shards "
+        "that restarted empty), leaving the others untouched",
     )
     p.add_argument("--dry-run", action="store_true", help="show what would change; write nothing")
     p.add_argument(
@@ -87,12 +95,13 @@ def run(args: argparse.Namespace) -> int:
                     all_buckets=args.all_buckets,
                     dry_run=args.dry_run,
                     progress=bar.update,
+                    lost_only=args.lost,
                 )
             )
         else:
             from ..projections.ledger_view import open_ledger
 
-            client = open_store(url)  # first: a bad URL is the error to see
+            client = open_store(url, cluster=True)  # first: a bad URL is the error to see
             try:
                 if source == "archive":
                     folder = required(args, "archive_dir", "the Parquet archive")
@@ -110,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
                     all_buckets=args.all_buckets,
                     dry_run=args.dry_run,
                     progress=bar.update,
+                    lost_only=args.lost,
                 )
             finally:
                 client.close()

@@ -21,6 +21,12 @@ The operation marker of an inline charge (``keys.op_key``) gets a hash tag
 that puts it in its group's slot (:func:`slot_tag`), so each group's charge
 stays idempotent on its own.
 
+Every slot has an epoch marker of its own (:func:`epoch_key`), checked by each
+slot group's apply (and, with ``require_epoch``, its charge) in the same
+script: a shard that restarted empty has lost the markers of its slots, so
+its applies refuse and :meth:`ClusterBackend.lost` names the slots to rebuild,
+leaving the others untouched.
+
 >>> backend = RedisBackend.from_url("redis+cluster://h1:7000,h2:7001")  # doctest: +SKIP
 """
 
@@ -30,7 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from functools import cache
 from typing import Any
 
@@ -112,6 +118,32 @@ key_slot(b"mcpbg:v1:a:global:d1")
     True
     """
     return "{" + _slot_tags()[slot] + "}"
+
+
+#: How many slots a Redis Cluster has.
+SLOTS = 16384
+
+
+def epoch_key(slot: int) -> str:
+    """The epoch marker of ``slot`` (each slot has one: a shard that restarted empty
+    lost those of its slots, and only those are rebuilt; docs/cluster.md).
+
+    >>> key_slot(epoch_key(7).encode())
+    7
+    """
+    return EPOCH_KEY + slot_tag(slot)
+
+
+def _epoch_of(key: str) -> str:
+    """The epoch marker of the slot ``key`` hashes to."""
+    return epoch_key(key_slot(key.encode()))
+
+
+def _whole(value: Any) -> bool:
+    """Whether a marker's GET reply is a whole epoch (``keys.EPOCH_VALUE``, lua epoch_ok)."""
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return isinstance(value, str) and EPOCH_VALUE.fullmatch(value) is not None
 
 
 def _policy_capped(op: CounterOp) -> CounterOp:
@@ -276,6 +308,7 @@ class ClusterBackend:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         caps_refresh: float = CAPS_REFRESH,
+        require_epoch: bool = False,
     ) -> None:
         if (
             isinstance(caps_refresh, bool)
@@ -291,6 +324,9 @@ class ClusterBackend:
             coalesce=False,
             timeout=timeout,
             resolved_caps=True,
+            # require_epoch: each group's charge checks its own slot's marker.
+            require_epoch=require_epoch,
+            epoch_key=_epoch_of,
         )
         self._runtime = _RunTime(client, float(caps_refresh))
         self._splits: dict[int, _Split] = {}
@@ -302,6 +338,7 @@ class ClusterBackend:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         caps_refresh: float = CAPS_REFRESH,
+        require_epoch: bool = False,
         **kwargs: Any,
     ) -> ClusterBackend:
         nodes = [ClusterNode(host, port) for host, port in parse_cluster_url(url)]
@@ -312,7 +349,7 @@ class ClusterBackend:
             socket_connect_timeout=timeout,
             **kwargs,
         )
-        return cls(client, timeout=timeout, caps_refresh=caps_refresh)
+        return cls(client, timeout=timeout, caps_refresh=caps_refresh, require_epoch=require_epoch)
 
     def _split(self, ops: Sequence[CounterOp]) -> _Split:
         """``ops`` by slot, cached by the op list's identity (the governor reuses one
@@ -532,17 +569,31 @@ class ClusterBackend:
 
         Each event's charges (and run-time changes) are split by the slot of
         their keys; each slot's share is one ``lua/apply.lua`` call with a
-        watermark hash and seen-id sets of that slot (:func:`slot_tag`), so a
-        slot skips what it applied before on its own, and a retried batch
-        that landed on some slots only lands on the rest. The resume
-        watermark (``keys.WATERMARK_KEY``, where the worker reads from) moves
-        only after every slot's share landed. Returns the most events any
-        slot applied.
+        watermark hash, an epoch marker and seen-id sets of that slot
+        (:func:`slot_tag`), so a slot skips what it applied before on its own,
+        and a retried batch that landed on some slots only lands on the rest.
+        With ``require_epoch`` a slot whose marker is missing (its shard
+        restarted empty) applies nothing and :class:`EpochMissingError` is
+        raised once the others landed; the resume watermark
+        (``keys.WATERMARK_KEY``, where the worker reads from) moves only after
+        every slot's share landed. Returns the most events any slot applied.
         """
+        return await self._project(partition, events, require_epoch=require_epoch, through=through)
+
+    async def _project(
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool,
+        through: int,
+        only: Set[int] | None = None,
+    ) -> int:
+        """:meth:`apply`; ``only``: apply the share of these slots alone and, unless they
+        are every slot, leave the resume watermark as it is (the rebuild of lost
+        slots, :class:`LostSlots`)."""
         if not events and through < 0:
             return 0
-        if require_epoch and not await self.has_epoch():
-            raise EpochMissingError("the cluster lost its state (epoch marker missing): rebuild")
         by_slot: dict[int, list[AppliedEvent]] = {}
         for event in events:
             parts: dict[int, tuple[list[AppliedCharge], list[Change]]] = {}
@@ -551,6 +602,8 @@ class ClusterBackend:
             for change in event.changes:
                 parts.setdefault(key_slot(change.key.encode()), ([], []))[1].append(change)
             for slot, (charges, changes) in parts.items():
+                if only is not None and slot not in only:
+                    continue
                 by_slot.setdefault(slot, []).append(
                     AppliedEvent(
                         event.offset, event.event_id, event.time, tuple(charges), tuple(changes)
@@ -559,11 +612,24 @@ class ClusterBackend:
         now_ms = str(int(self._node.clock() * 1000))
         calls = [
             apply_args(
-                partition, share, require_epoch=False, through=-1, now_ms=now_ms, tag=slot_tag(slot)
+                partition,
+                share,
+                require_epoch=require_epoch,
+                through=-1,
+                now_ms=now_ms,
+                tag=slot_tag(slot),
             )
             for slot, share in by_slot.items()
         ]
         applied = await self._apply_slots(calls)
+        lost = sorted(slot for slot, n in zip(by_slot, applied, strict=True) if n < 0)
+        if lost:
+            raise EpochMissingError(
+                f"{len(lost)} slot(s) of the cluster lost their state (epoch marker missing; "
+                f"slot {lost[0]} first): rebuild them"
+            )
+        if only is not None and len(only) < SLOTS:
+            return max(applied, default=0)  # the other slots have not applied this batch
         last = max([through, *(e.offset for e in events)])
         try:
             await self.client.eval(_RAISE_WATERMARK, 1, WATERMARK_KEY, partition, last)
@@ -611,19 +677,37 @@ class ClusterBackend:
             raise BackendUnavailableError.redis(exc) from exc
         return -1 if raw is None else int(raw)
 
-    async def has_epoch(self) -> bool:
-        """Whether the epoch marker (one, in its own slot) is whole; see docs/cluster.md."""
+    async def lost_slots(self) -> set[int]:
+        """The slots whose epoch marker is missing or not whole: their shard restarted
+        empty (or was flushed) since the last rebuild marked them ready."""
         try:
-            if (await self.client.type(EPOCH_KEY)) not in (b"string", "string"):
-                return False
-            value = await self.client.getrange(EPOCH_KEY, 0, 64)
+            async with self.client.pipeline() as pipe:
+                for slot in range(SLOTS):
+                    pipe.get(epoch_key(slot))
+                got = await pipe.execute(raise_on_error=False)  # WRONGTYPE: not whole
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError.redis(exc) from exc
-        text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-        return EPOCH_VALUE.fullmatch(text) is not None
+        return {slot for slot, value in enumerate(got) if not _whole(value)}
 
-    async def mark_ready(self, epoch: str) -> None:
-        await self._node.mark_ready(epoch)
+    async def has_epoch(self) -> bool:
+        """Whether every slot's epoch marker is whole (:meth:`lost_slots` is empty)."""
+        return not await self.lost_slots()
+
+    async def mark_ready(self, epoch: str, *, slots: Set[int] | None = None) -> None:
+        """Declare the counters of ``slots`` (default: every slot) complete."""
+        if not isinstance(epoch, str) or EPOCH_VALUE.fullmatch(epoch) is None:
+            raise InvalidInputError("epoch", epoch, f"expected {EPOCH_VALUE.pattern}")
+        try:
+            async with self.client.pipeline() as pipe:
+                for slot in sorted(range(SLOTS) if slots is None else slots):
+                    pipe.set(epoch_key(slot), epoch)
+                await pipe.execute()
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+
+    async def lost(self) -> LostSlots:
+        """The slots to rebuild (:meth:`lost_slots`), as the backend a rebuild applies to."""
+        return LostSlots(self, frozenset(await self.lost_slots()))
 
     async def state(self, key: str) -> CounterState:
         return await self._node.state(key)
@@ -633,3 +717,59 @@ class ClusterBackend:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+class LostSlots:
+    """The slots of a cluster whose shard restarted empty, as the backend the worker's
+    rebuild (``stream/rebuild.py``) replays the topic into.
+
+    Only each event's share in these slots is applied (the other slots are
+    neither read nor written), the resume watermark is left where it is (the
+    intact slots have not applied what the rebuild reads past it; when every
+    slot was lost it moves as in :meth:`ClusterBackend.apply`), and
+    ``mark_ready`` sets the markers of these slots only.
+    """
+
+    def __init__(self, backend: ClusterBackend, slots: frozenset[int]) -> None:
+        self.backend = backend
+        self.slots = slots
+
+    async def apply(
+        self,
+        partition: str,
+        events: Sequence[AppliedEvent],
+        *,
+        require_epoch: bool = False,
+        through: int = -1,
+    ) -> int:
+        return await self.backend._project(
+            partition, events, require_epoch=False, through=-1, only=self.slots
+        )
+
+    async def has_epoch(self) -> bool:
+        return not (await self.backend.lost_slots()) & self.slots
+
+    async def mark_ready(self, epoch: str) -> None:
+        await self.backend.mark_ready(epoch, slots=self.slots)
+
+    async def charge(
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
+    ) -> ChargeResult:
+        raise NotImplementedError("a rebuild only applies")
+
+    async def usage(self, keys: Sequence[str]) -> list[int]:
+        raise NotImplementedError("a rebuild only applies")
+
+    async def state(self, key: str) -> CounterState:
+        return await self.backend.state(key)
+
+    async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
+        return await self.backend.counter_keys(limit, match=match)
+
+    async def aclose(self) -> None:
+        return None  # the backend is the worker's

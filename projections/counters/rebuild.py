@@ -31,7 +31,7 @@ from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError, InvalidInputError
 from mcp_budget_governor.events import ChangeData, to_change
-from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX
+from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, new_id
 from mcp_budget_governor.lua import source
 
@@ -61,17 +61,27 @@ _SEEN_CHUNK = 10_000
 if TYPE_CHECKING:
     from .pg_sync import PostgresStore
 
-#: The counters' store of a rebuild or reconcile: a Redis client or a Postgres store.
-Store: TypeAlias = "redis.Redis | PostgresStore"
+#: The counters' store of a rebuild or reconcile: a Redis (or Redis Cluster) client or a
+#: Postgres store.
+Store: TypeAlias = "redis.Redis | redis.RedisCluster | PostgresStore"
 
 
 def is_postgres(store: Any) -> bool:
     """Whether ``store`` is a :class:`~.pg_sync.PostgresStore` (psycopg imported only then)."""
-    return not isinstance(store, redis.Redis)
+    return not isinstance(store, (redis.Redis, redis.RedisCluster))
 
 
 def read_store(store: Any, keys: Iterable[str] | None = None, *, atomic: bool = True) -> Snapshot:
-    """Every counter of ``store`` (and ``keys``), its watermarks and its clock."""
+    """Every counter of ``store`` (and ``keys``), its watermarks and its clock; on Redis
+    Cluster each slot read at its own instant, with the resume watermarks."""
+    if isinstance(store, redis.RedisCluster):
+        from .cluster_sync import _node, resume_watermarks, scan_keys, slot_snapshots
+
+        counters = {}
+        for part in slot_snapshots(store, scan_keys(store) if keys is None else keys):
+            counters.update(part.snap.counters)
+        clock = int(_node(store, WATERMARK_KEY).time()[0])
+        return Snapshot(clock, resume_watermarks(store), counters)
     if is_postgres(store):
         snap: Snapshot = store.snapshot(keys or ())
         return snap
@@ -81,7 +91,8 @@ def read_store(store: Any, keys: Iterable[str] | None = None, *, atomic: bool = 
 
 def open_store(url: str, *, cluster: bool = False) -> Any:
     """A Redis client or, for a ``postgresql://`` URL, a Postgres store; with ``cluster``
-    (a command that reads a cluster slot by slot: reconcile), a Redis Cluster client."""
+    (a command that works on a cluster slot by slot: reconcile, replay), a Redis
+    Cluster client for a ``redis+cluster://`` URL."""
     if url.lower().startswith(("postgresql:", "postgres:")):
         from .pg_sync import PostgresStore
 
@@ -89,7 +100,7 @@ def open_store(url: str, *, cluster: bool = False) -> Any:
     if url.lower().startswith("redis+cluster://"):
         if not cluster:
             raise InvalidInputError(
-                "--redis-url", url, "replay on Redis Cluster is not built yet (docs/cluster.md)"
+                "--redis-url", url, "not yet on Redis Cluster (docs/cluster.md)"
             )
         from .cluster_sync import cluster_client
 
@@ -159,13 +170,31 @@ def rebuild_from_ledger(
     dry_run: bool = False,
     now: int | None = None,
     progress: Progress = _quiet,
+    lost_only: bool = False,
 ) -> RebuildReport:
-    """Rebuild the counters in ``client`` (Redis, or a Postgres store) from the ``ledger``
-    view on ``con``.
+    """Rebuild the counters in ``client`` (Redis, Redis Cluster, or a Postgres store) from
+    the ``ledger`` view on ``con``.
 
     ``now`` (epoch seconds) overrides the store's clock for which buckets are
-    alive and current (benchmarks and tests of a past month).
+    alive and current (benchmarks and tests of a past month). On Redis Cluster
+    the rebuild goes slot by slot (:mod:`.cluster_rebuild`); ``lost_only``
+    rebuilds only the slots whose epoch marker is missing.
     """
+    if isinstance(client, redis.RedisCluster):
+        from .cluster_rebuild import rebuild_cluster_from_ledger
+
+        return rebuild_cluster_from_ledger(
+            con,
+            client,
+            source=source,
+            all_buckets=all_buckets,
+            dry_run=dry_run,
+            now=now,
+            progress=progress,
+            lost_only=lost_only,
+        )
+    if lost_only:
+        raise InvalidInputError("--lost", True, "only for a Redis Cluster (redis+cluster://)")
     started = time.perf_counter()
     result = RebuildReport(source, dry_run)
     progress("read", 0, None)
@@ -173,65 +202,9 @@ def rebuild_from_ledger(
     before = read_store(client, atomic=False)
     clock = before.now if now is None else int(now)
     totals = ledger_totals(con, clock, current_only=not all_buckets)
-    try:
-        marks = dict(
-            con.execute(
-                'SELECT partition_name, max("offset") FROM ledger_raw GROUP BY partition_name'
-            ).fetchall()
-        )
-        ((events,),) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchall()
-        run_time = _run_time_changes(con)
-    except duckdb.Error as exc:
-        raise query_error(exc) from None
-    result.events = int(events)
-    for name, last in sorted(marks.items()):
-        applied = before.watermarks.get(name, -1)
-        if applied > last:
-            store = "Postgres" if postgres else "Redis"
-            raise LedgerBehindError(
-                f"partition {name}: {store} has applied up to offset {applied}, the ledger ends "
-                f"at {last}; replaying would lose offsets {last + 1}..{applied} "
-                "(replay from Kafka, or bring the archive up to date)"
-            )
-        result.watermarks[name] = (applied, int(last))
-    # In-flight entries of events the ledger holds: counted by the rebuild, never moved live.
-    pending = {i for c in before.counters.values() for i in c.pending}
-    known = ledger_ids(con, pending)
-    holding = [
-        k for k, c in before.counters.items() if k not in totals and known & c.pending.keys()
-    ]
-    outside = ledger_totals(con, clock, keys=holding) if holding else {}
-    writes: list[tuple[str, int, int]] = []
-    drops: dict[str, list[str]] = {}
-    changes = result.changes
-    for key, counter in before.counters.items():
-        # Counters Redis holds: committed from the ledger, in-flight of its events dropped.
-        drop = [i for i in counter.pending if i in known]
-        total = totals.get(key)
-        if total is None and drop:
-            # Outside the replayed buckets, yet holding in flight events the ledger has:
-            # they leave in-flight for committed, as applying them would have done.
-            total = outside.get(key)
-        if total is None:
-            continue  # not the ledger's, or outside the rebuilt buckets: left alone
-        committed, expire_at = total
-        writes.append((key, committed, expire_at))
-        if drop:
-            drops[key] = drop
-        if committed != counter.committed or drop:
-            gone = sum(counter.pending[i] for i in drop)
-            changes.append(
-                Change(
-                    key, counter.committed, committed, counter.in_flight, counter.in_flight - gone
-                )
-            )
-    known_keys = before.counters
-    fresh = [(k, a, e) for k, (a, e) in totals.items() if k not in known_keys]
-    writes += fresh
-    result.changed = len(changes) + sum(1 for _, a, _ in fresh if a != 0)
-    if dry_run:  # the list is for people to read; a real run only counts
-        changes += (Change(k, 0, a, 0, 0) for k, a, _ in fresh if a != 0)
-        changes.sort(key=lambda c: c.key)
+    marks, run_time = _ledger_marks(con, result)
+    _check_behind(result, marks, before.watermarks, "Postgres" if postgres else "Redis")
+    writes, drops = _plan(con, before, totals, clock, result)
     result.counters = len(writes)
     result.unreplayed_changes = sum(c is None for c in run_time)
     result.replayed_changes = len(run_time) - result.unreplayed_changes
@@ -295,22 +268,116 @@ def rebuild_from_ledger(
     return result
 
 
+def _ledger_marks(
+    con: duckdb.DuckDBPyConnection, result: RebuildReport
+) -> tuple[dict[str, int], list[CapsChange | None]]:
+    """The ledger's last offset per partition and its run-time changes; counts its
+    events into ``result``."""
+    try:
+        marks = dict(
+            con.execute(
+                'SELECT partition_name, max("offset") FROM ledger_raw GROUP BY partition_name'
+            ).fetchall()
+        )
+        ((events,),) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchall()
+        run_time = _run_time_changes(con)
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    result.events = int(events)
+    return {str(k): int(v) for k, v in marks.items()}, run_time
+
+
+def _check_behind(
+    result: RebuildReport, marks: dict[str, int], applied: dict[str, int], store: str
+) -> None:
+    """Refuse a rebuild that would lose offsets the store applied past the ledger's end;
+    note each partition's watermark before and after in ``result``."""
+    for name, last in sorted(marks.items()):
+        was = applied.get(name, -1)
+        if was > last:
+            raise LedgerBehindError(
+                f"partition {name}: {store} has applied up to offset {was}, the ledger ends "
+                f"at {last}; replaying would lose offsets {last + 1}..{was} "
+                "(replay from Kafka, or bring the archive up to date)"
+            )
+        result.watermarks[name] = (was, int(last))
+
+
+def _plan(
+    con: duckdb.DuckDBPyConnection,
+    before: Snapshot,
+    totals: dict[str, tuple[int, int]],
+    clock: int,
+    result: RebuildReport,
+) -> tuple[list[tuple[str, int, int]], dict[str, list[str]]]:
+    """The counters to write (``(key, committed, expire_at)``) and the in-flight entries
+    to drop, from the store's counters ``before`` and the ledger's ``totals``; the
+    changes are listed in ``result``."""
+    # In-flight entries of events the ledger holds: counted by the rebuild, never moved live.
+    pending = {i for c in before.counters.values() for i in c.pending}
+    known = ledger_ids(con, pending)
+    holding = [
+        k for k, c in before.counters.items() if k not in totals and known & c.pending.keys()
+    ]
+    outside = ledger_totals(con, clock, keys=holding) if holding else {}
+    writes: list[tuple[str, int, int]] = []
+    drops: dict[str, list[str]] = {}
+    changes = result.changes
+    for key, counter in before.counters.items():
+        # Counters Redis holds: committed from the ledger, in-flight of its events dropped.
+        drop = [i for i in counter.pending if i in known]
+        total = totals.get(key)
+        if total is None and drop:
+            # Outside the replayed buckets, yet holding in flight events the ledger has:
+            # they leave in-flight for committed, as applying them would have done.
+            total = outside.get(key)
+        if total is None:
+            continue  # not the ledger's, or outside the rebuilt buckets: left alone
+        committed, expire_at = total
+        writes.append((key, committed, expire_at))
+        if drop:
+            drops[key] = drop
+        if committed != counter.committed or drop:
+            gone = sum(counter.pending[i] for i in drop)
+            changes.append(
+                Change(
+                    key, counter.committed, committed, counter.in_flight, counter.in_flight - gone
+                )
+            )
+    known_keys = before.counters
+    fresh = [(k, a, e) for k, (a, e) in totals.items() if k not in known_keys]
+    writes += fresh
+    result.changed = len(changes) + sum(1 for _, a, _ in fresh if a != 0)
+    if result.dry_run:  # the list is for people to read; a real run only counts
+        changes += (Change(k, 0, a, 0, 0) for k, a, _ in fresh if a != 0)
+        changes.sort(key=lambda c: c.key)
+    return writes, drops
+
+
 def _run_time_changes(con: duckdb.DuckDBPyConnection) -> list[CapsChange | None]:
     """The ledger's run-time changes in ledger order (each event once); None for one
     whose row keeps no ``data.change`` (an archive segment older than that column)."""
+    return [change for _, _, change in _run_time_change_rows(con)]
+
+
+def _run_time_change_rows(
+    con: duckdb.DuckDBPyConnection, columns: str = "NULL"
+) -> list[tuple[str, tuple[Any, ...], CapsChange | None]]:
+    """:func:`_run_time_changes` with each one's event id and the ``columns`` (SQL) of its row."""
     kinds = ", ".join(f"'mcpbg.{k.value}.v1'" for k in ChangeKind)
     rows = con.execute(
-        f"""SELECT "type", "change" FROM ledger_raw WHERE "type" IN ({kinds})
+        f"""SELECT id, {columns}, "type", "change" FROM ledger_raw WHERE "type" IN ({kinds})
             QUALIFY row_number() OVER (PARTITION BY id ORDER BY "offset") = 1
             ORDER BY "time", partition_name, "offset", id"""
     ).fetchall()
-    out: list[CapsChange | None] = []
-    for kind, change in rows:
+    out: list[tuple[str, tuple[Any, ...], CapsChange | None]] = []
+    for event_id, *cols, kind, change in rows:
         if change is None:
-            out.append(None)
+            out.append((str(event_id), tuple(cols), None))
             continue
         entry = EntryType(str(kind).split(".")[1])
-        out.append(to_change(entry, ChangeData.model_validate_json(change)))
+        parsed = to_change(entry, ChangeData.model_validate_json(change))
+        out.append((str(event_id), tuple(cols), parsed))
     return out
 
 
@@ -435,28 +502,35 @@ async def rebuild_from_kafka(
     dry_run: bool = False,
     idle_timeout: float = 5.0,
     progress: Progress = _quiet,
+    lost_only: bool = False,
     **client_options: Any,
 ) -> RebuildReport:
     """Rebuild the counters from every retained event of ``topic`` (``stream/rebuild.py``).
 
-    Applied through ``apply`` into the store at ``url`` (Redis, or Postgres for a
-    ``postgresql://`` URL). On a store that still holds a projection only events
-    past its watermarks count (``apply``'s guards), a catch-up; after an outage
-    (the store empty) that is everything retained. A dry run rebuilds into a
-    MemoryBackend from nothing and lists the counters whose committed amount
-    differs from the store's: what a rebuild of an empty store would give.
+    Applied through ``apply`` into the store at ``url`` (Redis, Redis Cluster, or
+    Postgres for a ``postgresql://`` URL); ``lost_only`` (a cluster): into the
+    slots whose epoch marker is missing alone (``cluster.LostSlots``). On a
+    store that still holds a projection only events past its watermarks count
+    (``apply``'s guards), a catch-up; after an outage (the store empty) that is
+    everything retained. A dry run rebuilds into a MemoryBackend from nothing
+    and lists the counters whose committed amount differs from the store's:
+    what a rebuild of an empty store would give.
     """
     from mcp_budget_governor.projections.counters.memory import MemoryBackend
     from mcp_budget_governor.stream.rebuild import rebuild
 
     started = time.perf_counter()
-    client = open_store(url)
+    client = open_store(url, cluster=True)
+    if lost_only and not isinstance(client, redis.RedisCluster):
+        client.close()
+        raise InvalidInputError("--lost", True, "only for a Redis Cluster (redis+cluster://)")
     try:
         before = read_store(client, ())
         result = RebuildReport("kafka", dry_run)
         inner: Any = MemoryBackend() if dry_run else _backend(client, url)
+        target = await inner.lost() if lost_only and not dry_run else inner
         backend = _CurrentOnly(
-            inner, all_buckets=all_buckets, now=before.now, progress=progress, dry_run=dry_run
+            target, all_buckets=all_buckets, now=before.now, progress=progress, dry_run=dry_run
         )
         try:
             outcome = await rebuild(

@@ -203,8 +203,12 @@ class RedisBackend:
         coalesce: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
         resolved_caps: bool = False,
+        epoch_key: Callable[[str], str] | None = None,
     ) -> None:
         self.client = client
+        # epoch_key: the epoch marker a charge checks, given its first counter's key
+        # (Redis Cluster: the marker of that counter's slot, cluster.py); else EPOCH_KEY.
+        self._epoch_key = epoch_key
         # resolved_caps: each op's cap is its effective cap already (the cluster
         # resolves run-time caps and plans on the client, cluster.py), so the
         # script only adds each counter's grant (lua/charge.lua 'g').
@@ -253,7 +257,9 @@ class RedisBackend:
         ``redis+cluster://host:port[,host:port]`` connects to a Redis Cluster
         instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md); there
         ``caps_refresh=`` (seconds, default 1) bounds how old the client's copy
-        of run-time caps and plan assignments may be.
+        of run-time caps and plan assignments may be, and ``require_epoch``
+        checks each slot's own epoch marker (a shard that restarted empty
+        fails its slots' checks only).
 
         ``coalesce`` (the default): the scripts share one auto-pipelined
         connection per event loop (concurrent calls go out in one write); off,
@@ -262,11 +268,9 @@ class RedisBackend:
         if url.startswith("redis+cluster://"):  # Redis Cluster: projections/counters/cluster.py
             from .cluster import ClusterBackend
 
-            if require_epoch:
-                raise InvalidInputError(
-                    "require_epoch", True, "not yet supported on Redis Cluster (docs/cluster.md)"
-                )
-            return ClusterBackend.from_url(url, timeout=timeout, **kwargs)  # type: ignore[return-value]
+            return ClusterBackend.from_url(  # type: ignore[return-value]
+                url, timeout=timeout, require_epoch=require_epoch, **kwargs
+            )
         check_redis_url(url, "url")
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
@@ -329,7 +333,10 @@ class RedisBackend:
         hit = self._prepared.get(cache_key)
         if hit is not None and hit.ops is ops:
             return hit
-        keys: list[Any] = [EPOCH_KEY.encode()] if self.require_epoch else []
+        keys: list[Any] = []
+        if self.require_epoch:
+            epoch = EPOCH_KEY if self._epoch_key is None or not ops else self._epoch_key(ops[0].key)
+            keys.append(epoch.encode())
         counters: list[Any] = []
         tail: list[Any] = []
         resolve = any(op.ref is not None for op in ops)
