@@ -52,6 +52,12 @@ name = "all{tag}"
 cap = 1000
 window = "day"
 
+[[limits]]
+name = "par{tag}"
+cap = 1000
+scope = "user"
+unit = "concurrent"
+
 [plans.pro]
 "calls{tag}" = 6
 """
@@ -158,7 +164,8 @@ def test_budgets_and_caps_list_on_the_cluster_show_what_one_redis_shows(
         out[name] = (budgets, listed, table)
 
     one, many = out["redis"], out["cluster"]
-    assert many[0]["rows"] == one[0]["rows"]
+    for a, b in zip(many[0]["rows"], one[0]["rows"], strict=True):
+        assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
     assert many[0]["listed_keys"] == one[0]["listed_keys"] and not many[0]["truncated"]
     assert many[1] == one[1]
     table = many[2].splitlines()
@@ -182,6 +189,10 @@ def test_budgets_and_caps_list_on_the_cluster_show_what_one_redis_shows(
     assert rows[(f"all{tag}", None)]["spent"] == sum(
         r["spent"] for r in many[0]["rows"] if r["name"] == f"calls{tag}"
     )
+    # Calls in progress: the lease sets (every master's), one lease per admitted check.
+    held = [r for r in many[0]["rows"] if r["name"] == f"par{tag}"]
+    admitted = sum(r["spent"] for r in many[0]["rows"] if r["name"] == f"calls{tag}")
+    assert len(held) == 5 and sum(r["spent"] for r in held) == admitted == 7 + 6 + 4 + 3 * 4
     assert sorted((r["kind"], r.get("limit", ""), r["scope"]) for r in many[1]) == [
         ("cap", f"calls{tag}", f"tenant={tenants[0]}"),
         ("cap", f"spend{tag}", f"tenant={tenants[0]}"),
