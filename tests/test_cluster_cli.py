@@ -280,3 +280,23 @@ def test_a_bad_caps_refresh_in_code_is_refused_before_the_client_is_built(
             RedisBackend.from_url("redis+cluster://127.0.0.1:1", caps_refresh=bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidInputError, match=r"^caps_refresh: "):
             RedisBackend.from_url("redis://127.0.0.1:1/0", caps_refresh=bad)  # type: ignore[arg-type]
+
+
+async def test_the_worker_takes_caps_refresh_from_the_environment(
+    redis_cluster: RedisClusterService,
+) -> None:
+    pytest.importorskip("aiokafka", reason="needs the stream extra")
+    from mcp_budget_governor.stream.config import WorkerConfig
+    from mcp_budget_governor.stream.projection import Projection
+
+    config = WorkerConfig.from_env(
+        {"MCPBG_KAFKA_URL": "k:9092", "MCPBG_CAPS_REFRESH": "0.25"}, redis_url=redis_cluster.url
+    )
+    projection = Projection(config, send=None, stopping=asyncio.Event())
+    projection.start()
+    backend = projection._backend
+    try:
+        assert isinstance(backend, ClusterBackend) and backend._runtime.refresh == 0.25
+    finally:
+        assert backend is not None
+        await backend.aclose()
