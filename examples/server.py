@@ -55,6 +55,7 @@ SETTINGS = (
     "outbox_dir",
     "policy_poll",
     "check_timeout",
+    "caps_refresh",
 )
 #: Their environment variables.
 ENV = tuple(TABLE[name].env for name in SETTINGS)
@@ -87,7 +88,10 @@ def build(environ: Mapping[str, str]) -> FastMCP:
         settings["kafka_url"], topic=settings["topic"], outbox_dir=settings["outbox_dir"]
     )
     backend = RedisBackend.from_url(
-        settings["redis_url"], require_epoch=True, timeout=settings["check_timeout"]
+        settings["redis_url"],
+        require_epoch=True,
+        timeout=settings["check_timeout"],
+        caps_refresh=settings["caps_refresh"],  # on Redis Cluster: its copy of run-time caps
     )
     telemetry = _telemetry()
     governor = Governor(policy, backend, ledger=ledger, prices=prices, observer=telemetry)

@@ -152,7 +152,7 @@ for i = 1, n do
       if value_cap == '-' then value_cap = '' end
       if file_plan == '-' then file_plan = '' end
     end
-    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS], field, cap,
+    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS - queues], field, cap,
       value_cap, plan_fields, plan_caps, file_plan) + g
     caps[i] = cap
   elseif granted then

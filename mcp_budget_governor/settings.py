@@ -29,7 +29,7 @@ from .errors import InvalidInputError, SettingsError
 from .ledger import DEFAULT_TOPIC
 from .urls import check_http_url, check_postgres_url, check_redis_url, parse_bootstrap
 
-__all__ = ["PREFIX", "SETTINGS", "Setting", "env_value", "resolve"]
+__all__ = ["PREFIX", "SETTINGS", "Setting", "checked", "env_value", "resolve"]
 
 #: Every variable's name is this prefix and the setting's name in capitals.
 PREFIX = "MCPBG_"
@@ -229,6 +229,14 @@ SETTINGS: Mapping[str, Setting] = {
             _positive_seconds,
         ),
         Setting(
+            "caps_refresh",
+            float,
+            1.0,
+            "Redis Cluster: seconds a process compares with a run-time cap or plan assignment "
+            "as last read before it reads it again (0: before every check)",
+            _seconds,
+        ),
+        Setting(
             "topic_wait", float, 60.0, "seconds to wait at start for the topic to exist", _seconds
         ),
         Setting("log_level", str, "info", "debug, info, warning, error or critical", _log_level),
@@ -328,6 +336,26 @@ def _relations(values: Mapping[str, Any], labels: Mapping[str, str]) -> list[Inv
             )
         )
     return errors
+
+
+def checked(name: str, value: Any) -> Any:
+    """``value`` if it passes setting ``name``'s check, else an error naming ``name``
+    (for a value given in code, such as a backend's keyword).
+
+    >>> checked("caps_refresh", 0.5)
+    0.5
+    >>> checked("caps_refresh", -1)
+    Traceback (most recent call last):
+    ...
+    mcp_budget_governor.errors.InvalidInputError: caps_refresh: expected seconds >= 0 (got -1)
+    """
+    check = SETTINGS[name].check
+    if check is not None:
+        try:
+            check(value)
+        except InvalidInputError as exc:
+            raise InvalidInputError(name, exc.value, exc.problem) from None
+    return value
 
 
 def env_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:

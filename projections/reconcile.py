@@ -80,6 +80,7 @@ from .counters.sync import (
     Snapshot,
     Totals,
     ledger_ids,
+    ledger_seen_ids,
     ledger_totals,
     scan_counter_keys,
     write_counters,
@@ -151,6 +152,8 @@ class ReconcileResult:
     drifts: list[Drift] = field(default_factory=list)
     fixed: int = 0
     orphans: list[Orphan] = field(default_factory=list)
+    #: Redis Cluster, with ``fix``: seen ids put back into the slots that had lost them.
+    seen_restored: int = 0
 
     def orphaned_by_unit(self) -> dict[str, int]:
         """Orphaned in-flight amounts summed per unit (``?`` when unknown), never across."""
@@ -260,8 +263,10 @@ def _reconcile_cluster(
     cuts: dict[tuple[tuple[str, int], ...], list[SlotSnapshot]] = {}
     for part in parts:
         cuts.setdefault(tuple(sorted(part.snap.watermarks.items())), []).append(part)
-    fixes: list[tuple[SlotSnapshot, list[tuple[str, int, int]], dict[str, list[str]]]] = []
+    # Per cut: the drifting slots, their corrections and stale in-flight entries.
+    fixes: list[list[tuple[SlotSnapshot, list[tuple[str, int, int]], dict[str, list[str]]]]] = []
     for group in cuts.values():
+        fixes.append([])
         upto = group[0].snap.watermarks
         group_keys = [k for p in group for k in p.snap.counters]
         totals = ledger_totals(con, group[0].snap.now, upto=upto, keys=group_keys)
@@ -270,14 +275,24 @@ def _reconcile_cluster(
             stale = _compare(con, part.snap, totals, result)
             drifts = result.drifts[before:]
             if drifts:
-                fixes.append((part, _corrections(drifts, totals), stale))
+                fixes[-1].append((part, _corrections(drifts, totals), stale))
     result.drifts.sort(key=lambda d: d.key)
     every = {k: c for p in parts for k, c in p.snap.counters.items()}
     result.orphans = _orphans(con, Snapshot(result.now, resume, every), older_than)
     if fix:
-        for part, corrections, stale in fixes:
-            correct_slot(client, part, corrections, stale)
-            result.fixed += len(corrections)
+        for group, fixing in zip(cuts.values(), fixes, strict=True):
+            if not fixing:
+                continue
+            # The seen ids the fixed slots must hold: the events they are compared up to.
+            seen = ledger_seen_ids(
+                con,
+                group[0].snap.now,
+                upto=group[0].snap.watermarks,
+                keys=[k for part, _, _ in fixing for k in part.snap.counters],
+            )
+            for part, corrections, stale in fixing:
+                result.seen_restored += correct_slot(client, part, corrections, stale, seen)
+                result.fixed += len(corrections)
     return result
 
 

@@ -44,6 +44,7 @@ class WorkerConfig:
     heartbeat_interval_ms: int = _default("heartbeat_interval_ms")
     progress_interval: float = _default("progress_interval")
     redis_timeout: float = _default("redis_timeout")
+    caps_refresh: float = _default("caps_refresh")
     topic_wait: float = _default("topic_wait")
     log_level: str = _default("log_level")
     policy: str = _default("policy")

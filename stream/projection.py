@@ -101,7 +101,10 @@ class Projection:
         else:
             assert config.redis_url is not None  # WorkerConfig requires one of the two
             self._backend = RedisBackend.from_url(
-                config.redis_url, timeout=config.redis_timeout, max_connections=4
+                config.redis_url,
+                timeout=config.redis_timeout,
+                max_connections=4,
+                caps_refresh=config.caps_refresh,  # Redis Cluster's copy of run-time caps
             )
         self._projector = Projector(
             self._backend,

@@ -259,6 +259,27 @@ async def test_100_concurrent_fastmcp_calls_against_cap_5(backend: Backend) -> N
     assert await held(backend) == 0
 
 
+async def test_a_check_holding_a_lease_enforces_run_time_plans_and_caps(
+    backend: Backend,
+) -> None:
+    """The lease sets' queues come after the plans hash in the script's keys: a check
+    with a concurrency cap still finds the run-time plan and cap of its other limits."""
+    from mcp_budget_governor import Plan
+
+    calls = Limit("calls", cap=3, window=Window.DAY, scope=Scope.TENANT)
+    pol = Policy.of(parallel(cap=1000), calls, plans=[Plan("pro", caps={"calls": 6})])
+    gov = Governor(pol, backend)
+    await gov.assign_plan("pro", tenant="delta")
+    await gov.set_cap("calls", 4, tenant="gamma")
+    for tenant, cap in (("delta", 6), ("gamma", 4), ("other", 3)):
+        ctx = Context(tenant=tenant, user=f"u_{tenant}")
+        decisions = [await gov.check(ctx) for _ in range(cap + 2)]
+        assert sum(d.admitted for d in decisions) == cap, tenant
+        assert decisions[-1].limit == "calls"
+        for d in decisions:
+            await gov.release(d)
+
+
 async def test_the_budgets_report_shows_calls_in_progress(backend: Backend) -> None:
     from mcp_budget_governor.projections.budgets import budget_report, table_rows
 

@@ -228,6 +228,8 @@ def test_no_module_but_the_table_spells_a_variable() -> None:
         ("MCPBG_BATCH_WAIT", "inf"),
         ("MCPBG_TOPIC_WAIT", "nan"),
         ("MCPBG_METRICS_PORT", "70000"),
+        ("MCPBG_CAPS_REFRESH", "-1"),
+        ("MCPBG_CAPS_REFRESH", "inf"),
     ],
 )
 def test_values_the_worker_would_fail_on_later_are_named_at_the_start(

@@ -34,7 +34,8 @@ def register(sub: Any) -> None:
         "budgets",
         help="one row per limit and counter: spent, limit, remaining, exceeded",
         description="Without --user/--tenant/--tool/--session/--agent, every counter in "
-        "Redis (a bounded SCAN of mcpbg:v1:*) in its current period; with --postgres, the "
+        "Redis (a bounded SCAN of mcpbg:v1:*, of every master on a redis+cluster:// URL) in "
+        "its current period; with --postgres, the "
         "counters in Postgres instead. With --archive-dir or --ledger-dir, also the open "
         "reservations on those counters and each session root's forks, read from the "
         "ledger. Exit code 1 when any row is exceeded.",

@@ -79,8 +79,13 @@ def open_counters(
             _probe_postgres(backend)
             return backend
         from ..projections.counters.redis import RedisBackend
+        from ..settings import resolve
 
-        return RedisBackend.from_url(url, timeout=timeout, max_connections=max_connections)
+        # MCPBG_CAPS_REFRESH (Redis Cluster), checked before any client is made.
+        refresh = resolve(["caps_refresh"])["caps_refresh"]
+        return RedisBackend.from_url(
+            url, timeout=timeout, max_connections=max_connections, caps_refresh=refresh
+        )
     except ImportError as exc:  # pragma: no cover - the extra is not installed
         raise GovernorError(f"{exc}; install the {extra} extra: {install_hint(extra)}") from None
 

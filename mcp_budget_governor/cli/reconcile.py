@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 "in_flight": result.in_flight,
                 "watermarks": result.watermarks,
                 "fixed": result.fixed,
+                "seen_restored": result.seen_restored,
                 "orphaned_by_unit": result.orphaned_by_unit(),
                 "recovered": recovered,
                 "orphans": [
@@ -143,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
             )
             if len(result.drifts) > args.show:
                 console().print(f"... and {len(result.drifts) - args.show:,} more (--show N)")
+            if result.seen_restored:  # Redis Cluster: what a failover lost of the seen sets
+                console().print(
+                    f"seen ids put back: {result.seen_restored:,} (a retry of those events "
+                    "at a new offset is skipped, as before the failover)"
+                )
         else:
             console().print(
                 f"no drift: {result.compared:,} counters equal the ledger "

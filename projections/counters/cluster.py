@@ -36,7 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence, Set
+from collections.abc import AsyncIterator, Sequence, Set
 from functools import cache
 from typing import Any
 
@@ -58,6 +58,7 @@ from mcp_budget_governor.errors import (
     InvalidInputError,
 )
 from mcp_budget_governor.keys import EPOCH_KEY, EPOCH_VALUE, LEASE_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.settings import SETTINGS, checked
 from mcp_budget_governor.urls import CLUSTER_SCHEME, parse_cluster_url
 
 from .redis import _UNAVAILABLE, DEFAULT_TIMEOUT, RedisBackend, apply_args, change_tokens
@@ -74,7 +75,8 @@ RETRIES = 2
 #: Seconds a run-time value cap or plan assignment read from the cluster is used
 #: before it is read again: how long a run-time change that reached the cluster
 #: may go unenforced by a process (docs/cluster.md). 0: read before every charge.
-CAPS_REFRESH = 1.0
+#: The setting ``caps_refresh`` (``MCPBG_CAPS_REFRESH``) of the settings table.
+CAPS_REFRESH: float = SETTINGS["caps_refresh"].default
 
 #: A (hash, field) the run-time rule reads: a value cap or a plan assignment.
 _Entry = tuple[str, str]
@@ -144,6 +146,11 @@ def _whole(value: Any) -> bool:
     if isinstance(value, bytes):
         value = value.decode(errors="replace")
     return isinstance(value, str) and EPOCH_VALUE.fullmatch(value) is not None
+
+
+def _refresh(value: Any) -> float:
+    """``caps_refresh`` checked as the settings table checks it (seconds >= 0)."""
+    return float(checked("caps_refresh", value))
 
 
 def _policy_capped(op: CounterOp) -> CounterOp:
@@ -279,6 +286,27 @@ class _RunTime:
             await asyncio.shield(other)
 
 
+class _SlotScripts(RedisBackend):
+    """The single-node scripts on a cluster client: redis-py routes each call to the
+    master of its keys' slot. A listing (counters, lease sets, run-time caps) is a
+    SCAN of every master in turn, each to its cursor's end."""
+
+    async def _scan_iter(self, pattern: str) -> AsyncIterator[Any]:
+        client: RedisCluster = self.client  # type: ignore[assignment]
+        await client.initialize()
+        for node in client.get_primaries():
+            cursor = 0
+            while True:
+                # On a cluster client: ({node name: next cursor}, keys).
+                reply: Any = await client.scan(cursor, match=pattern, count=1000, target_nodes=node)
+                cursors, keys = reply
+                for key in keys:
+                    yield key
+                cursor = int(cursors[node.name])
+                if cursor == 0:
+                    break
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Group:
     slot: int
@@ -310,16 +338,11 @@ class ClusterBackend:
         caps_refresh: float = CAPS_REFRESH,
         require_epoch: bool = False,
     ) -> None:
-        if (
-            isinstance(caps_refresh, bool)
-            or not isinstance(caps_refresh, (int, float))
-            or not 0 <= caps_refresh < float("inf")
-        ):
-            raise InvalidInputError("caps_refresh", caps_refresh, "expected seconds >= 0")
+        refresh = _refresh(caps_refresh)
         self.client = client
         # The single-node charge, routed by redis-py to its slot's master; each op's
         # cap is resolved here, the script adds its grant (lua/charge.lua 'g').
-        self._node = RedisBackend(
+        self._node = _SlotScripts(
             client,  # type: ignore[arg-type]
             coalesce=False,
             timeout=timeout,
@@ -328,7 +351,7 @@ class ClusterBackend:
             require_epoch=require_epoch,
             epoch_key=_epoch_of,
         )
-        self._runtime = _RunTime(client, float(caps_refresh))
+        self._runtime = _RunTime(client, refresh)
         self._splits: dict[int, _Split] = {}
 
     @classmethod
@@ -341,6 +364,7 @@ class ClusterBackend:
         require_epoch: bool = False,
         **kwargs: Any,
     ) -> ClusterBackend:
+        refresh = _refresh(caps_refresh)  # a bad value is the error to see, before any client
         nodes = [ClusterNode(host, port) for host, port in parse_cluster_url(url)]
         kwargs.setdefault("max_connections", 1024)  # per node: a burst must not run out
         client = RedisCluster(
@@ -349,7 +373,7 @@ class ClusterBackend:
             socket_connect_timeout=timeout,
             **kwargs,
         )
-        return cls(client, timeout=timeout, caps_refresh=caps_refresh, require_epoch=require_epoch)
+        return cls(client, timeout=timeout, caps_refresh=refresh, require_epoch=require_epoch)
 
     def _split(self, ops: Sequence[CounterOp]) -> _Split:
         """``ops`` by slot, cached by the op list's identity (the governor reuses one
@@ -534,6 +558,19 @@ class ClusterBackend:
     async def grant_reason(self, key: str) -> str:
         """The why token (``caps.why_token``) of the counter's last grant or reset."""
         return await self._node.grant_reason(key)
+
+    async def grants(self, limit: int) -> list[tuple[str, int, str]]:
+        """Up to ``limit`` counters holding a grant, on every master (``mcpbg caps list``)."""
+        return await self._node.grants(limit)
+
+    async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
+        """The run-time value caps and plan assignments as they are now (read from every
+        master, not this process's copy): ``mcpbg budgets`` and ``caps list``."""
+        return await self._node.overrides()
+
+    async def lease_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` lease sets, on every master."""
+        return await self._node.lease_keys(limit)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         by_slot: dict[int, list[int]] = {}

@@ -19,6 +19,18 @@ A fix that finds a slot's watermark behind raises it to the resume
 watermark with the correction (in one ``lua/rewrite.lua`` call, refused if
 the slot's watermarks moved meanwhile), so a later redelivery of the lost
 offsets cannot count them a second time.
+
+The failover lost the slot's seen-id entries of those events too (the
+``mcpbg:v1:_seen:<day>{<tag>}`` sets, by which a slot skips a producer
+retry at a new offset), and a raised watermark does not stand for them. So
+the fix also adds back, to the slot's seen sets, the id of every event the
+ledger has charging one of the slot's counters at or below the offsets it is
+compared up to (``SADD``: the ids the slot kept are already there), as
+``mcpbg replay`` writes the seen sets of one Redis. They go in before the
+correction: a fix refused because the worker moved the slot meanwhile then
+leaves ids of events the ledger counts once and the counters are still
+short of, which the next reconcile reports, rather than corrected counters
+that a retry could push past the ledger.
 """
 
 from __future__ import annotations
@@ -33,15 +45,16 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 from mcp_budget_governor.errors import BackendUnavailableError
-from mcp_budget_governor.keys import INTERNAL_PREFIX, PREFIX, WATERMARK_KEY
+from mcp_budget_governor.keys import INTERNAL_PREFIX, PREFIX, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.urls import parse_cluster_url
 
 from .cluster import slot_tag
-from .sync import RedisCounter, Snapshot, _counter, _decode, write_counters
+from .sync import RedisCounter, SeenIds, Snapshot, _counter, _decode, write_counters
 
 __all__ = ["SlotSnapshot", "cluster_client", "is_cluster", "scan_keys", "slot_snapshots"]
 
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+_SEEN_CHUNK = 10_000
 
 
 def is_cluster(store: Any) -> TypeGuard[RedisCluster]:
@@ -142,12 +155,32 @@ def correct_slot(
     part: SlotSnapshot,
     corrections: Sequence[tuple[str, int, int]],
     drop: Mapping[str, Sequence[str]],
-) -> None:
-    """Add ``corrections`` to one slot's counters, drop its stale in-flight entries and
-    raise its watermarks that were behind, in one step on its master."""
+    seen: SeenIds,
+) -> int:
+    """Add back the seen ids ``seen`` of the slot's counters (:func:`.sync.ledger_seen_ids`),
+    then add ``corrections`` to its counters, drop its stale in-flight entries and
+    raise its watermarks that were behind, in one step on its master. Returns how
+    many seen ids the slot had lost."""
+    node = _node(client, corrections[0][0])
+    by_day: dict[str, tuple[set[str], int]] = {}
+    for key in part.snap.counters:
+        for day, (day_ids, expire_at) in seen.get(key, {}).items():
+            by_day.setdefault(day, (set(), expire_at))[0].update(day_ids)
+    added = 0
+    try:
+        for day, (ids, expire_at) in sorted(by_day.items()):
+            ordered = sorted(ids)
+            seen_key = f"{SEEN_PREFIX}:{day}{slot_tag(part.slot)}"  # as cluster.apply names it
+            for i in range(0, len(ordered), _SEEN_CHUNK):
+                pipe = node.pipeline(transaction=True)
+                pipe.sadd(seen_key, *ordered[i : i + _SEEN_CHUNK])
+                pipe.expireat(seen_key, expire_at)
+                added += int(pipe.execute()[0])
+    except _UNAVAILABLE as exc:
+        raise BackendUnavailableError.redis(exc) from None
     behind = part.behind()
     write_counters(
-        _node(client, corrections[0][0]),
+        node,
         corrections,
         watermarks=part.own if behind else None,
         add=True,
@@ -155,3 +188,4 @@ def correct_slot(
         set_watermarks=behind or None,
         watermark_key=part.watermark_key,
     )
+    return added

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ from mcp_budget_governor.keys import (
     slides,
 )
 from mcp_budget_governor.lua import source
+from mcp_budget_governor.settings import checked
 from mcp_budget_governor.urls import check_redis_url
 
 from .autopipe import Address, Pipe, pack, pack_args
@@ -240,6 +241,7 @@ class RedisBackend:
         require_epoch: bool = False,
         coalesce: bool = True,
         clock: Callable[[], float] = time.time,
+        caps_refresh: float | None = None,
         **kwargs: Any,
     ) -> RedisBackend:
         """Connect lazily to ``url``; ``timeout`` (seconds) bounds every call.
@@ -256,18 +258,23 @@ class RedisBackend:
 
         ``redis+cluster://host:port[,host:port]`` connects to a Redis Cluster
         instead (:class:`~.cluster.ClusterBackend`, docs/cluster.md); there
-        ``caps_refresh=`` (seconds, default 1) bounds how old the client's copy
-        of run-time caps and plan assignments may be, and ``require_epoch``
-        checks each slot's own epoch marker (a shard that restarted empty
-        fails its slots' checks only).
+        ``caps_refresh`` (seconds; None: the setting's default, 1) bounds how old
+        the client's copy of run-time caps and plan assignments may be (one
+        Redis reads them inside its script: the value is checked, then unused),
+        and ``require_epoch`` checks each slot's own epoch marker (a shard that
+        restarted empty fails its slots' checks only).
 
         ``coalesce`` (the default): the scripts share one auto-pipelined
         connection per event loop (concurrent calls go out in one write); off,
         each call takes a pooled connection of its own.
         """
+        if caps_refresh is not None:
+            checked("caps_refresh", caps_refresh)
         if url.startswith("redis+cluster://"):  # Redis Cluster: projections/counters/cluster.py
             from .cluster import ClusterBackend
 
+            if caps_refresh is not None:
+                kwargs["caps_refresh"] = caps_refresh
             return ClusterBackend.from_url(  # type: ignore[return-value]
                 url, timeout=timeout, require_epoch=require_epoch, **kwargs
             )
@@ -713,7 +720,7 @@ class RedisBackend:
 
         caps: dict[str, dict[str, tuple[int, int, str]]] = {}
         try:
-            async for raw in self.client.scan_iter(match=f"{CAPS_PREFIX}:*", count=1000):
+            async for raw in self._scan_iter(f"{CAPS_PREFIX}:*"):
                 entries = await self.client.hgetall(raw)
                 values = {}
                 for f, v in entries.items():
@@ -742,13 +749,18 @@ class RedisBackend:
         if limit <= 0:
             return []
         try:
-            async for raw in self.client.scan_iter(match=pattern, count=1000):
+            async for raw in self._scan_iter(pattern):
                 found.add(raw.decode() if isinstance(raw, bytes) else raw)
                 if len(found) >= limit:
                     break
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError.redis(exc) from exc
         return sorted(found)
+
+    def _scan_iter(self, pattern: str) -> AsyncIterator[Any]:
+        """Every key matching ``pattern``, by an incremental SCAN (on Redis Cluster,
+        ``cluster._SlotScripts`` walks every master)."""
+        return self.client.scan_iter(match=pattern, count=1000)
 
     async def watermark(self, partition: str) -> int:
         """The last applied offset of a partition, -1 when none."""

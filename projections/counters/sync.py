@@ -44,6 +44,7 @@ __all__ = [
     "Totals",
     "is_current",
     "ledger_ids",
+    "ledger_seen_ids",
     "ledger_totals",
     "redis_client",
     "scan_counter_keys",
@@ -156,6 +157,37 @@ def ledger_ids(
     except duckdb.Error as exc:
         raise query_error(exc) from None
     return {r[0] for r in rows}
+
+
+#: Per counter key: per seen-id day (``20261129``), the event ids and that set's expiry.
+SeenIds = dict[str, dict[str, tuple[list[str], int]]]
+
+
+def ledger_seen_ids(
+    con: duckdb.DuckDBPyConnection, now: int, *, upto: Mapping[str, int], keys: Iterable[str]
+) -> SeenIds:
+    """The ids of the events that charged each of ``keys`` at offsets at or below the
+    watermarks ``upto``, by the seen-id day of the event (``AppliedEvent.seen_day``,
+    expiring at ``seen_expire_at``), the days whose set is still alive at ``now``:
+    what the seen-id sets of those counters' slot hold once it applied them
+    (``reconcile --fix`` on Redis Cluster puts back what a failover lost)."""
+    join = _register_upto(con, upto)
+    con.register("_mcpbg_keys", pa.table({"key": pa.array(sorted(set(keys)), pa.string())}))
+    expire_at = '(CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400'
+    sql = f"""
+        SELECT "key", strftime("time", '%Y%m%d') AS day, {expire_at} AS expire_at,
+               list(DISTINCT id ORDER BY id) AS ids
+        FROM ledger {join} "key" IN (SELECT "key" FROM _mcpbg_keys) AND {expire_at} > $now
+        GROUP BY ALL
+    """
+    try:
+        rows = con.execute(sql, {"now": int(now)}).fetchall()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    out: SeenIds = {}
+    for key, day, expire, ids in rows:
+        out.setdefault(key, {})[day] = (list(ids), int(expire))
+    return out
 
 
 @dataclass(slots=True)
