@@ -471,3 +471,23 @@ async def test_kafka_and_archive_replays_equal_the_real_workers_counters(
                 w.kill()
         await backend.aclose()
         kafka.stop()
+
+
+def test_the_seen_day_in_sql_is_the_python_one() -> None:
+    """The rebuild and reconcile --fix fill seen-id sets by the SQL rule; the
+    projection by AppliedEvent's: both must name the same day and expiry."""
+    import duckdb
+
+    from mcp_budget_governor.counters import AppliedEvent
+    from mcp_budget_governor.projections.counters.sync import SEEN_DAY_SQL, SEEN_EXPIRE_SQL
+
+    times = [0.0, 86_399.999, 86_400.0, 1_764_547_199.5, 1_764_547_200.0, 1_800_000_000.25]
+    con = duckdb.connect()
+    con.execute("SET TimeZone = 'UTC'")
+    got = con.execute(
+        f'SELECT {SEEN_DAY_SQL}, {SEEN_EXPIRE_SQL} FROM (SELECT to_timestamp(t) AS "time" '
+        'FROM unnest(?::DOUBLE[]) AS u(t)) ORDER BY "time"',
+        [times],
+    ).fetchall()
+    want = [(e.seen_day, e.seen_expire_at) for e in (AppliedEvent(0, "x", t, ()) for t in times)]
+    assert got == want

@@ -38,6 +38,8 @@ from mcp_budget_governor.lua import source
 from ..ledger_view import query_error
 from .redis import change_tokens
 from .sync import (
+    SEEN_DAY_SQL,
+    SEEN_EXPIRE_SQL,
     Snapshot,
     is_current,
     ledger_ids,
@@ -407,12 +409,9 @@ _CHANGES_PER_CALL = 500
 
 def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[str], int]]:
     """Event ids per seen-id day whose set is still alive at ``now`` (``AppliedEvent`` rules)."""
-    sql = """
-        SELECT strftime("time", '%Y%m%d') AS day,
-               (CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400 AS expire_at,
-               list(DISTINCT id) AS ids
-        FROM ledger_raw
-        WHERE (CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400 > ?
+    sql = f"""
+        SELECT {SEEN_DAY_SQL} AS day, {SEEN_EXPIRE_SQL} AS expire_at, list(DISTINCT id) AS ids
+        FROM ledger_raw WHERE {SEEN_EXPIRE_SQL} > ?
         GROUP BY ALL
     """
     try:

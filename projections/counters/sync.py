@@ -163,6 +163,12 @@ def ledger_ids(
 SeenIds = dict[str, dict[str, tuple[list[str], int]]]
 
 
+#: An event's seen-id day and that set's expiry, in DuckDB over a ``"time"`` column:
+#: ``AppliedEvent.seen_day`` and ``seen_expire_at`` (tests/test_replay.py holds them together).
+SEEN_DAY_SQL = """strftime("time", '%Y%m%d')"""
+SEEN_EXPIRE_SQL = """(CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400"""
+
+
 def ledger_seen_ids(
     con: duckdb.DuckDBPyConnection, now: int, *, upto: Mapping[str, int], keys: Iterable[str]
 ) -> SeenIds:
@@ -173,11 +179,10 @@ def ledger_seen_ids(
     (``reconcile --fix`` on Redis Cluster puts back what a failover lost)."""
     join = _register_upto(con, upto)
     con.register("_mcpbg_keys", pa.table({"key": pa.array(sorted(set(keys)), pa.string())}))
-    expire_at = '(CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400'
     sql = f"""
-        SELECT "key", strftime("time", '%Y%m%d') AS day, {expire_at} AS expire_at,
+        SELECT "key", {SEEN_DAY_SQL} AS day, {SEEN_EXPIRE_SQL} AS expire_at,
                list(DISTINCT id ORDER BY id) AS ids
-        FROM ledger {join} "key" IN (SELECT "key" FROM _mcpbg_keys) AND {expire_at} > $now
+        FROM ledger {join} "key" IN (SELECT "key" FROM _mcpbg_keys) AND {SEEN_EXPIRE_SQL} > $now
         GROUP BY ALL
     """
     try:
