@@ -166,7 +166,7 @@ async def test_hot_path_never_admits_from_a_flushed_redis(redis_url: str) -> Non
     await backend.mark_ready("epoch-1")
     await asyncio.sleep(0.02)
     assert (await gov.check(ctx)).admitted
-    redis_sync.Redis.from_url(redis_url).flushall()  # Redis loses everything
+    redis_sync.Redis.from_url(redis_url).flushdb()  # Redis loses everything (this test's db)
     await asyncio.sleep(0.02)
     d = await gov.check(ctx)
     assert (d.admitted, d.status, d.degraded) == (False, 503, True)
