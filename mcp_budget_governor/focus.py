@@ -29,8 +29,8 @@ have more than six decimals; ``BilledCost`` is what the ledger charged, rounded
 up to the micro per call). Tool-call costs are dollar amounts with no price
 list: ``PricingUnit`` ``USD``, ``PricingQuantity`` = the dollars,
 ``ListUnitPrice`` 1, and ``ConsumedQuantity`` counts the completed calls
-(``metered`` and ``settled`` events; a reservation still open or released is
-not a completed call).
+(``metered`` and ``settled`` events, a settlement without charges too: its
+estimate stood; a reservation still open or released is not a completed call).
 
 Every number is exact: integers (micros, tokens) rendered as decimals with a
 decimal point (:func:`decimal_text`), never through a float.

@@ -109,6 +109,9 @@ class Governor(Metering[MeterResult]):
         self._max_pending = max_pending
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
+        # Plans (by id; the value keeps the id theirs) whose last check was refused:
+        # their next check encodes no admitted event ahead, likely to be thrown away.
+        self._refused: dict[int, planning.Plan] = {}
         # Counter key -> its effective cap with grants, as the backend last answered:
         # what the fallback and the fail-open reads compare with while it is down
         # (a run-time cap or grant still applies, per replica, during an outage).
@@ -578,8 +581,10 @@ class Governor(Metering[MeterResult]):
         op_id = None if event_id is not None else new_id()
         lease = new_id() if plan.leases else None
         ahead: LedgerEntry | None = None
+        refused = self._refused
+        behind = refused.get(id(plan)) is plan if refused else False
         try:
-            sent = None if lease or ticket else self._sent_ahead(plan.ops, event_id)
+            sent = None if lease or ticket or behind else self._sent_ahead(plan.ops, event_id)
             if sent is not None:
                 assert event_id is not None  # (_sent_ahead is None without one)
                 # The reply is a round trip away: meanwhile the ledger encodes the
@@ -626,6 +631,12 @@ class Governor(Metering[MeterResult]):
             ):
                 await self.ledger.append(ahead)  # type: ignore[union-attr]  # the very entry
             else:
+                if not decision.admitted:  # encoded twice (ahead, then as refused): no more
+                    if len(refused) >= 4096:
+                        refused.clear()
+                    refused[id(plan)] = plan
+                elif behind:
+                    refused.pop(id(plan), None)
                 await self._log(event_id, kind, now, ctx, plan, decision, approved)
         return decision, event_id
 

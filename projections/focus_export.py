@@ -2,9 +2,11 @@
 
 :func:`export_focus` reads the ``costs`` view of :func:`~.ledger_view.open_ledger`
 (one row per event, its USD counted once: the rule ``mcpbg costs`` uses too),
-keeps the events of the period with a USD amount, splits each model call's
-micros over its token meters (``mcp_budget_governor.focus``'s rule, computed
-here in integer SQL: HUGEINT products, no float), aggregates per charge period
+keeps the events of the period with a USD amount (and the settlements without
+charges of their reservations: calls whose estimate stood, billed nothing),
+splits each model call's micros over its token meters
+(``mcp_budget_governor.focus``'s rule, computed here in integer SQL: HUGEINT
+products, no float), aggregates per charge period
 (hour or day), tenant, user, tool, model, meter and unit price, renders every
 value as FOCUS text (exact decimals with a decimal point, ``...Z`` times,
 printable-ASCII strings), checks the rows against the rules focus-validator
@@ -233,14 +235,26 @@ def focus_table(
             f"""
             CREATE OR REPLACE TEMP TABLE _fx_ev AS
             SELECT date_trunc('{step}', "time") AS period, tenant, "user", tool, model, "type",
-                   usd_micros, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens
-            FROM costs WHERE "time" >= ? AND "time" < ? AND usd_micros <> 0
+                   usd_micros, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
+                   id, reservation
+            FROM costs WHERE "time" >= ? AND "time" < ?
+                AND (usd_micros <> 0 OR ("type" = 'mcpbg.settled.v1' AND charges = 0
+                                         AND reservation IS NOT NULL))
             """,
             [lo, hi],
         )
+        # A settlement with no charges is a call whose estimate stood (its reserved
+        # event billed it): a completed call when that reservation is a costed one here.
+        con.execute(
+            """
+            DELETE FROM _fx_ev WHERE usd_micros = 0 AND reservation NOT IN (
+                SELECT id FROM _fx_ev WHERE "type" = 'mcpbg.reserved.v1')
+            """
+        )
     except duckdb.Error as exc:
         raise query_error(exc) from None
-    (events,) = con.execute("SELECT count(*) FROM _fx_ev").fetchone() or (0,)
+    query = "SELECT count(*) FILTER (WHERE usd_micros <> 0) FROM _fx_ev"
+    (events,) = con.execute(query).fetchone() or (0,)
     if not events:
         _require_events(con, options)
     models = [

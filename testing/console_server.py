@@ -10,13 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from mcp_budget_governor import Context, Governor, RedisBackend
 from mcp_budget_governor.console.api import Console, build_app
 from mcp_budget_governor.console.auth import Tokens
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.file_ledger import FileLedger
+from testing.services import RedisService
 from testing.thread_server import ThreadServer
 
 READ = "read-token-0123456789abcdef"
@@ -76,25 +75,26 @@ async def governed_calls(policy: Path, redis_url: str, ledger: Path) -> None:
 
 
 @contextmanager
-def serve_console(folder: Path, redis_url: str, db: int) -> Iterator[Served]:
-    """The app on a loopback port, over Redis database ``db`` (flushed first) and a file
-    ledger in ``folder`` holding :func:`governed_calls`."""
+def serve_console(folder: Path, service: RedisService, db: int) -> Iterator[Served]:
+    """The app on a loopback port, over Redis database ``db`` of ``service`` (a db of its
+    own, claimed by ``RedisService.claimed``: an external server's must be empty, and it
+    is emptied at the end) and a file ledger in ``folder`` holding :func:`governed_calls`."""
     policy = folder / "policy.toml"
     policy.write_text(POLICY)
     ledger = folder / "ledger"
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"  # a db of its own
-    redis.Redis.from_url(url).flushdb()
-    asyncio.run(governed_calls(policy, url, ledger))
+    with service.claimed(db) as url:
+        asyncio.run(governed_calls(policy, url, ledger))
 
-    async def build() -> tuple[Any, Any]:
-        pol = load_policy(str(policy))
-        backend = RedisBackend.from_url(url, timeout=5.0)
-        gov = Governor(pol, backend)  # writes straight to the counters (no ledger)
-        console = Console(pol, backend, Tokens(READ, WRITE), ledger_dir=str(ledger), governor=gov)
-        return build_app(console), gov
+        async def build() -> tuple[Any, Any]:
+            pol = load_policy(str(policy))
+            backend = RedisBackend.from_url(url, timeout=5.0)
+            gov = Governor(pol, backend)  # writes straight to the counters (no ledger)
+            tokens = Tokens(READ, WRITE)
+            console = Console(pol, backend, tokens, ledger_dir=str(ledger), governor=gov)
+            return build_app(console), gov
 
-    server = ThreadServer(build).start()
-    try:
-        yield Served(server.url, policy, ledger, url, server)
-    finally:
-        server.stop()
+        server = ThreadServer(build).start()
+        try:
+            yield Served(server.url, policy, ledger, url, server)
+        finally:
+            server.stop()

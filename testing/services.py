@@ -4,7 +4,9 @@ The suite talks to a real Redis over sockets; nothing is faked.
 :func:`start_redis` finds one in this order:
 
 1. **env** - the URL in ``MCPBG_TEST_REDIS_URL``, used as-is. The server
-   is not ours, so it is never killed, restarted or shut down.
+   is not ours, so it is never killed, restarted or shut down, and a
+   database of it is flushed only once the run found it empty
+   (:meth:`RedisService.claimed`).
 2. **docker** - a ``redis:7-alpine`` container through testcontainers, but
    only if the ``docker`` Python package can ping an engine within about a
    second (see :func:`docker_available`). The check fails fast and quietly
@@ -76,7 +78,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -92,6 +94,7 @@ __all__ = [
     "KafkaService",
     "KafkaUnavailable",
     "LocalProcess",
+    "RedisDbNotEmpty",
     "RedisService",
     "RedisUnavailable",
     "docker_available",
@@ -130,6 +133,10 @@ Kind = Literal["env", "docker", "local"]
 
 class RedisUnavailable(RuntimeError):
     """No Redis could be found or started (conftest may turn this into a skip)."""
+
+
+class RedisDbNotEmpty(RuntimeError):
+    """An external Redis database holds keys the run did not write: it is not flushed."""
 
 
 # --------------------------------------------------------------------------- #
@@ -593,6 +600,34 @@ class RedisService(LocalProcess):
             "--appendonly", "no",
             "--dir", str(self._dir),
         ]  # fmt: skip
+
+    @contextlib.contextmanager
+    def claimed(self, db: int | None = None) -> Iterator[str]:
+        """The URL of database ``db`` (default: the one :attr:`url` names), empty, for the
+        block; emptied again when the block ends.
+
+        The rule of what may be flushed: a server this module started (``docker``,
+        ``local``) is the run's, so the database is flushed first. An external one
+        (``env``) is not: its database must already be empty, else
+        :class:`RedisDbNotEmpty` and nothing is deleted. Once found empty, whatever it
+        holds is the run's until the block ends, so the tests may flush it.
+        """
+        url = self.url if db is None else self.url.rsplit("/", 1)[0] + f"/{db}"
+        client = redis.Redis.from_url(url, socket_timeout=5.0)
+        try:
+            if self.kind != "env":
+                client.flushdb()
+            elif keys := int(client.dbsize()):
+                raise RedisDbNotEmpty(
+                    f"{ENV_VAR}: database {url} holds {keys} key(s) this run did not write, "
+                    "and the suite flushes only a database it found empty; point "
+                    f"{ENV_VAR} at an empty database, or empty this one yourself "
+                    "(redis-cli -u URL flushdb) if the keys are a test run's"
+                )
+            yield url
+            client.flushdb()
+        finally:
+            client.close()
 
     def flush(self) -> None:
         """Run ``FLUSHALL`` through a short-lived sync redis-py client."""

@@ -486,6 +486,17 @@ class Stream:
             *extra,
         )
 
+    async def start_worker_taking_all(self, *extra: str, within: float = 30.0) -> Worker:
+        """A worker started (``extra`` as for :meth:`start_worker`), once it holds every
+        partition (a dead member holds its own until its session times out)."""
+        worker = self.start_worker(*extra)
+        await self.wait_for(
+            lambda: worker.assigned() == set(range(PARTITIONS)),
+            f"worker {worker.name} takes every partition",
+            within,
+        )
+        return worker
+
     async def caught_up(self, within: float = CATCH_UP) -> TopicRecords:
         """The topic's records, once every worker-projected watermark reached its end."""
         return await wait_caught_up(self.kafka, self.backend, self.topic, self.workers, within)

@@ -24,8 +24,12 @@ from testing.services import RedisClusterService, RedisService, start_redis, sta
 
 @pytest.fixture(scope="session")
 def redis_service() -> Iterator[RedisService]:
+    """The run's Redis, its database claimed for the run (``RedisService.claimed``): one
+    the run started is flushed; an external one (``MCPBG_TEST_REDIS_URL``) must be empty,
+    else the run stops before it deletes anything. It is left empty at the end."""
     service = start_redis()
-    yield service
+    with service.claimed():
+        yield service
     service.stop()
 
 
@@ -39,6 +43,8 @@ def redis_cluster() -> Iterator[RedisClusterService]:
 
 @pytest.fixture
 def redis_url(redis_service: RedisService) -> str:
+    """The run's Redis database, flushed for this test: it is the run's, since
+    ``redis_service`` claimed it (an external one only if it found it empty)."""
     client = redis.Redis.from_url(redis_service.url)
     client.flushdb()
     client.close()

@@ -61,7 +61,7 @@ def artifacts() -> Path:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, redis_service: Any) -> Iterator[Served]:
-    with serve_console(tmp_path_factory.mktemp("browser"), redis_service.url, 8) as s:
+    with serve_console(tmp_path_factory.mktemp("browser"), redis_service, 8) as s:
         yield s
 
 

@@ -41,7 +41,6 @@ from testing.services import (
     tansu_binary,
 )
 from testing.stream_support import (
-    PARTITIONS,
     TENANTS,
     Names,
     Stream,
@@ -200,12 +199,7 @@ async def test_sigkill_mid_run_and_a_new_worker_keep_cluster_counters_exact(
         first.kill()  # mid-run: batches applied on some slots, the group offsets behind
         killed_at = await applied_offsets(stream.backend, stream.topic)
         await asyncio.sleep(0.5)
-        second = stream.start_worker()
-        await stream.wait_for(
-            lambda: second.assigned() == set(range(PARTITIONS)),
-            "the new worker takes every partition",
-            30,
-        )
+        second = await stream.start_worker_taking_all()
         await asyncio.sleep(1.0)
         stop.set()
         await producing

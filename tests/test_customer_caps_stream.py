@@ -84,7 +84,7 @@ async def test_caps_and_grants_through_the_worker_survive_rebuild_and_replay(
     # FLUSHALL: the worker rebuilds the caps and the grant from the ledger, once its
     # next batch finds the epoch marker gone.
     sync = redis_sync.Redis.from_url(stream.redis_url)
-    sync.flushall()
+    sync.flushdb()  # the test's db only (FLUSHALL would empty a shared server)
     await govs[0].check(Context(tenant="zeta"))
     assert await ledgers[0].flush(30)
     await stream.wait_for(lambda: sync.exists(EPOCH_KEY), "rebuild after FLUSHALL", 60)
@@ -97,7 +97,7 @@ async def test_caps_and_grants_through_the_worker_survive_rebuild_and_replay(
     assert worker.terminate() == 0
 
     # `mcpbg replay --source kafka` restores them too.
-    sync.flushall()
+    sync.flushdb()
     argv = ["replay", "--source", "kafka", "--kafka-url", f"kafka://{stream.kafka.bootstrap}"]
     argv += ["--topic", stream.topic, "--all", "--redis-url", stream.redis_url]
     code = await asyncio.to_thread(main, argv)
@@ -222,7 +222,7 @@ async def test_two_tenants_through_the_worker_with_two_governor_processes(
         assert worker.terminate() == 0
 
         sync = redis_sync.Redis.from_url(stream.redis_url)
-        sync.flushall()
+        sync.flushdb()
         code = await asyncio.to_thread(
             main, ["replay", "--archive-dir", str(archive), "--redis-url", stream.redis_url]
         )

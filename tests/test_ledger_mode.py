@@ -166,7 +166,7 @@ async def test_hot_path_never_admits_from_a_flushed_redis(redis_url: str) -> Non
     await backend.mark_ready("epoch-1")
     await asyncio.sleep(0.02)
     assert (await gov.check(ctx)).admitted
-    redis_sync.Redis.from_url(redis_url).flushall()  # Redis loses everything
+    redis_sync.Redis.from_url(redis_url).flushdb()  # Redis loses everything (this test's db)
     await asyncio.sleep(0.02)
     d = await gov.check(ctx)
     assert (d.admitted, d.status, d.degraded) == (False, 503, True)
@@ -218,3 +218,32 @@ async def test_the_prepared_entry_is_appended_only_when_it_is_the_outcome(redis_
     prepared = other.prepared[-1]
     assert entry is not prepared and entry.id == prepared.id  # type: ignore[attr-defined]
     assert entry.type is EntryType.REJECTED and entry.limit == "burst" and not entry.charges
+
+
+async def test_a_refused_caller_is_not_encoded_ahead_until_admitted_again(redis_url: str) -> None:
+    """A refused check's admitted event, prepared ahead, is thrown away: the caller's next
+    checks prepare none (one encoding each, the refusal's) until one is admitted, after
+    which the admissions are prepared ahead again."""
+    import redis as redis_sync
+
+    from mcp_budget_governor import RedisBackend
+
+    ctx = Context(user=f"refused-{random.randrange(1 << 30)}")
+    ledger = PreparingLedger()
+    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=ledger)
+    try:
+        assert all([(await gov.check(ctx)).admitted for _ in range(5)])  # burst: 5 a minute
+        before = len(ledger.prepared)
+        assert not any([(await gov.check(ctx)).admitted for _ in range(3)])
+        assert len(ledger.prepared) == before + 1  # the first refusal's only
+        redis_sync.Redis.from_url(redis_url).flushdb()  # the burst forgotten: admitted again
+        assert (await gov.check(ctx)).admitted  # (not prepared: it was expected refused)
+        assert len(ledger.prepared) == before + 1
+        assert (await gov.check(ctx)).admitted
+        assert len(ledger.prepared) == before + 2
+    finally:
+        await gov.aclose()
+    kinds = [e.type for e in ledger.entries]
+    assert kinds == [EntryType.ADMITTED] * 5 + [EntryType.REJECTED] * 3 + [EntryType.ADMITTED] * 2
+    last = ledger.entries[-1]
+    assert last is ledger.prepared[-1]  # appended as prepared

@@ -209,8 +209,11 @@ async def test_file_ledger_standing_estimate_is_closed_committed_and_billed_once
     code, out, err = await cli(capsys, *export, "--out", str(target), "--quiet")
     assert code == 0, err
     with target.open(newline="") as f:
-        billed = sum(Decimal(r["BilledCost"]) for r in csv.DictReader(f))
-    assert billed == Decimal(BILLED) / 10**6
+        rows = list(csv.DictReader(f))
+    assert sum(Decimal(r["BilledCost"]) for r in rows) == Decimal(BILLED) / 10**6
+    # Three completed calls, each once (the estimate that stood, the exact one, the
+    # settled one); the released one is none.
+    assert [(r["x_Meter"], r["ConsumedQuantity"]) for r in rows] == [("tool_calls", "3.0")]
 
 
 async def test_the_worker_projects_each_close_once_and_reconcile_finds_nothing(

@@ -32,7 +32,7 @@ from testing.console_server import READ, WRITE, Served, serve_console
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, redis_service: Any) -> Iterator[Served]:
-    with serve_console(tmp_path_factory.mktemp("serve"), redis_service.url, 7) as s:
+    with serve_console(tmp_path_factory.mktemp("serve"), redis_service, 7) as s:
         yield s
 
 

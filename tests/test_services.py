@@ -131,6 +131,36 @@ def test_env_route(local: RedisService, monkeypatch: pytest.MonkeyPatch) -> None
     assert _client(local).ping() is True
 
 
+def test_an_external_database_is_flushed_only_once_found_empty(
+    local: RedisService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An operator's key in the external database: the claim refuses, deleting nothing.
+    foreign = redis.Redis.from_url(local.url.rsplit("/", 1)[0] + "/3")
+    foreign.set("theirs", "keep")
+    monkeypatch.setenv(ENV_VAR, local.url.rsplit("/", 1)[0] + "/3")
+    svc = start_redis()
+    assert svc.kind == "env"
+    refused = pytest.raises(services.RedisDbNotEmpty, match=r"/3 holds 1 key\(s\) this run")
+    with refused, svc.claimed():
+        pass
+    assert foreign.get("theirs") == b"keep"
+    # Its other databases are not the run's either: one found empty is, until the end.
+    with svc.claimed(4) as url:
+        redis.Redis.from_url(url).set("ours", "1")
+    assert redis.Redis.from_url(url).dbsize() == 0
+    assert foreign.get("theirs") == b"keep"
+    foreign.close()
+
+
+def test_a_database_of_a_server_the_run_started_is_flushed(local: RedisService) -> None:
+    client = _client(local)
+    client.set("left-over", "1")
+    with local.claimed() as url:
+        assert url == local.url
+        assert client.dbsize() == 0
+    client.close()
+
+
 def test_prefer_local_ignores_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, "redis://127.0.0.1:1/0")
     with start_redis(prefer_local=True) as svc:

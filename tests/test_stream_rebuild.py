@@ -74,7 +74,7 @@ async def test_flushall_mid_run_rebuilds_and_never_admits_from_empty_counters(
             await asyncio.sleep(0.002)
 
     await traffic(1.0)
-    sync.flushall()  # Redis loses everything mid-run
+    sync.flushdb()  # Redis loses everything mid-run (this test's db: the server may be shared)
     flushed_at = time.monotonic()
     await traffic(3.0)
     await stream.wait_for(lambda: sync.exists(EPOCH_KEY), "rebuild after FLUSHALL", 60)
@@ -110,7 +110,7 @@ async def test_a_worker_started_on_an_empty_redis_rebuilds_before_it_resumes(
     fresh = RedisBackend.from_url(redis_url, timeout=5.0)
     async with governor(kafka, fresh, names.topic, tmp_path) as gov:
         await workload(gov, 400, random.Random(2))
-    redis_sync.Redis.from_url(redis_url).flushall()  # the in-flight charges are gone too
+    redis_sync.Redis.from_url(redis_url).flushdb()  # the in-flight charges are gone too
     assert not await fresh.has_epoch()
     worker = start_worker(workers, kafka, redis_url, names, tmp_path)
     records = await wait_caught_up(kafka, fresh, names.topic, workers)

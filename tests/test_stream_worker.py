@@ -310,13 +310,8 @@ async def test_sigkill_mid_run_and_a_new_worker_keeps_counters_exact(stream: Str
         first.kill()  # mid-run: events keep coming, some applied but not committed
         killed_at = await applied_offsets(stream.backend, stream.topic)
         await asyncio.sleep(1.0)
-        second = stream.start_worker()
         # The dead member holds its partitions until its session times out (6 s).
-        await stream.wait_for(
-            lambda: second.assigned() == set(range(PARTITIONS)),
-            "the new worker takes every partition",
-            30,
-        )
+        second = await stream.start_worker_taking_all()
         await asyncio.sleep(1.0)
         stop.set()
         operations = await producing
@@ -337,10 +332,7 @@ async def test_a_second_worker_takes_partitions_over_and_back_under_load(stream:
     leaves (SIGTERM) the other takes everything back. Each event is applied once."""
     async with stream.governor() as gov:
         await workload(gov, 100, random.Random(7))
-        first = stream.start_worker()
-        await stream.wait_for(
-            lambda: first.assigned() == {0, 1, 2}, "the first worker takes all", 30
-        )
+        first = await stream.start_worker_taking_all()
         stop = asyncio.Event()
         producing = asyncio.create_task(produce_until(gov, stop, seed=8))
         second = stream.start_worker()
@@ -410,8 +402,7 @@ async def test_two_workers_alert_each_level_of_a_shared_counter_once(stream: Str
     opts = ["--policy", "testing.stream_support:ALERT_POLICY", "--alert-topic", alerts_topic]
     async with stream.governor(ALERT_POLICY) as gov:
         await workload(gov, 50, random.Random(11))  # the topic exists before the workers
-        first = stream.start_worker(*opts)
-        await stream.wait_for(lambda: first.assigned() == {0, 1, 2}, "first takes all", 30)
+        first = await stream.start_worker_taking_all(*opts)
         second = stream.start_worker(*opts)
 
         await stream.wait_for(lambda: split(first, second), "the workers split the partitions", 40)
