@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from mcp_budget_governor import Backend, MemoryBackend, PostgresBackend, RedisBackend
+from mcp_budget_governor.projections.counters.cluster import ClusterBackend
 from testing.postgres import find_postgres, scratch_database, truncate_all
 from testing.services import RedisClusterService, RedisService, start_redis, start_redis_cluster
 
@@ -91,7 +92,14 @@ def store_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(params=["memory", "redis", "postgres"])
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    """Each test using this runs once per backend: the suite enforces their equivalence."""
+    """Each test using this runs once per backend: the suite enforces their equivalence.
+
+    ``"cluster"`` is a fourth kind, for suites that name their limits and customers
+    per test (the session's cluster is never wiped): they ask for it with
+    ``@pytest.mark.parametrize("backend", [..., "cluster"], indirect=True)``. Its
+    run-time entries are re-read on every check (``caps_refresh=0``), as the other
+    backends read them; the refresh bound is tests/test_cluster_caps.py's.
+    """
     if request.param == "memory":
         yield MemoryBackend()
         return
@@ -100,6 +108,12 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         await pg.migrate()  # connected and migrated: a test's first call is an ordinary one
         yield pg
         await pg.aclose()
+        return
+    if request.param == "cluster":
+        service: RedisClusterService = request.getfixturevalue("redis_cluster")
+        cluster = ClusterBackend.from_url(service.url, timeout=5.0, caps_refresh=0)
+        yield cluster
+        await cluster.aclose()
         return
     url = request.getfixturevalue("redis_url")
     b = RedisBackend.from_url(url, timeout=2.0)

@@ -6,11 +6,17 @@ stores of one deployment would run different functions. A later migration
 changes a function instead (``CREATE OR REPLACE``, as 0004 does for
 ``mcpbg_charge``); this test holds the released files to their digests.
 Adding a migration: add its line below.
+
+So a function's live body is its newest ``CREATE`` across the files: a migrated
+database is held to exactly those, and docs/postgres.md's table to where each is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
 from mcp_budget_governor.sql import migrations
 
@@ -40,3 +46,81 @@ def test_every_migration_is_on_the_released_list() -> None:
     edit to it is caught too)."""
     assert [m.version for m in migrations()] == sorted(RELEASED)
 
+
+# -- the live function bodies ----------------------------------------------------
+
+_CREATE = re.compile(
+    r"CREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\s+(mcpbg_\w+)\s*\((.*?)\)\s*RETURNS\b.*?"
+    r"\bAS\s+\$\$(.*?)\$\$",
+    re.DOTALL | re.IGNORECASE,
+)
+_DROP = re.compile(r"DROP\s+FUNCTION\s+(?:IF\s+EXISTS\s+)?(mcpbg_\w+)\s*\(", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Definition:
+    """A function's newest definition across the migrations: where, its arguments, body."""
+
+    file: str
+    arguments: str
+    body: str
+
+
+def newest_definitions() -> dict[str, Definition]:
+    """Each ``mcpbg_*`` function the migrations leave, by name, as its last
+    ``CREATE [OR REPLACE] FUNCTION`` states it (a ``DROP FUNCTION`` after it removes it)."""
+    newest: dict[str, Definition] = {}
+    for m in migrations():
+        file = f"{m.version:04d}_{m.name}.sql"
+        events = [(d.start(), d.group(1), None) for d in _DROP.finditer(m.text)]
+        for c in _CREATE.finditer(m.text):
+            arguments = " ".join(c.group(2).split())
+            events.append((c.start(), c.group(1), Definition(file, arguments, c.group(3))))
+        for _, name, definition in sorted(events, key=lambda e: e[0]):
+            if definition is None:
+                newest.pop(name, None)
+            else:
+                newest[name] = definition
+    return newest
+
+
+def test_the_live_functions_are_their_newest_definitions(postgres_server: str) -> None:
+    """A database migrated from nothing runs, for every ``mcpbg_*`` function, exactly
+    the newest definition the files state (one function per name: a later migration
+    restating an older signature would leave a second overload), so the newest
+    ``CREATE`` in sql/ is the live body (docs/postgres.md lists where each is)."""
+    import asyncio
+
+    import psycopg
+
+    from mcp_budget_governor.projections.counters.postgres import migrate
+    from testing.postgres import scratch_database
+
+    newest = newest_definitions()
+    with scratch_database(postgres_server, "mcpbg_functions") as url:
+        asyncio.run(migrate(url))
+        with psycopg.connect(url) as conn:
+            rows = conn.execute(
+                "SELECT p.proname, pg_get_function_arguments(p.oid), p.prosrc FROM pg_proc p "
+                "JOIN pg_namespace n ON n.oid = p.pronamespace "
+                "WHERE n.nspname = current_schema() AND p.proname LIKE 'mcpbg\\_%' "
+                "ORDER BY 1, 2"
+            ).fetchall()
+    names = [name for name, _, _ in rows]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f"{twice}: a migration left an older signature (DROP FUNCTION it)"
+    live = {name: (" ".join(args.split()), src) for name, args, src in rows}
+    assert sorted(live) == sorted(newest)
+    for name, (arguments, body) in live.items():
+        assert arguments == newest[name].arguments, (name, newest[name].file)
+        assert body == newest[name].body, f"{name}: the live body is not {newest[name].file}'s"
+
+
+def test_docs_name_where_each_live_body_is() -> None:
+    """docs/postgres.md's table of the live bodies is the migrations' newest definitions:
+    a migration restating a function moves its row."""
+    doc = (Path(__file__).parents[1] / "docs" / "postgres.md").read_text()
+    section = doc.split("### Where each function's live body is", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `(mcpbg_\w+)` \| `sql/(\d{4}_\w+\.sql)` \|", section, re.MULTILINE)
+    assert dict(rows) == {name: d.file for name, d in newest_definitions().items()}
+    assert len(rows) == len(dict(rows))

@@ -1,7 +1,7 @@
 // The Governor on both backends: caps, atomic admission, meters, reservations,
 // leases, fail modes, the ledger entries, policy files and prices.
 import assert from "node:assert/strict";
-import { after, describe, it } from "node:test";
+import { describe, it } from "node:test";
 
 import {
   BackendUnavailableError,
@@ -11,7 +11,6 @@ import {
   Governor,
   Limit,
   LimitExceeded,
-  MemoryBackend,
   MemoryLedger,
   Policy,
   PriceTable,
@@ -22,26 +21,13 @@ import {
   context,
   loadPolicyFile,
   usd,
-  type Backend,
 } from "../src/index.js";
-import { REDIS_URL, fresh } from "./services.js";
+import { backends, closer } from "./backends.js";
+import { fresh } from "./services.js";
 
-const backends: [string, () => Backend][] = [
-  ["memory", () => new MemoryBackend()],
-  ["redis", () => RedisBackend.fromUrl(REDIS_URL, { timeout: 2 })],
-];
-const opened: Backend[] = [];
-after(async () => {
-  for (const b of opened) await b.close();
-});
+const close = closer();
 
-for (const [name, make] of backends) {
-  const backend = (): Backend => {
-    const b = make();
-    opened.push(b);
-    return b;
-  };
-
+for (const [name, backend] of backends(close)) {
   describe(`Governor on ${name}`, () => {
     it("admits exactly the cap under concurrent checks, and refuses with 429 and a retry hint", async () => {
       const gov = new Governor(Policy.of(new Limit("burst", { cap: 7, window: Window.MINUTE, scope: Scope.USER })), backend());
@@ -180,9 +166,7 @@ for (const [name, make] of backends) {
 
 describe("fail modes with the counters unreachable", () => {
   const dead = (): RedisBackend => {
-    const b = RedisBackend.fromUrl("redis://127.0.0.1:1/0", { timeout: 0.2 });
-    opened.push(b);
-    return b;
+    return close(RedisBackend.fromUrl("redis://127.0.0.1:1/0", { timeout: 0.2 }));
   };
 
   it("a fail-closed limit refuses with 503 and a retry hint", async () => {

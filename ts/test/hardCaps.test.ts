@@ -3,16 +3,14 @@
 // one charge, as one closing event naming it; two calls near two caps never each hold
 // part and refuse the other.
 import assert from "node:assert/strict";
-import { after, describe, it } from "node:test";
+import { describe, it } from "node:test";
 
 import {
   EntryType,
   Governor,
   Limit,
-  MemoryBackend,
   MemoryLedger,
   Policy,
-  RedisBackend,
   Scope,
   Unit,
   Window,
@@ -22,16 +20,9 @@ import {
 } from "../src/index.js";
 import { governedCall } from "../src/integrations/common.js";
 import { governHandler } from "../src/integrations/sdk.js";
-import { REDIS_URL, fresh } from "./services.js";
+import { backends } from "./backends.js";
+import { fresh } from "./services.js";
 
-const backends: [string, () => Backend][] = [
-  ["memory", () => new MemoryBackend()],
-  ["redis", () => RedisBackend.fromUrl(REDIS_URL, { timeout: 2 })],
-];
-const opened: Backend[] = [];
-after(async () => {
-  for (const b of opened) await b.close();
-});
 
 function twoLimits(): Policy {
   return Policy.of(
@@ -42,13 +33,7 @@ function twoLimits(): Policy {
 
 type Result = { isError?: boolean; content: { text: string }[] };
 
-for (const [name, make] of backends) {
-  const backend = (): Backend => {
-    const b = make();
-    opened.push(b);
-    return b;
-  };
-
+for (const [name, backend] of backends()) {
   describe(`hard caps on ${name}`, () => {
     it("holds estimates on several limits all or nothing in one round trip", async () => {
       const ledger = new MemoryLedger();

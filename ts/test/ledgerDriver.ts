@@ -21,6 +21,7 @@ import { readFileSync } from "node:fs";
 import { KafkaLedger } from "../src/ledger/kafka.js";
 import { Outbox } from "../src/ledger/outbox.js";
 import type { LedgerEntry } from "../src/ledger/types.js";
+import { driverLedger } from "./driverLedger.js";
 
 const [command, ...args] = process.argv.slice(2);
 const say = (line: string) => process.stdout.write(line + "\n");
@@ -55,14 +56,7 @@ async function kafka(): Promise<void> {
     string, string, string, string, string, string, string | undefined,
   ];
   const entries = JSON.parse(readFileSync(file, "utf8")) as LedgerEntry[];
-  const ledger = KafkaLedger.fromUrl(`kafka://${bootstrap}`, {
-    topic,
-    outboxDir: outbox,
-    partitions: 3,
-    batchSize: 25,
-    lingerMs: 5,
-    warn: (m) => process.stderr.write(m + "\n"),
-  });
+  const ledger = driverLedger(bootstrap, topic, outbox, 25);
   const every = Number(pauseEvery ?? "0");
   for (let i = Number(from); i < Number(to); i++) {
     await ledger.append(entries[i]!);

@@ -3,7 +3,7 @@
 // while they wait ahead of it, and a wait that runs out is the usual 429 with a
 // retry hint, its ticket gone from the queue and one refusal in the ledger.
 import assert from "node:assert/strict";
-import { after, describe, it } from "node:test";
+import { describe, it } from "node:test";
 
 import {
   EntryType,
@@ -18,20 +18,12 @@ import {
   Unit,
   Window,
   context,
-  type Backend,
   type Decision,
 } from "../src/index.js";
 import { queueKey } from "../src/keys.js";
-import { REDIS_URL, fresh } from "./services.js";
+import { backends } from "./backends.js";
+import { fresh } from "./services.js";
 
-const backends: [string, () => Backend][] = [
-  ["memory", () => new MemoryBackend()],
-  ["redis", () => RedisBackend.fromUrl(REDIS_URL, { timeout: 2 })],
-];
-const opened: Backend[] = [];
-after(async () => {
-  for (const b of opened) await b.close();
-});
 
 function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
@@ -50,13 +42,7 @@ function parallel(cap: number): Policy {
   return Policy.of(new Limit("parallel", { cap, unit: Unit.CONCURRENT, scope: Scope.USER }));
 }
 
-for (const [name, make] of backends) {
-  const backend = (): Backend => {
-    const b = make();
-    opened.push(b);
-    return b;
-  };
-
+for (const [name, backend] of backends()) {
   describe(`waiting for a concurrency slot on ${name}`, () => {
     it("admits N waiters for a cap of k slots in their order of arrival", async () => {
       const k = 2;

@@ -13,7 +13,7 @@
 import { readFileSync } from "node:fs";
 
 import { Governor, RedisBackend, context, loadPolicyFile } from "../../src/index.js";
-import { KafkaLedger } from "../../src/ledger/kafka.js";
+import { driverLedger } from "../driverLedger.js";
 
 interface Op {
   op: "check" | "meter";
@@ -34,14 +34,7 @@ const say = (value: unknown) => process.stdout.write(JSON.stringify(value) + "\n
 
 async function main(): Promise<void> {
   const ops = JSON.parse(readFileSync(opsFile, "utf8")) as Op[];
-  const ledger = KafkaLedger.fromUrl(`kafka://${bootstrap}`, {
-    topic,
-    outboxDir: outbox,
-    partitions: 3,
-    batchSize: 10,
-    lingerMs: 5,
-    warn: (m) => process.stderr.write(m + "\n"),
-  });
+  const ledger = driverLedger(bootstrap, topic, outbox, 10);
   const governor = new Governor(loadPolicyFile(policyFile), RedisBackend.fromUrl(url, { timeout: 5 }), {
     ledger,
   });

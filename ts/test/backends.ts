@@ -1,0 +1,26 @@
+// The backends the Governor's suites run on (memory, and the Redis of services.ts),
+// each opened fresh per test and closed once the test file's tests are done.
+import { after } from "node:test";
+
+import { MemoryBackend, RedisBackend, type Backend } from "../src/index.js";
+import { REDIS_URL } from "./services.js";
+
+/** A function that hands back the backend it is given and closes it after the file's tests. */
+export function closer(): <B extends Backend>(backend: B) => B {
+  const opened: Backend[] = [];
+  after(async () => {
+    for (const b of opened) await b.close();
+  });
+  return (backend) => {
+    opened.push(backend);
+    return backend;
+  };
+}
+
+/** Each backend by name, with a function opening a fresh one (closed by `close`). */
+export function backends(close = closer()): [string, () => Backend][] {
+  return [
+    ["memory", () => close(new MemoryBackend())],
+    ["redis", () => close(RedisBackend.fromUrl(REDIS_URL, { timeout: 2 }))],
+  ];
+}
