@@ -382,22 +382,7 @@ def test_cli_bad_input_exits_2_and_writes_nothing(
     client.close()
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "memory",
-        "redis",
-        "postgres",
-        pytest.param(
-            "cluster",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="ClusterBackend has no overrides(): the report shows the default caps",
-            ),
-        ),
-    ],
-    indirect=True,
-)
+@EVERY_BACKEND
 async def test_budgets_report_shows_the_effective_limit_and_its_source(
     backend: Backend, tag: str
 ) -> None:
