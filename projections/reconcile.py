@@ -73,7 +73,7 @@ from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, id_
 from mcp_budget_governor.money import Unit
 from mcp_budget_governor.windows import Window, bucket_of
 
-from .counters.changes_sync import ChangeDrift, reconcile_changes
+from .counters.changes_sync import ChangeDrift, ChangesResult, reconcile_changes
 from .counters.cluster_sync import (
     SlotSnapshot,
     correct_slot,
@@ -166,6 +166,15 @@ class ReconcileResult:
     change_drifts: list[ChangeDrift] = field(default_factory=list)
     #: With ``fix``: how many of them were put back.
     changes_fixed: int = 0
+    #: Run-time events kept without their change (old archive segments): when any,
+    #: the run-time entries are not compared.
+    changes_unreadable: int = 0
+
+    def note_changes(self, found: ChangesResult) -> None:
+        """Take in what the run-time comparison found."""
+        self.change_drifts = found.drifts
+        self.changes_fixed = found.fixed
+        self.changes_unreadable = found.unreadable
 
     def orphaned_by_unit(self) -> dict[str, int]:
         """Orphaned in-flight amounts summed per unit (``?`` when unknown), never across."""
@@ -220,11 +229,7 @@ def reconcile(
             )
         result.fixed = len(corrections)
     if not postgres:  # Postgres: its run-time tables are not compared yet
-        result.change_drifts, result.changes_fixed = reconcile_changes(
-            con,
-            client,  # type: ignore[arg-type]
-            fix=fix,
-        )
+        result.note_changes(reconcile_changes(con, client, fix=fix))  # type: ignore[arg-type]
     return result
 
 
@@ -312,7 +317,7 @@ def _reconcile_cluster(
                 result.seen_restored += correct_slot(client, part, corrections, stale, seen)
                 result.fixed += len(corrections)
     # After the counters' fix: a slot it moved up to the resume watermarks is read as moved.
-    result.change_drifts, result.changes_fixed = reconcile_changes(con, client, fix=fix)
+    result.note_changes(reconcile_changes(con, client, fix=fix))
     return result
 
 

@@ -432,3 +432,26 @@ async def test_run_time_fix_is_refused_when_a_projector_applied_meanwhile(
         changes_sync.read_hashes = read
         con.close()
     assert not client.hexists(caps_key("tenant_calls"), f"tenant={TENANTS[0]}")
+
+
+async def test_run_time_changes_of_segments_older_than_the_change_column_are_not_compared(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An archive written before the ``change`` column keeps no change: what it set is
+    unknown, so nothing run-time is reported (or unset by --fix); a warning says so."""
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    run = await mixed_run(redis_url, tmp_path)
+    await project(redis_url, run, await run_time_changes(redis_url, run))
+    for segment in run.archive.rglob("*.parquet"):
+        table = pq.read_table(segment)
+        if "change" in table.column_names:
+            pq.write_table(table.drop_columns(["change"]), segment)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    caps = client.hgetall(caps_key("tenant_calls"))
+    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    code, out, _ = reconcile(capsys, "--fix", *args)
+    assert code == 0 and "not compared" in out, out
+    assert client.hgetall(caps_key("tenant_calls")) == caps
+    code, out, _ = reconcile(capsys, "--json", *args)
+    assert code == 0 and json.loads(out)["run_time_unreadable"] == 11, out

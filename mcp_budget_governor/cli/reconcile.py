@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                     for d in result.drifts
                 ],
                 "run_time_fixed": result.changes_fixed,
+                "run_time_unreadable": result.changes_unreadable,
                 "run_time_drift": [
                     {
                         "kind": c.kind,
@@ -177,6 +178,12 @@ def _print_changes(args: argparse.Namespace, result: Any, store: str) -> None:
     """The run-time caps, assignments and grants that differ from the ledger (if any)."""
     from .render import console, print_table
 
+    if result.changes_unreadable:
+        console().print(
+            f"warning: run-time caps, plans and grants not compared: "
+            f"{result.changes_unreadable:,} run-time changes are in archive segments older "
+            "than the change column (replay with --source kafka to restore them)"
+        )
     drifts = result.change_drifts
     if not drifts:
         return

@@ -40,8 +40,9 @@ added twice) and raises the slot's watermarks that were behind.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
@@ -76,7 +77,7 @@ from .sync import (
     read_hashes,
 )
 
-__all__ = ["ChangeDrift", "reconcile_changes"]
+__all__ = ["ChangeDrift", "ChangesResult", "reconcile_changes"]
 
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
 
@@ -104,19 +105,20 @@ class _Row:
     change: Change
 
 
-def _ledger_rows(con: duckdb.DuckDBPyConnection) -> list[_Row]:
-    """The ledger's run-time changes in ledger order, each event once (the rebuild's);
-    rows older than the ``change`` column (no ``data.change``) are left out, as there."""
+def _ledger_rows(con: duckdb.DuckDBPyConnection) -> tuple[list[_Row], int]:
+    """The ledger's run-time changes in ledger order, each event once (the rebuild's),
+    and how many keep no ``data.change`` (archive segments older than that column)."""
     columns = f'partition_name, "offset", {SEEN_DAY_SQL}, {SEEN_EXPIRE_SQL}'
     try:
         rows = _run_time_change_rows(con, columns)
     except duckdb.Error as exc:
         raise query_error(exc) from None
-    return [
+    out = [
         _Row(event_id, str(p), int(o), str(d), int(e), change)
         for event_id, (p, o, d, e), change in rows
         if change is not None
     ]
+    return out, len(rows) - len(out)
 
 
 def _upto(rows: Iterable[_Row], upto: Mapping[str, int]) -> list[_Row]:
@@ -134,9 +136,9 @@ def _text(value: bytes | str) -> str:
     return _decode(value)
 
 
-def _cap_text(entry: tuple[int, int, str] | None) -> str | None:
-    if entry is None:
-        return None
+def _cap_text(entry: tuple[int, int, str] | str | None) -> str | None:
+    if entry is None or isinstance(entry, str):
+        return None if entry is None else f"unreadable: {entry!r}"
     cap, until, why = entry
     actor, reason = why_from(why)
     by = f" ({actor or '-'}: {reason})" if why != "-" else ""
@@ -146,8 +148,6 @@ def _cap_text(entry: tuple[int, int, str] | None) -> str | None:
 def compare(hashes: Hashes, model: MemoryBackend, now: int) -> list[tuple[ChangeDrift, Change]]:
     """The entries of ``hashes`` (caps hashes, the plans hash, granted counters, as
     read) that differ from ``model``, each with the change that puts it back."""
-    from .redis import caps_value
-
     caps, plans = model.overrides_now()
     grants = model.granted(now)
     out: list[tuple[ChangeDrift, Change]] = []
@@ -155,7 +155,7 @@ def compare(hashes: Hashes, model: MemoryBackend, now: int) -> list[tuple[Change
         raw = {_text(f): _text(v) for f, v in hashes[key][0].items()}
         if key.startswith(f"{CAPS_PREFIX}:"):
             limit = key[len(CAPS_PREFIX) + 1 :]
-            held = {f: caps_value(v) for f, v in raw.items()}
+            held = {f: _caps_value(v) for f, v in raw.items()}
             given = caps.get(key, {})
             for f in sorted({*held, *given}):
                 s, g = held.get(f), given.get(f)
@@ -194,18 +194,51 @@ def compare(hashes: Hashes, model: MemoryBackend, now: int) -> list[tuple[Change
     return out
 
 
+def _caps_value(raw: str) -> tuple[int, int, str] | str:
+    """A stored caps-hash value, or the text itself when it is of no shape apply_change
+    writes (drift: the fix writes the ledger's over it)."""
+    from .redis import caps_value
+
+    try:
+        return caps_value(raw)
+    except ValueError:
+        return raw
+
+
 def _keys(rows: Iterable[_Row], stored_caps: Iterable[str]) -> set[str]:
     """The hashes to read: every caps hash stored or named, the plans hash, and each
-    counter a grant or reset names."""
-    return {PLANS_KEY, *stored_caps, *(r.change.key for r in rows)}
+    counter a grant or reset names whose bucket has not long ended (by this machine's
+    clock, a day's margin: the comparison itself takes the store's)."""
+    recent = time.time() - 86_400
+    return {
+        PLANS_KEY,
+        *stored_caps,
+        *(r.change.key for r in rows if r.change.kind not in _GRANTS or r.change.until > recent),
+    }
+
+
+_GRANTS = (ChangeKind.GRANTED, ChangeKind.RESET)
+
+
+@dataclass(slots=True)
+class ChangesResult:
+    """What the run-time comparison found and, with ``fix``, put back."""
+
+    drifts: list[ChangeDrift] = field(default_factory=list)
+    fixed: int = 0
+    #: Run-time events the ledger keeps without their change (archive segments older
+    #: than the ``change`` column): when any, nothing is compared (what they set is unknown).
+    unreadable: int = 0
 
 
 def reconcile_changes(
     con: duckdb.DuckDBPyConnection, client: redis.Redis | RedisCluster, *, fix: bool
-) -> tuple[list[ChangeDrift], int]:
+) -> ChangesResult:
     """The run-time entries of ``client`` (one Redis or a cluster) that differ from the
     ``ledger`` view on ``con`` and, with ``fix``, how many were put back."""
-    rows = _ledger_rows(con)
+    rows, unreadable = _ledger_rows(con)
+    if unreadable:
+        return ChangesResult(unreadable=unreadable)
     if isinstance(client, RedisCluster):
         return _reconcile_cluster(client, rows, fix=fix)
     try:
@@ -216,12 +249,10 @@ def reconcile_changes(
     found = compare(hashes, _model(_upto(rows, marks), now), now)
     if fix and found:
         _put_back(client, [c for _, c in found], WATERMARK_KEY, marks, now)
-    return [d for d, _ in found], len(found) if fix else 0
+    return ChangesResult([d for d, _ in found], len(found) if fix else 0)
 
 
-def _reconcile_cluster(
-    client: RedisCluster, rows: list[_Row], *, fix: bool
-) -> tuple[list[ChangeDrift], int]:
+def _reconcile_cluster(client: RedisCluster, rows: list[_Row], *, fix: bool) -> ChangesResult:
     """Slot by slot: each slot's hashes compared up to its own cut, fixed on its master."""
     reads = read_slots(client, _keys(rows, scan_keys(client, f"{CAPS_PREFIX}:*")))
     drifts: list[ChangeDrift] = []
@@ -254,7 +285,7 @@ def _reconcile_cluster(
         )
         fixed += len(found)
     drifts.sort(key=lambda d: (d.key, d.field))
-    return drifts, fixed
+    return ChangesResult(drifts, fixed)
 
 
 def _put_back(
