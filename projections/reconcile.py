@@ -28,6 +28,12 @@ worker archives a batch *before* applying it, so an archive kept since the
 topic's start does; a gap shows as drift), and a counter is only ever
 committed by the projection (no ledger-less governor writing the same keys).
 
+**Run-time changes** (caps, plan assignments, grants: the ledger's
+``mcpbg.cap_set``, ``cap_unset``, ``plan_assigned``, ``granted`` and
+``reset`` events) are compared too, on Redis and Redis Cluster, each entry
+with what the ledger's changes up to the cut leave live
+(:mod:`.counters.changes_sync`); ``fix`` writes the differing ones back.
+
 ``fix=True`` adds the difference to each drifting counter's committed amount
 (``HINCRBY``, ``lua/rewrite.lua`` in ``add`` mode) and drops its stale
 in-flight entries: a correction, not an overwrite, so it stays right even if
@@ -67,6 +73,7 @@ from mcp_budget_governor.ledger import EntryType, LedgerCharge, LedgerEntry, id_
 from mcp_budget_governor.money import Unit
 from mcp_budget_governor.windows import Window, bucket_of
 
+from .counters.changes_sync import ChangeDrift, ChangesResult, reconcile_changes
 from .counters.cluster_sync import (
     SlotSnapshot,
     correct_slot,
@@ -154,6 +161,20 @@ class ReconcileResult:
     orphans: list[Orphan] = field(default_factory=list)
     #: Redis Cluster, with ``fix``: seen ids put back into the slots that had lost them.
     seen_restored: int = 0
+    #: Run-time caps, plan assignments and grants the store holds otherwise than the
+    #: ledger gives (Redis and Redis Cluster; :mod:`.counters.changes_sync`).
+    change_drifts: list[ChangeDrift] = field(default_factory=list)
+    #: With ``fix``: how many of them were put back.
+    changes_fixed: int = 0
+    #: Run-time events kept without their change (old archive segments): when any,
+    #: the run-time entries are not compared.
+    changes_unreadable: int = 0
+
+    def note_changes(self, found: ChangesResult) -> None:
+        """Take in what the run-time comparison found."""
+        self.change_drifts = found.drifts
+        self.changes_fixed = found.fixed
+        self.changes_unreadable = found.unreadable
 
     def orphaned_by_unit(self) -> dict[str, int]:
         """Orphaned in-flight amounts summed per unit (``?`` when unknown), never across."""
@@ -207,6 +228,8 @@ def reconcile(
                 drop=stale_by_key,
             )
         result.fixed = len(corrections)
+    if not postgres:  # Postgres: its run-time tables are not compared yet
+        result.note_changes(reconcile_changes(con, client, fix=fix))  # type: ignore[arg-type]
     return result
 
 
@@ -293,6 +316,8 @@ def _reconcile_cluster(
             for part, corrections, stale in fixing:
                 result.seen_restored += correct_slot(client, part, corrections, stale, seen)
                 result.fixed += len(corrections)
+    # After the counters' fix: a slot it moved up to the resume watermarks is read as moved.
+    result.note_changes(reconcile_changes(con, client, fix=fix))
     return result
 
 

@@ -214,6 +214,54 @@ async def extend(
     return new
 
 
+async def run_time_changes(
+    redis_url: str, run: Run, *, tenant: str = TENANTS[0]
+) -> dict[int, list[tuple[int, bytes]]]:
+    """Run-time changes after the run, appended like :func:`extend` (not applied): caps set
+    (two, one unset again), a plan assignment and one undone, two grants and a reset
+    of the current day's counters of ``tenant`` and user ``u1``."""
+    import time
+
+    from mcp_budget_governor import Plan
+
+    base = policy()
+    plans = [Plan("pro", caps={"burst": 60})]
+    with_plans = Policy.of(*base.limits, plans=plans)
+    backend = backend_for(redis_url)
+    ledger = MemoryLedger()
+    gov = Governor(with_plans, backend, ledger=ledger, clock=time.time)
+    await gov.set_cap("tenant_calls", 5_000, tenant=tenant, actor="ops", reason="trial")
+    await gov.set_cap("burst", 9, user="u1", until=time.time() + 86_400)
+    await gov.set_cap("daily", 90, user="u2")
+    await gov.unset_cap("daily", user="u2")
+    await gov.assign_plan("pro", user="u1", actor="ops")
+    await gov.assign_plan("pro", tenant=tenant)
+    await gov.assign_plan(None, tenant=tenant)
+    await gov.grant("tenant_calls", 40, tenant=tenant, reason="goodwill")
+    await gov.grant("tenant_calls", 2, tenant=tenant)
+    await gov.grant("daily", 7, user="u1")
+    await gov.reset("daily", user="u3")
+    await backend.aclose()
+    new: dict[int, list[tuple[int, bytes]]] = {}
+    for entry in ledger.entries:
+        raw = encode(entry, SOURCE)
+        p = partition_of(raw)
+        records = run.partitions.setdefault(p, [])
+        records.append((len(records), raw))
+        new.setdefault(p, []).append(records[-1])
+    return new
+
+
+async def project(redis_url: str, run: Run, new: dict[int, list[tuple[int, bytes]]]) -> None:
+    """Apply (and archive) ``new`` records of ``run`` into the store, as the worker does."""
+    backend = backend_for(redis_url)
+    archiver = Archiver(run.archive, topic=TOPIC)
+    projector = Projector(backend, TOPIC, dlq=lambda letter: None, archive=archiver.write_batch)
+    for p, records in sorted(new.items()):
+        await projector.apply_batch(p, records)
+    await backend.aclose()
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``mcpbg *argv`` in this process: its exit code, stdout and stderr."""
     code = main(list(argv))

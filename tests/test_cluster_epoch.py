@@ -26,6 +26,7 @@ from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.projections.counters.cluster import SLOTS, ClusterBackend, epoch_key
 from mcp_budget_governor.projections.counters.cluster_rebuild import lost_slots
+from mcp_budget_governor.projections.counters.rebuild import rebuild_from_kafka
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 from testing.ledger_run import mixed_run, run_cli
 from testing.services import (
@@ -309,6 +310,19 @@ async def test_the_worker_rebuilds_only_a_master_flushed_mid_run(
         redis.Redis(port=victim).flushall()
         others = {m for m in own_cluster.masters() if m != victim}
         intact = [k for k in keys if owner(own_cluster, k) != victim]
+
+        # Its dry run compares the lost slots alone: an intact counter off the topic's
+        # total (tampered here) is not listed, nor the resume watermark moved.
+        tampered = redis.RedisCluster(host="127.0.0.1", port=min(others))
+        tampered.hincrby(intact[0], "c", 5)
+        report = await rebuild_from_kafka(
+            url, kafka.bootstrap, stream.topic, all_buckets=True, dry_run=True, lost_only=True
+        )
+        tampered.hincrby(intact[0], "c", -5)
+        tampered.close()
+        assert report.changes and report.counters >= len(report.changes)
+        assert all(owner(own_cluster, c.key) == victim for c in report.changes)
+        assert all(a == b for a, b in report.watermarks.values())
         before = values(own_cluster, intact)
         writes = {m: dirty(m) for m in others}
         argv = ["replay", "--source", "kafka", "--kafka-url", f"kafka://{kafka.bootstrap}"]

@@ -17,22 +17,34 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from redis.crc import key_slot
 
-from mcp_budget_governor import Context, Governor, Limit, Policy, Scope, Unit, Window, usd
+from mcp_budget_governor import (
+    Context,
+    Governor,
+    Limit,
+    Plan,
+    Policy,
+    Scope,
+    Unit,
+    Window,
+    usd,
+)
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
-from mcp_budget_governor.events import parse
+from mcp_budget_governor.events import encode, parse
 from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.ledger import new_id
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.counters.cluster import ClusterBackend
 from mcp_budget_governor.stream.archiver import Archiver
 from mcp_budget_governor.stream.projector import Projector
-from testing.ledger_run import TOPIC, Run, extend, mixed_run, run_cli
+from testing.ledger_run import SOURCE, TOPIC, Run, extend, mixed_run, partition_of, run_cli
+from testing.ledger_run import policy as ledger_policy
 from testing.services import (
     KafkaService,
     RedisClusterService,
@@ -348,6 +360,111 @@ def test_a_failover_that_lost_writes_is_reported_and_fixed(
     assert _committed(own_cluster, sorted(totals)) == totals
     code, out, _ = run_cli(capsys, "reconcile", *args)
     assert code == 0 and "no drift" in out, out
+
+
+async def _lost_changes(url: str, run: Run, victim_keys: Callable[[str], bool]) -> list[str]:
+    """Run-time changes after the run, appended (not applied): grants to every user's day
+    counter and caps on every limit, and plans for the users; the keys they write on
+    the victim master."""
+    from mcp_budget_governor.caps import PLANS_KEY, caps_key
+
+    base = ledger_policy()
+    gov_policy = Policy.of(*base.limits, plans=[Plan("team", caps={"burst": 30})])
+    backend = ClusterBackend.from_url(url, timeout=5.0)
+    ledger = MemoryLedger()
+    gov = Governor(gov_policy, backend, ledger=ledger, clock=time.time)
+    keys: set[str] = set()
+    for i in range(12):
+        change = await gov.grant("daily", 3 + i, user=f"u{i}", reason="lost")
+        keys.add(change.key)
+        await gov.assign_plan("team", user=f"u{i}", actor="ops")
+    for limit in ("burst", "daily"):
+        await gov.set_cap(limit, 77, user="u5", reason="lost cap")
+        keys.add(caps_key(limit))
+    keys.add(PLANS_KEY)
+    await backend.aclose()
+    for entry in ledger.entries:
+        raw = encode(entry, SOURCE)
+        records = run.partitions.setdefault(partition_of(raw), [])
+        records.append((len(records), raw))
+    return sorted(k for k in keys if victim_keys(k))
+
+
+def _run_time(service: RedisClusterService, keys: list[str]) -> dict[str, dict[str, str]]:
+    """The run-time entries of ``keys``: caps and plans hashes whole, a counter's grant."""
+    client = redis.RedisCluster(host="127.0.0.1", port=service.masters()[0], decode_responses=True)
+    try:
+        return {
+            k: client.hgetall(k) if k.startswith("mcpbg:v1:_") else {"g": client.hget(k, "g")}
+            for k in keys
+        }
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_run_time_changes_a_failover_lost_are_reported_and_put_back(
+    own_cluster: RedisClusterService, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Grants, caps and plan assignments applied on a master that died before
+    replicating them: reconcile reports them, ``--fix`` writes them back on their
+    slots' master (with the seen ids: a producer retry of a lost grant is skipped)."""
+    url = own_cluster.url
+    run = asyncio.run(mixed_run(url, tmp_path))
+    args = ["--archive-dir", str(run.archive), "--redis-url", url]
+    resume_master = _owner(own_cluster, key_slot(WATERMARK_KEY.encode()))
+    victim = next(m for m in own_cluster.masters() if m != resume_master)
+    on_victim = lambda k: _owner(own_cluster, key_slot(k.encode())) == victim  # noqa: E731
+    before = {p: len(r) for p, r in run.partitions.items()}
+    lost_keys = asyncio.run(_lost_changes(url, run, on_victim))
+    lost = {p: r[before.get(p, 0) :] for p, r in run.partitions.items() if r[before.get(p, 0) :]}
+    assert any(not k.startswith("mcpbg:v1:_") for k in lost_keys), lost_keys  # a grant there
+
+    replica = own_cluster.replica_of(victim)
+    os.kill(own_cluster.pid(replica), signal.SIGSTOP)
+    try:
+        redis.Redis(port=victim).execute_command("CLIENT", "KILL", "TYPE", "replica")
+        _project(url, run, lost)  # applied on the victim, never replicated
+        applied = _run_time(own_cluster, lost_keys)
+        own_cluster.kill(victim)
+    finally:
+        os.kill(own_cluster.pid(replica), signal.SIGCONT)
+    redis.Redis(port=replica).execute_command("CLUSTER FAILOVER TAKEOVER")
+    _wait_failed_over(own_cluster, victim)
+    _project(url, run, asyncio.run(extend(url, run, 60, seed=8, back=10)))  # the worker runs on
+    assert _run_time(own_cluster, lost_keys) != applied
+
+    code, out, _ = run_cli(capsys, "reconcile", "--json", *args)
+    report = json.loads(out)
+    assert code == 1, out
+    drifted = {d["key"] for d in report["run_time_drift"]}
+    assert drifted == set(lost_keys), (drifted, lost_keys)
+    kinds = {
+        "plan" if k.endswith("_plans") else "cap" if ":_caps:" in k else "grant" for k in lost_keys
+    }
+    assert {d["kind"] for d in report["run_time_drift"]} == kinds
+
+    code, out, _ = run_cli(capsys, "reconcile", "--fix", "--json", *args)
+    assert code == 1 and json.loads(out)["run_time_fixed"] == len(report["run_time_drift"]), out
+    assert _run_time(own_cluster, lost_keys) == applied
+    code, out, _ = run_cli(capsys, "reconcile", *args)
+    assert code == 0 and "run-time drift" not in out, out
+
+    # A producer retry of a lost grant at a new offset: the slot has its id again, skips it.
+    grant = next(
+        raw
+        for records in lost.values()
+        for _, raw in records
+        if (c := parse(raw).data.change) is not None
+        and c.key in lost_keys
+        and c.key.startswith("mcpbg:v1:daily:")
+    )
+    p = partition_of(grant)
+    run.partitions[p].append((len(run.partitions[p]), grant))
+    _project(url, run, {p: [run.partitions[p][-1]]})
+    assert _run_time(own_cluster, lost_keys) == applied
+    code, out, _ = run_cli(capsys, "reconcile", *args)
+    assert code == 0 and "run-time drift" not in out, out
 
 
 @needs_broker

@@ -11,10 +11,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from mcp_budget_governor.caps import PLANS_KEY, caps_key
 from mcp_budget_governor.events import parse
+from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.stream.archiver import Archiver
-from testing.ledger_run import TOPIC, extend, live_counters, mixed_run, run_cli
+from testing.ledger_run import (
+    TENANTS,
+    TOPIC,
+    extend,
+    live_counters,
+    mixed_run,
+    project,
+    run_cli,
+    run_time_changes,
+)
 from testing.services import KafkaService, start_kafka
 from testing.stores import (
     add_committed,
@@ -343,3 +355,103 @@ def test_fix_without_a_ledger_to_append_to_is_one_line(
     assert code == 2 and err.count("\n") == 1 and "--kafka-url" in err, err
     code, _, err = reconcile(capsys, *argv[:-2], "--older-than", "-1")
     assert code == 2 and err.count("\n") == 1 and "--older-than" in err, err
+
+
+async def test_run_time_changes_a_redis_lost_are_reported_and_put_back(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Caps, plan assignments and grants are compared with what the ledger's changes leave
+    live: an entry lost (or one the ledger never gave) is drift, ``--fix`` puts it back."""
+    run = await mixed_run(redis_url, tmp_path)
+    await project(redis_url, run, await run_time_changes(redis_url, run))
+    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    code, out, _ = reconcile(capsys, *args)
+    assert code == 0 and "run-time drift" not in out, out
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    granted = sorted(k for k in client.scan_iter("mcpbg:v1:[^_]*") if client.hexists(k, "g"))
+    assert len(granted) == 3, granted  # the tenant's calls, u1's and u3's day
+    before = {k: client.hgetall(k) for k in [caps_key("tenant_calls"), PLANS_KEY, *granted]}
+    tenant_field = f"tenant={TENANTS[0]}"
+    grant_key = next(k for k in granted if k.startswith("mcpbg:v1:tenant_calls:"))
+    client.hdel(caps_key("tenant_calls"), tenant_field)  # a cap set, lost
+    client.hdel(grant_key, "g")  # its grants, lost
+    client.hdel(PLANS_KEY, "user=u1")  # an assignment, lost
+    client.hset(caps_key("daily"), "user=u9", "5 0 -")  # a cap the ledger never set
+
+    code, out, _ = reconcile(capsys, *args)
+    assert code == 1 and "run-time drift: 4" in out and grant_key in out, out
+    code, out, _ = reconcile(capsys, "--json", *args)
+    report = json.loads(out)
+    assert code == 1 and report["drift"] == [], out
+    drift = {
+        (d["kind"], d["key"], d["field"]): (d["redis"], d["ledger"])
+        for d in report["run_time_drift"]
+    }
+    assert drift == {
+        ("cap", caps_key("tenant_calls"), tenant_field): (None, "5000 until for good (ops: trial)"),
+        ("cap", caps_key("daily"), "user=u9"): ("5 until for good", None),
+        ("grant", grant_key, "g"): (None, "42"),
+        ("plan", PLANS_KEY, "user=u1"): (None, "pro"),
+    }
+
+    code, out, _ = reconcile(capsys, "--fix", "--json", *args)
+    assert code == 1 and json.loads(out)["run_time_fixed"] == 4, out
+    assert {k: client.hgetall(k) for k in before} == before
+    assert not client.exists(caps_key("daily"))
+    code, out, _ = reconcile(capsys, *args)
+    assert code == 0 and "run-time drift" not in out, out
+
+
+async def test_run_time_fix_is_refused_when_a_projector_applied_meanwhile(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """The watermarks moved between the read and the fix: nothing is written."""
+    from mcp_budget_governor.projections.counters import changes_sync
+    from mcp_budget_governor.projections.counters.sync import ConcurrentProjectionError
+    from mcp_budget_governor.projections.ledger_view import open_ledger
+
+    run = await mixed_run(redis_url, tmp_path)
+    await project(redis_url, run, await run_time_changes(redis_url, run))
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.hdel(caps_key("tenant_calls"), f"tenant={TENANTS[0]}")
+    con = open_ledger(str(run.archive))
+    read = changes_sync.read_hashes
+
+    def read_then_apply(*a: Any, **k: Any) -> Any:
+        got = read(*a, **k)
+        name = next(iter(client.hgetall(WATERMARK_KEY)))
+        client.hincrby(WATERMARK_KEY, name, 1)  # a projector applied
+        return got
+
+    changes_sync.read_hashes = read_then_apply  # type: ignore[assignment]
+    try:
+        with pytest.raises(ConcurrentProjectionError):
+            changes_sync.reconcile_changes(con, redis.Redis.from_url(redis_url), fix=True)
+    finally:
+        changes_sync.read_hashes = read
+        con.close()
+    assert not client.hexists(caps_key("tenant_calls"), f"tenant={TENANTS[0]}")
+
+
+async def test_run_time_changes_of_segments_older_than_the_change_column_are_not_compared(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An archive written before the ``change`` column keeps no change: what it set is
+    unknown, so nothing run-time is reported (or unset by --fix); a warning says so."""
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    run = await mixed_run(redis_url, tmp_path)
+    await project(redis_url, run, await run_time_changes(redis_url, run))
+    for segment in run.archive.rglob("*.parquet"):
+        table = pq.read_table(segment)
+        if "change" in table.column_names:
+            pq.write_table(table.drop_columns(["change"]), segment)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    caps = client.hgetall(caps_key("tenant_calls"))
+    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    code, out, _ = reconcile(capsys, "--fix", *args)
+    assert code == 0 and "not compared" in out, out
+    assert client.hgetall(caps_key("tenant_calls")) == caps
+    code, out, _ = reconcile(capsys, "--json", *args)
+    assert code == 0 and json.loads(out)["run_time_unreadable"] == 11, out

@@ -1,7 +1,9 @@
 """``mcpbg reconcile``: compare every live counter with the ledger; ``--fix`` repairs drift.
 
-Exit code 0 when every counter equals the ledger's total for it and no
-in-flight amount is orphaned, 1 when any counter drifts or any in-flight
+Exit code 0 when every counter equals the ledger's total for it, every
+run-time cap, plan assignment and grant is what the ledger's changes leave
+(Redis and Redis Cluster), and no in-flight amount is orphaned, 1 when any
+counter or run-time entry drifts or any in-flight
 entry older than ``--older-than`` has no event in the ledger (the tables name
 each key; also with ``--fix``, which repairs drift in the counters (Redis, or
 Postgres with ``--postgres URL``) and settles
@@ -42,7 +44,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--fix",
         action="store_true",
-        help="add the difference to each drifting counter (and drop stale in-flight entries); "
+        help="add the difference to each drifting counter (and drop stale in-flight entries), "
+        "put back the run-time caps, plan assignments and grants the ledger gives; "
         "settle orphaned in-flight amounts with recovery events appended to the ledger",
     )
     p.add_argument(
@@ -125,6 +128,18 @@ def run(args: argparse.Namespace) -> int:
                     }
                     for d in result.drifts
                 ],
+                "run_time_fixed": result.changes_fixed,
+                "run_time_unreadable": result.changes_unreadable,
+                "run_time_drift": [
+                    {
+                        "kind": c.kind,
+                        "key": c.key,
+                        "field": c.field,
+                        store: c.store,
+                        "ledger": c.ledger,
+                    }
+                    for c in result.change_drifts
+                ],
             },
             sys.stdout,
             indent=2,
@@ -154,8 +169,35 @@ def run(args: argparse.Namespace) -> int:
                 f"no drift: {result.compared:,} counters equal the ledger "
                 f"(in flight: {result.in_flight:,})"
             )
+        _print_changes(args, result, store)
         _print_orphans(args, result, recovered, unfixable, older_than)
-    return 1 if result.drifts or result.orphans else 0
+    return 1 if result.drifts or result.change_drifts or result.orphans else 0
+
+
+def _print_changes(args: argparse.Namespace, result: Any, store: str) -> None:
+    """The run-time caps, assignments and grants that differ from the ledger (if any)."""
+    from .render import console, print_table
+
+    if result.changes_unreadable:
+        console().print(
+            f"warning: run-time caps, plans and grants not compared: "
+            f"{result.changes_unreadable:,} run-time changes are in archive segments older "
+            "than the change column (replay with --source kafka to restore them)"
+        )
+    drifts = result.change_drifts
+    if not drifts:
+        return
+    print_table(
+        f"run-time drift: {len(drifts):,} caps, plan assignments or grants differ from "
+        "the ledger" + (" (put back)" if result.changes_fixed else ""),
+        ["kind", "key", "field", store, "ledger"],
+        [
+            [c.kind, c.key, c.field, c.store or "(none)", c.ledger or "(none)"]
+            for c in drifts[: args.show]
+        ],
+    )
+    if len(drifts) > args.show:
+        console().print(f"... and {len(drifts) - args.show:,} more (--show N)")
 
 
 def _print_orphans(

@@ -49,9 +49,17 @@ from mcp_budget_governor.keys import INTERNAL_PREFIX, PREFIX, SEEN_PREFIX, WATER
 from mcp_budget_governor.urls import parse_cluster_url
 
 from .cluster import slot_tag
-from .sync import RedisCounter, SeenIds, Snapshot, _counter, _decode, write_counters
+from .sync import Hashes, SeenIds, Snapshot, _counter, _decode, write_counters
 
-__all__ = ["SlotSnapshot", "cluster_client", "is_cluster", "scan_keys", "slot_snapshots"]
+__all__ = [
+    "SlotRead",
+    "SlotSnapshot",
+    "cluster_client",
+    "is_cluster",
+    "read_slots",
+    "scan_keys",
+    "slot_snapshots",
+]
 
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
 _SEEN_CHUNK = 10_000
@@ -80,16 +88,17 @@ def _node(client: RedisCluster, key: str) -> redis.Redis:
     return conn
 
 
-def scan_keys(client: RedisCluster) -> set[str]:
-    """Every counter key on every master (the projection's own keys left out)."""
+def scan_keys(client: RedisCluster, match: str | None = None) -> set[str]:
+    """Every counter key on every master (the projection's own keys left out); with
+    ``match``, every key of that pattern instead (the run-time caps hashes)."""
     found: set[str] = set()
     try:
         for node in client.get_primaries():  # type: ignore[no-untyped-call]
             for raw in client.get_redis_connection(node).scan_iter(
-                match=f"{PREFIX}:[^_]*", count=5000
+                match=f"{PREFIX}:[^_]*" if match is None else match, count=5000
             ):
                 key = _decode(raw)
-                if not key.startswith(INTERNAL_PREFIX):
+                if match is not None or not key.startswith(INTERNAL_PREFIX):
                     found.add(key)
     except _UNAVAILABLE as exc:
         raise BackendUnavailableError.redis(exc) from None
@@ -125,6 +134,41 @@ class SlotSnapshot:
 def slot_snapshots(client: RedisCluster, keys: Iterable[str]) -> list[SlotSnapshot]:
     """Each slot of ``keys`` read in one ``MULTI`` on its master, after the resume
     watermarks (the module docstring says why in this order)."""
+    return [
+        SlotSnapshot(
+            read.slot,
+            Snapshot(
+                read.now,
+                read.upto,
+                {k: _counter(raw, ttl) for k, (raw, ttl) in read.hashes.items()},
+            ),
+            read.own,
+        )
+        for read in read_slots(client, keys)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRead:
+    """The hashes of one slot read in one ``MULTI`` on its master: its clock, its own
+    watermarks, what it is compared up to (the greater of those and the resume
+    watermarks, per partition) and each hash with its TTL."""
+
+    slot: int
+    now: int
+    own: dict[str, int]
+    upto: dict[str, int]
+    hashes: Hashes
+
+    @property
+    def watermark_key(self) -> str:
+        return WATERMARK_KEY + slot_tag(self.slot)
+
+
+def read_slots(client: RedisCluster, keys: Iterable[str]) -> list[SlotRead]:
+    """Each slot of ``keys`` read in one ``MULTI`` on its master, after the resume
+    watermarks: what :func:`slot_snapshots` reads, and the run-time changes' reconcile
+    (:mod:`.changes_sync`)."""
     resume = resume_watermarks(client)
     by_slot: dict[int, list[str]] = {}
     for key in sorted(set(keys)):
@@ -141,10 +185,10 @@ def slot_snapshots(client: RedisCluster, keys: Iterable[str]) -> list[SlotSnapsh
             head = pipe.execute()
             own = {_decode(k): int(v) for k, v in head[1].items()}
             upto = {p: max(own.get(p, -1), resume.get(p, -1)) for p in {*own, *resume}}
-            counters: dict[str, RedisCounter] = {
-                key: _counter(head[2 + 2 * i], head[3 + 2 * i]) for i, key in enumerate(slot_keys)
+            hashes: Hashes = {
+                key: (head[2 + 2 * i], int(head[3 + 2 * i])) for i, key in enumerate(slot_keys)
             }
-            out.append(SlotSnapshot(slot, Snapshot(int(head[0][0]), upto, counters), own))
+            out.append(SlotRead(slot, int(head[0][0]), own, upto, hashes))
     except _UNAVAILABLE as exc:
         raise BackendUnavailableError.redis(exc) from None
     return out

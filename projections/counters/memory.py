@@ -258,19 +258,36 @@ class MemoryBackend:
 
     async def change(self, changes: Sequence[Change]) -> None:
         """Apply run-time changes directly (no ledger), all in one step."""
-        now = self._clock()
+        self.change_at(changes, self._clock())
+
+    def change_at(self, changes: Sequence[Change], now: float) -> None:
+        """:meth:`change` at clock ``now`` (epoch seconds), synchronously: what
+        ``mcpbg reconcile`` folds the ledger's run-time changes with."""
         self._evict(now)
         for c in changes:
             self._change(c, now)
 
     async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
         """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments."""
+        return self.overrides_now()
+
+    def overrides_now(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
+        """:meth:`overrides`, synchronously."""
         caps = {
             k: {f: (c, u, self._why.get((k, f), "-")) for f, (c, u) in v.items()}
             for k, v in self._caps.items()
             if v
         }
         return caps, dict(self._plans)
+
+    def granted(self, now: float) -> dict[str, tuple[int, int, str]]:
+        """The counters alive at ``now`` that a grant or reset wrote: key -> (grant,
+        expire_at, why token of the last one)."""
+        return {
+            key: (c.grant, int(c.expire_at), self._why[(key, "")])
+            for key, c in self._counters.items()
+            if c.expire_at > now and (key, "") in self._why
+        }
 
     async def grants_of(self, keys: Sequence[str]) -> list[int]:
         """Each counter's grant (0 when none)."""

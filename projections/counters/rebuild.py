@@ -19,12 +19,13 @@ scripts; on Postgres (:class:`~.pg_sync.PostgresStore`) in one transaction.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import duckdb
 import redis
+from redis.crc import key_slot
 
 from mcp_budget_governor.caps import Change as CapsChange
 from mcp_budget_governor.caps import ChangeKind
@@ -426,10 +427,18 @@ class _CurrentOnly:
     counts events for the progress bar, and leaves the epoch to the caller in a dry run."""
 
     def __init__(
-        self, inner: Any, *, all_buckets: bool, now: int, progress: Progress, dry_run: bool
+        self,
+        inner: Any,
+        *,
+        all_buckets: bool,
+        now: int,
+        progress: Progress,
+        dry_run: bool,
+        slots: Set[int] | None = None,
     ) -> None:
         self.inner = inner
         self.all_buckets = all_buckets
+        self.slots = slots  # a dry run of --lost: the lost slots' share alone
         self.now = now
         self.progress = progress
         self.dry_run = dry_run
@@ -447,18 +456,25 @@ class _CurrentOnly:
         kept = []
         for e in events:
             charges = tuple(
-                c for c in e.charges if self.all_buckets or is_current(c.key, c.expire_at, self.now)
+                c
+                for c in e.charges
+                if (self.all_buckets or is_current(c.key, c.expire_at, self.now))
+                and self._kept(c.key)
             )
             self.keys.update(c.key for c in charges)
             # Run-time changes (caps, plans, grants) are kept whole: a grant of an ended
             # bucket is dropped by the script itself, as its expiry has passed.
-            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges, e.changes))
+            changes = tuple(c for c in e.changes if self._kept(c.key))
+            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges, changes))
         self.events += len(events)
         self.progress("events", self.events, None)
         applied: int = await self.inner.apply(
             partition, kept, require_epoch=require_epoch, through=through
         )
         return applied
+
+    def _kept(self, key: str) -> bool:
+        return self.slots is None or key_slot(key.encode()) in self.slots
 
     async def charge(
         self,
@@ -513,7 +529,8 @@ async def rebuild_from_kafka(
     (``apply``'s guards), a catch-up; after an outage (the store empty) that is
     everything retained. A dry run rebuilds into a MemoryBackend from nothing
     and lists the counters whose committed amount differs from the store's:
-    what a rebuild of an empty store would give.
+    what a rebuild of an empty store would give (with ``lost_only``: of the lost
+    slots alone, the others neither read nor listed).
     """
     from mcp_budget_governor.projections.counters.memory import MemoryBackend
     from mcp_budget_governor.stream.rebuild import rebuild
@@ -528,8 +545,21 @@ async def rebuild_from_kafka(
         result = RebuildReport("kafka", dry_run)
         inner: Any = MemoryBackend() if dry_run else _backend(client, url)
         target = await inner.lost() if lost_only and not dry_run else inner
+        slots: set[int] | None = None
+        partial = False  # some slots only: the resume watermark stays (docs/cluster.md)
+        if lost_only and dry_run:  # the real run's LostSlots view, in the MemoryBackend
+            from .cluster import SLOTS
+            from .cluster_rebuild import lost_slots
+
+            slots = lost_slots(client)
+            partial = len(slots) < SLOTS
         backend = _CurrentOnly(
-            target, all_buckets=all_buckets, now=before.now, progress=progress, dry_run=dry_run
+            target,
+            all_buckets=all_buckets,
+            now=before.now,
+            progress=progress,
+            dry_run=dry_run,
+            slots=slots,
         )
         try:
             outcome = await rebuild(
@@ -542,11 +572,12 @@ async def rebuild_from_kafka(
             )
             result.events = outcome.read
             result.counters = len(backend.keys)
-            after = (
-                {n: await inner.watermark(n) for n in _memory_partitions(inner)}
-                if dry_run
-                else read_store(client, ()).watermarks
-            )
+            if partial:
+                after = dict(before.watermarks)
+            elif dry_run:
+                after = {n: await inner.watermark(n) for n in _memory_partitions(inner)}
+            else:
+                after = read_store(client, ()).watermarks
             for name in sorted(set(before.watermarks) | set(after)):
                 result.watermarks[name] = (
                     before.watermarks.get(name, -1),

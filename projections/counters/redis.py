@@ -110,6 +110,17 @@ class _Prepared:
     count: int  # elements of the packed command, without lease arguments
 
 
+def caps_value(raw: str) -> tuple[int, int, str]:
+    """A caps-hash value as lua/lib.lua's apply_change writes it, ``"<cap> <until> <why>"``,
+    as ``(cap, until, why token)``.
+
+    >>> caps_value("60 0 ops%0Atrial")
+    (60, 0, 'ops%0Atrial')
+    """
+    cap, until, why = ([*raw.split(" "), "0", "-"])[:3]
+    return int(cap), int(until), why
+
+
 def change_tokens(changes: Sequence[Change], keys: list[str], index: dict[str, int]) -> str:
     """The changes as lua/lib.lua's apply_change reads them, their keys added to ``keys``."""
     out = []
@@ -724,8 +735,7 @@ class RedisBackend:
                 entries = await self.client.hgetall(raw)
                 values = {}
                 for f, v in entries.items():
-                    cap, until, why = ([*text(v).split(" "), "0", "-"])[:3]
-                    values[text(f)] = (int(cap), int(until), why)
+                    values[text(f)] = caps_value(text(v))
                 if values:
                     caps[text(raw)] = values
             plans = {text(f): text(v) for f, v in (await self.client.hgetall(PLANS_KEY)).items()}

@@ -46,6 +46,7 @@ __all__ = [
     "ledger_ids",
     "ledger_seen_ids",
     "ledger_totals",
+    "read_hashes",
     "redis_client",
     "scan_counter_keys",
     "snapshot",
@@ -251,8 +252,22 @@ def snapshot(client: redis.Redis, keys: Iterable[str], *, atomic: bool = True) -
     ``atomic=False`` reads in pipelined chunks (cheaper for a very large
     Redis when no projector runs).
     """
+    seconds, marks, hashes = read_hashes(client, keys, atomic=atomic)
+    counters = {key: _counter(raw, ttl) for key, (raw, ttl) in hashes.items()}
+    return Snapshot(seconds, marks, counters)
+
+
+#: Hashes as read: key -> (field -> value, TTL in seconds; -2: no such key).
+Hashes = dict[str, tuple[dict[bytes, bytes], int]]
+
+
+def read_hashes(
+    client: redis.Redis, keys: Iterable[str], *, atomic: bool = True
+) -> tuple[int, dict[str, int], Hashes]:
+    """Redis's clock (seconds), the watermarks and every hash of ``keys`` with its TTL,
+    in one ``MULTI`` (``atomic``) or in pipelined chunks: what :func:`snapshot` reads,
+    and the run-time changes' reconcile (:mod:`.changes_sync`)."""
     ordered = sorted(set(keys))
-    counters: dict[str, RedisCounter] = {}
     try:
         pipe = client.pipeline(transaction=atomic)
         pipe.time()
@@ -269,13 +284,13 @@ def snapshot(client: redis.Redis, keys: Iterable[str], *, atomic: bool = True) -
     except _UNAVAILABLE as exc:
         raise BackendUnavailableError.redis(exc) from None
     clock: Any = head[0]
-    seconds = int(clock[0])
     marks = {_decode(k): int(v) for k, v in head[1].items()}  # type: ignore[attr-defined]
     values = head[2:]
-    for i, key in enumerate(ordered):
-        raw, ttl = values[2 * i], values[2 * i + 1]
-        counters[key] = _counter(raw, ttl)  # type: ignore[arg-type]
-    return Snapshot(int(seconds), marks, counters)
+    hashes: Hashes = {
+        key: (values[2 * i], int(values[2 * i + 1]))  # type: ignore[misc, call-overload]
+        for i, key in enumerate(ordered)
+    }
+    return int(clock[0]), marks, hashes
 
 
 def write_counters(
