@@ -389,7 +389,7 @@ def _golden_caps() -> list[dict[str, object]]:
 async def test_both_backends_resolve_caps_as_the_golden_vectors(
     backend: Backend, case: dict[str, object]
 ) -> None:
-    """The Lua copy (lua/lib.lua effective_cap) and the memory backend against caps.resolve."""
+    """The Lua copy (lua/charge.lua effective_cap) and the memory backend against caps.resolve."""
     import runpy
     from pathlib import Path
 
