@@ -192,10 +192,11 @@ end
 -- {refused, used..., caps...}, each counter's total and cap written as it is read.
 local result = {0}
 local refused = 0
--- Each counter's amount and default cap are parsed once (tonumber of a 16-digit
--- cap is a strtod), and whether its admitted amount keeps it exact is known from
--- the first pass: the first counter it would not is reported only when nothing
--- refused, as before.
+-- Each counter's amount and default cap are parsed once, by arithmetic (one
+-- strtod each, where tonumber makes two and a call; the clients send numbers
+-- there, so it never meets a string that tonumber would turn into nil), and
+-- whether its admitted amount keeps it exact is known from the first pass: the
+-- first counter it would not is reported only when nothing refused, as before.
 local unexact = 0
 -- Per counter: whether it held anything (a window's counter then keeps the
 -- expiry its first write gave it), or a lease set's queue (a string).
@@ -205,7 +206,7 @@ local plans_key = KEYS[#KEYS]
 local base = off
 for i = 1, n do
   local key = KEYS[first + i - 1]
-  local amount = tonumber(ARGV[base])
+  local amount = ARGV[base] + 0
   local used, g, queue = 0, 0, nil
   if lease_id and is_lease(key) then
     used = live_leases(key)
@@ -237,7 +238,7 @@ for i = 1, n do
     kind[i] = (vc or vf or vg) ~= false
   end
   result[i + 1] = used
-  local cap = tonumber(ARGV[base + 1])
+  local cap = ARGV[base + 1] + 0
   if resolve then
     cap = effective_cap(KEYS[first + n + i - 1], plans_key, ARGV[base + 4], cap) + g
     result[n + i + 1] = cap
