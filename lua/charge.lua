@@ -190,7 +190,10 @@ if op_key then
   end
 end
 -- {refused, used..., caps...}, each counter's total and cap written as it is read.
-local result = {0}
+-- The tables are made with room for three counters (the nils size them), so
+-- a call of up to three grows none of them: growing a table costs more than
+-- filling it. The reply ends at the first nil.
+local result = {0, nil, nil, nil, nil, nil, nil}
 local refused = 0
 -- Each counter's amount and default cap are parsed once, by arithmetic (one
 -- strtod each, where tonumber makes two and a call; the clients send numbers
@@ -200,7 +203,7 @@ local refused = 0
 local unexact = 0
 -- Per counter: whether it held anything (a window's counter then keeps the
 -- expiry its first write gave it), or a lease set's queue (a string).
-local kind = {}
+local kind = {nil, nil, nil}
 local q = 0
 local plans_key = KEYS[#KEYS]
 local base = off
