@@ -60,29 +60,110 @@
 -- for the replay that follows an outage, short of holding a bucket's every id.
 local OP_HORIZON = 900
 
+-- The exact range (counters.MAX_COUNTER, counters.stays_exact): a counter's
+-- committed and in-flight parts and its total stay within +-(2^53 - 1), where
+-- Lua's doubles count exactly. A stored part outside it still compares as
+-- outside (doubles round monotonically; the bound is representable), so the
+-- test itself is exact. The tests below are written out where they are made
+-- (a Lua call per counter costs more than the test) and in the positive form,
+-- so that a part read as nan is outside too.
+local MAX_EXACT = 9007199254740991
+
+-- A session counter's key ends with the session bucket (windows.SESSION_BUCKET;
+-- scope values are escaped, so no other key can end so).
+local SESSION_SUFFIX = ':session'
+
+-- The effective cap of one counter: caps.resolve / caps.effective, step for step
+-- (default: the policy's cap, a number). ref is the counter's cap argument
+-- (ARGV flagged 'c'): the scope field, '' meaning no run-time lookup (a global
+-- limit), then only when the policy has them, space-separated: the policy's
+-- value cap ('-' none), its plan ('-'), the plan fields (comma-separated) and
+-- "<plan> <cap>" per plan capping the limit. A run-time value cap is
+-- "<cap> <until>" in the limit's caps hash and holds while now < until (0: for
+-- good); then the policy's value cap; then the plan assigned at run time to the
+-- first of the plan fields found in the plans hash, else the policy's plan,
+-- when the plan caps name it; else the default.
+-- One call's counters share their user and tenant, so each plan assignment and
+-- the caller's clock (seconds) are read once per script call, not once per counter.
+local assigned_plan = nil
+local clock_s = nil
+
+local function effective_cap(caps_key, plans_key, ref, default)
+  local field, rest = ref, nil
+  local sp = string.find(ref, ' ', 1, true)
+  if sp then
+    field = string.sub(ref, 1, sp - 1)
+    rest = string.sub(ref, sp + 1)
+  end
+  if field == '' then return default end
+  local rt = redis.call('HGET', caps_key, field)
+  if rt then
+    local cap, untl = string.match(rt, '^(%d+) (%d+)')
+    if cap then
+      untl = tonumber(untl)
+      if untl ~= 0 and clock_s == nil then clock_s = math.floor(caller_ms() / 1000) end
+      if untl == 0 or clock_s < untl then return tonumber(cap) end
+    end
+  end
+  if not rest then return default end
+  local value_cap, file_plan, plan_fields, plan_caps = string.match(rest, '^(%S+) (%S+) ?(%S*) ?(.*)$')
+  if value_cap ~= '-' then return tonumber(value_cap) end
+  if (plan_caps or '') == '' then return default end
+  if file_plan == '-' then file_plan = '' end
+  if assigned_plan == nil then assigned_plan = {} end
+  local plan = false
+  for f in string.gmatch(plan_fields, '[^,]+') do
+    plan = assigned_plan[f]
+    if plan == nil then
+      plan = redis.call('HGET', plans_key, f)
+      assigned_plan[f] = plan
+    end
+    if plan then break end
+  end
+  if not plan then plan = file_plan end
+  if plan ~= '' then
+    for name, cap in string.gmatch(plan_caps, '(%S+) (%S+)') do
+      if name == plan then return tonumber(cap) end
+    end
+  end
+  return default
+end
+
 local event_id = ARGV[1]
 local flags = ARGV[2]
+-- The flags, read in one pass (a string.find per flag costs more).
+local f_e, f_o, f_u, f_c, f_g, f_s, f_l = false, false, false, false, false, false, false
+for j = 1, #flags do
+  local ch = string.sub(flags, j, j)
+  if ch == 'u' then f_u = true
+  elseif ch == 'o' then f_o = true
+  elseif ch == 'c' then f_c = true
+  elseif ch == 'e' then f_e = true
+  elseif ch == 'g' then f_g = true
+  elseif ch == 's' then f_s = true
+  elseif ch == 'l' then f_l = true
+  end
+end
 local first = 1
-if string.find(flags, 'e', 1, true) then
+if f_e then
   if not epoch_ok(KEYS[1]) then
     return {-1}
   end
   first = 2
 end
 local op_key = nil
-if string.find(flags, 'o', 1, true) then
+if f_o then
   op_key = KEYS[first]
   first = first + 1
   event_id = ''
 end
 local inline = event_id == ''
-local sliding = string.find(flags, 's', 1, true) ~= nil
-local resolve = string.find(flags, 'c', 1, true) ~= nil
-local granted = not resolve and string.find(flags, 'g', 1, true) ~= nil
+local resolve = f_c
+local granted = not resolve and f_g
 local width = resolve and 5 or 4
 local off = 3
 local lease_id, lease_until, ticket, queues, now = nil, 0, '-', 0, 0
-if string.find(flags, 'l', 1, true) then
+if f_l then
   lease_id = ARGV[3]
   now = now_ms()
   lease_until = now + tonumber(ARGV[4])
@@ -108,76 +189,93 @@ if op_key then
     return {0}
   end
 end
-local result = {0}
+-- {refused, used..., caps...}, each counter's total and cap written as it is read.
+-- The tables are made with room for three counters (the nils size them), so
+-- a call of up to three grows none of them: growing a table costs more than
+-- filling it. The reply ends at the first nil.
+local result = {0, nil, nil, nil, nil, nil, nil}
 local refused = 0
--- Each counter's amount and default cap are parsed once (tonumber of a 16-digit
--- cap is a strtod), and whether its admitted amount keeps it exact is known from
--- the first pass: the first counter it would not is reported only when nothing
--- refused, as before.
+-- Each counter's amount and default cap are parsed once, by arithmetic (one
+-- strtod each, where tonumber makes two and a call; the clients send numbers
+-- there, so it never meets a string that tonumber would turn into nil), and
+-- whether its admitted amount keeps it exact is known from the first pass: the
+-- first counter it would not is reported only when nothing refused, as before.
 local unexact = 0
-local caps, leased, held = {}, {}, {}
-local queue_of, q = {}, 0
+-- Per counter: whether it held anything (a window's counter then keeps the
+-- expiry its first write gave it), or a lease set's queue (a string).
+local kind = {nil, nil, nil}
+local q = 0
+local plans_key = KEYS[#KEYS - queues]  -- the lease queues, when any, come after it
+local base = off
 for i = 1, n do
-  local base = off + (i - 1) * width
   local key = KEYS[first + i - 1]
-  local amount = tonumber(ARGV[base])
-  local c, f, g
+  local amount = ARGV[base] + 0
+  local used, g, queue = 0, 0, nil
   if lease_id and is_lease(key) then
-    c, f, g = live_leases(key), 0, 0
+    used = live_leases(key)
     q = q + 1
-    queue_of[i] = KEYS[#KEYS - queues + q]
-    leased[i] = true
+    queue = KEYS[#KEYS - queues + q]
+    kind[i] = queue
   else
-    c, f, g, held[i] = parts_and_grant(key)
-    if not stays_exact(c, f, 0, inline) then
+    -- The committed and in-flight parts and the grant (field 'g': extra room
+    -- this bucket, not spend), in one read.
+    local v = redis.call('HMGET', key, 'c', 'f', 'g')
+    local vc, vf, vg = v[1], v[2], v[3]
+    local c = vc and tonumber(vc) or 0
+    local f = vf and tonumber(vf) or 0
+    used = c + f
+    if not (c >= -MAX_EXACT and c <= MAX_EXACT and f >= -MAX_EXACT and f <= MAX_EXACT
+        and used >= -MAX_EXACT and used <= MAX_EXACT) then
       if op_key then redis.call('DEL', op_key) end
       return {-2, i}
     end
-    if unexact == 0 and not stays_exact(c, f, amount, inline) then
-      unexact = i
+    if unexact == 0 then  -- the parts with amount added (to committed when inline)
+      if inline then c = c + amount else f = f + amount end
+      local t = c + f
+      if not (c >= -MAX_EXACT and c <= MAX_EXACT and f >= -MAX_EXACT and f <= MAX_EXACT
+          and t >= -MAX_EXACT and t <= MAX_EXACT) then
+        unexact = i
+      end
     end
+    if vg then g = tonumber(vg) or 0 end
+    kind[i] = (vc or vf or vg) ~= false
   end
-  local used = c + f
   result[i + 1] = used
-  local cap = tonumber(ARGV[base + 1])
+  local cap = ARGV[base + 1] + 0
   if resolve then
-    local ref = ARGV[base + 4]
-    local field, value_cap, file_plan, plan_fields, plan_caps = ref, '', '', '', ''
-    local sp = string.find(ref, ' ', 1, true)
-    if sp then
-      field = string.sub(ref, 1, sp - 1)
-      local rest
-      value_cap, file_plan, plan_fields, rest = string.match(ref, '^(%S+) (%S+) ?(%S*) ?(.*)$', sp + 1)
-      plan_caps = rest or ''
-      if value_cap == '-' then value_cap = '' end
-      if file_plan == '-' then file_plan = '' end
-    end
-    cap = effective_cap(KEYS[first + n + i - 1], KEYS[#KEYS - queues], field, cap,
-      value_cap, plan_fields, plan_caps, file_plan) + g
-    caps[i] = cap
+    cap = effective_cap(KEYS[first + n + i - 1], plans_key, ARGV[base + 4], cap) + g
+    result[n + i + 1] = cap
   elseif granted then
     cap = cap + g
-    caps[i] = cap
+    result[n + i + 1] = cap
   end
   local waiting = 0
-  if queue_of[i] and cap > used then
-    waiting = waiters_ahead(queue_of[i], ticket, cap - used, now)
+  if queue and cap > used then
+    waiting = waiters_ahead(queue, ticket, cap - used, now)
   end
-  if refused == 0 and ARGV[base + 2] == '1'
-      and not fits(used + waiting, amount, cap) then
-    refused = i
+  -- The one admission rule (counters.fits): a zero charge needs one unit of room.
+  if refused == 0 and ARGV[base + 2] == '1' then
+    if amount < 1 then amount = 1 end
+    if not (used + waiting + amount <= cap) then refused = i end
   end
+  base = base + width
 end
-if resolve or granted then
-  for i = 1, n do result[n + i + 1] = caps[i] end
-end
-if not string.find(flags, 'u', 1, true) then
+if not f_u then
   result = {0}
 end
 if refused > 0 then
-  if ticket ~= '-' and queue_of[refused] then  -- only a full lease set is worth waiting for
+  if ticket ~= '-' and type(kind[refused]) == 'string' then  -- only a full lease set is worth waiting for
+    -- A refused waiting call joins every queue of the call (a ticket already
+    -- queued keeps its place); a queue lives as long as its longest wait.
+    local wait_ms = tonumber(string.match(ticket, '/(%d+)$')) or 0
     for i = 1, n do
-      if queue_of[i] then join_queue(queue_of[i], ticket, now) end
+      local queue = kind[i]
+      if type(queue) == 'string' then
+        redis.call('ZADD', queue, 'NX', string.format('%.0f', now), ticket)
+        if redis.call('PTTL', queue) < wait_ms then
+          redis.call('PEXPIRE', queue, wait_ms)
+        end
+      end
     end
   end
   result[1] = refused
@@ -190,19 +288,31 @@ if unexact > 0 then
 end
 
 local wrote = false
+base = off
 for i = 1, n do
-  local base = off + (i - 1) * width
   local amount = ARGV[base]
   local key = KEYS[first + i - 1]
-  if leased[i] then
+  local held = kind[i]
+  if held == true or held == false then
+    if amount ~= '0' then
+      -- A held window counter keeps its expiry; a session counter's slides.
+      local expire_at = nil
+      if not held or (f_s and string.sub(key, -#SESSION_SUFFIX) == SESSION_SUFFIX) then
+        expire_at = ARGV[base + 3]
+      end
+      if inline then  -- lib.lua add, written out: a Lua call per counter costs more
+        redis.call('HINCRBY', key, 'c', amount)
+        if expire_at then redis.call('EXPIREAT', key, expire_at) end
+      else
+        add(key, amount, event_id, expire_at)
+      end
+      wrote = true
+    end
+  else
     take_lease(key, lease_id, lease_until)
-    if ticket ~= '-' then redis.call('ZREM', queue_of[i], ticket) end
-  elseif amount ~= '0' then
-    local expire_at = nil  -- a held window counter keeps its expiry (lib.lua add)
-    if not held[i] or (sliding and is_session(key)) then expire_at = ARGV[base + 3] end
-    add(key, amount, event_id, expire_at)
-    wrote = true
+    if ticket ~= '-' then redis.call('ZREM', held, ticket) end
   end
+  base = base + width
 end
 if op_key and not wrote then
   redis.call('DEL', op_key)

@@ -19,17 +19,6 @@ local function caller_ms()
   return ms
 end
 
-local function used_of(key)
-  local v = redis.call('HMGET', key, 'c', 'f')
-  return (tonumber(v[1]) or 0) + (tonumber(v[2]) or 0)
-end
-
--- The one admission rule (counters.fits): a zero charge needs one unit of room.
-local function fits(used, amount, cap)
-  if amount < 1 then amount = 1 end
-  return used + amount <= cap
-end
-
 local function negate(amount)
   if string.sub(amount, 1, 1) == '-' then return string.sub(amount, 2) end
   return '-' .. amount
@@ -51,35 +40,6 @@ local function add(key, amount, event_id, expire_at)
   if expire_at then redis.call('EXPIREAT', key, expire_at) end
 end
 
--- A session counter's key ends with the session bucket (windows.SESSION_BUCKET;
--- scope values are escaped, so no other key can end so).
-local SESSION_SUFFIX = ':session'
-
-local function is_session(key)
-  return string.sub(key, -#SESSION_SUFFIX) == SESSION_SUFFIX
-end
-
--- The exact range (counters.MAX_COUNTER, counters.stays_exact): a counter's
--- committed and in-flight parts and its total stay within +-(2^53 - 1), where
--- Lua's doubles count exactly. A stored part outside it still compares as
--- outside (doubles round monotonically; the bound is representable), so the
--- test itself is exact.
-local MAX_EXACT = 9007199254740991
-
--- A counter's committed and in-flight parts, as numbers (0 when absent).
-local function parts_of(key)
-  local v = redis.call('HMGET', key, 'c', 'f')
-  return tonumber(v[1]) or 0, tonumber(v[2]) or 0
-end
-
--- Whether the parts are exact and stay so with amount added (to committed when inline).
-local function stays_exact(c, f, amount, inline)
-  if inline then c = c + amount else f = f + amount end
-  local t = c + f  -- compared inline: a Lua call per bound costs more than the test
-  return c >= -MAX_EXACT and c <= MAX_EXACT and f >= -MAX_EXACT and f <= MAX_EXACT
-    and t >= -MAX_EXACT and t <= MAX_EXACT
-end
-
 -- The epoch marker is whole only as a string of the shape keys.EPOCH_VALUE
 -- gives it (a test holds the two together): a hash or a set left at its name
 -- by a stray write is no proof that the counters are complete.
@@ -87,58 +47,6 @@ local function epoch_ok(key)
   if redis.call('TYPE', key).ok ~= 'string' then return false end
   local value = redis.call('GET', key)
   return #value <= 64 and string.find(value, '^[%w][%w_.%-]*$') ~= nil
-end
-
--- A counter's committed and in-flight parts and its grant (field 'g': extra room
--- this bucket, not spend), in one read, and whether the counter holds any of them.
-local function parts_and_grant(key)
-  local v = redis.call('HMGET', key, 'c', 'f', 'g')
-  return tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0,
-    (v[1] or v[2] or v[3]) ~= false
-end
-
--- The effective cap of one counter: caps.resolve / caps.effective, step for step
--- (default: the policy's cap, a number).
--- field '' means no run-time lookup (a global limit). A run-time value cap is
--- "<cap> <until>" in the limit's caps hash and holds while now < until (0: for
--- good); then the policy's value cap; then the plan assigned at run time to the
--- first of plan_fields (comma-separated) found in the plans hash, else file_plan, when plan_caps
--- ("<plan> <cap> ...", the plans that cap this limit) names it; else the default.
--- One call's counters share their user and tenant, so each plan assignment and
--- the caller's clock (seconds) are read once per script call, not once per counter.
-local assigned_plan = {}
-local clock_s = nil
-
-local function effective_cap(caps_key, plans_key, field, default, value_cap,
-                             plan_fields, plan_caps, file_plan)
-  if field == '' then return default end
-  local rt = redis.call('HGET', caps_key, field)
-  if rt then
-    local cap, untl = string.match(rt, '^(%d+) (%d+)')
-    if cap then
-      untl = tonumber(untl)
-      if untl ~= 0 and clock_s == nil then clock_s = math.floor(caller_ms() / 1000) end
-      if untl == 0 or clock_s < untl then return tonumber(cap) end
-    end
-  end
-  if value_cap ~= '' then return tonumber(value_cap) end
-  if plan_caps == '' then return default end
-  local plan = false
-  for f in string.gmatch(plan_fields, '[^,]+') do
-    plan = assigned_plan[f]
-    if plan == nil then
-      plan = redis.call('HGET', plans_key, f)
-      assigned_plan[f] = plan
-    end
-    if plan then break end
-  end
-  if not plan then plan = file_plan end
-  if plan ~= '' then
-    for name, cap in string.gmatch(plan_caps, '(%S+) (%S+)') do
-      if name == plan then return tonumber(cap) end
-    end
-  end
-  return default
 end
 
 -- The shapes of the keys a run-time change may write (caps.caps_key, caps.PLANS_KEY).
@@ -239,13 +147,4 @@ local function waiters_ahead(queue, ticket, room, now)
   end
   if #dead > 0 then redis.call('ZREM', queue, unpack(dead)) end
   return ahead, false
-end
-
--- Join a queue (a refused waiting call; a ticket already queued keeps its place).
-local function join_queue(queue, ticket, now)
-  local wait_ms = tonumber(string.match(ticket, '/(%d+)$')) or 0
-  redis.call('ZADD', queue, 'NX', string.format('%.0f', now), ticket)
-  if redis.call('PTTL', queue) < wait_ms then
-    redis.call('PEXPIRE', queue, wait_ms)
-  end
 end

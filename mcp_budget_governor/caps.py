@@ -17,7 +17,7 @@ first match wins:
 A grant adds room to one counter (one bucket: the current period) without
 changing its recorded spend: ``room = cap + grant - used``.
 
-:func:`resolve` is that rule; ``lua/lib.lua`` (``effective_cap``) mirrors it and
+:func:`resolve` is that rule; ``lua/charge.lua`` (``effective_cap``) mirrors it and
 the golden vectors (``caps`` section) hold the two together.
 
 >>> resolve(25, value_cap=None, runtime=None, plan="pro", plan_caps={"pro": 100}, now=0)
@@ -133,7 +133,7 @@ def effective(
     now: float,
 ) -> Effective:
     """:func:`resolve` for one counter, from what a backend holds: its run-time value
-    cap, the run-time assignments (by field) and its grant. ``lua/lib.lua``'s
+    cap, the run-time assignments (by field) and its grant. ``lua/charge.lua``'s
     ``effective_cap`` is the same steps."""
     plan, from_runtime = ref.file_plan, False
     if ref.plan_caps:

@@ -31,7 +31,7 @@ from .money import MAX_AMOUNT
 
 SECONDS_PER_DAY = 86_400
 
-#: The largest magnitude of a counter's parts and total (lua/lib.lua: MAX_EXACT).
+#: The largest magnitude of a counter's parts and total (lua/charge.lua: MAX_EXACT).
 MAX_COUNTER = MAX_AMOUNT
 
 

@@ -417,7 +417,7 @@ def _golden_caps() -> list[dict[str, object]]:
 async def test_every_backend_resolves_caps_as_the_golden_vectors(
     backend: Backend, tag: str, case: dict[str, object]
 ) -> None:
-    """The Lua copy (lua/lib.lua effective_cap; on the cluster the client-side rule plus
+    """The Lua copy (lua/charge.lua effective_cap; on the cluster the client-side rule plus
     the script's grant), Postgres and the memory backend against caps.resolve."""
     import runpy
     from pathlib import Path

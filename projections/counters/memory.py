@@ -219,7 +219,7 @@ class MemoryBackend:
         return ChargeResult(-1, used, caps)
 
     def _effective(self, op: CounterOp, now: float) -> Effective:
-        """The op's effective cap and grant (``caps.effective``, as lua/lib.lua)."""
+        """The op's effective cap and grant (``caps.effective``, as lua/charge.lua)."""
         if op.ref is None:  # nothing to resolve: the script reads no grant either
             return Effective(op.cap, 0, "default")
         counter = self._get(op.key, now)

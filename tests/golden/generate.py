@@ -114,7 +114,7 @@ def epoch(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(UTC).timestamp()
 
 
-#: Cap resolution cases (caps.resolve; lua/lib.lua effective_cap mirrors it): the
+#: Cap resolution cases (caps.resolve; lua/charge.lua effective_cap mirrors it): the
 #: policy's value cap, a run-time cap (cap, until relative to now; 0 = for good),
 #: the run-time assignments by field, the policy's assignment, the plans' caps, a grant.
 CAP_CASES: list[dict[str, Any]] = [
