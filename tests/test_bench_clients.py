@@ -27,7 +27,8 @@ def test_a_missing_client_names_the_extra(
     assert bench_clients.main(["--redis", "redis://127.0.0.1:1/0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "bench-clients extra (missing: valkey-glide)" in err
+    # coredis is named too where the extra is not installed at all (as in CI)
+    assert "bench-clients extra (missing: " in err and "valkey-glide)" in err
     assert "Traceback" not in err
 
 

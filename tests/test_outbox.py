@@ -218,7 +218,11 @@ def test_writer_killed_at_a_random_moment(tmp_path: Path) -> None:
             seen = int(line)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
+        # The rest through the same buffered reader: readline may have read lines
+        # ahead, which communicate() (raw reads of the pipe) would not see.
+        out = proc.stdout.read()
+        err = proc.stderr.read() if proc.stderr is not None else b""
+        proc.wait(timeout=30)
     assert seen >= 300, err
     n = max(seen, reported(out.decode()))
     with Outbox(tmp_path, max_bytes=1 << 30) as outbox:
