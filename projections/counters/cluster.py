@@ -126,6 +126,15 @@ key_slot(b"mcpbg:v1:a:global:d1")
 SLOTS = 16384
 
 
+def in_slots(slots: Set[int] | None, key: str) -> bool:
+    """Whether ``key`` hashes into ``slots`` (None: every slot), for a rebuild of some.
+
+    >>> in_slots(None, "k"), in_slots({key_slot(b"k")}, "k"), in_slots(set(), "k")
+    (True, True, False)
+    """
+    return slots is None or key_slot(key.encode()) in slots
+
+
 def epoch_key(slot: int) -> str:
     """The epoch marker of ``slot`` (each slot has one: a shard that restarted empty
     lost those of its slots, and only those are rebuilt; docs/cluster.md).

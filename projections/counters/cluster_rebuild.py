@@ -33,7 +33,7 @@ from mcp_budget_governor.keys import SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import new_id
 
 from ..ledger_view import query_error
-from .cluster import SLOTS, _whole, epoch_key, slot_tag
+from .cluster import SLOTS, _whole, epoch_key, in_slots, slot_tag
 from .cluster_sync import _node, resume_watermarks, scan_keys, slot_snapshots
 from .rebuild import (
     _SEEN_CHUNK,
@@ -67,10 +67,6 @@ def lost_slots(client: RedisCluster) -> set[int]:
     return {slot for slot, value in enumerate(got) if not _whole(value)}
 
 
-def _in(slots: Set[int] | None, key: str) -> bool:
-    return slots is None or key_slot(key.encode()) in slots
-
-
 def rebuild_cluster_from_ledger(
     con: duckdb.DuckDBPyConnection,
     client: RedisCluster,
@@ -92,7 +88,7 @@ def rebuild_cluster_from_ledger(
         clock = int(_node(client, WATERMARK_KEY).time()[0]) if now is None else int(now)
     except _UNAVAILABLE as exc:
         raise BackendUnavailableError.redis(exc) from None
-    keys = {k for k in scan_keys(client) if _in(slots, k)}
+    keys = {k for k in scan_keys(client) if in_slots(slots, k)}
     parts = {p.slot: p for p in slot_snapshots(client, keys)}
     counters: dict[str, RedisCounter] = {}
     applied: dict[str, int] = {} if slots is not None else resume_watermarks(client)
@@ -104,12 +100,12 @@ def rebuild_cluster_from_ledger(
     totals = {
         k: v
         for k, v in ledger_totals(con, clock, current_only=not all_buckets).items()
-        if _in(slots, k)
+        if in_slots(slots, k)
     }
     marks, run_time = _ledger_marks(con, result)
     _check_behind(result, marks, applied, "Redis Cluster")
     writes, drops = _plan(con, before, totals, clock, result)
-    changes = [c for c in run_time if c is not None and _in(slots, c.key)]
+    changes = [c for c in run_time if c is not None and in_slots(slots, c.key)]
     seen = _seen_by_slot(con, clock, slots)
     result.counters = len(writes)
     result.unreplayed_changes = sum(c is None for c in run_time)

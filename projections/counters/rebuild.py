@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import duckdb
 import redis
-from redis.crc import key_slot
 
 from mcp_budget_governor.caps import Change as CapsChange
 from mcp_budget_governor.caps import ChangeKind
@@ -474,7 +473,9 @@ class _CurrentOnly:
         return applied
 
     def _kept(self, key: str) -> bool:
-        return self.slots is None or key_slot(key.encode()) in self.slots
+        from .cluster import in_slots  # the cluster client only when a cluster is rebuilt
+
+        return in_slots(self.slots, key)
 
     async def charge(
         self,
