@@ -14,6 +14,9 @@ Variants (the bench_check and bench_caps plans, 3 limits each):
 - ``charge, ledger``: the same with an event id (in-flight parts);
 - ``charge, caps hit``: bench_caps' worst case (a run-time cap with an until, a plan
   assigned at run time, a grant on every counter);
+- ``floor: charge's Redis operations``: ``testing/charge_floor.lua`` with the inline
+  plan's arguments, the very commands charge.lua makes and a reply of the same size,
+  no logic: what any script doing that work atomically costs on this Redis;
 - ``--script FILE``: a candidate charge script (lib.lua prepended) beside the shipped
   one, inline plan: for work on the scripts.
 
@@ -47,6 +50,7 @@ from testing import bench
 from testing.services import free_port
 
 LUA = bench.REPO / "lua"
+FLOOR = bench.REPO / "testing" / "charge_floor.lua"
 Args = Callable[[], list[Any]]
 
 
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         ("charge, inline", shipped, "inline"),
         ("charge, ledger", shipped, "ledger"),
         ("charge, caps hit", shipped, "caps"),
+        ("floor: charge's Redis operations", FLOOR.read_text("utf-8"), "inline"),
     ]
     if args.script is not None:
         name = f"candidate {args.script.name}, inline"
@@ -159,11 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     print(bench.table(["variant", "instructions", "vs noop"], rows, [False, True, True]))
     caps_ratio = got["charge, caps hit"] / got["charge, inline"]
     print(f"caps hit / inline: {caps_ratio:.3f}x")
+    logic = got["charge, inline"] / got["floor: charge's Redis operations"]
+    print(f"charge, inline / its Redis operations alone: {logic:.3f}x")
     if args.script is not None:
         cand = got[f"candidate {args.script.name}, inline"]
         print(f"candidate / shipped (inline): {cand / got['charge, inline']:.3f}x")
     if args.json:
-        args.json.write_text(json.dumps({"per_call": got, "caps_vs_inline": caps_ratio}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"per_call": got, "caps_vs_inline": caps_ratio, "inline_vs_floor": logic}, indent=2
+            )
+        )
     return 0
 
 

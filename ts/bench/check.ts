@@ -9,7 +9,10 @@
 // ready RESP text (no framing in Node): the no-op script sent the charge's
 // own KEYS and ARGV (what the request's size costs), and the charge command
 // alone, byte for byte what check() writes (charge.lua's work in Redis, no
-// governor code: the floor of check()).
+// governor code: the floor of check()). A last variant sends the same bytes to
+// testing/charge_floor.lua, which makes charge.lua's very Redis commands with
+// none of its logic (tests/test_charge_floor.py holds the two together): the
+// cost of the work itself, which no script doing it atomically goes below.
 //
 //   npx tsx bench/check.ts [--redis URL] [--calls N] [--rounds R] [--json] [--profile]
 //
@@ -59,6 +62,8 @@ const governor = new Governor(policy, backend);
 const ctx = context({ user: "bench_user", tenant: "bench_tenant", tool: "search" });
 const noop = readFileSync(new URL("../../testing/noop.lua", import.meta.url), "utf8");
 const noopSha = (await backend.client.call("SCRIPT", "LOAD", noop)) as string;
+const floor = readFileSync(new URL("../../testing/charge_floor.lua", import.meta.url), "utf8");
+const floorSha = (await backend.client.call("SCRIPT", "LOAD", floor)) as string;
 
 // The script alone: the very command check() sends, as the very RESP text it
 // writes (framed once, a fresh operation id and clock per call), to tell the
@@ -89,12 +94,16 @@ function sendFramed(head: string): Promise<unknown> {
 }
 const chargeHead = framedWithout(template[0] ?? "");
 const noopHead = framedWithout(noopSha);
+const floorHead = framedWithout(floorSha);
 const variants: Record<string, () => Promise<unknown>> = {
   "noop EVALSHA": () => backend.client.call("EVALSHA", noopSha, 0),
   "check() 3 limits": () => governor.check(ctx),
   "charge.lua alone": () => sendFramed(chargeHead),
   // The no-op script sent the charge's KEYS and ARGV: what the request's size costs.
   "noop, charge's args": () => sendFramed(noopHead),
+  // charge.lua's Redis operations alone (testing/charge_floor.lua), no logic:
+  // what no script doing check()'s work atomically can go below.
+  "charge's ops, no logic": () => sendFramed(floorHead),
 };
 const samples: Record<string, number[]> = Object.fromEntries(Object.keys(variants).map((k) => [k, []]));
 
@@ -209,14 +218,19 @@ await governor.close();
 if (values.json) console.log(JSON.stringify({ url, node: process.version, rows, ratio, target: TARGET, profile: prof }, null, 1));
 else {
   console.log(`Node ${process.version}, Redis ${url}, ${calls * rounds} calls per variant, interleaved`);
-  console.log("variant              median µs   p99 µs   ratio");
+  console.log("variant                  median µs   p99 µs   ratio");
   for (const r of rows) {
-    console.log(`${r.variant.padEnd(20)} ${r.median_us.toFixed(1).padStart(9)} ${r.p99_us.toFixed(1).padStart(8)} ${r.ratio.toFixed(2).padStart(7)}x`);
+    console.log(`${r.variant.padEnd(24)} ${r.median_us.toFixed(1).padStart(9)} ${r.p99_us.toFixed(1).padStart(8)} ${r.ratio.toFixed(2).padStart(7)}x`);
   }
   console.log(`check() with 3 gated limits / no-op EVALSHA: ${ratio.toFixed(2)}x (target <= ${TARGET}x): ${ratio <= TARGET ? "met" : "NOT met"}`);
   console.log(
     `floor without governor code: charge.lua alone / no-op EVALSHA ${alone.toFixed(2)}x ` +
       `(request size alone ${ratioOf("noop, charge's args").toFixed(2)}x); check() / charge.lua alone: ${(ratio / alone).toFixed(2)}x`,
+  );
+  const ops = ratioOf("charge's ops, no logic");
+  console.log(
+    `floor of the work: charge's Redis operations with no logic / no-op EVALSHA ${ops.toFixed(2)}x; ` +
+      `charge.lua / those operations ${(alone / ops).toFixed(2)}x; check() / those operations ${(ratio / ops).toFixed(2)}x`,
   );
   if (prof !== null) {
     console.log("Redis' own time per EVALSHA (INFO commandstats, each variant alone):");
