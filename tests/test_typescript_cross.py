@@ -228,13 +228,18 @@ scope = "user"
 """
 
 
-@pytest.fixture
-def wait_node(node_ready: None, tmp_path: Path, redis_url: str) -> Iterator[tuple[Node, Path]]:
-    path = tmp_path / "wait_policy.toml"
-    path.write_text(WAIT_POLICY, encoding="utf-8")
+def node_on(policy: str, path: Path, redis_url: str) -> Iterator[tuple[Node, Path]]:
+    """A Node governor on a policy of its own (``policy``, written to ``path``), and
+    the path, for a fixture to yield from: the scenarios whose limits differ from POLICY's."""
+    path.write_text(policy, encoding="utf-8")
     n = Node(path, redis_url)
     yield n, path
     n.close()
+
+
+@pytest.fixture
+def wait_node(node_ready: None, tmp_path: Path, redis_url: str) -> Iterator[tuple[Node, Path]]:
+    yield from node_on(WAIT_POLICY, tmp_path / "wait_policy.toml", redis_url)
 
 
 @pytest.mark.slow
@@ -328,11 +333,7 @@ gated = false
 
 @pytest.fixture
 def hold_node(node_ready: None, tmp_path: Path, redis_url: str) -> Iterator[tuple[Node, Path]]:
-    path = tmp_path / "hold_policy.toml"
-    path.write_text(HOLD_POLICY, encoding="utf-8")
-    n = Node(path, redis_url)
-    yield n, path
-    n.close()
+    yield from node_on(HOLD_POLICY, tmp_path / "hold_policy.toml", redis_url)
 
 
 @pytest.mark.slow

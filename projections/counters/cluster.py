@@ -48,6 +48,7 @@ from mcp_budget_governor.caps import PLANS_KEY, Change, effective
 from mcp_budget_governor.counters import (
     AppliedCharge,
     AppliedEvent,
+    ApplyOnly,
     ChargeResult,
     CounterOp,
     CounterState,
@@ -765,7 +766,7 @@ class ClusterBackend:
         await self.client.aclose()
 
 
-class LostSlots:
+class LostSlots(ApplyOnly):
     """The slots of a cluster whose shard restarted empty, as the backend the worker's
     rebuild (``stream/rebuild.py``) replays the topic into.
 
@@ -797,19 +798,6 @@ class LostSlots:
 
     async def mark_ready(self, epoch: str) -> None:
         await self.backend.mark_ready(epoch, slots=self.slots)
-
-    async def charge(
-        self,
-        ops: Sequence[CounterOp],
-        *,
-        event_id: str | None = None,
-        want_used: bool = True,
-        op_id: str | None = None,
-    ) -> ChargeResult:
-        raise NotImplementedError("a rebuild only applies")
-
-    async def usage(self, keys: Sequence[str]) -> list[int]:
-        raise NotImplementedError("a rebuild only applies")
 
     async def state(self, key: str) -> CounterState:
         return await self.backend.state(key)

@@ -28,7 +28,7 @@ import redis
 
 from mcp_budget_governor.caps import Change as CapsChange
 from mcp_budget_governor.caps import ChangeKind
-from mcp_budget_governor.counters import AppliedEvent, ChargeResult, CounterOp, CounterState
+from mcp_budget_governor.counters import AppliedEvent, ApplyOnly, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError, InvalidInputError
 from mcp_budget_governor.events import ChangeData, to_change
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
@@ -421,7 +421,7 @@ def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[
     return {day: (list(ids), int(expire_at)) for day, expire_at, ids in rows}
 
 
-class _CurrentOnly:
+class _CurrentOnly(ApplyOnly):
     """A backend wrapper for the Kafka path: drops charges outside the buckets rebuilt,
     counts events for the progress bar, and leaves the epoch to the caller in a dry run."""
 
@@ -476,19 +476,6 @@ class _CurrentOnly:
         from .cluster import in_slots  # the cluster client only when a cluster is rebuilt
 
         return in_slots(self.slots, key)
-
-    async def charge(
-        self,
-        ops: Sequence[CounterOp],
-        *,
-        event_id: str | None = None,
-        want_used: bool = True,
-        op_id: str | None = None,
-    ) -> ChargeResult:
-        raise NotImplementedError("a rebuild only applies")
-
-    async def usage(self, keys: Sequence[str]) -> list[int]:
-        raise NotImplementedError("a rebuild only applies")
 
     async def state(self, key: str) -> CounterState:
         state: CounterState = await self.inner.state(key)
