@@ -30,7 +30,7 @@ committed by the projection (no ledger-less governor writing the same keys).
 
 **Run-time changes** (caps, plan assignments, grants: the ledger's
 ``mcpbg.cap_set``, ``cap_unset``, ``plan_assigned``, ``granted`` and
-``reset`` events) are compared too, on Redis and Redis Cluster, each entry
+``reset`` events) are compared too, on Redis, Redis Cluster and Postgres, each entry
 with what the ledger's changes up to the cut leave live
 (:mod:`.counters.changes_sync`); ``fix`` writes the differing ones back.
 
@@ -162,7 +162,7 @@ class ReconcileResult:
     #: Redis Cluster, with ``fix``: seen ids put back into the slots that had lost them.
     seen_restored: int = 0
     #: Run-time caps, plan assignments and grants the store holds otherwise than the
-    #: ledger gives (Redis and Redis Cluster; :mod:`.counters.changes_sync`).
+    #: ledger gives (:mod:`.counters.changes_sync`).
     change_drifts: list[ChangeDrift] = field(default_factory=list)
     #: With ``fix``: how many of them were put back.
     changes_fixed: int = 0
@@ -228,8 +228,7 @@ def reconcile(
                 drop=stale_by_key,
             )
         result.fixed = len(corrections)
-    if not postgres:  # Postgres: its run-time tables are not compared yet
-        result.note_changes(reconcile_changes(con, client, fix=fix))  # type: ignore[arg-type]
+    result.note_changes(reconcile_changes(con, client, fix=fix))
     return result
 
 

@@ -16,6 +16,7 @@ import psycopg
 import redis as redis_sync
 
 from mcp_budget_governor import PostgresBackend, RedisBackend
+from mcp_budget_governor.caps import CAPS_PREFIX, GRANT_FIELD, PLANS_KEY
 from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
 from testing.postgres import truncate_all
 
@@ -222,3 +223,99 @@ def pending_of(url: str, key: str) -> tuple[dict[str, int], int]:
         client.close()
     entries = {k[2:]: v for k, v in fields.items() if k.startswith("e:")}
     return entries, fields.get("f", 0)
+
+
+def run_time_state(url: str) -> dict[str, Any]:
+    """Every run-time value cap, plan assignment and counter grant (with its why), as the
+    store keeps them (compared only with the same store's)."""
+    if is_postgres(url):
+        return {
+            "caps": sorted(_sql(url, "SELECT caps_key, field, cap, until, why FROM mcpbg_cap")),
+            "plans": sorted(_sql(url, "SELECT field, plan FROM mcpbg_plan")),
+            "grants": sorted(
+                _sql(
+                    url,
+                    "SELECT key, grant_amount, why FROM mcpbg_counter WHERE why IS NOT NULL "
+                    "OR grant_amount <> 0",
+                )
+            ),
+        }
+    client = redis_sync.Redis.from_url(url, decode_responses=True)
+    try:
+        caps = {k: client.hgetall(k) for k in client.scan_iter(match=f"{CAPS_PREFIX}:*")}
+        grants = {
+            k: (client.hget(k, GRANT_FIELD), client.hget(k, "w"))
+            for k in client.scan_iter(match="mcpbg:v1:[^_]*")
+            if client.hexists(k, GRANT_FIELD)
+        }
+        return {"caps": caps, "plans": client.hgetall(PLANS_KEY), "grants": grants}
+    finally:
+        client.close()
+
+
+def granted_keys(url: str) -> list[str]:
+    """The counters holding a grant (a grant or a reset wrote them)."""
+    if is_postgres(url):
+        rows = _sql(url, "SELECT key FROM mcpbg_counter WHERE why IS NOT NULL ORDER BY key")
+        return [r[0] for r in rows]
+    return sorted(run_time_state(url)["grants"])
+
+
+def set_cap_entry(url: str, caps_key: str, field: str, cap: int | None) -> None:
+    """A caps entry written (``cap``, for good, no why) or, with None, deleted."""
+    if is_postgres(url):
+        if cap is None:
+            _sql(url, "DELETE FROM mcpbg_cap WHERE caps_key = %s AND field = %s", (caps_key, field))
+        else:
+            _sql(
+                url,
+                "INSERT INTO mcpbg_cap (caps_key, field, cap, until) VALUES (%s, %s, %s, 0) "
+                "ON CONFLICT (caps_key, field) DO UPDATE SET cap = excluded.cap",
+                (caps_key, field, cap),
+            )
+        return
+    client = redis_sync.Redis.from_url(url)
+    if cap is None:
+        client.hdel(caps_key, field)
+    else:
+        client.hset(caps_key, field, f"{cap} 0 -")
+    client.close()
+
+
+def set_plan_entry(url: str, field: str, plan: str | None) -> None:
+    """A plan assignment written or, with None, deleted."""
+    if is_postgres(url):
+        if plan is None:
+            _sql(url, "DELETE FROM mcpbg_plan WHERE field = %s", (field,))
+        else:
+            _sql(
+                url,
+                "INSERT INTO mcpbg_plan (field, plan) VALUES (%s, %s) "
+                "ON CONFLICT (field) DO UPDATE SET plan = excluded.plan",
+                (field, plan),
+            )
+        return
+    client = redis_sync.Redis.from_url(url)
+    if plan is None:
+        client.hdel(PLANS_KEY, field)
+    else:
+        client.hset(PLANS_KEY, field, plan)
+    client.close()
+
+
+def set_grant(url: str, key: str, grant: int | None) -> None:
+    """A counter's grant overwritten or, with None, deleted (the counter kept)."""
+    if is_postgres(url):
+        if grant is None:
+            _sql(
+                url, "UPDATE mcpbg_counter SET grant_amount = 0, why = NULL WHERE key = %s", (key,)
+            )
+        else:
+            _sql(url, "UPDATE mcpbg_counter SET grant_amount = %s WHERE key = %s", (grant, key))
+        return
+    client = redis_sync.Redis.from_url(url)
+    if grant is None:
+        client.hdel(key, GRANT_FIELD)
+    else:
+        client.hset(key, GRANT_FIELD, grant)
+    client.close()

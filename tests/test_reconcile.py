@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from mcp_budget_governor.caps import PLANS_KEY, caps_key
 from mcp_budget_governor.events import parse
-from mcp_budget_governor.keys import WATERMARK_KEY
 from mcp_budget_governor.stream.archiver import Archiver
 from testing.ledger_run import (
     TENANTS,
@@ -33,10 +31,18 @@ from testing.stores import (
     backend_for,
     committed_of,
     drop_counter,
+    granted_keys,
+    is_postgres,
     pending_of,
     put_counter,
     put_in_flight,
+    run_time_state,
+    set_cap_entry,
+    set_grant,
+    set_plan_entry,
+    set_watermark,
     store_args,
+    watermarks,
 )
 
 
@@ -357,101 +363,134 @@ def test_fix_without_a_ledger_to_append_to_is_one_line(
     assert code == 2 and err.count("\n") == 1 and "--older-than" in err, err
 
 
-async def test_run_time_changes_a_redis_lost_are_reported_and_put_back(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+async def test_run_time_changes_a_store_lost_are_reported_and_put_back(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Caps, plan assignments and grants are compared with what the ledger's changes leave
-    live: an entry lost (or one the ledger never gave) is drift, ``--fix`` puts it back."""
-    run = await mixed_run(redis_url, tmp_path)
-    await project(redis_url, run, await run_time_changes(redis_url, run))
-    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    live: an entry lost, altered, or one the ledger never gave is drift, ``--fix`` puts
+    it back; a store that matches shows none."""
+    run = await mixed_run(store_url, tmp_path)
+    await project(store_url, run, await run_time_changes(store_url, run))
+    args = ["--archive-dir", str(run.archive), *store_args(store_url)]
     code, out, _ = reconcile(capsys, *args)
     assert code == 0 and "run-time drift" not in out, out
+    code, out, _ = reconcile(capsys, "--json", *args)
+    assert code == 0 and json.loads(out)["run_time_drift"] == [], out
 
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    granted = sorted(k for k in client.scan_iter("mcpbg:v1:[^_]*") if client.hexists(k, "g"))
+    granted = granted_keys(store_url)
     assert len(granted) == 3, granted  # the tenant's calls, u1's and u3's day
-    before = {k: client.hgetall(k) for k in [caps_key("tenant_calls"), PLANS_KEY, *granted]}
+    before = run_time_state(store_url)
     tenant_field = f"tenant={TENANTS[0]}"
     grant_key = next(k for k in granted if k.startswith("mcpbg:v1:tenant_calls:"))
-    client.hdel(caps_key("tenant_calls"), tenant_field)  # a cap set, lost
-    client.hdel(grant_key, "g")  # its grants, lost
-    client.hdel(PLANS_KEY, "user=u1")  # an assignment, lost
-    client.hset(caps_key("daily"), "user=u9", "5 0 -")  # a cap the ledger never set
+    daily_key = next(k for k in granted if k.startswith("mcpbg:v1:daily:user=u1"))
+    set_cap_entry(store_url, caps_key("tenant_calls"), tenant_field, None)  # a cap set, lost
+    set_cap_entry(store_url, caps_key("daily"), "user=u9", 5)  # a cap the ledger never set
+    set_grant(store_url, grant_key, None)  # its grants, lost
+    set_grant(store_url, daily_key, 5)  # a grant, altered
+    set_plan_entry(store_url, "user=u1", "free")  # an assignment, altered
 
     code, out, _ = reconcile(capsys, *args)
-    assert code == 1 and "run-time drift: 4" in out and grant_key in out, out
+    assert code == 1 and "run-time drift: 5" in out and grant_key in out, out
     code, out, _ = reconcile(capsys, "--json", *args)
     report = json.loads(out)
     assert code == 1 and report["drift"] == [], out
+    side = "postgres" if is_postgres(store_url) else "redis"
     drift = {
-        (d["kind"], d["key"], d["field"]): (d["redis"], d["ledger"])
-        for d in report["run_time_drift"]
+        (d["kind"], d["key"], d["field"]): (d[side], d["ledger"]) for d in report["run_time_drift"]
     }
     assert drift == {
         ("cap", caps_key("tenant_calls"), tenant_field): (None, "5000 until for good (ops: trial)"),
         ("cap", caps_key("daily"), "user=u9"): ("5 until for good", None),
         ("grant", grant_key, "g"): (None, "42"),
-        ("plan", PLANS_KEY, "user=u1"): (None, "pro"),
+        ("grant", daily_key, "g"): ("5", "7"),
+        ("plan", PLANS_KEY, "user=u1"): ("free", "pro"),
     }
 
     code, out, _ = reconcile(capsys, "--fix", "--json", *args)
-    assert code == 1 and json.loads(out)["run_time_fixed"] == 4, out
-    assert {k: client.hgetall(k) for k in before} == before
-    assert not client.exists(caps_key("daily"))
+    assert code == 1 and json.loads(out)["run_time_fixed"] == 5, out
+    assert run_time_state(store_url) == before
     code, out, _ = reconcile(capsys, *args)
     assert code == 0 and "run-time drift" not in out, out
 
 
+async def test_run_time_changes_archived_but_not_applied_are_no_drift(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker archives a batch before applying it: run-time changes past the store's
+    watermarks are not yet live, so they are no drift (and ``--fix`` writes none)."""
+    run = await mixed_run(store_url, tmp_path)
+    changes = await run_time_changes(store_url, run)
+    archiver = Archiver(run.archive, topic=TOPIC)
+    for p, records in changes.items():
+        archiver.write_batch(p, [(o, parse(raw)) for o, raw in records])
+    before = run_time_state(store_url)
+    args = ["--archive-dir", str(run.archive), *store_args(store_url)]
+    code, out, _ = reconcile(capsys, "--fix", "--json", *args)
+    report = json.loads(out)
+    assert code == 0 and report["run_time_drift"] == [] and report["run_time_fixed"] == 0, out
+    assert run_time_state(store_url) == before
+
+
 async def test_run_time_fix_is_refused_when_a_projector_applied_meanwhile(
-    redis_url: str, tmp_path: Path
+    store_url: str, tmp_path: Path
 ) -> None:
     """The watermarks moved between the read and the fix: nothing is written."""
     from mcp_budget_governor.projections.counters import changes_sync
+    from mcp_budget_governor.projections.counters.pg_sync import PostgresStore
+    from mcp_budget_governor.projections.counters.rebuild import open_store
     from mcp_budget_governor.projections.counters.sync import ConcurrentProjectionError
     from mcp_budget_governor.projections.ledger_view import open_ledger
 
-    run = await mixed_run(redis_url, tmp_path)
-    await project(redis_url, run, await run_time_changes(redis_url, run))
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    client.hdel(caps_key("tenant_calls"), f"tenant={TENANTS[0]}")
+    run = await mixed_run(store_url, tmp_path)
+    await project(store_url, run, await run_time_changes(store_url, run))
+    field = f"tenant={TENANTS[0]}"
+    set_cap_entry(store_url, caps_key("tenant_calls"), field, None)
+    before = run_time_state(store_url)
     con = open_ledger(str(run.archive))
-    read = changes_sync.read_hashes
+
+    def applied() -> None:  # a projector applied one more event
+        name, offset = next(iter(watermarks(store_url).items()))
+        set_watermark(store_url, name, offset + 1)
+
+    postgres = is_postgres(store_url)
+    owner: Any = PostgresStore if postgres else changes_sync
+    name = "run_time" if postgres else "read_hashes"
+    read = getattr(owner, name)
 
     def read_then_apply(*a: Any, **k: Any) -> Any:
         got = read(*a, **k)
-        name = next(iter(client.hgetall(WATERMARK_KEY)))
-        client.hincrby(WATERMARK_KEY, name, 1)  # a projector applied
+        applied()
         return got
 
-    changes_sync.read_hashes = read_then_apply  # type: ignore[assignment]
+    setattr(owner, name, read_then_apply)
+    store = open_store(store_url)
     try:
         with pytest.raises(ConcurrentProjectionError):
-            changes_sync.reconcile_changes(con, redis.Redis.from_url(redis_url), fix=True)
+            changes_sync.reconcile_changes(con, store, fix=True)
     finally:
-        changes_sync.read_hashes = read
+        setattr(owner, name, read)
+        store.close()
         con.close()
-    assert not client.hexists(caps_key("tenant_calls"), f"tenant={TENANTS[0]}")
+    assert run_time_state(store_url) == before
 
 
 async def test_run_time_changes_of_segments_older_than_the_change_column_are_not_compared(
-    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An archive written before the ``change`` column keeps no change: what it set is
     unknown, so nothing run-time is reported (or unset by --fix); a warning says so."""
     import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
-    run = await mixed_run(redis_url, tmp_path)
-    await project(redis_url, run, await run_time_changes(redis_url, run))
+    run = await mixed_run(store_url, tmp_path)
+    await project(store_url, run, await run_time_changes(store_url, run))
     for segment in run.archive.rglob("*.parquet"):
         table = pq.read_table(segment)
         if "change" in table.column_names:
             pq.write_table(table.drop_columns(["change"]), segment)
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    caps = client.hgetall(caps_key("tenant_calls"))
-    args = ["--archive-dir", str(run.archive), "--redis-url", redis_url]
+    before = run_time_state(store_url)
+    args = ["--archive-dir", str(run.archive), *store_args(store_url)]
     code, out, _ = reconcile(capsys, "--fix", *args)
     assert code == 0 and "not compared" in out, out
-    assert client.hgetall(caps_key("tenant_calls")) == caps
+    assert run_time_state(store_url) == before
     code, out, _ = reconcile(capsys, "--json", *args)
     assert code == 0 and json.loads(out)["run_time_unreadable"] == 11, out

@@ -2,7 +2,7 @@
 
 Exit code 0 when every counter equals the ledger's total for it, every
 run-time cap, plan assignment and grant is what the ledger's changes leave
-(Redis and Redis Cluster), and no in-flight amount is orphaned, 1 when any
+(Redis, Redis Cluster and Postgres), and no in-flight amount is orphaned, 1 when any
 counter or run-time entry drifts or any in-flight
 entry older than ``--older-than`` has no event in the ledger (the tables name
 each key; also with ``--fix``, which repairs drift in the counters (Redis, or

@@ -21,7 +21,11 @@ Redis restarted from an older snapshot went back with its watermarks: the
 worker re-applies what it re-reads past them). A cluster: each slot of
 those hashes in one ``MULTI`` on its master (:func:`.cluster_sync.read_slots`),
 compared up to the greater of its own and the resume watermarks
-(:mod:`.cluster_sync` says why).
+(:mod:`.cluster_sync` says why). Postgres: the watermarks, the clock,
+``mcpbg_cap``, ``mcpbg_plan`` and the counters' grants in one ``REPEATABLE
+READ`` transaction (:meth:`.pg_sync.PostgresStore.run_time`; ``mcpbg_apply``
+commits a batch's changes with its watermark). Each store's read becomes one
+:class:`Held`, and :func:`compare` holds it to the ledger, whatever the store.
 
 **Compared**: each entry of every caps hash (cap, until, who and why), each
 plan assignment, and the grant of every counter alive that a grant or reset
@@ -35,7 +39,10 @@ projector applied meanwhile nothing is written
 (:class:`~.sync.ConcurrentProjectionError`; stop the workers, run it again).
 On a cluster the same transaction adds the slot's seen ids of those change
 events back (``SADD``; a producer retry of a lost grant is then skipped, not
-added twice) and raises the slot's watermarks that were behind.
+added twice) and raises the slot's watermarks that were behind. On Postgres
+the same changes go through ``mcpbg_change`` in one transaction that first
+takes the store lock exclusive and checks the watermarks read
+(:meth:`.pg_sync.PostgresStore.rewrite`, as ``reconcile --fix``'s counters).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import redis
@@ -60,14 +67,14 @@ from mcp_budget_governor.caps import (
     why_from,
 )
 from mcp_budget_governor.errors import BackendUnavailableError
-from mcp_budget_governor.keys import SEEN_PREFIX, WATERMARK_KEY, parse_key
+from mcp_budget_governor.keys import INTERNAL_PREFIX, SEEN_PREFIX, WATERMARK_KEY, parse_key
 from mcp_budget_governor.lua import source
 
 from ..ledger_view import query_error
 from .cluster import slot_tag
 from .cluster_sync import read_slots, scan_keys
 from .memory import MemoryBackend
-from .rebuild import _run_time_change_rows
+from .rebuild import _run_time_change_rows, is_postgres
 from .sync import (
     SEEN_DAY_SQL,
     SEEN_EXPIRE_SQL,
@@ -76,6 +83,9 @@ from .sync import (
     _decode,
     read_hashes,
 )
+
+if TYPE_CHECKING:
+    from .pg_sync import PostgresStore
 
 __all__ = ["ChangeDrift", "ChangesResult", "reconcile_changes"]
 
@@ -145,20 +155,47 @@ def _cap_text(entry: tuple[int, int, str] | str | None) -> str | None:
     return f"{cap} until {until if until else 'for good'}{by}"
 
 
-def compare(hashes: Hashes, model: MemoryBackend, now: int) -> list[tuple[ChangeDrift, Change]]:
-    """The entries of ``hashes`` (caps hashes, the plans hash, granted counters, as
-    read) that differ from ``model``, each with the change that puts it back."""
+@dataclass(slots=True)
+class Held:
+    """The run-time entries a store holds, as read (one Redis, one cluster slot, or
+    Postgres): what :func:`compare` holds to the ledger. Only what was read is
+    compared: ``plans`` None when the plans were not read (another slot's)."""
+
+    #: caps key -> scope field -> (cap, until, why token), or the text when unreadable.
+    caps: dict[str, dict[str, tuple[int, int, str] | str]] = field(default_factory=dict)
+    plans: dict[str, str] | None = None
+    #: counter key -> its grant as stored (None: no grant, or no such counter).
+    grants: dict[str, str | None] = field(default_factory=dict)
+
+
+def held_of(hashes: Hashes) -> Held:
+    """What Redis hashes (caps hashes, the plans hash, counters, as read) hold."""
+    held = Held()
+    for key, (fields, _) in hashes.items():
+        raw = {_text(f): _text(v) for f, v in fields.items()}
+        if key.startswith(f"{CAPS_PREFIX}:"):
+            held.caps[key] = {f: _caps_value(v) for f, v in raw.items()}
+        elif key == PLANS_KEY:
+            held.plans = raw
+        else:
+            held.grants[key] = raw.get(GRANT_FIELD)
+    return held
+
+
+def compare(held: Held, model: MemoryBackend, now: int) -> list[tuple[ChangeDrift, Change]]:
+    """The entries of ``held`` that differ from ``model``, each with the change that
+    puts it back, by key."""
     caps, plans = model.overrides_now()
     grants = model.granted(now)
     out: list[tuple[ChangeDrift, Change]] = []
-    for key in sorted(hashes):
-        raw = {_text(f): _text(v) for f, v in hashes[key][0].items()}
-        if key.startswith(f"{CAPS_PREFIX}:"):
+    keys = {*held.caps, *held.grants, *((PLANS_KEY,) if held.plans is not None else ())}
+    for key in sorted(keys):
+        if key in held.caps:
             limit = key[len(CAPS_PREFIX) + 1 :]
-            held = {f: _caps_value(v) for f, v in raw.items()}
+            stored = held.caps[key]
             given = caps.get(key, {})
-            for f in sorted({*held, *given}):
-                s, g = held.get(f), given.get(f)
+            for f in sorted({*stored, *given}):
+                s, g = stored.get(f), given.get(f)
                 if s == g:
                     continue
                 if g is None:
@@ -168,14 +205,15 @@ def compare(hashes: Hashes, model: MemoryBackend, now: int) -> list[tuple[Change
                     fix = Change(ChangeKind.CAP_SET, limit, key, f, g[0], g[1], None, actor, reason)
                 out.append((ChangeDrift("cap", key, f, _cap_text(s), _cap_text(g)), fix))
         elif key == PLANS_KEY:
-            for f in sorted({*raw, *plans}):
-                s_plan, g_plan = raw.get(f), plans.get(f)
+            assert held.plans is not None
+            for f in sorted({*held.plans, *plans}):
+                s_plan, g_plan = held.plans.get(f), plans.get(f)
                 if s_plan != g_plan:
                     fix = Change(ChangeKind.PLAN_ASSIGNED, "", key, f, plan=g_plan)
                     out.append((ChangeDrift("plan", key, f, s_plan, g_plan), fix))
         elif key in grants:
             grant, until, why = grants[key]
-            held_grant = raw.get(GRANT_FIELD)
+            held_grant = held.grants[key]
             if int(held_grant or 0) != grant:
                 parsed = parse_key(key)
                 actor, reason = why_from(why)
@@ -232,23 +270,47 @@ class ChangesResult:
 
 
 def reconcile_changes(
-    con: duckdb.DuckDBPyConnection, client: redis.Redis | RedisCluster, *, fix: bool
+    con: duckdb.DuckDBPyConnection,
+    client: redis.Redis | RedisCluster | PostgresStore,
+    *,
+    fix: bool,
 ) -> ChangesResult:
-    """The run-time entries of ``client`` (one Redis or a cluster) that differ from the
-    ``ledger`` view on ``con`` and, with ``fix``, how many were put back."""
+    """The run-time entries of ``client`` (one Redis, a cluster, or Postgres) that differ
+    from the ``ledger`` view on ``con`` and, with ``fix``, how many were put back."""
     rows, unreadable = _ledger_rows(con)
     if unreadable:
         return ChangesResult(unreadable=unreadable)
     if isinstance(client, RedisCluster):
         return _reconcile_cluster(client, rows, fix=fix)
+    if is_postgres(client):
+        return _reconcile_postgres(client, rows, fix=fix)  # type: ignore[arg-type]
+    assert isinstance(client, redis.Redis)
     try:
         stored = [_text(k) for k in client.scan_iter(match=f"{CAPS_PREFIX}:*", count=5000)]
     except _UNAVAILABLE as exc:
         raise BackendUnavailableError.redis(exc) from None
     now, marks, hashes = read_hashes(client, _keys(rows, stored))
-    found = compare(hashes, _model(_upto(rows, marks), now), now)
+    found = compare(held_of(hashes), _model(_upto(rows, marks), now), now)
     if fix and found:
         _put_back(client, [c for _, c in found], WATERMARK_KEY, marks, now)
+    return ChangesResult([d for d, _ in found], len(found) if fix else 0)
+
+
+def _reconcile_postgres(store: PostgresStore, rows: list[_Row], *, fix: bool) -> ChangesResult:
+    """Postgres: the run-time tables read in one snapshot, fixed in one transaction."""
+    keys = _keys(rows, ())
+    read = store.run_time(k for k in keys if not k.startswith(INTERNAL_PREFIX))
+    # Every caps key the ledger names is compared, as on Redis (absent: an empty hash).
+    caps: dict[str, dict[str, tuple[int, int, str] | str]] = {
+        **{k: {} for k in keys if k.startswith(f"{CAPS_PREFIX}:")},
+        **{k: dict(v) for k, v in read.caps.items()},
+    }
+    held = Held(caps, read.plans, read.grants)
+    found = compare(held, _model(_upto(rows, read.watermarks), read.now), read.now)
+    if fix and found:
+        # The store lock taken exclusive and the watermarks checked, as the counters'
+        # rewrite: refused, nothing written, if a projector applied meanwhile.
+        store.rewrite([], expected=read.watermarks, changes=[c for _, c in found])
     return ChangesResult([d for d, _ in found], len(found) if fix else 0)
 
 
@@ -262,7 +324,7 @@ def _reconcile_cluster(client: RedisCluster, rows: list[_Row], *, fix: bool) -> 
         cut = tuple(sorted(read.upto.items()))
         if cut not in models:  # usually one: every slot's cut is the resume watermarks
             models[cut] = _model(_upto(rows, read.upto), read.now)
-        found = compare(read.hashes, models[cut], read.now)
+        found = compare(held_of(read.hashes), models[cut], read.now)
         drifts += (d for d, _ in found)
         if not (fix and found):
             continue

@@ -8,6 +8,8 @@ stages the counters, the in-flight entries to drop and the seen ids with
 ``COPY`` and writes them with ``mcpbg_rewrite_staged`` (sql/0003_replay.sql)
 under the store lock, with the watermarks, the run-time changes and the epoch
 marker, in one transaction: nobody sees half-rebuilt counters.
+:meth:`run_time` reads the run-time tables (caps, plans, grants) with the
+watermarks and the clock the same way, for ``reconcile`` (:mod:`.changes_sync`).
 
 >>> store = PostgresStore.connect("redis://localhost:6379/0")
 Traceback (most recent call last):
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -35,7 +38,19 @@ from mcp_budget_governor.urls import check_postgres_url, redact
 from .postgres import CHANGE_SQL, change_params, like_pattern
 from .sync import ConcurrentProjectionError, RedisCounter, Snapshot
 
-__all__ = ["PostgresStore"]
+__all__ = ["PostgresStore", "RunTime"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunTime:
+    """The run-time tables as :meth:`PostgresStore.run_time` read them."""
+
+    now: int
+    watermarks: dict[str, int]
+    caps: dict[str, dict[str, tuple[int, int, str]]]  # caps key -> field -> (cap, until, why)
+    plans: dict[str, str]
+    grants: dict[str, str | None]  # counter key -> its grant (None: none)
+
 
 #: Run-time changes per ``mcpbg_change`` call (one statement each, same transaction).
 _CHANGES_PER_CALL = 1000
@@ -120,6 +135,40 @@ class PostgresStore:
         for key in keys:
             counters.setdefault(key, RedisCounter())
         return Snapshot(int(now), {p: int(a) for p, a in marks.items()}, counters)
+
+    def run_time(self, keys: Iterable[str]) -> RunTime:
+        """The clock, the watermarks, every run-time value cap and plan assignment, and
+        the grant of each live counter of ``keys`` (None: none), read at one instant:
+        what ``reconcile`` compares (:mod:`.changes_sync`)."""
+        wanted = sorted(set(keys))
+        try:
+            with self.conn.transaction():
+                self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                row = self.conn.execute("SELECT mcpbg_now()").fetchone()
+                assert row is not None
+                now = float(row[0])
+                marks = dict(self.conn.execute("SELECT partition, applied FROM mcpbg_watermark"))
+                cap_rows = self.conn.execute(
+                    "SELECT caps_key, field, cap, until, why FROM mcpbg_cap"
+                ).fetchall()
+                plans = dict(self.conn.execute("SELECT field, plan FROM mcpbg_plan"))
+                # A counter never granted (why NULL, grant 0) holds no grant, as a hash
+                # without its grant field; an ended one is absent.
+                grant_rows = self.conn.execute(
+                    "SELECT key, grant_amount, why FROM mcpbg_counter "
+                    "WHERE key = ANY(%s) AND expire_at > %s",
+                    (wanted, now),
+                ).fetchall()
+        except psycopg.OperationalError as exc:
+            raise _down(self.url, exc) from None
+        caps: dict[str, dict[str, tuple[int, int, str]]] = {}
+        for key, fld, cap, until, why in cap_rows:
+            caps.setdefault(key, {})[fld] = (int(cap), int(until), why)
+        grants: dict[str, str | None] = dict.fromkeys(wanted)
+        for key, grant, why in grant_rows:
+            if why is not None or grant:
+                grants[key] = str(int(grant))
+        return RunTime(int(now), {p: int(a) for p, a in marks.items()}, caps, plans, grants)
 
     # -- the one write ------------------------------------------------------
 
