@@ -12,6 +12,12 @@ Variants, all through the same redis-py async client (one pool) on the same Redi
   pool (``RedisBackend(coalesce=False)``): one caller's cost of coalescing.
 - ``noop EVALSHA, bare socket``: the no-op EVALSHA over the backend's own
   asyncio connection (``autopipe.Pipe``), the floor of a round trip from Python.
+- ``charge.lua alone, bare socket``: the 3-limit check's very charge command,
+  packed once (a fresh operation id spliced in per call), on that connection:
+  the script's cost with no governor code.
+- ``floor: charge's commands, bare socket``: the same bytes to
+  ``testing/charge_floor.lua``, which makes charge.lua's Redis commands with
+  none of its logic (``tests/test_charge_floor.py``): what the work costs.
 
 Then, unless ``--no-concurrency``: 64 concurrent callers of ``check()`` (3
 limits) against 64 concurrent callers of the no-op EVALSHA on the same
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import hashlib
 import io
 import json
 import pstats
@@ -56,6 +63,7 @@ from mcp_budget_governor import (
     Scope,
     Window,
 )
+from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.projections.counters.autopipe import pack
 from testing import bench
 
@@ -95,6 +103,13 @@ class Variant:
     bad: int = 0
 
 
+FLOOR = bench.REPO / "testing" / "charge_floor.lua"
+
+
+def _charged(reply: Any) -> bool:
+    return isinstance(reply, list) and int(reply[0]) == 0
+
+
 def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
     gov_limits = limits(rid, "gov")
     naive_limits = limits(rid, "naive")
@@ -112,6 +127,31 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
             lambda r: int(r) == 1,
         )
     )
+    # The 3-limit check's charge as bytes on the bare socket (a fresh operation id
+    # spliced into one packed command per call), to charge.lua and to
+    # testing/charge_floor.lua (its very Redis commands, no logic): what the
+    # script costs, and what the work itself costs, with no governor code.
+    gov3 = Governor(Policy.of(*gov_limits[:3]), backend)
+    ops = gov3._plan(CTX, time.time()).ops
+    placeholder = new_id()
+    args = backend.charge_args(ops, op_id=placeholder)
+    floor_sha = hashlib.sha1(FLOOR.read_bytes()).hexdigest()
+    for name, short, sha, ok in (
+        ("charge.lua alone, bare socket", "chargebare", backend._charge.sha, _charged),
+        ("floor: charge's commands, bare socket", "floorbare", floor_sha, _charged),
+    ):
+        packed = pack(["EVALSHA", sha, *args])
+        out.append(
+            Variant(
+                name,
+                "1",
+                short,
+                lambda packed=packed: pipe_backend._pipe().call(
+                    packed.replace(placeholder.encode(), new_id().encode())
+                ),
+                ok,
+            )
+        )
     for n in (1, 3, 5):
         gov = Governor(Policy.of(*gov_limits[:n]), backend)
         out.append(
@@ -500,6 +540,11 @@ async def run(url: str, rid: str, args: argparse.Namespace) -> dict[str, Any]:
     backend = RedisBackend.from_url(url, timeout=5.0)
     try:
         variants = build_variants(backend, rid)
+        # The bare-socket charges name their scripts by SHA: loaded first, and the
+        # 3-limit counters made (a warm server), so each is one EVALSHA that admits.
+        for script in (backend._charge.script, FLOOR.read_text("utf-8")):
+            await backend.client.script_load(script)
+        await Governor(Policy.of(*limits(rid, "gov")[:3]), backend).check(CTX)
         await measure(
             variants, rounds=args.rounds, calls=args.calls, chunk=args.chunk, warmup=args.warmup
         )
@@ -547,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         env = bench.environment(server.url, server.origin)
         bench.progress(
             f"redis {env['redis_server']} ({server.origin}); {args.rounds} rounds x "
-            f"{args.calls} calls x 7 variants"
+            f"{args.calls} calls per variant"
         )
         try:
             results = asyncio.run(run(server.url, rid, args))
@@ -591,6 +636,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"check() 3 limits vs the bare-socket no-op EVALSHA: "
         f"{check3['median_us'] / bare['median_us']:.2f}x"
+    )
+    alone = variants["charge.lua alone, bare socket"]["median_us"]
+    floor = variants["floor: charge's commands, bare socket"]["median_us"]
+    print(
+        f"on the bare socket, vs its no-op: charge's Redis commands with no logic "
+        f"{floor / bare['median_us']:.2f}x, charge.lua {alone / bare['median_us']:.2f}x; "
+        f"check() / charge.lua alone {check3['median_us'] / alone:.2f}x"
     )
     if "rates" in results:
         r = results["rates"]
