@@ -9,7 +9,6 @@ commands each made from Lua are counted (INFO commandstats).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from benchmarks import bench_check
-from mcp_budget_governor import Governor, Policy, RedisBackend
-from mcp_budget_governor.ledger import new_id
+from benchmarks import bench_lua
 from mcp_budget_governor.lua import source
 from testing.services import start_redis
 
@@ -35,16 +32,6 @@ def private_url() -> Iterator[str]:
         service.stop()
 
 
-async def inline_args(url: str) -> list[Any]:
-    """charge.lua's arguments for a warm 3-limit check(), as bench_lua sends them."""
-    backend = RedisBackend.from_url(url)
-    gov = Governor(Policy.of(*bench_check.limits("floor", "conc")[:3]), backend)
-    await gov.check(bench_check.CTX)  # the counters exist, as on a warm server
-    ops = gov._plan(bench_check.CTX, time.time()).ops
-    await backend.aclose()
-    return list(backend.charge_args(ops, op_id=new_id()))
-
-
 def commands_made(client: redis.Redis, script: str, args: list[Any]) -> dict[str, int]:
     sha = client.script_load(script)
     client.config_resetstat()
@@ -58,9 +45,9 @@ def commands_made(client: redis.Redis, script: str, args: list[Any]) -> dict[str
 
 def test_the_floor_makes_charge_luas_commands(private_url: str) -> None:
     client = redis.Redis.from_url(private_url)
-    args = asyncio.run(inline_args(private_url))
-    charge = commands_made(client, source("charge"), args)
-    floor_args = asyncio.run(inline_args(private_url))  # a fresh operation id
-    floor = commands_made(client, FLOOR.read_text("utf-8"), floor_args)
+    port = client.connection_pool.connection_kwargs["port"]
+    args = asyncio.run(bench_lua.plan_args(port, "inline"))  # bench_lua's own arguments
+    charge = commands_made(client, source("charge"), args())
+    floor = commands_made(client, FLOOR.read_text("utf-8"), args())  # a fresh operation id
     assert charge == {"set": 1, "hmget": 3, "hget": 3, "hincrby": 3}
     assert floor == charge
