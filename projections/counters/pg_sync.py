@@ -20,9 +20,10 @@ postgresql://user@host:port/database (got 'redis://localhost:6379/0')
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,29 +103,36 @@ class PostgresStore:
 
     # -- reads --------------------------------------------------------------
 
-    def snapshot(self, keys: Iterable[str] = ()) -> Snapshot:
-        """Every live counter (and ``keys``, empty when absent), the watermarks and the
-        clock, read at one instant."""
-        internal = like_pattern(INTERNAL_PREFIX) + "%"
+    @contextlib.contextmanager
+    def _one_instant(self) -> Iterator[tuple[float, dict[str, int]]]:
+        """A read-only REPEATABLE READ transaction: the clock and the watermarks, then
+        what the caller reads in the body, all at one instant (a connection lost on
+        the way is one ``BackendUnavailableError``)."""
         try:
             with self.conn.transaction():
                 self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
                 row = self.conn.execute("SELECT mcpbg_now()").fetchone()
                 assert row is not None
-                now = float(row[0])
-                marks = dict(self.conn.execute("SELECT partition, applied FROM mcpbg_watermark"))
-                rows = self.conn.execute(
-                    "SELECT key, committed, in_flight, expire_at FROM mcpbg_counter "
-                    "WHERE expire_at > %s AND key NOT LIKE %s",
-                    (now, internal),
-                ).fetchall()
-                pending = self.conn.execute(
-                    "SELECT p.key, p.event_id, p.amount FROM mcpbg_pending p "
-                    "JOIN mcpbg_counter c USING (key) WHERE c.expire_at > %s",
-                    (now,),
-                ).fetchall()
+                marks = self.conn.execute("SELECT partition, applied FROM mcpbg_watermark")
+                yield float(row[0]), {p: int(a) for p, a in marks}
         except psycopg.OperationalError as exc:
             raise _down(self.url, exc) from None
+
+    def snapshot(self, keys: Iterable[str] = ()) -> Snapshot:
+        """Every live counter (and ``keys``, empty when absent), the watermarks and the
+        clock, read at one instant."""
+        internal = like_pattern(INTERNAL_PREFIX) + "%"
+        with self._one_instant() as (now, marks):
+            rows = self.conn.execute(
+                "SELECT key, committed, in_flight, expire_at FROM mcpbg_counter "
+                "WHERE expire_at > %s AND key NOT LIKE %s",
+                (now, internal),
+            ).fetchall()
+            pending = self.conn.execute(
+                "SELECT p.key, p.event_id, p.amount FROM mcpbg_pending p "
+                "JOIN mcpbg_counter c USING (key) WHERE c.expire_at > %s",
+                (now,),
+            ).fetchall()
         counters: dict[str, RedisCounter] = {}
         for key, committed, in_flight, expire_at in rows:
             ttl = -1 if math.isinf(expire_at) else max(1, int(expire_at - now))
@@ -134,33 +142,25 @@ class PostgresStore:
                 counters[key].pending[event_id] = int(amount)
         for key in keys:
             counters.setdefault(key, RedisCounter())
-        return Snapshot(int(now), {p: int(a) for p, a in marks.items()}, counters)
+        return Snapshot(int(now), marks, counters)
 
     def run_time(self, keys: Iterable[str]) -> RunTime:
         """The clock, the watermarks, every run-time value cap and plan assignment, and
         the grant of each live counter of ``keys`` (None: none), read at one instant:
         what ``reconcile`` compares (:mod:`.changes_sync`)."""
         wanted = sorted(set(keys))
-        try:
-            with self.conn.transaction():
-                self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                row = self.conn.execute("SELECT mcpbg_now()").fetchone()
-                assert row is not None
-                now = float(row[0])
-                marks = dict(self.conn.execute("SELECT partition, applied FROM mcpbg_watermark"))
-                cap_rows = self.conn.execute(
-                    "SELECT caps_key, field, cap, until, why FROM mcpbg_cap"
-                ).fetchall()
-                plans = dict(self.conn.execute("SELECT field, plan FROM mcpbg_plan"))
-                # A counter never granted (why NULL, grant 0) holds no grant, as a hash
-                # without its grant field; an ended one is absent.
-                grant_rows = self.conn.execute(
-                    "SELECT key, grant_amount, why FROM mcpbg_counter "
-                    "WHERE key = ANY(%s) AND expire_at > %s",
-                    (wanted, now),
-                ).fetchall()
-        except psycopg.OperationalError as exc:
-            raise _down(self.url, exc) from None
+        with self._one_instant() as (now, marks):
+            cap_rows = self.conn.execute(
+                "SELECT caps_key, field, cap, until, why FROM mcpbg_cap"
+            ).fetchall()
+            plans = dict(self.conn.execute("SELECT field, plan FROM mcpbg_plan"))
+            # A counter never granted (why NULL, grant 0) holds no grant, as a hash
+            # without its grant field; an ended one is absent.
+            grant_rows = self.conn.execute(
+                "SELECT key, grant_amount, why FROM mcpbg_counter "
+                "WHERE key = ANY(%s) AND expire_at > %s",
+                (wanted, now),
+            ).fetchall()
         caps: dict[str, dict[str, tuple[int, int, str]]] = {}
         for key, fld, cap, until, why in cap_rows:
             caps.setdefault(key, {})[fld] = (int(cap), int(until), why)
@@ -168,7 +168,7 @@ class PostgresStore:
         for key, grant, why in grant_rows:
             if why is not None or grant:
                 grants[key] = str(int(grant))
-        return RunTime(int(now), {p: int(a) for p, a in marks.items()}, caps, plans, grants)
+        return RunTime(int(now), marks, caps, plans, grants)
 
     # -- the one write ------------------------------------------------------
 
