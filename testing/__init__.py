@@ -11,5 +11,6 @@ run from the root puts there too.
 - :mod:`testing.workers`: code the multi-process tests run in child processes;
 - :mod:`testing.focus_validator_env`: the FinOps ``focus-validator`` in its own venv;
 - :mod:`testing.bench`: the benchmarks' Redis, statistics, tables and CPU meter;
-- :mod:`testing.ledger_gen`: schema-valid archive Parquet for tests and benchmarks.
+- :mod:`testing.ledger_gen`: schema-valid archive Parquet for tests and benchmarks;
+- :mod:`testing.buckets`: keep a wall-clock test inside one bucket of its window.
 """

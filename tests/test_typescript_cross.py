@@ -26,6 +26,7 @@ from mcp_budget_governor import BudgetExceeded, Context, Governor, RedisBackend
 from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.planning import check_plan
 from mcp_budget_governor.policy_file import load_file
+from testing.buckets import room
 from testing.node import TS_DIR, npm_ci, require_node, tsx
 
 POLICY = """
@@ -128,6 +129,7 @@ async def python_gov(policy_file: Path, redis_url: str) -> Any:
 @pytest.mark.slow
 async def test_alternating_calls_admit_exactly_the_cap(node: Node, python_gov: Governor) -> None:
     ctx = {"user": "alternating"}
+    await room(60, needed=10)  # "burst" is per minute: all 20 calls in one bucket
     statuses = []
     for i in range(20):
         if i % 2 == 0:
@@ -150,6 +152,7 @@ async def test_concurrent_calls_from_both_languages_admit_exactly_the_cap(
     ctx = {"tenant": "racing"}  # only "race" (150 per minute per tenant) applies
     await python_gov.check(Context(tenant="warm-up"))  # connected, scripts loaded
     node("check", ctx={"tenant": "warm-up"})
+    await room(60, needed=SPREAD + 15)  # "race" is per minute: all 400 calls in one bucket
 
     async def spread(i: int) -> Any:
         await asyncio.sleep(i * SPREAD / 200)
@@ -194,6 +197,7 @@ async def test_a_hostile_id_lands_on_the_same_counter_from_both(
     node: Node, python_gov: Governor
 ) -> None:
     ctx = {"user": HOSTILE, "tenant": "x,y=z"}
+    await room(60, needed=10)  # the key names the minute's bucket, as the counts below do
     py_key = check_plan(python_gov.policy, Context(**ctx), time.time()).slots[0].key
     assert node("key", limit="burst", ctx=ctx)["key"] == py_key
     assert node("check", ctx=ctx)["status"] == 200
@@ -209,6 +213,7 @@ async def test_a_hostile_id_lands_on_the_same_counter_from_both(
 async def test_a_cap_set_in_one_language_is_enforced_by_the_other(
     node: Node, python_gov: Governor
 ) -> None:
+    await room(60, needed=10)  # "burst" counts per minute
     # TypeScript sets user "small"'s burst to 2 (no ledger: lua/change.lua); Python enforces it.
     node("set_cap", limit="burst", amount=2, ctx={"user": "small"})
     statuses = [(await python_gov.check(Context(user="small"))).status for _ in range(4)]
