@@ -15,6 +15,7 @@ from mcp_budget_governor.console.api import Console, build_app
 from mcp_budget_governor.console.auth import Tokens
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.file_ledger import FileLedger
+from testing.buckets import room
 from testing.services import RedisService
 from testing.thread_server import ThreadServer
 
@@ -60,6 +61,7 @@ async def governed_calls(policy: Path, redis_url: str, ledger: Path) -> None:
         ledger=FileLedger(ledger, fsync="always"),
     )
     async with gov:
+        await room(60, needed=10)  # "burst" is a minute's: each user's 4th call is refused
         for user, tenant, cost in (
             ("u1", "acme", 200_000),
             ("u2", "acme", 50_000),

@@ -36,6 +36,7 @@ from mcp_budget_governor import (
 )
 from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware
 from mcp_budget_governor.keys import lease_key, queue_key
+from testing.buckets import room
 
 U1 = Context(user="u_1", tool="search")
 LEASES = lease_key("parallel", "user=u_1")
@@ -104,6 +105,7 @@ async def test_past_the_wait_a_429_with_a_retry_hint_and_the_queue_left(backend:
 async def test_a_spend_refusal_is_not_waited_for(backend: Backend) -> None:
     burst = Limit("burst", cap=1, window=Window.MINUTE, scope=Scope.USER)
     gov = Governor(Policy.of(parallel(cap=3), burst), backend)
+    await room(60, needed=10)  # both checks in one minute: the second one is refused
     assert (await gov.check(U1)).admitted
     # A window that only ends with the minute: no slot of "parallel" will help.
     decision = await gov.check(U1, wait=60)

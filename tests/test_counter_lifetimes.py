@@ -33,7 +33,8 @@ def ops_for(user: str, now: float, amount: int, *, enforce: bool = False) -> lis
 
 
 async def test_a_charge_replayed_under_its_operation_id_counts_once(backend: Backend) -> None:
-    ops = ops_for("alice", time.time(), 3)
+    now = time.time()  # one instant: keys planned later must name the same minute
+    ops = ops_for("alice", now, 3)
     keys = [op.key for op in ops]
     first = await backend.charge(ops, op_id="op-1")
     assert first.admitted
@@ -43,14 +44,14 @@ async def test_a_charge_replayed_under_its_operation_id_counts_once(backend: Bac
     assert (await backend.charge(ops, op_id="op-2")).admitted
     assert await backend.usage(keys) == [6, 6]
     # A refused charge writes nothing, its id included: the same id may land later.
-    big = ops_for("alice", time.time(), 5, enforce=True)
+    big = ops_for("alice", now, 5, enforce=True)
     assert not (await backend.charge(big, op_id="op-3")).admitted
-    small = ops_for("alice", time.time(), 4, enforce=True)
+    small = ops_for("alice", now, 4, enforce=True)
     assert (await backend.charge(small, op_id="op-3")).admitted
     assert (await backend.charge(small, op_id="op-3")).admitted
     assert await backend.usage(keys) == [10, 10]
     # An event id (ledger mode) is not an operation id: in flight, moved by the projection.
-    assert (await backend.charge(ops_for("bob", time.time(), 1), event_id="e-1")).admitted
+    assert (await backend.charge(ops_for("bob", now, 1), event_id="e-1")).admitted
 
 
 def test_the_lua_horizon_is_the_python_one() -> None:

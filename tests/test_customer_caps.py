@@ -23,6 +23,7 @@ from mcp_budget_governor.errors import InvalidInputError, PolicyError
 from mcp_budget_governor.events import encode, parse
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.stream.projector import Projector
+from testing.buckets import room
 
 #: Every test on a backend runs on these (the conftest ``backend`` fixture's kinds).
 EVERY_BACKEND = pytest.mark.parametrize(
@@ -60,6 +61,7 @@ async def admitted(gov: Governor, ctx: Context, tries: int) -> int:
 @EVERY_BACKEND
 async def test_two_tenants_spend_exactly_their_own_caps(backend: Backend, tag: str) -> None:
     gov = Governor(policy(tag), backend)
+    await room(60, needed=15)  # u_pro's plan caps "burst", a minute's: one bucket
     assert await admitted(gov, Context(tenant="acme", user="a"), 9) == 5  # its value cap
     assert await admitted(gov, Context(tenant="beta", user="b"), 9) == 3  # the default
     assert await admitted(gov, Context(user=f"u_pro{tag}"), 9) == 4  # its plan
@@ -91,6 +93,7 @@ async def test_run_time_plan_assignment_and_until(backend: Backend, tag: str) ->
     clock = [time.time()]
     gov = Governor(policy(tag), backend)
     u7, u8, u_pro = (Context(user=f"{u}{tag}") for u in ("u_7", "u_8", "u_pro"))
+    await room(60, needed=15)  # every count below is of "burst", a minute's: one bucket
     await gov.assign_plan("pro", user=u7.user)
     assert await admitted(gov, u7, 6) == 4
     await gov.set_cap(f"burst{tag}", 1, user=u8.user or "", until=clock[0] + 3600)
@@ -389,6 +392,7 @@ async def test_budgets_report_shows_the_effective_limit_and_its_source(
     from mcp_budget_governor.projections.budgets import budget_report, table_rows
 
     gov, calls = Governor(policy(tag), backend), f"tenant_calls{tag}"
+    await room(60, needed=15)  # the report lists this minute's "burst" row for u_pro
     for ctx in (Context(tenant="acme"), Context(tenant="beta"), Context(user=f"u_pro{tag}")):
         await gov.check(ctx)
     await gov.set_cap(calls, 7, tenant="beta", until=time.time() + 3600, reason="r")

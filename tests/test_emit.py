@@ -301,7 +301,8 @@ def by_user(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Context:
 
 async def test_governed_checks_runs_and_meters(backend: Backend) -> None:
     ledger = MemoryLedger()
-    gov = Governor(policy(), backend, ledger=ledger)
+    # One instant: "burst" is a minute's, and its count is read after the calls.
+    gov = Governor(policy(), backend, ledger=ledger, clock=fixed(time.time()))
     ran: list[str] = []
 
     @governed(gov, limit="spend", cost=usd("0.25"), context=by_user)
@@ -356,7 +357,7 @@ async def test_cost_callable_receives_the_result_and_a_breaker_sheds_the_next_ca
 
 
 async def test_a_governor_without_limit_only_checks() -> None:
-    gov = Governor(policy(), MemoryBackend())
+    gov = Governor(policy(), MemoryBackend(), clock=fixed(time.time()))  # one minute's burst
 
     @governed(gov, context=Context(user="u1"))
     async def ping() -> str:
@@ -394,7 +395,7 @@ async def test_tool_name_defaults_to_the_function_name() -> None:
 
 
 async def test_a_failing_call_keeps_its_admission_and_pays_a_fixed_cost_only() -> None:
-    gov = Governor(policy(), MemoryBackend())
+    gov = Governor(policy(), MemoryBackend(), clock=fixed(time.time()))  # burst read later
 
     @governed(gov, limit="spend", cost=100, context=Context(user="u1"))
     async def fixed_cost() -> int:

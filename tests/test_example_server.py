@@ -22,6 +22,7 @@ from fastmcp.exceptions import ToolError
 
 from mcp_budget_governor import Context, Governor, Policy, PriceTable, RedisBackend, usd
 from mcp_budget_governor.stream.topic_reader import read_topic
+from testing.buckets import room
 from testing.example_server import example_server
 from testing.services import KafkaService, start_kafka
 
@@ -86,6 +87,7 @@ async def test_governed_calls_over_streamable_http(
     backend = RedisBackend.from_url(redis_url)
     await backend.mark_ready("test")
 
+    await room(60, needed=30)  # "burst" is a minute's: alice's 4th call is refused
     async with client(base, "alice") as alice:
         tools = {t.name for t in await alice.list_tools()}
         assert {"search", "summarise"} <= tools

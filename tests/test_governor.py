@@ -34,7 +34,10 @@ def gov_of(backend: Backend, *limits: Limit, **kw: object) -> Governor:
 
 
 async def test_admits_up_to_cap_then_refuses_with_429(backend: Backend) -> None:
-    gov = gov_of(backend, Limit("burst", cap=3, window=Window.MINUTE, scope=Scope.USER))
+    # One instant (Redis expires keys on its own clock: near it): one minute's bucket.
+    now = time.time()
+    burst = Limit("burst", cap=3, window=Window.MINUTE, scope=Scope.USER)
+    gov = gov_of(backend, burst, clock=lambda: now)
     results = [await gov.check(U42) for _ in range(5)]
     assert [d.admitted for d in results] == [True, True, True, False, False]
     refusal = results[3]
@@ -79,7 +82,8 @@ async def test_refusal_charges_nothing_wherever_the_refusing_limit_stands(
     ]
     tight = limits[position]
     limits[position] = Limit(tight.name, cap=2, window=tight.window, scope=Scope.USER)
-    gov = gov_of(backend, *limits)
+    now = time.time()
+    gov = gov_of(backend, *limits, clock=lambda: now)  # one instant: one "hour" bucket
     for _ in range(2):
         assert (await gov.check(U42)).admitted
     before = {lim.name: await gov.usage(lim.name, U42) for lim in limits}

@@ -867,7 +867,8 @@ async def broker_down_outbox_refusing(
         **FAST,
     )
     spy = LedgerSpy(ledger)
-    return ledger, spy, Governor(calls_policy(), MemoryBackend(), ledger=spy)
+    now = time.time()  # one instant: "burst" usages compared before and after are one minute's
+    return ledger, spy, Governor(calls_policy(), MemoryBackend(), ledger=spy, clock=lambda: now)
 
 
 @pytest.mark.slow

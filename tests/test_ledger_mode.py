@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import defaultdict
 
 from mcp_budget_governor import (
@@ -192,7 +193,10 @@ async def test_the_prepared_entry_is_appended_only_when_it_is_the_outcome(redis_
 
     ctx = Context(user=f"prep-{random.randrange(1 << 30)}")
     ledger = PreparingLedger()
-    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=ledger)
+    now = time.time()  # both governors in one minute: the second one's check is refused
+    gov = Governor(
+        policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=ledger, clock=lambda: now
+    )
     try:
         decisions = [await gov.check(ctx) for _ in range(5)]  # burst: 5 a minute
     finally:
@@ -207,7 +211,9 @@ async def test_the_prepared_entry_is_appended_only_when_it_is_the_outcome(redis_
 
     # A new governor knows nothing locally: Redis refuses its check.
     other = PreparingLedger()
-    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=other)
+    gov = Governor(
+        policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=other, clock=lambda: now
+    )
     try:
         assert (await gov.check(Context(user=f"{ctx.user}-warm-up"))).admitted  # connects
         refused = await gov.check(ctx)
@@ -230,7 +236,10 @@ async def test_a_refused_caller_is_not_encoded_ahead_until_admitted_again(redis_
 
     ctx = Context(user=f"refused-{random.randrange(1 << 30)}")
     ledger = PreparingLedger()
-    gov = Governor(policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=ledger)
+    now = time.time()  # one minute's "burst": the refusals hold until the flush
+    gov = Governor(
+        policy(), RedisBackend.from_url(redis_url, timeout=2.0), ledger=ledger, clock=lambda: now
+    )
     try:
         assert all([(await gov.check(ctx)).admitted for _ in range(5)])  # burst: 5 a minute
         before = len(ledger.prepared)

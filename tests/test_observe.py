@@ -7,6 +7,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -63,7 +64,8 @@ async def test_scrape_finds_admitted_and_refused_counts_by_limit_and_reason(
 ) -> None:
     tel = Telemetry.prometheus()
     try:
-        gov = Governor(_policy(), backend, observer=tel)
+        now = time.time()  # one instant: the refusal by "burst" is one minute's
+        gov = Governor(_policy(), backend, observer=tel, clock=lambda: now)
         # u1: 2 admitted, then refused by burst; u2: 1 admitted, then the tenant's 3rd
         # call is admitted... and the 4th refused by tenant_day.
         for _ in range(3):
@@ -115,9 +117,11 @@ async def test_degraded_state_and_fallback_are_exported(own_redis: object) -> No
 async def test_refusals_logged_once_at_info_rate_limited(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    now = time.time()
     gov = Governor(
         Policy.of(Limit("burst", cap=1, window=Window.MINUTE, scope=Scope.USER)),
         observer=Observer(log_interval=3600),
+        clock=lambda: now,  # one instant: 49 refusals by one minute's "burst"
     )
     with caplog.at_level(logging.INFO, logger="mcp_budget_governor.refusals"):
         for _ in range(50):  # a runaway loop

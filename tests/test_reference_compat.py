@@ -49,6 +49,7 @@ from mcp_budget_governor import (
     usd,
 )
 from mcp_budget_governor.errors import BudgetUnavailable, InvalidInputError, PolicyError
+from testing.buckets import room
 from testing.services import free_port
 
 # The reference package's __all__ (0.1.0), plus RedisBackend, which it exposes lazily.
@@ -195,6 +196,7 @@ async def reference_readme_script(backend: Any) -> None:
 async def test_a_script_written_for_the_reference_package_runs_unchanged(
     backend: Backend,
 ) -> None:
+    await room(60, needed=10)  # the script reads "burst" (a minute's) remaining after 4 calls
     await reference_readme_script(backend)
 
 

@@ -13,7 +13,7 @@ import { FastMCP } from "fastmcp";
 import { EntryType, Governor, InvalidInputError, MemoryBackend, MemoryLedger, RedisBackend, context, parsePolicy } from "../src/index.js";
 import { governFastMCP } from "../src/integrations/fastmcp.js";
 import { governTools } from "../src/integrations/sdk.js";
-import { REDIS_URL, fresh } from "./services.js";
+import { REDIS_URL, fresh, frozenClock } from "./services.js";
 
 const POLICY = `
 [[limits]]
@@ -24,6 +24,8 @@ scope = "user"
 on_exceed = "ask"
 `;
 
+// "asked" is a minute's: each test's governor runs on a frozen clock, so its two calls
+// share one bucket even when the minute turns between them.
 type Result = { isError?: boolean; content: { type: string; text?: string }[] };
 
 const sessions: { close(): Promise<void> }[] = [];
@@ -84,7 +86,7 @@ for (const [name, serve] of frameworks) {
   describe(`OnExceed.ASK through ${name}`, () => {
     it("admits an over-budget call the user approves, and the ledger says so", async () => {
       const ledger = new MemoryLedger();
-      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { ledger });
+      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { ledger, clock: frozenClock() });
       const asked: string[] = [];
       const client = await connect(serve(gov, "yes"), YES, asked);
       assert.equal((await call(client, "search")).content[0]?.text, "ran");
@@ -107,7 +109,7 @@ for (const [name, serve] of frameworks) {
     });
 
     it("refuses as usual when the user declines", async () => {
-      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend());
+      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { clock: frozenClock() });
       const asked: string[] = [];
       const client = await connect(serve(gov, "no"), NO, asked);
       await call(client, "search");
@@ -120,7 +122,7 @@ for (const [name, serve] of frameworks) {
     });
 
     it("refuses as usual when the user does not answer within approvalTimeout", async () => {
-      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend());
+      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { clock: frozenClock() });
       const asked: string[] = [];
       const client = await connect(serve(gov, "silent"), "never", asked);
       await call(client, "search");
@@ -134,7 +136,7 @@ for (const [name, serve] of frameworks) {
     });
 
     it("refuses as usual when the client cannot elicit", async () => {
-      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend());
+      const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { clock: frozenClock() });
       const client = await connect(serve(gov, "mute"), null);
       await call(client, "search");
       const r = await call(client, "search");

@@ -23,14 +23,14 @@ import {
   usd,
 } from "../src/index.js";
 import { backends, closer } from "./backends.js";
-import { fresh } from "./services.js";
+import { fresh, frozenClock } from "./services.js";
 
 const close = closer();
 
 for (const [name, backend] of backends(close)) {
   describe(`Governor on ${name}`, () => {
     it("admits exactly the cap under concurrent checks, and refuses with 429 and a retry hint", async () => {
-      const gov = new Governor(Policy.of(new Limit("burst", { cap: 7, window: Window.MINUTE, scope: Scope.USER })), backend());
+      const gov = new Governor(Policy.of(new Limit("burst", { cap: 7, window: Window.MINUTE, scope: Scope.USER })), backend(), { clock: frozenClock() });
       const ctx = context({ user: fresh("u") });
       const decisions = await Promise.all(Array.from({ length: 25 }, () => gov.check(ctx)));
       assert.equal(decisions.filter((d) => d.admitted).length, 7);
@@ -113,7 +113,7 @@ for (const [name, backend] of backends(close)) {
           new Limit("spend", { cap: usd(1), window: Window.DAY, scope: Scope.USER, unit: Unit.USD_MICROS, gated: false }),
         ),
         backend(),
-        { ledger },
+        { ledger, clock: frozenClock() }, // one minute's "burst": the second check is refused
       );
       const ctx = context({ user: fresh("u"), tool: "search" });
       await gov.check(ctx);
@@ -180,7 +180,7 @@ describe("fail modes with the counters unreachable", () => {
   });
 
   it("a fail-open limit counts in a process-local fallback (a cap per replica, never unlimited)", async () => {
-    const gov = new Governor(Policy.of(new Limit("burst", { cap: 3, window: Window.MINUTE, scope: Scope.USER })), dead());
+    const gov = new Governor(Policy.of(new Limit("burst", { cap: 3, window: Window.MINUTE, scope: Scope.USER })), dead(), { clock: frozenClock() });
     const ctx = context({ user: "u" });
     const statuses = [];
     for (let i = 0; i < 5; i++) statuses.push((await gov.check(ctx)).status);

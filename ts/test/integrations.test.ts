@@ -15,6 +15,7 @@ import { z } from "zod";
 import { Governor, MemoryBackend, context, parsePolicy, refusalText, type Context } from "../src/index.js";
 import { governFastMCP } from "../src/integrations/fastmcp.js";
 import { governTools, governedCallTool } from "../src/integrations/sdk.js";
+import { frozenClock } from "./services.js";
 import { VECTORS } from "./vectors.js";
 
 const POLICY = `
@@ -81,7 +82,8 @@ async function exercise(client: Client, governor: Governor, user: string): Promi
 }
 
 function governorOf(): Governor {
-  return new Governor(parsePolicy(POLICY), new MemoryBackend());
+  // Frozen: "burst" is a minute's, and its refusal must not meet a turning minute.
+  return new Governor(parsePolicy(POLICY), new MemoryBackend(), { clock: frozenClock() });
 }
 
 describe("@modelcontextprotocol/sdk McpServer", () => {

@@ -9,6 +9,7 @@ import { createServer } from "node:net";
 import { after, before, describe, it } from "node:test";
 
 import { Governor, Limit, Policy, RedisBackend, Scope, Window, context, script } from "../src/index.js";
+import { frozenClock } from "./services.js";
 
 const haveServer = spawnSync("redis-server", ["--version"]).status === 0;
 
@@ -49,7 +50,9 @@ describe("RedisBackend on a Redis that lost its scripts", { skip: haveServer ? f
   });
 
   it("loads the script on NOSCRIPT and sends the charge again, once", async () => {
-    const gov = new Governor(Policy.of(new Limit("burst", { cap: 2, window: Window.MINUTE, scope: Scope.USER })), backend);
+    const gov = new Governor(Policy.of(new Limit("burst", { cap: 2, window: Window.MINUTE, scope: Scope.USER })), backend, {
+      clock: frozenClock(), // one minute's "burst": the third check is refused
+    });
     const ctx = context({ user: "u_noscript" });
     assert.deepEqual(await backend.client.call("SCRIPT", "EXISTS", script("charge").sha), [0]);
     assert.equal((await gov.check(ctx)).admitted, true);

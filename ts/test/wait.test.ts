@@ -22,7 +22,7 @@ import {
 } from "../src/index.js";
 import { queueKey } from "../src/keys.js";
 import { backends } from "./backends.js";
-import { fresh } from "./services.js";
+import { fresh, frozenClock } from "./services.js";
 
 
 function sleep(ms: number): Promise<void> {
@@ -159,6 +159,7 @@ for (const [name, backend] of backends()) {
           new Limit("burst", { cap: 1, window: Window.MINUTE, scope: Scope.USER }),
         ),
         backend(),
+        { clock: frozenClock() }, // one minute's "burst": the second check is refused by it
       );
       const ctx = context({ user: fresh("u") });
       const first = (await gov.check(ctx)).raiseForStatus();
