@@ -17,8 +17,9 @@ Variants (the bench_check and bench_caps plans, 3 limits each):
 - ``floor: charge's Redis operations``: ``testing/charge_floor.lua`` with the inline
   plan's arguments, the very commands charge.lua makes and a reply of the same size,
   no logic: what any script doing that work atomically costs on this Redis;
-- ``--script FILE``: a candidate charge script (lib.lua prepended) beside the shipped
-  one, inline plan: for work on the scripts.
+- ``--script FILE``: a candidate charge script (its prelude of lib.lua prepended, as
+  lua/__init__.py assembles every script) beside the shipped one, inline plan: for
+  work on the scripts.
 
 Usage::
 
@@ -44,7 +45,7 @@ from typing import Any
 import redis
 
 from benchmarks import bench_caps, bench_check
-from mcp_budget_governor import Context, Governor, Plan, Policy, RedisBackend
+from mcp_budget_governor import Context, Governor, Plan, Policy, RedisBackend, lua
 from mcp_budget_governor.ledger import new_id
 from testing import bench
 from testing.services import free_port
@@ -55,8 +56,8 @@ Args = Callable[[], list[Any]]
 
 
 def charge_source(script: Path | None = None) -> str:
-    lib = (LUA / "lib.lua").read_text("utf-8")
-    return lib + "\n" + (script or LUA / "charge.lua").read_text("utf-8")
+    body = (script or LUA / "charge.lua").read_text("utf-8")
+    return lua.assemble((LUA / "lib.lua").read_text("utf-8"), body)
 
 
 async def plan_args(port: int, variant: str) -> Args:

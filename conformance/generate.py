@@ -45,7 +45,7 @@ from mcp_budget_governor.caps import Change  # noqa: E402
 from mcp_budget_governor.decision import Decision  # noqa: E402
 from mcp_budget_governor.integrations.fastmcp import tool_estimate, tool_price  # noqa: E402
 from mcp_budget_governor.integrations.flow import refusal_body, refusal_text  # noqa: E402
-from mcp_budget_governor.lua import SCRIPTS, source  # noqa: E402
+from mcp_budget_governor.lua import SCRIPTS, script_layout, source  # noqa: E402
 from mcp_budget_governor.policy_file import PolicyFileError, loads  # noqa: E402
 
 #: A fixed instant for the script calls: 2026-11-30T19:14:37Z.
@@ -588,9 +588,17 @@ def tool_meta_vectors() -> list[dict[str, Any]]:
 
 def vectors() -> dict[str, Any]:
     out = golden()
-    # "scripts" (golden) holds each script's SHA1: lib.lua + "\n" + its body, as EVALSHA runs it.
+    # "scripts" (golden) holds each script's SHA1, as EVALSHA runs it: its prelude (the
+    # lib.lua lines of "prelude", 1-based inclusive ranges, each line with its "\n"),
+    # the joiner, then its body. The TypeScript build assembles the same bytes from
+    # these ranges, so the rule that picks them stays in lua/__init__.py.
     assert out["scripts"] == {n: hashlib.sha1(source(n).encode()).hexdigest() for n in SCRIPTS}
-    out["script_layout"] = {"prefix": "lib.lua", "joiner": "\n", "names": list(SCRIPTS)}
+    out["script_layout"] = {
+        "prefix": "lib.lua",
+        "joiner": "\n",
+        "names": list(SCRIPTS),
+        "prelude": {n: [list(span) for span in script_layout(n)] for n in SCRIPTS},
+    }
     out["policies"] = policy_vectors()
     out["charge"] = charge_vectors()
     out["changes"] = change_vectors()

@@ -1,11 +1,14 @@
--- Shared helpers, prepended to every script at load time (Redis scripts cannot
--- import one another). They implement the counter model of counters.py:
+-- Shared helpers (Redis scripts cannot import one another): at load time each
+-- script gets this header and the definitions below that it uses, directly or
+-- through one another (lua/__init__.py). So every top-level line is a
+-- `local function NAME(` ... `end` or a one-line `local NAME = ...`, with its
+-- comment just above it. They implement the counter model of counters.py:
 -- a hash per counter with 'c' (committed), 'f' (in-flight total) and
 -- 'e:<event id>' (in-flight amount of one event, moved once by apply).
 --
 -- Amounts travel as decimal strings and are handed to HINCRBY as given:
 -- Lua 5.1 formats large numbers as 1e+15, which HINCRBY would reject.
---
+
 -- The clock is the caller's: no script calls TIME (managed services such as
 -- some serverless Redis refuse it in scripts). Every script that needs the
 -- time takes it as its LAST argument, ARGV[#ARGV], in epoch milliseconds
@@ -117,14 +120,13 @@ end
 -- slot), member the caller's ticket "<id>/<wait ms>", score its arrival (ms of
 -- Redis' clock). A ticket holds its place until arrival + wait; expired ones
 -- are dropped as the scan meets them.
---
+local QUEUE_PREFIX = 'mcpbg:v1:_wait:{'
+
 -- How many live waiters come before `ticket` ('-': everyone, the caller waits
 -- in no queue), counting at most `room` of them: the caller fits in a lease
 -- set with `room` free slots only when fewer than `room` wait ahead of it, so
 -- a slot that frees goes to the oldest waiter, whoever polls first.
 -- Returns that count and whether the ticket was found among them.
-local QUEUE_PREFIX = 'mcpbg:v1:_wait:{'
-
 local function waiters_ahead(queue, ticket, room, now)
   local ahead, start, dead = 0, 0, {}
   while ahead < room do

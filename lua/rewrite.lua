@@ -17,7 +17,7 @@
 -- removed and its stored amount taken off the in-flight total, exactly as
 -- apply.lua moves it. Returns the number of counters written.
 
-local add = ARGV[1] == 'add'
+local adding = ARGV[1] == 'add'
 local expected = tonumber(ARGV[2])
 local pos = 3
 if expected >= 0 then
@@ -38,7 +38,7 @@ if expected >= 0 then
 end
 for k = 2, #KEYS do
   local key = KEYS[k]
-  if add then
+  if adding then
     if ARGV[pos] ~= '0' then redis.call('HINCRBY', key, 'c', ARGV[pos]) end
   else
     redis.call('HSET', key, 'c', ARGV[pos])

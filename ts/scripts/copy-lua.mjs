@@ -1,7 +1,9 @@
-// Build step: copy the repository's lua/*.lua into the package (ts/lua/), and
-// record each script's SHA1 (lib.lua + "\n" + body, as EVALSHA runs it). The
-// digests must equal those of the conformance vectors, which the Python
-// implementation generated: a copy that differs fails the build.
+// Build step: copy the repository's lua/*.lua into the package (ts/lua/), with
+// each script's layout (layout.json: the lib.lua lines of its prelude, from the
+// conformance vectors; Python's lua/__init__.py picks them) and SHA1 (prelude +
+// "\n" + body, as EVALSHA runs it, assembled as src/scripts.ts does). The
+// digests must equal those of the vectors, which the Python implementation
+// generated: a copy or layout that differs fails the build.
 import { createHash } from "node:crypto";
 import { copyFileSync, existsSync, mkdirSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 
@@ -11,20 +13,26 @@ const to = new URL("lua/", here);
 const vectorsFile = new URL("../conformance/vectors.json", here);
 
 if (!existsSync(from)) {
-  // Installed from a tarball: the scripts were copied when it was packed.
-  if (existsSync(new URL("digests.json", to))) process.exit(0);
+  // Installed from a tarball: the scripts and their layout were copied when it was packed.
+  if (existsSync(new URL("digests.json", to)) && existsSync(new URL("layout.json", to))) process.exit(0);
   console.error("copy-lua: ../lua not found and no copied scripts in ts/lua");
   process.exit(1);
 }
 mkdirSync(to, { recursive: true });
 const names = readdirSync(from).filter((f) => f.endsWith(".lua"));
 for (const file of names) copyFileSync(new URL(file, from), new URL(file, to));
-const lib = readFileSync(new URL("lib.lua", to), "utf8");
 const vectors = JSON.parse(readFileSync(vectorsFile, "utf8"));
+const { prefix, joiner, prelude } = vectors.script_layout;
+const layout = { prefix, joiner, prelude };
+writeFileSync(new URL("layout.json", to), JSON.stringify(layout) + "\n");
+// The same splice as src/scripts.ts (this runs before tsc): each range's lines,
+// each with its "\n", then the joiner and the body. Both are held to the digests.
+const libLines = readFileSync(new URL(prefix, to), "utf8").split("\n").slice(0, -1);
 const digests = {};
 const stale = [];
 for (const name of vectors.script_layout.names) {
-  const source = lib + "\n" + readFileSync(new URL(`${name}.lua`, to), "utf8");
+  const head = (prelude[name] ?? []).flatMap(([first, last]) => libLines.slice(first - 1, last).map((l) => l + "\n"));
+  const source = head.join("") + joiner + readFileSync(new URL(`${name}.lua`, to), "utf8");
   digests[name] = createHash("sha1").update(source, "utf8").digest("hex");
   if (digests[name] !== vectors.scripts[name]) stale.push(name);
 }

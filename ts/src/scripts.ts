@@ -1,9 +1,11 @@
 /**
  * The Redis scripts: the repository's `lua/` files, copied into the package at
- * build time (scripts/copy-lua.mjs), never translated. Each script is
- * `lib.lua`, a newline, then its body, exactly as the Python package sends it,
- * so both run the same SHA1 (the conformance vectors pin the digests; loading
- * refuses a copy whose digest differs from the one recorded at build time).
+ * build time (scripts/copy-lua.mjs), never translated. Each script is its
+ * prelude (the lib.lua lines `layout.json` lists for it: the helpers its body
+ * uses, as Python's lua/__init__.py picks them and the conformance vectors
+ * carry them), a newline, then its body, exactly as the Python package sends
+ * it, so both run the same SHA1 (the vectors pin the digests; loading refuses
+ * a copy whose digest differs from the one recorded at build time).
  *
  * @example
  * const charge = script("charge");  // { name, source, sha }
@@ -20,6 +22,13 @@ export interface Script {
   readonly name: ScriptName;
   readonly source: string;
   readonly sha: string;
+}
+
+/** ts/lua/layout.json: each script's prelude as lib.lua line ranges (1-based, inclusive). */
+interface Layout {
+  readonly prefix: string;
+  readonly joiner: string;
+  readonly prelude: Readonly<Record<string, readonly (readonly [number, number])[]>>;
 }
 
 /** Where the copied scripts are: `<package>/lua/` (from src/ or dist/ alike). */
@@ -44,7 +53,12 @@ export function script(name: ScriptName, dir: URL = LUA_DIR): Script {
       throw new GovernorError(`lua/${file} is missing: run "npm run build" (it copies ../lua into the package)`);
     }
   };
-  const source = read("lib.lua") + "\n" + read(`${name}.lua`);
+  const layout = JSON.parse(read("layout.json")) as Layout;
+  const lib = read(layout.prefix).split("\n").slice(0, -1);
+  const head = (layout.prelude[name] ?? []).flatMap(([first, last]) =>
+    lib.slice(first - 1, last).map((line) => line + "\n"),
+  );
+  const source = head.join("") + layout.joiner + read(`${name}.lua`);
   const digests = JSON.parse(read("digests.json")) as Record<string, string>;
   const sha = sha1(source);
   if (digests[name] !== sha) {

@@ -3,18 +3,21 @@
 // prices, script digests, the exact charge.lua calls, policy files, refusals.
 import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
-import { readFileSync } from "node:fs";
+import { copyFileSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { pathToFileURL } from "node:url";
 import { describe, it } from "node:test";
 
 import { chargeCommand, chargeFrame } from "../src/backends/redis.js";
 import { Decision, refusalBody, refusalText } from "../src/decision.js";
-import { InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
+import { GovernorError, InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
 import { KeyBuilder, SEPARATORS } from "../src/keys.js";
 import { usd } from "../src/money.js";
 import * as planning from "../src/planning.js";
 import { parsePolicy } from "../src/policyFile.js";
 import { PriceTable } from "../src/prices.js";
-import { script, SCRIPTS } from "../src/scripts.js";
+import { LUA_DIR, script, SCRIPTS, sha1 } from "../src/scripts.js";
 import { toolPrices } from "../src/integrations/common.js";
 import { escapeMismatches, keyMismatches } from "./conformance.js";
 import { ctxOf, VECTORS, type Json } from "./vectors.js";
@@ -103,9 +106,32 @@ describe("scripts", () => {
     for (const name of SCRIPTS) {
       const s = script(name);
       assert.equal(s.sha, VECTORS.scripts[name], name);
-      const repo = readFileSync(new URL("../../lua/lib.lua", import.meta.url), "utf8") + "\n" +
-        readFileSync(new URL(`../../lua/${name}.lua`, import.meta.url), "utf8");
-      assert.equal(createHash("sha1").update(repo).digest("hex"), s.sha, `${name}: the copy differs from ../lua`);
+      // Rebuilt from ../lua and the vectors' layout: the prelude's lib.lua lines, "\n", the body.
+      const lib = readFileSync(new URL("../../lua/lib.lua", import.meta.url), "utf8");
+      const lines = lib.split("\n").slice(0, -1);
+      const spans = VECTORS.script_layout.prelude[name] as [number, number][];
+      const body = readFileSync(new URL(`../../lua/${name}.lua`, import.meta.url), "utf8");
+      const repo = spans.flatMap(([a, b]) => lines.slice(a - 1, b).map((l) => l + "\n")).join("") + "\n" + body;
+      assert.equal(repo, s.source, `${name}: the copy differs from ../lua`);
+      assert.equal(createHash("sha1").update(repo).digest("hex"), s.sha, name);
+      // The layout matters: the whole lib.lua before the body is another script.
+      if (name === "charge") assert.notEqual(sha1(lib + "\n" + body), s.sha);
+    }
+  });
+
+  it("refuse a layout that is not the one the digests were recorded with", () => {
+    const dir = mkdtempSync(join(tmpdir(), "mcpbg-lua-"));
+    try {
+      for (const file of readdirSync(LUA_DIR)) copyFileSync(new URL(file, LUA_DIR), join(dir, file));
+      const layout = JSON.parse(readFileSync(join(dir, "layout.json"), "utf8")) as Json;
+      const whole = readFileSync(join(dir, "lib.lua"), "utf8").split("\n").length - 1;
+      layout.prelude.charge = [[1, whole]]; // every helper, as before preludes
+      writeFileSync(join(dir, "layout.json"), JSON.stringify(layout));
+      const at = pathToFileURL(dir + "/");
+      assert.throws(() => script("charge", at), (err: unknown) => err instanceof GovernorError && /digest/.test(err.message));
+      assert.equal(script("usage", at).sha, VECTORS.scripts.usage);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
     }
   });
 
