@@ -83,7 +83,12 @@ async def test_never_more_than_the_cap_in_progress_and_all_given_back(backend: B
                 if decision.admitted:
                     running += 1
                     peak = max(peak, running)
-                    await asyncio.sleep(0.005)
+                    # Hold the slot until the cap is full (or a second passed: the last
+                    # callers): a slow store's round trips must not keep the peak below it.
+                    waited = 0
+                    while running < 3 and done < 27 and waited < 500:
+                        await asyncio.sleep(0.002)
+                        waited += 1
                     running -= 1
                     done += 1
                     return
