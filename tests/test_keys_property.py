@@ -313,3 +313,25 @@ def test_hostile_identifiers_each_get_their_own_redis_counter(
     expected = {key_of("hostile", dims, Window.DAY, ctx).rsplit(":", 1)[0] for ctx in contexts}
     assert {k.rsplit(":", 1)[0] for k in stored} == expected
     assert len(stored) == len(contexts)
+
+
+def test_internal_keys_are_never_counters() -> None:
+    """The governor's own keys (``mcpbg:v1:_*``) parse as no counter, so no listing,
+    sync or reconcile of counters ever takes one for a budget."""
+    from mcp_budget_governor import keys
+    from mcp_budget_governor.caps import PLANS_KEY, caps_key
+
+    internal = [
+        keys.WATERMARK_KEY,
+        keys.EPOCH_KEY,
+        keys.APPROVAL_KEY,
+        f"{keys.SEEN_PREFIX}:20261129",
+        keys.op_key("op_1"),
+        keys.lease_key("parallel", "user=u_42"),
+        keys.queue_key(keys.lease_key("parallel", "user=u_42")),
+        PLANS_KEY,
+        caps_key("daily"),
+    ]
+    for key in internal:
+        assert key.startswith(keys.INTERNAL_PREFIX), key
+        assert keys.parse_key(key) is None, key

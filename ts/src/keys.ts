@@ -132,3 +132,6 @@ export function queueKey(leaseSet: string): string {
 }
 export const EPOCH_KEY = `${PREFIX}:_epoch`;
 export const PLANS_KEY = `${PREFIX}:_plans`;
+/** The key of the SDK middleware's default approval seal, shared by every replica on
+ * this Redis (Python: keys.APPROVAL_KEY): 64 hex digits, created once with SET NX. */
+export const APPROVAL_KEY = `${PREFIX}:_approval`;

@@ -9,9 +9,25 @@ import { describe, it } from "node:test";
 import { Client, InMemoryTransport as ClientMemoryTransport, StreamableHTTPClientTransport } from "@modelcontextprotocol/client";
 import { InMemoryTransport, McpServer, createMcpHandler } from "@modelcontextprotocol/server";
 
-import { EntryType, Governor, InvalidInputError, MemoryBackend, MemoryLedger, context, parsePolicy, refusalText } from "../src/index.js";
+import { Redis } from "ioredis";
+
+import {
+  BackendUnavailableError,
+  EntryType,
+  Governor,
+  InvalidInputError,
+  MemoryBackend,
+  MemoryLedger,
+  RedisBackend,
+  context,
+  parsePolicy,
+  refusalText,
+  type Backend,
+} from "../src/index.js";
 import { APPROVAL_REQUEST, approvalSeal, governTools } from "../src/integrations/sdk.js";
-import { fresh } from "./services.js";
+import { APPROVAL_KEY } from "../src/keys.js";
+import { closer } from "./backends.js";
+import { REDIS_URL, fresh } from "./services.js";
 
 const POLICY = `
 [[limits]]
@@ -25,10 +41,13 @@ on_exceed = "ask"
 type Result = { isError?: boolean; content: { type: string; text?: string }[] };
 type Answer = { action: "accept" | "decline" | "cancel"; content?: Record<string, string | number | boolean | string[]> };
 
-/** A server factory (createMcpHandler makes one server per request); `key`: the seal's, else the default. */
-function governed(user: string, key?: string): { gov: Governor; ledger: MemoryLedger; server: () => McpServer } {
+/**
+ * A server factory (createMcpHandler makes one server per request); `key`: the
+ * seal's, else the default; `backend`: the counters' (default a MemoryBackend).
+ */
+function governed(user: string, key?: string, backend: Backend = new MemoryBackend()): { gov: Governor; ledger: MemoryLedger; server: () => McpServer } {
   const ledger = new MemoryLedger();
-  const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { ledger });
+  const gov = new Governor(parsePolicy(POLICY), backend, { ledger });
   const server = (): McpServer => {
     const s = new McpServer({ name: "asking", version: "1.0.0" });
     governTools(s, gov, { identify: () => context({ user }), ...(key !== undefined && { approvalSeal: approvalSeal(key) }) });
@@ -60,6 +79,34 @@ async function modernClient(server: () => McpServer, answer: Answer | null, aske
 async function call(client: Client): Promise<Result> {
   return (await client.callTool({ name: "search", arguments: {} })) as Result;
 }
+
+const ENVELOPE = {
+  "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+  "io.modelcontextprotocol/clientInfo": { name: "raw", version: "1" },
+  "io.modelcontextprotocol/clientCapabilities": { elicitation: { form: {} } },
+};
+
+/** A raw 2026-07-28 tools/call of "search" to `server` (its JSON-RPC result), so a test picks the replica of each round. */
+function poster(server: () => McpServer): (params?: Record<string, unknown>) => Promise<Record<string, unknown>> {
+  const handler = createMcpHandler(server);
+  let id = 0;
+  return async (params = {}) => {
+    const response = await handler.fetch(
+      new Request("http://localhost/mcp", {
+        method: "POST",
+        headers: { "content-type": "application/json", accept: "application/json, text/event-stream", "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": "search" },
+        body: JSON.stringify({ jsonrpc: "2.0", id: ++id, method: "tools/call", params: { name: "search", arguments: {}, _meta: ENVELOPE, ...params } }),
+      }),
+    );
+    const text = await response.text();
+    const line = text.split("\n").find((l) => l.startsWith("data:"));
+    const body = JSON.parse(line === undefined ? text : line.slice(5)) as { result?: Record<string, unknown>; error?: unknown };
+    assert.ok(body.result, `no result: ${text}`);
+    return body.result;
+  };
+}
+
+const YES = { [APPROVAL_REQUEST]: { action: "accept", content: { value: true } } };
 
 describe("OnExceed.ASK on the 2026-07-28 protocol (SDK 2.x)", () => {
   it("a modern client is asked in the next round and admitted", async () => {
@@ -119,28 +166,9 @@ describe("OnExceed.ASK on the 2026-07-28 protocol (SDK 2.x)", () => {
   it("the question is Python's input_required result: the elicitation under mcpbg_approval, the limit sealed", async () => {
     const user = fresh("ana");
     const { server } = governed(user, "a key every replica shares, 32+ bytes");
-    const handler = createMcpHandler(server);
-    const envelope = {
-      "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-      "io.modelcontextprotocol/clientInfo": { name: "raw", version: "1" },
-      "io.modelcontextprotocol/clientCapabilities": { elicitation: { form: {} } },
-    };
-    const post = async (id: number, params: Record<string, unknown>): Promise<Record<string, unknown>> => {
-      const response = await handler.fetch(
-        new Request("http://localhost/mcp", {
-          method: "POST",
-          headers: { "content-type": "application/json", accept: "application/json, text/event-stream", "mcp-protocol-version": "2026-07-28", "mcp-method": "tools/call", "mcp-name": "search" },
-          body: JSON.stringify({ jsonrpc: "2.0", id, method: "tools/call", params: { name: "search", arguments: {}, _meta: envelope, ...params } }),
-        }),
-      );
-      const text = await response.text();
-      const line = text.split("\n").find((l) => l.startsWith("data:"));
-      const body = JSON.parse(line === undefined ? text : line.slice(5)) as { result?: Record<string, unknown>; error?: unknown };
-      assert.ok(body.result, `no result: ${text}`);
-      return body.result;
-    };
-    await post(1, {});
-    const question = await post(2, {});
+    const post = poster(server);
+    await post();
+    const question = await post();
     const state = question["requestState"];
     assert.equal(typeof state, "string");
     assert.doesNotMatch(String(state), /^daily$/, "the limit is sealed, not in clear");
@@ -163,12 +191,11 @@ describe("OnExceed.ASK on the 2026-07-28 protocol (SDK 2.x)", () => {
         _meta: undefined,
       },
     );
-    const yes = { [APPROVAL_REQUEST]: { action: "accept", content: { value: true } } };
     // A state the server never sealed approves nothing: the client is asked (again).
-    const forged = await post(3, { inputResponses: yes, requestState: "daily" });
+    const forged = await post({ inputResponses: YES, requestState: "daily" });
     assert.equal(forged["resultType"], "input_required");
     // The sealed one, answered yes: admitted over the limit.
-    const admitted = await post(4, { inputResponses: yes, requestState: state });
+    const admitted = await post({ inputResponses: YES, requestState: state });
     assert.deepEqual(admitted["content"], [{ type: "text", text: "results" }]);
   });
 
@@ -212,5 +239,136 @@ describe("approvalSeal", () => {
     assert.equal(seal.open("daily", ana), null);
     assert.equal(seal.open(undefined, ana), null);
     assert.throws(() => approvalSeal("short"), (err: Error) => err instanceof InvalidInputError && /approval_key/.test(err.message));
+  });
+});
+
+const close = closer();
+
+/** A RedisBackend of its own (a replica's), on the suite's Redis; `keyPrefix`: a Redis of its own within it. */
+function redisBackend(keyPrefix = ""): RedisBackend {
+  return close(RedisBackend.fromUrl(REDIS_URL, { timeout: 2, redis: { keyPrefix } }));
+}
+
+/** The state of the question `post` gets once the user's one call a day is spent. */
+async function questionState(post: ReturnType<typeof poster>): Promise<string> {
+  const question = await post();
+  assert.equal(question["resultType"], "input_required", JSON.stringify(question));
+  return question["requestState"] as string;
+}
+
+const RESULTS = [{ type: "text", text: "results" }];
+
+describe("the default approval seal across replicas", () => {
+  it("replicas on one Redis share it: a question replica A asked is approved on replica B", async () => {
+    const user = fresh("ana");
+    const a = governed(user, undefined, redisBackend());
+    const b = governed(user, undefined, redisBackend());
+    const [postA, postB] = [poster(a.server), poster(b.server)];
+    assert.deepEqual((await postA())["content"], RESULTS);
+    const state = await questionState(postA);
+    const admitted = await postB({ inputResponses: YES, requestState: state });
+    assert.deepEqual(admitted["content"], RESULTS, JSON.stringify(admitted));
+    assert.deepEqual(b.ledger.entries.map((e) => [e.type, e.approved]), [[EntryType.ADMITTED, ["daily"]]]);
+    assert.equal(await a.gov.usage("daily", context({ user })), 2);
+    // The key is the one in Redis, not this process's own (which both replicas here would share).
+    const redis = new Redis(REDIS_URL);
+    const stored = Buffer.from((await redis.get(APPROVAL_KEY)) ?? "", "hex");
+    await redis.quit();
+    const caller = context({ user, tool: "search" });
+    assert.equal(approvalSeal(stored).open(state, caller), "daily");
+    assert.equal(approvalSeal().open(state, caller), null);
+  });
+
+  it("a question sealed on another Redis, or with an explicit key, approves nothing there", async () => {
+    const user = fresh("ana");
+    const a = governed(user, undefined, redisBackend());
+    const other = governed(user, undefined, redisBackend(`${fresh("other")}:`)); // its own keys: another Redis
+    const keyed = governed(user, "k".repeat(32), redisBackend());
+    const keyedToo = governed(user, "k".repeat(32), redisBackend());
+    const [postA, postOther, postKeyed, postKeyedToo] = [a, other, keyed, keyedToo].map((r) => poster(r.server)) as [
+      ReturnType<typeof poster>,
+      ReturnType<typeof poster>,
+      ReturnType<typeof poster>,
+      ReturnType<typeof poster>,
+    ];
+    await postA(); // the day's call, on the one Redis a, keyed and keyedToo share
+    await postOther(); // and on the other Redis
+    for (const state of [await questionState(postOther), await questionState(postKeyed)]) {
+      const again = await postA({ inputResponses: YES, requestState: state });
+      assert.equal(again["resultType"], "input_required", "not admitted: asked again");
+    }
+    assert.equal(await a.gov.usage("daily", context({ user })), 1);
+    // An explicit key wins over the shared one: what one keyed replica sealed, another opens.
+    const state = await questionState(postKeyed);
+    assert.equal(approvalSeal("k".repeat(32)).open(state, context({ user, tool: "search" })), "daily");
+    assert.deepEqual((await postKeyedToo({ inputResponses: YES, requestState: state }))["content"], RESULTS);
+  });
+
+  it("a key Redis lost and another replica replaced is read again", async () => {
+    const user = fresh("ana");
+    const prefix = `${fresh("flushed")}:`; // a Redis of this test's own, to flush
+    const a = governed(user, undefined, redisBackend(prefix));
+    const postA = poster(a.server);
+    await postA();
+    await questionState(postA); // a has read the first key
+    const redis = new Redis(REDIS_URL);
+    const first = await redis.get(prefix + APPROVAL_KEY);
+    assert.equal(await redis.del(prefix + APPROVAL_KEY), 1);
+    const c = governed(user, undefined, redisBackend(prefix)); // sets a new key
+    const state = await questionState(poster(c.server));
+    const second = await redis.get(prefix + APPROVAL_KEY);
+    assert.notEqual(first, second);
+    assert.deepEqual((await postA({ inputResponses: YES, requestState: state }))["content"], RESULTS);
+    await redis.del(prefix + APPROVAL_KEY);
+    await redis.quit();
+  });
+
+  it("on a MemoryBackend the key is the process's: two servers of one process share it", async () => {
+    const user = fresh("ana");
+    const a = governed(user);
+    const b = governed(user);
+    const [postA, postB] = [poster(a.server), poster(b.server)];
+    await postA();
+    await postB();
+    const state = await questionState(postA);
+    assert.equal(approvalSeal().open(state, context({ user, tool: "search" })), "daily");
+    assert.deepEqual((await postB({ inputResponses: YES, requestState: state }))["content"], RESULTS);
+  });
+
+  it("a key that cannot be read refuses the call the normal way: no question, no error", async () => {
+    class NoKey extends MemoryBackend {
+      approvalKey(): Promise<Uint8Array> {
+        return Promise.reject(new BackendUnavailableError("redis unreachable: connect ECONNREFUSED"));
+      }
+    }
+    const user = fresh("ana");
+    const { gov, ledger, server } = governed(user, undefined, new NoKey());
+    const post = poster(server);
+    await post();
+    const validElsewhere = approvalSeal().seal("daily", context({ user, tool: "search" }));
+    for (const params of [{}, { inputResponses: YES, requestState: validElsewhere }]) {
+      const refused = await post(params);
+      assert.equal(refused["isError"], true, JSON.stringify(refused));
+      assert.match((refused["content"] as Result["content"])[0]?.text ?? "", /^budget_exceeded:user\/day/);
+    }
+    assert.equal(await gov.usage("daily", context({ user })), 1);
+    assert.deepEqual(ledger.entries.map((e) => e.type), [EntryType.ADMITTED, EntryType.REJECTED, EntryType.REJECTED]);
+  });
+
+  it("reads the key once per backend, whatever the servers a per-request factory makes", async () => {
+    let reads = 0;
+    class Counted extends MemoryBackend {
+      approvalKey(): Promise<Uint8Array> {
+        reads++;
+        return Promise.resolve(Buffer.alloc(32, 7));
+      }
+    }
+    const user = fresh("ana");
+    const { server } = governed(user, undefined, new Counted());
+    const post = poster(server);
+    await post();
+    const state = await questionState(post);
+    assert.deepEqual((await post({ inputResponses: YES, requestState: state }))["content"], RESULTS);
+    assert.equal(reads, 1);
   });
 });

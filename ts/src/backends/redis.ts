@@ -10,10 +10,12 @@
  * @example
  * const backend = RedisBackend.fromUrl("redis://127.0.0.1:6379/0");
  */
+import { randomBytes } from "node:crypto";
+
 import { Command, Redis, type RedisOptions } from "ioredis";
 
-import { BackendUnavailableError, CounterOverflowError, InvalidInputError } from "../errors.js";
-import { EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey, queueKey, slides } from "../keys.js";
+import { BackendUnavailableError, CounterOverflowError, GovernorError, InvalidInputError } from "../errors.js";
+import { APPROVAL_KEY, EPOCH_KEY, LEASE_PREFIX, PLANS_KEY, opKey, queueKey, slides } from "../keys.js";
 import { MAX_AMOUNT } from "../money.js";
 import type { CounterOp } from "../planning.js";
 import { script, type Script } from "../scripts.js";
@@ -352,6 +354,28 @@ export class RedisBackend implements Backend {
 
   async inProgress(keys: readonly string[]): Promise<number[]> {
     return this.leases(keys, "c");
+  }
+
+  /**
+   * The approval seal's key in APPROVAL_KEY: the first replica to need it sets 32
+   * random bytes (as hex) with SET NX, and every replica reads the one that won.
+   */
+  async approvalKey(): Promise<Uint8Array> {
+    try {
+      let value = (await this.client.call("GET", APPROVAL_KEY)) as string | null;
+      if (value === null) {
+        await this.client.call("SET", APPROVAL_KEY, randomBytes(32).toString("hex"), "NX");
+        value = (await this.client.call("GET", APPROVAL_KEY)) as string | null;
+      }
+      const key = Buffer.from(value ?? "", "hex");
+      if (key.length !== 32 || key.toString("hex") !== value) {
+        throw new GovernorError(`${APPROVAL_KEY} holds no approval key (expected 64 hex digits)`);
+      }
+      return key;
+    } catch (err) {
+      if (isUnavailable(err)) throw BackendUnavailableError.redis(err);
+      throw err;
+    }
   }
 
   async close(): Promise<void> {

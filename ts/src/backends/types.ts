@@ -37,6 +37,12 @@ export interface Backend {
   /** Live leases per set. */
   inProgress(keys: readonly string[]): Promise<number[]>;
   close(): Promise<void>;
+  /**
+   * The key every server on this backend seals approvals with (the SDK
+   * middleware's default approvalSeal), created on first use; absent: the
+   * backend is one process's own, and so is the key.
+   */
+  approvalKey?(): Promise<Uint8Array>;
 }
 
 export const ADMITTED_RESULT: ChargeResult = Object.freeze({ refused: -1, used: [], caps: [] });

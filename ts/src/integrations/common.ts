@@ -194,30 +194,92 @@ export interface ApprovalSeal {
   open(state: unknown, caller: Context): string | null | Promise<string | null>;
 }
 
-/** The default seal's key: random, one per process (every server a per-request factory makes shares it). */
+/** The per-process seal's key: random, one per process (every server a per-request factory makes shares it). */
 const PROCESS_KEY = randomBytes(32);
+
+const SEALED = "mcpbg1";
+
+/** A sealed state taken apart (`mcpbg1.<limit>.<tag>`), else null. */
+function sealedParts(state: unknown): { limit: string; tag: Buffer } | null {
+  if (typeof state !== "string") return null;
+  const [version, name, tag, ...rest] = state.split(".");
+  if (version !== SEALED || name === undefined || tag === undefined || rest.length) return null;
+  return { limit: Buffer.from(name, "base64url").toString("utf8"), tag: Buffer.from(tag, "base64url") };
+}
+
+/** An ApprovalSeal that answers at once. */
+export interface HmacSeal extends ApprovalSeal {
+  seal(limit: string, caller: Context): string;
+  open(state: unknown, caller: Context): string | null;
+}
 
 /**
  * The HMAC seal: `key` (at least 32 bytes) must be the same on every replica a
  * client's retry may reach; default: random, one per process.
  */
-export function approvalSeal(key: string | Uint8Array = PROCESS_KEY): ApprovalSeal {
+export function approvalSeal(key: string | Uint8Array = PROCESS_KEY): HmacSeal {
   const secret = typeof key === "string" ? Buffer.from(key, "utf8") : Buffer.from(key);
   if (secret.length < 32) throw new InvalidInputError("approval_key", `${secret.length} bytes`, "expected at least 32 bytes");
   const mac = (limit: string, caller: Context): Buffer =>
     createHmac("sha256", secret).update(`mcpbg.approval\u0000${contextKey(caller)}\u0000${limit}`).digest();
   return {
-    seal: (limit, caller) => `mcpbg1.${Buffer.from(limit, "utf8").toString("base64url")}.${mac(limit, caller).toString("base64url")}`,
+    seal: (limit, caller) => `${SEALED}.${Buffer.from(limit, "utf8").toString("base64url")}.${mac(limit, caller).toString("base64url")}`,
     open: (state, caller) => {
-      if (typeof state !== "string") return null;
-      const [version, name, tag, ...rest] = state.split(".");
-      if (version !== "mcpbg1" || name === undefined || tag === undefined || rest.length) return null;
-      const limit = Buffer.from(name, "base64url").toString("utf8");
-      const given = Buffer.from(tag, "base64url");
-      const want = mac(limit, caller);
-      return given.length === want.length && timingSafeEqual(given, want) ? limit : null;
+      const parts = sealedParts(state);
+      if (parts === null) return null;
+      const want = mac(parts.limit, caller);
+      return parts.tag.length === want.length && timingSafeEqual(parts.tag, want) ? parts.limit : null;
     },
   };
+}
+
+/**
+ * The HMAC seal whose key `load()` fetches (a backend's approvalKey): read once
+ * and kept; a well-formed state that does not open is tried once more with the
+ * key read again, in case the store lost it (a flushed Redis) and another
+ * replica set a new one since. A failed read fails that seal or open (the
+ * caller refuses) and is tried again next time.
+ */
+export function loadedSeal(load: () => Promise<Uint8Array>): ApprovalSeal {
+  let current: Promise<HmacSeal> | null = null;
+  const fetched = (): Promise<HmacSeal> => {
+    const p = load().then((key) => approvalSeal(key));
+    current = p;
+    p.catch(() => {
+      if (current === p) current = null; // not kept: the next call reads again
+    });
+    return p;
+  };
+  const cached = (): Promise<HmacSeal> => current ?? fetched();
+  return {
+    seal: async (limit, caller) => (await cached()).seal(limit, caller),
+    open: async (state, caller) => {
+      const used = cached();
+      const limit = (await used).open(state, caller);
+      if (limit !== null || sealedParts(state) === null) return limit;
+      // Calls that fail together read the key again once: the first, the others use its read.
+      return (await (current === used ? fetched() : cached())).open(state, caller);
+    },
+  };
+}
+
+/** Each backend's shared seal: one per backend, so every server a per-request factory makes reads the key once. */
+const SHARED_SEALS = new WeakMap<object, ApprovalSeal>();
+
+/**
+ * The middleware's seal when none is given: on a backend that keeps an
+ * approval key (RedisBackend), that key, so every replica on the same Redis
+ * opens what another sealed; else the per-process one.
+ */
+export function defaultSeal(governor: Governor): ApprovalSeal {
+  const backend = governor.backend;
+  if (typeof backend.approvalKey !== "function") return approvalSeal();
+  let seal = SHARED_SEALS.get(backend);
+  if (seal === undefined) {
+    seal = loadedSeal(() => (backend.approvalKey as () => Promise<Uint8Array>).call(backend));
+    SHARED_SEALS.set(backend, seal);
+  }
+  return seal;
 }
 
 /** `approvalTimeout` validated (seconds, more than 0, at most a day). */

@@ -41,8 +41,8 @@ import {
   approvalGiven,
   approvalQuestion,
   approvalRequest,
-  approvalSeal,
   approvalSeconds,
+  defaultSeal,
   governedCall,
   refusalResult,
   toolPrices,
@@ -86,8 +86,11 @@ export interface GovernOptions<E = RequestExtra> {
   approvalTimeout?: number;
   /**
    * Seals the refusing limit into a 2026-07-28 client's `requestState` (see
-   * ApprovalSeal); default: approvalSeal(), whose random key is one per process.
-   * Servers with several replicas pass `approvalSeal(sharedKey)`.
+   * ApprovalSeal), so the client's retry must reach a server holding the same
+   * key. Default: on a RedisBackend, a random key kept in that Redis
+   * (`mcpbg:v1:_approval`, created by the first replica to need it), so every
+   * replica sharing the governor's Redis opens what another sealed; on any other
+   * backend, a random key of this process. `approvalSeal(sharedKey)` overrides it.
    */
   approvalSeal?: ApprovalSeal;
 }
@@ -133,8 +136,14 @@ function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: Ap
     if (declared === null || typeof declared !== "object" || !("elicitation" in declared)) return false;
     const limit = decision.limit ?? "";
     const responses = extra.mcpReq?.inputResponses;
-    if (responses !== undefined && (await seal.open(extra.mcpReq?.requestState?.(), caller)) === limit) return answeredYes(responses);
-    throw new AskInRound(approvalQuestion(decision, tool, await seal.seal(limit, caller)));
+    if (responses !== undefined && (await opened(seal, extra.mcpReq?.requestState?.(), caller)) === limit) return answeredYes(responses);
+    let state: string;
+    try {
+      state = await seal.seal(limit, caller);
+    } catch {
+      return false; // no key to seal with (its Redis unreachable): a question no replica could open, so the normal refusal
+    }
+    throw new AskInRound(approvalQuestion(decision, tool, state));
   };
 }
 
@@ -146,9 +155,23 @@ function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: Ap
  */
 async function approvedInRound(governor: Governor, extra: RequestExtra | undefined, caller: Context, seal: ApprovalSeal): Promise<string[]> {
   if (!modern(extra) || extra?.mcpReq?.inputResponses === undefined) return [];
-  const limit = await seal.open(extra.mcpReq.requestState?.(), caller);
+  const limit = await opened(seal, extra.mcpReq.requestState?.(), caller);
   if (limit === null || !governor.policy.has(limit) || governor.policy.get(limit).onExceed !== OnExceed.ASK) return [];
   return answeredYes(extra.mcpReq.inputResponses) ? [limit] : [];
+}
+
+/**
+ * The limit `state` was sealed with, else null; null too when the seal cannot
+ * be opened at all (the default seal's key in an unreachable Redis): an answer
+ * nobody can verify approves nothing, and the call is checked (and refused, or
+ * failed by the limit's fail mode) as any other, never an error.
+ */
+async function opened(seal: ApprovalSeal, state: unknown, caller: Context): Promise<string | null> {
+  try {
+    return await seal.open(state, caller);
+  } catch {
+    return null;
+  }
 }
 
 /** The default identity: the OAuth access token's subject, else its client id, and the MCP session. */
@@ -177,7 +200,7 @@ export function governHandler<H extends Handler>(
   const { price, estimate } = toolPrices(governor.policy, tool, meta); // a bad price fails at registration
   const wait = waitSeconds(options.wait ?? 0); // and so does a bad wait
   const timeout = approvalSeconds(options.approvalTimeout ?? APPROVAL_TIMEOUT);
-  const seal = options.approvalSeal ?? approvalSeal();
+  const seal = options.approvalSeal ?? defaultSeal(governor);
   const wrapped = async (...args: unknown[]): Promise<unknown> => {
     const extra = args[args.length - 1] as RequestExtra;
     const work = async (): Promise<unknown> => (handler as unknown as (...a: unknown[]) => unknown)(...args);
@@ -225,7 +248,7 @@ export function governedCallTool<Req extends CallToolRequest, E extends RequestE
 ): (request: Req, extra: E) => Promise<R | ReturnType<typeof refusalResult> | ApprovalQuestion> {
   const wait = waitSeconds(options.wait ?? 0);
   const timeout = approvalSeconds(options.approvalTimeout ?? APPROVAL_TIMEOUT);
-  const seal = options.approvalSeal ?? approvalSeal();
+  const seal = options.approvalSeal ?? defaultSeal(governor);
   return async (request, extra) => {
     const tool = request.params.name;
     const { price, estimate } = toolPrices(governor.policy, tool, options.meta?.(tool));
