@@ -16,6 +16,7 @@ import mcp_types as mt
 import pytest
 import redis
 from fastmcp import Client, FastMCP
+from mcp.server.request_state import RequestStateSecurity
 from mcp.shared.exceptions import MCPError
 
 from mcp_budget_governor import (
@@ -121,6 +122,11 @@ def test_the_key_is_created_once_as_64_hex_digits_and_then_read(redis_url: str) 
     assert value is not None and re.fullmatch(rb"[0-9a-f]{64}", value)
     again = shared_request_state(redis_url, ttl=30.0)
     assert stored(redis_url) == value and again.ttl == 30.0 and first.ttl == 600.0
+    # The stored digits are the seal's key: a codec built from them opens its state.
+    token = first.codec.seal(b"daily")
+    assert (
+        RequestStateSecurity(keys=[bytes.fromhex(value.decode())]).codec.unseal(token) == b"daily"
+    )
 
 
 @pytest.mark.parametrize(
