@@ -43,8 +43,8 @@ ANA = Context(user="ana")
 def stored(url: str) -> bytes | None:
     client = redis.Redis.from_url(url)
     try:
-        value: bytes | None = client.get(APPROVAL_KEY)
-        return value
+        value = client.get(APPROVAL_KEY)
+        return value if isinstance(value, bytes) else None
     finally:
         client.close()
 

@@ -63,7 +63,11 @@ back-channel while the call waits; one on the 2026-07-28 protocol, which has
 no back-channel, gets the question as the call's ``input_required`` result
 (SEP-2322: an elicitation under the key ``mcpbg_approval``, the refusing
 limit in the framework-sealed ``request_state``) and is admitted over that
-limit when it retries the call with the answer accepted.
+limit when it retries the call with the answer accepted. FastMCP seals that
+state under a key of its own process: replicas behind one address share one
+through their Redis with :func:`shared_request_state`
+(``FastMCP("tools", request_state_security=shared_request_state(url))``, one
+name for all), so a retry reaching another replica is admitted there too.
 
 Inside the tool and the callback,
 :func:`~mcp_budget_governor.integrations.flow.governed_context` is the
