@@ -124,8 +124,8 @@ EPOCH_KEY = f"{PREFIX}:_epoch"
 EPOCH_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 #: The key of the TypeScript SDK middleware's default approval seal (the HMAC key
 #: of a 2026-07-28 client's ``requestState``), shared by every replica on this Redis:
-#: 64 hex digits, created once with SET NX (ts/src/keys.ts APPROVAL_KEY). Python
-#: never reads it: FastMCP seals its request state itself.
+#: 64 hex digits, created once with SET NX (ts/src/keys.ts APPROVAL_KEY); Python's
+#: FastMCP replicas seal their request state under it too (fastmcp.shared_request_state).
 APPROVAL_KEY = f"{PREFIX}:_approval"
 #: Prefix of the markers of applied inline charges (``<prefix>:<operation id>``).
 OP_PREFIX = f"{PREFIX}:_op"

@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from mcp_budget_governor import BudgetExceeded, Context, Governor, RedisBackend
 from mcp_budget_governor.holds import Reservations
+from mcp_budget_governor.integrations.fastmcp import shared_request_state
+from mcp_budget_governor.keys import APPROVAL_KEY
 from mcp_budget_governor.planning import check_plan
 from mcp_budget_governor.policy_file import load_file
 from testing.buckets import room
@@ -222,6 +225,35 @@ async def test_a_cap_set_in_one_language_is_enforced_by_the_other(
     await python_gov.set_cap("burst", 9, user="big")
     ts = [node("check", ctx={"user": "big"})["status"] for _ in range(11)]
     assert ts == [200] * 9 + [429] * 2
+
+
+def test_python_and_typescript_replicas_share_one_approval_key(node: Node, redis_url: str) -> None:
+    """One key seals both languages' approvals (keys.APPROVAL_KEY): whichever side
+    makes it first, the other reads it and keeps it."""
+    shared_request_state(redis_url)  # Python makes it
+    made_by_python = stored_approval_key(redis_url)
+    assert node("approval_key")["key"] == made_by_python
+    delete_approval_key(redis_url)
+    made_by_typescript = node("approval_key")["key"]
+    assert made_by_typescript != made_by_python and len(made_by_typescript) == 64
+    shared_request_state(redis_url)  # Python reads it, leaves it
+    assert stored_approval_key(redis_url) == made_by_typescript
+
+
+def stored_approval_key(url: str) -> str:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        return str(client.get(APPROVAL_KEY))
+    finally:
+        client.close()
+
+
+def delete_approval_key(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        client.delete(APPROVAL_KEY)
+    finally:
+        client.close()
 
 
 WAIT_POLICY = """

@@ -63,7 +63,11 @@ back-channel while the call waits; one on the 2026-07-28 protocol, which has
 no back-channel, gets the question as the call's ``input_required`` result
 (SEP-2322: an elicitation under the key ``mcpbg_approval``, the refusing
 limit in the framework-sealed ``request_state``) and is admitted over that
-limit when it retries the call with the answer accepted.
+limit when it retries the call with the answer accepted. FastMCP seals that
+state under a key of its own process: replicas behind one address share one
+through their Redis with :func:`shared_request_state`
+(``FastMCP("tools", request_state_security=shared_request_state(url))``, one
+name for all), so a retry reaching another replica is admitted there too.
 
 Inside the tool and the callback,
 :func:`~mcp_budget_governor.integrations.flow.governed_context` is the
@@ -76,6 +80,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
+import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -87,10 +94,16 @@ from fastmcp.server.dependencies import get_access_token
 from fastmcp.server.elicitation import AcceptedElicitation
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import InputRequiredToolResult, ToolResult
+from mcp.server.request_state import RequestStateSecurity
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
-from mcp_budget_governor.errors import BudgetExceeded, InvalidInputError
+from mcp_budget_governor.errors import (
+    BackendUnavailableError,
+    BudgetExceeded,
+    GovernorError,
+    InvalidInputError,
+)
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
@@ -100,15 +113,18 @@ from mcp_budget_governor.integrations.flow import (
     refusal_text,
     user_of_token,
 )
+from mcp_budget_governor.keys import APPROVAL_KEY
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import Unit, check_amount, usd
 from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.urls import CLUSTER_SCHEME, check_redis_url, redact
 
 __all__ = [
     "META_KEY",
     "PRICE_TTL",
     "BudgetMiddleware",
     "BudgetToolError",
+    "shared_request_state",
     "tool_estimate",
     "tool_price",
 ]
@@ -453,3 +469,64 @@ def _yes(responses: Any) -> bool:
         and answer.action == "accept"
         and (answer.content or {}).get("value") is True
     )
+
+
+#: The approval key's shape in Redis: 32 bytes as lowercase hex (ts/src/backends/redis.ts).
+_APPROVAL_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def shared_request_state(
+    redis_url: str, *, ttl: float = 600.0, audience: str | None = None, timeout: float = 2.0
+) -> RequestStateSecurity:
+    """The request-state seal of every replica on ``redis_url``, for
+    ``FastMCP(name, request_state_security=shared_request_state(url))``.
+
+    Its key is the one the TypeScript middleware shares on that Redis
+    (:data:`~mcp_budget_governor.keys.APPROVAL_KEY`, 32 random bytes as 64 hex
+    digits): read, else created once with SET NX and read back, so the first
+    replica to start sets it and every other one, in either language, reads the
+    same. The replicas must also share the server's name (or ``audience``): the
+    seal names it. ``ttl``: seconds a question stays answerable. Read once, here,
+    synchronously (``timeout`` seconds): an unreachable Redis raises
+    :class:`~mcp_budget_governor.errors.BackendUnavailableError`, a key holding
+    anything else :class:`~mcp_budget_governor.errors.GovernorError`.
+    """
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < math.inf:
+        raise InvalidInputError("ttl", ttl, "expected seconds, a finite number more than 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 3600:
+        raise InvalidInputError("timeout", timeout, "expected seconds, more than 0, under 3600")
+    key = _approval_key(check_redis_url(redis_url, "redis_url"), float(timeout))
+    return RequestStateSecurity(keys=[key], ttl=float(ttl), audience=audience)
+
+
+def _approval_key(url: str, timeout: float) -> bytes:
+    """The approval key stored in the Redis at ``url``, created there if missing."""
+    if url.lower().startswith(CLUSTER_SCHEME):  # as in TypeScript: one Redis, not a cluster
+        raise InvalidInputError(
+            "redis_url", redact(url), "expected one Redis, not a cluster (redis://host:port/db)"
+        )
+    import redis
+    from redis import exceptions as redis_errors
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        value = client.get(APPROVAL_KEY)
+        if value is None:
+            client.set(APPROVAL_KEY, secrets.token_hex(32), nx=True)
+            value = client.get(APPROVAL_KEY)
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise BackendUnavailableError.redis(exc, url) from None
+    except redis_errors.ResponseError as exc:  # e.g. WRONGTYPE: not a string
+        value, shape = None, f"the error {str(exc).split(' ', 1)[0]}"
+    else:
+        shape = f"{len(value)} bytes" if isinstance(value, bytes) else "nothing"
+    finally:
+        client.close()
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else ""
+    if not _APPROVAL_HEX.fullmatch(text):
+        # The value's shape, not the value: a near-miss may still be someone's key.
+        raise GovernorError(
+            f"{APPROVAL_KEY} in redis {redact(url)} holds no approval key (expected 64 "
+            f"lowercase hex digits, got {shape}); delete it to have a new one made"
+        )
+    return bytes.fromhex(text)

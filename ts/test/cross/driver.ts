@@ -92,6 +92,10 @@ async function run(cmd: Command): Promise<unknown> {
       const slot = checkPlan(policy, ctx, Date.now() / 1000).slots.find((s) => s.limit.name === cmd.limit);
       return { key: slot?.key ?? null };
     }
+    case "approval_key": {
+      const backend = governor.backend as RedisBackend;
+      return { key: Buffer.from(await backend.approvalKey()).toString("hex") };
+    }
     case "set_cap":
       return { change: await setCap(governor, cmd.limit ?? "", cmd.amount ?? 0, cmd.ctx ?? {}) };
     case "wait_check": {
