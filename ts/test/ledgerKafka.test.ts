@@ -1,7 +1,7 @@
 // The Kafka ledger. Without a broker: append is the commit point (it resolves with Kafka
 // down), "acked" durability times out with the event kept, close keeps what it could not
 // ship. With the broker the Python fixtures use (MCPBG_TEST_KAFKA_BOOTSTRAP, set by
-// tests/test_typescript*.py; skipped with a message when it is not set): everything is
+// tests/test_typescript.py; skipped with a message when it is not set): everything is
 // acknowledged, leftovers of a previous process ship first, and the topic holds Python's
 // bytes under Python's keys and partitions (tests/test_typescript_ledger.py has the
 // Python worker project them).
@@ -22,7 +22,7 @@ import type { LedgerEntry } from "../src/ledger/types.js";
 const BOOTSTRAP = process.env.MCPBG_TEST_KAFKA_BOOTSTRAP?.trim();
 const NO_BROKER = BOOTSTRAP
   ? false
-  : "no broker: set MCPBG_TEST_KAFKA_BOOTSTRAP=host:port (pytest tests/test_typescript_ledger.py does)";
+  : "no broker: set MCPBG_TEST_KAFKA_BOOTSTRAP=host:port (pytest tests/test_typescript.py does)";
 
 const vectors = (
   JSON.parse(fs.readFileSync(new URL("../../conformance/events.json", import.meta.url), "utf8")) as {

@@ -1,5 +1,7 @@
 // RedisBackend's own wire handling on a Redis of this file's own (a redis-server
-// it starts on a free port, no persistence): a Redis without the scripts (a
+// it starts on a free port, no persistence; the binary in MCPBG_TEST_REDIS_SERVER,
+// which tests/test_typescript.py sets to the one its fixtures use, else redis-server
+// from the PATH): a Redis without the scripts (a
 // restart, SCRIPT FLUSH) answers NOSCRIPT, and the charge loads the script and
 // sends the same framed command again. A private server, because flushing
 // scripts on the shared one would disturb every other client.
@@ -11,7 +13,8 @@ import { after, before, describe, it } from "node:test";
 import { Governor, Limit, Policy, RedisBackend, Scope, Window, context, script } from "../src/index.js";
 import { frozenClock } from "./services.js";
 
-const haveServer = spawnSync("redis-server", ["--version"]).status === 0;
+const SERVER = process.env.MCPBG_TEST_REDIS_SERVER?.trim() || "redis-server";
+const haveServer = spawnSync(SERVER, ["--version"]).status === 0;
 
 async function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
@@ -24,13 +27,15 @@ async function freePort(): Promise<number> {
   });
 }
 
-describe("RedisBackend on a Redis that lost its scripts", { skip: haveServer ? false : "no redis-server binary" }, () => {
+describe("RedisBackend on a Redis that lost its scripts", {
+  skip: haveServer ? false : `no Redis binary: ${SERVER} does not run (set MCPBG_TEST_REDIS_SERVER; pytest tests/test_typescript.py does)`,
+}, () => {
   let server: ChildProcess | undefined;
   let backend: RedisBackend;
 
   before(async () => {
     const port = await freePort();
-    server = spawn("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], {
+    server = spawn(SERVER, ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], {
       stdio: "ignore",
     });
     backend = RedisBackend.fromUrl(`redis://127.0.0.1:${port}/0`, { timeout: 2 });
