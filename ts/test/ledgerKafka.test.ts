@@ -7,7 +7,6 @@
 // Python worker project them).
 import { strict as assert } from "node:assert";
 import * as fs from "node:fs";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import * as path from "node:path";
 import { test } from "node:test";
@@ -18,8 +17,8 @@ import { encode, newId, partitionKey, partitionOf } from "../src/ledger/events.j
 import { KafkaLedger, LedgerOptionError, LedgerTimeoutError, parseBootstrap } from "../src/ledger/kafka.js";
 import { Outbox } from "../src/ledger/outbox.js";
 import type { LedgerEntry } from "../src/ledger/types.js";
+import { KAFKA_BOOTSTRAP as BOOTSTRAP, freePort } from "./services.js";
 
-const BOOTSTRAP = process.env.MCPBG_TEST_KAFKA_BOOTSTRAP?.trim();
 const NO_BROKER = BOOTSTRAP
   ? false
   : "no broker: set MCPBG_TEST_KAFKA_BOOTSTRAP=host:port (pytest tests/test_typescript.py does)";
@@ -38,15 +37,6 @@ function folder(): string {
   return fs.mkdtempSync(path.join(tmpdir(), "mcpbg-ts-kafka-"));
 }
 
-/** A loopback port nothing listens on. */
-async function deadPort(): Promise<number> {
-  const server = createServer();
-  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
-  const port = (server.address() as { port: number }).port;
-  await new Promise((resolve) => server.close(resolve));
-  return port;
-}
-
 const quiet = { warn: () => undefined, requestTimeoutMs: 300, retryIntervalMs: 100 };
 
 test("bootstrap URLs parse as Python's, and bad ones name the value", () => {
@@ -60,7 +50,7 @@ test("bootstrap URLs parse as Python's, and bad ones name the value", () => {
 
 test("with Kafka down append still commits; acked times out; close keeps the events", async () => {
   const dir = folder();
-  const port = await deadPort();
+  const port = await freePort();
   const ledger = KafkaLedger.fromUrl(`kafka://127.0.0.1:${port}`, { ...quiet, topic: "t", outboxDir: dir });
   const made = entries(5);
   for (const e of made) await ledger.append(e); // resolves: the outbox is the commit point
@@ -88,7 +78,7 @@ test("events reach the topic under Python's keys and partitions", { skip: NO_BRO
   const topic = `ts-ledger-${newId().slice(0, 8)}`;
   const dir = folder();
   // A previous process's leftovers (written while the broker was unreachable) ship first.
-  const down = KafkaLedger.fromUrl(`127.0.0.1:${await deadPort()}`, { ...quiet, topic, outboxDir: dir });
+  const down = KafkaLedger.fromUrl(`127.0.0.1:${await freePort()}`, { ...quiet, topic, outboxDir: dir });
   const early = entries(3);
   for (const e of early) await down.append(e);
   await down.close(50);

@@ -1,44 +1,34 @@
-// RedisBackend's own wire handling on a Redis of this file's own (a redis-server
-// it starts on a free port, no persistence; the binary in MCPBG_TEST_REDIS_SERVER,
-// which tests/test_typescript.py sets to the one its fixtures use, else redis-server
-// from the PATH): a Redis without the scripts (a
-// restart, SCRIPT FLUSH) answers NOSCRIPT, and the charge loads the script and
-// sends the same framed command again. A private server, because flushing
-// scripts on the shared one would disturb every other client.
+// RedisBackend's own wire handling on a Redis of this file's own: a Redis without the
+// scripts (a restart, SCRIPT FLUSH) answers NOSCRIPT, and the charge loads the script
+// and sends the same framed command again. A private server, because flushing scripts
+// on the shared one would disturb every other client: the one pytest started
+// (MCPBG_TEST_OWN_REDIS_URL, tests/test_typescript.py), else a redis-server from the
+// PATH on a free port, without persistence.
 import assert from "node:assert/strict";
 import { type ChildProcess, spawn, spawnSync } from "node:child_process";
-import { createServer } from "node:net";
 import { after, before, describe, it } from "node:test";
 
 import { Governor, Limit, Policy, RedisBackend, Scope, Window, context, script } from "../src/index.js";
-import { frozenClock } from "./services.js";
+import { OWN_REDIS_URL, freePort, frozenClock } from "./services.js";
 
-const SERVER = process.env.MCPBG_TEST_REDIS_SERVER?.trim() || "redis-server";
-const haveServer = spawnSync(SERVER, ["--version"]).status === 0;
-
-async function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const srv = createServer();
-    srv.once("error", reject);
-    srv.listen(0, "127.0.0.1", () => {
-      const addr = srv.address();
-      srv.close(() => resolve(typeof addr === "object" && addr !== null ? addr.port : 0));
-    });
-  });
-}
+const haveServer = OWN_REDIS_URL !== undefined || spawnSync("redis-server", ["--version"]).status === 0;
 
 describe("RedisBackend on a Redis that lost its scripts", {
-  skip: haveServer ? false : `no Redis binary: ${SERVER} does not run (set MCPBG_TEST_REDIS_SERVER; pytest tests/test_typescript.py does)`,
+  skip: haveServer ? false : "no private Redis: set MCPBG_TEST_OWN_REDIS_URL (pytest tests/test_typescript.py does), or put redis-server on the PATH",
 }, () => {
   let server: ChildProcess | undefined;
   let backend: RedisBackend;
 
   before(async () => {
-    const port = await freePort();
-    server = spawn(SERVER, ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], {
-      stdio: "ignore",
-    });
-    backend = RedisBackend.fromUrl(`redis://127.0.0.1:${port}/0`, { timeout: 2 });
+    let url = OWN_REDIS_URL;
+    if (url === undefined) {
+      const port = await freePort();
+      server = spawn("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], {
+        stdio: "ignore",
+      });
+      url = `redis://127.0.0.1:${port}/0`;
+    }
+    backend = RedisBackend.fromUrl(url, { timeout: 2 });
     for (let i = 0; ; i++) {
       try {
         if ((await backend.client.ping()) === "PONG") break;

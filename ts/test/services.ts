@@ -1,10 +1,32 @@
 // The services the TypeScript suite talks to, found as the Python fixtures find them:
 // MCPBG_TEST_REDIS_URL when pytest (tests/test_typescript.py) passes its own,
 // else the local Redis on 127.0.0.1:6379 with a database of this suite's own (13).
-// Tests never flush: every test uses ids of its own.
+// Tests never flush: every test uses ids of its own. pytest also passes a broker
+// (MCPBG_TEST_KAFKA_BOOTSTRAP) and a private Redis (MCPBG_TEST_OWN_REDIS_URL) for the
+// test that flushes its scripts; run alone, the suite has no broker, and starts a
+// private redis-server when the PATH has one.
 import { randomBytes } from "node:crypto";
+import { createServer } from "node:net";
 
-export const REDIS_URL = process.env["MCPBG_TEST_REDIS_URL"]?.trim() || "redis://127.0.0.1:6379/13";
+function setting(name: string): string | undefined {
+  return process.env[name]?.trim() || undefined;
+}
+
+export const REDIS_URL = setting("MCPBG_TEST_REDIS_URL") ?? "redis://127.0.0.1:6379/13";
+export const KAFKA_BOOTSTRAP = setting("MCPBG_TEST_KAFKA_BOOTSTRAP");
+export const OWN_REDIS_URL = setting("MCPBG_TEST_OWN_REDIS_URL");
+
+/** A loopback port nothing listens on (yet). */
+export async function freePort(): Promise<number> {
+  const server = createServer();
+  await new Promise<void>((resolve, reject) => {
+    server.once("error", reject);
+    server.listen(0, "127.0.0.1", resolve);
+  });
+  const port = (server.address() as { port: number }).port;
+  await new Promise((resolve) => server.close(resolve));
+  return port;
+}
 
 /**
  * A clock stopped at the present (epoch seconds), for a Governor's `clock` option: a test's
