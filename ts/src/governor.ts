@@ -13,6 +13,7 @@ import type { Backend, ChargeResult } from "./backends/types.js";
 import { EMPTY, cacheable, context as makeContext, contextKey, type Context } from "./context.js";
 import { ADMITTED, Decision, NOTHING_METERED, type MeterResult } from "./decision.js";
 import {
+  BackendBusyError,
   BackendUnavailableError,
   BudgetExceeded,
   CounterOverflowError,
@@ -254,6 +255,7 @@ export class Governor {
   private readonly pending: [string, CounterOp[]][] = [];
   private readonly maxPending: number;
   private downUntil = 0;
+  private flushing: Promise<void> | null = null;
   private plans = new Map<string, Plan>();
   private byObject = new WeakMap<Context, { minute: number; calls: number; plan: Plan }>();
   policy: Policy;
@@ -373,7 +375,7 @@ export class Governor {
     try {
       await this.backend.leave(leases, ticket);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
   }
 
@@ -411,7 +413,7 @@ export class Governor {
     try {
       await this.backend.release(lease.keys, lease.id);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
   }
 
@@ -423,7 +425,7 @@ export class Governor {
     try {
       return (await this.backend.renew(lease.keys, lease.id, this.leaseTtl)) === lease.keys.length;
     } catch (err) {
-      if (err instanceof BackendUnavailableError) return false;
+      if (storeFailed(err)) return false;
       throw err;
     }
   }
@@ -541,7 +543,7 @@ export class Governor {
     try {
       await this.flushPending();
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
     if (this.ledger !== null) await this.ledger.close();
     await this.backend.close();
@@ -596,8 +598,10 @@ export class Governor {
       const result = await this.charge(plan.ops, eventId, true, opId, lease, ticket);
       decision = result.refused < 0 ? planning.admitted(plan.slots, result.used, false, result.caps) : this.decide(plan.slots, result, now);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
-      decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
+      // Busy is overload, not an outage: refused, never decided by the fail mode.
+      if (err instanceof BackendBusyError) decision = planning.busy(err.store, this.retryInterval);
+      else if (err instanceof BackendUnavailableError) decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
+      else throw err;
     }
     if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
     if (eventId !== null && (recordRefusal || decision.admitted)) await this.logAdmission(eventId, kind, now, ctx, plan, decision, approved);
@@ -645,7 +649,7 @@ export class Governor {
     if (this.downUntil) {
       if (this.clock() < this.downUntil) throw new BackendUnavailableError("backend marked down; retrying later");
       await this.flushPending();
-    }
+    } else if (this.pending.length) await this.flushPending(); // kept while the store was busy
     try {
       return await this.backend.charge(ops, { eventId, wantUsed, opId, lease, leaseTtl: this.leaseTtl, ticket });
     } catch (err) {
@@ -658,7 +662,19 @@ export class Governor {
     this.downUntil = this.clock() + this.retryInterval;
   }
 
-  private async flushPending(): Promise<void> {
+  /**
+   * Replay the charges kept while the store was away, each once: concurrent
+   * callers share one flush (each shifting the head after its own replay would
+   * drop charges never replayed).
+   */
+  private flushPending(): Promise<void> {
+    this.flushing ??= this.flushOnce().finally(() => {
+      this.flushing = null;
+    });
+    return this.flushing;
+  }
+
+  private async flushOnce(): Promise<void> {
     while (this.pending.length) {
       const [opId, ops] = this.pending[0] ?? ["", []];
       try {
@@ -741,7 +757,7 @@ export class Governor {
           cap = result.caps.length ? (result.caps[0] ?? null) : null;
         }
       } catch (err) {
-        if (!(err instanceof BackendUnavailableError)) throw err;
+        if (!storeFailed(err)) throw err;
         degraded = true;
         const localOps = slots.filter((s) => local(s.limit)).map(planning.opOf);
         if (localOps.length) {
@@ -796,3 +812,8 @@ function entry(
 }
 
 export { makeContext as context };
+
+/** The store could not do it now: unreachable, or up but busy (neither is a bug). */
+function storeFailed(err: unknown): boolean {
+  return err instanceof BackendUnavailableError || err instanceof BackendBusyError;
+}
