@@ -108,6 +108,10 @@ class Governor(Metering[MeterResult]):
         # late had landed, and its replay then changes nothing (lua/charge.lua).
         self._pending: deque[tuple[str, tuple[CounterOp, ...]]] = deque()
         self._max_pending = max_pending
+        # One replay at a time: concurrent checks at recovery wait for it, so each
+        # outage charge is sent (and taken off the deque) by one task only.
+        self._replaying = asyncio.Lock()
+        self._marks = 0  # how often the backend was marked down (see _flush_pending)
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
         # Plans (by id; the value keeps the id theirs) whose last check was refused:
@@ -781,11 +785,25 @@ class Governor(Metering[MeterResult]):
         if not self._down_until:
             log.warning("budget counters unreachable: applying each limit's fail mode")
         self._down_until = self._clock() + self._retry_interval
+        self._marks += 1
 
     async def _flush_pending(self) -> None:
-        """Replay outage charges, then resume normal enforcement."""
+        """Replay outage charges, then resume normal enforcement.
+
+        One task replays; checks arriving meanwhile wait for it, then find the
+        deque empty (replayed once each), or, if the replay found the backend
+        down again, take the fail mode without trying it themselves.
+        """
+        marks = self._marks
+        async with self._replaying:
+            if self._marks != marks:
+                raise BackendUnavailableError("backend marked down; retrying later")
+            await self._replay()
+
+    async def _replay(self) -> None:
         while self._pending:
-            op_id, ops = self._pending[0]
+            item = self._pending[0]
+            op_id, ops = item
             try:
                 await self.backend.charge(ops, want_used=False, op_id=op_id)
             except BackendUnavailableError:
@@ -793,7 +811,8 @@ class Governor(Metering[MeterResult]):
                 raise
             except CounterOverflowError as exc:
                 log.error("outage charge dropped: %s", exc)  # it can never be counted
-            self._pending.popleft()
+            if self._pending and self._pending[0] is item:  # (a full buffer drops its oldest)
+                self._pending.popleft()
         if self._down_until:
             log.warning("budget counters reachable again: normal enforcement resumed")
             self._down_until = 0.0
