@@ -262,7 +262,7 @@ class Governor(Metering[MeterResult]):
                     planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
                 )
                 if spending is None:  # lapsed: wait as if unapproved
-                    return await self._check_waiting(ctx, amount, (), _left(deadline))
+                    return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
                 plan = spending
             else:
                 plan = self._plan(ctx, now, amount)
@@ -272,7 +272,7 @@ class Governor(Metering[MeterResult]):
             )  # fmt: skip
             if decision is _SPENT:  # used already: wait as if unapproved
                 await self._leave(plan.leases, ticket)
-                return await self._check_waiting(ctx, amount, (), _left(deadline))
+                return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
             if decision.admitted:
                 return decision
             left = deadline - time.monotonic()
