@@ -156,3 +156,28 @@ def test_the_demo_report_opens_with_its_charts(tmp_path: Path, browser: BrowserC
     )
     assert "tripped at" in page.locator(".kpis").inner_text()
     page.screenshot(path=str(artifacts() / "demo-report.png"), full_page=True)
+
+
+@pytest.mark.parametrize("tenant", ["<!--<script>", "</script><b>x", "a&b\u2028c"])
+def test_a_report_draws_its_charts_whatever_a_tenant_is_named(
+    tmp_path: Path, browser: BrowserContext, tenant: str
+) -> None:
+    """A tenant named ``<!--<script>`` once put the report's inline script in the HTML
+    parser's "double-escaped" state, and its charts stayed blank."""
+    from mcp_budget_governor.console.report import render
+
+    series = {"t": [0, 60], "tenants": {tenant: [0, 5_000_000], "acme": [0, 1_000_000]}}
+    caps = [{"tenant": tenant, "value": 9_000_000, "label": f"cap of {tenant}"}]
+    reasons = [{"reason": f"{tenant}: budget_exceeded", "refusals": 3, "status": 429}]
+    path = tmp_path / "report.html"
+    path.write_text(render(tenant, "s", series, caps, None, reasons, [(tenant, "<p>x</p>")]))
+    page = browser.new_page()
+    page.goto(path.as_uri())
+    page.wait_for_function("Chart.getChart(document.getElementById('reasons')) !== undefined")
+    labels = page.evaluate(
+        "Chart.getChart(document.getElementById('spend')).data.datasets.map(d => d.label)"
+    )
+    assert {tenant, "acme"} <= set(labels)
+    reasons_drawn = page.evaluate("Chart.getChart(document.getElementById('reasons')).data.labels")
+    assert reasons_drawn == [f"{tenant}: budget_exceeded"]
+    assert page.title() == tenant
