@@ -98,6 +98,50 @@ def like_pattern(match: str) -> str:
     return escaped.replace("*", "%")
 
 
+def charge_params(
+    ops: Sequence[CounterOp],
+    *,
+    event_id: str | None,
+    want_used: bool,
+    op_id: str | None,
+    lease: str | None,
+    lease_ttl: float,
+    ticket: str | None,
+    require_epoch: bool,
+) -> tuple[Any, ...]:
+    """The arguments of one ``mcpbg_charge`` call (:data:`_CHARGE`), as every client
+    passes them: the conformance vectors hold the TypeScript backend's to these."""
+    if op_id is None or event_id is not None:
+        op_id = None
+    leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
+    if leases and lease is None:
+        raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
+    resolve = any(op.ref is not None for op in ops)
+    refs = [op.ref for op in ops]
+    return (
+        event_id or "",
+        op_id or "",
+        want_used,
+        require_epoch,
+        [op.key for op in ops],
+        [op.amount for op in ops],
+        [op.cap for op in ops],
+        [op.enforce for op in ops],
+        [op.expire_at for op in ops],
+        resolve,
+        [r is not None for r in refs],
+        [PLANS_KEY if r is None else r.caps_key for r in refs],
+        ["" if r is None else r.field for r in refs],
+        [None if r is None else r.value_cap for r in refs],
+        ["" if r is None else ",".join(r.plan_fields) for r in refs],
+        ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
+        ["" if r is None else r.file_plan or "" for r in refs],
+        lease or "" if leases else "",
+        max(1, round(lease_ttl * 1000)),
+        ticket or "" if leases else "",
+    )
+
+
 # A charge that refuses (cap 0) on a key no counter has: it writes nothing.
 _WARM_PARAMS = (
     "", "", True, False, ["mcpbg:v1:_warm:-:-"], [1], [0], [True], [0.0], True, [True],
@@ -263,35 +307,11 @@ class PostgresBackend:
     ) -> ChargeResult:
         # ``ticket``: a call waiting for a concurrency slot (Governor.check(wait=)) holds
         # its place in mcpbg_wait, so a freed slot goes to the oldest waiter.
-        if op_id is None or event_id is not None:
-            op_id = None
-        leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
-        if leases and lease is None:
-            raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
         resolve = any(op.ref is not None for op in ops)
-        refs = [op.ref for op in ops]
-        params = (
-            event_id or "",
-            op_id or "",
-            want_used,
-            self.require_epoch,
-            [op.key for op in ops],
-            [op.amount for op in ops],
-            [op.cap for op in ops],
-            [op.enforce for op in ops],
-            [op.expire_at for op in ops],
-            resolve,
-            [r is not None for r in refs],
-            [PLANS_KEY if r is None else r.caps_key for r in refs],
-            ["" if r is None else r.field for r in refs],
-            [None if r is None else r.value_cap for r in refs],
-            ["" if r is None else ",".join(r.plan_fields) for r in refs],
-            ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
-            ["" if r is None else r.file_plan or "" for r in refs],
-            lease or "" if leases else "",
-            max(1, round(lease_ttl * 1000)),
-            ticket or "" if leases else "",
-        )
+        params = charge_params(
+            ops, event_id=event_id, want_used=want_used, op_id=op_id, lease=lease,
+            lease_ttl=lease_ttl, ticket=ticket, require_epoch=self.require_epoch,
+        )  # fmt: skip
         reply: list[int] = await self._call(_CHARGE, params)
         head = reply[0]
         if head == 0 and len(reply) == 1:
