@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from . import admin, planning
+from .approval import Approval, spend_op
 from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
@@ -192,10 +193,16 @@ class Governor(Metering[MeterResult]):
         now = self._clock()
         if approved:
             allowed = self._approvable(approved)
-            plan = planning.check_plan(self.policy, ctx, now, amount, allowed)
-            decision, _ = await self._admit(
-                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed))
+            plan = _spending(
+                planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
             )
+            decision, _ = (
+                (_SPENT, None)
+                if plan is None
+                else await self._admit(plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed))
+            )
+            if decision is _SPENT:  # used already, or lapsed: the call as if unapproved
+                return await self._check(ctx, amount, ())
             return decision
         plan = self._plan(ctx, now, amount)
         if self.ledger is None and not plan.slots:
@@ -216,15 +223,22 @@ class Governor(Metering[MeterResult]):
         delay = 0.005
         while True:
             now = self._clock()
-            plan = (
-                planning.check_plan(self.policy, ctx, now, amount, allowed)
-                if allowed
-                else self._plan(ctx, now, amount)
-            )
+            if allowed:
+                spending = _spending(
+                    planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
+                )
+                if spending is None:  # lapsed: wait as if unapproved
+                    return await self._check_waiting(ctx, amount, (), _left(deadline))
+                plan = spending
+            else:
+                plan = self._plan(ctx, now, amount)
             decision, event_id = await self._admit(
-                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed)),
+                plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed),
                 ticket=ticket if plan.leases else None, record_refusal=False,
             )  # fmt: skip
+            if decision is _SPENT:  # used already: wait as if unapproved
+                await self._leave(plan.leases, ticket)
+                return await self._check_waiting(ctx, amount, (), _left(deadline))
             if decision.admitted:
                 return decision
             left = deadline - time.monotonic()
@@ -615,12 +629,21 @@ class Governor(Metering[MeterResult]):
                     plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
                 )
         except BackendUnavailableError:
+            if len(plan.ops) > len(plan.slots):
+                return _SPENT, None  # an approval is spent only where it is counted
             decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
         except BackendBusyError as exc:  # overload, not an outage: refused, no fail mode
             decision = planning.busy(exc.store, self._retry_interval)
         else:
+            ops = plan.ops
+            if len(ops) > len(plan.slots):  # an approval's marker came last
+                if result.refused >= len(plan.slots):
+                    return _SPENT, None
+                n = len(plan.slots)
+                ops = ops[:n]
+                result = ChargeResult(result.refused, result.used[:n], result.caps[:n])
             if result.caps:
-                self._saw_caps(plan.ops, result.caps)
+                self._saw_caps(ops, result.caps)
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
@@ -993,6 +1016,31 @@ def _wait_seconds(wait: Any) -> float:
     if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_WAIT:
         raise InvalidInputError("wait", wait, f"expected seconds from 0 to {MAX_WAIT:.0f}")
     return float(wait)
+
+
+#: What :meth:`Governor._admit` answers when the approval it was to spend was spent
+#: already (or cannot be spent: the counters unreachable): nothing was charged.
+_SPENT = Decision(admitted=False, reason="approval_spent")
+
+
+def _spending(plan: planning.Plan, approved: Sequence[str], now: float) -> planning.Plan | None:
+    """``plan`` that also spends its one-time approvals (approval.spend_op), in the
+    same atomic charge, their markers last; None when one has lapsed."""
+    spends = [a for a in approved if isinstance(a, Approval)]
+    if not spends:
+        return plan
+    if any(a.until <= now for a in spends):
+        return None
+    return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a) for a in spends))
+
+
+def _names(approved: frozenset[str]) -> tuple[str, ...]:
+    """The approved limits' names as the ledger records them (plain strings, sorted)."""
+    return tuple(sorted(str(a) for a in approved))
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def _local(limit: Limit) -> bool:

@@ -267,7 +267,12 @@ class Projection:
                         len(lost.slots),
                         SLOTS,
                     )
-                await rebuild(target, self.config.bootstrap, self.config.topic, batch=batch)
+                # The watermarks end at the topic's end: the live path will not read
+                # these events again, so they reach the archive here.
+                archive = self._archive_batch if self.config.archive_dir else None
+                await rebuild(
+                    target, self.config.bootstrap, self.config.topic, batch=batch, archive=archive
+                )
 
             def failed(exc: Exception, number: int, delay: float) -> None:  # Kafka/Redis away
                 log.warning(

@@ -8,6 +8,7 @@
  * );
  * (await governor.check(context({ user: "u_42" }))).status  // 200, 200, then 429
  */
+import { spendOp, type Approval } from "./approval.js";
 import { MemoryBackend } from "./backends/memory.js";
 import type { Backend, ChargeResult } from "./backends/types.js";
 import { EMPTY, cacheable, context as makeContext, contextKey, type Context } from "./context.js";
@@ -50,6 +51,12 @@ export interface CheckOptions {
   amount?: number;
   /** OnExceed.ASK limits the user let this call go over (the ledger records the approval). */
   approved?: readonly string[];
+  /**
+   * The one-time approval of an `approved` limit (approval.ts): spent with the
+   * admission, in the same atomic charge; one spent already, or lapsed, and the
+   * call is checked as if unapproved.
+   */
+  approval?: Approval | null;
   /**
    * Seconds a call refused by a full concurrency cap waits for a slot, first
    * come, first served across replicas and languages (lua/lib.lua
@@ -305,11 +312,14 @@ export class Governor {
     const c = ctx ?? EMPTY;
     const approved = options.approved ?? [];
     const allowed = approved.length ? this.approvable(approved) : null;
-    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal);
+    const approval = options.approval ?? null;
+    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal, approval);
     const now = this.clock();
     if (allowed !== null) {
-      const plan = planning.checkPlan(this.policy, c, now, amount, allowed);
-      return (await this.admit(plan, c, now, EntryType.ADMITTED, [...allowed].sort()))[0];
+      const plan = spending(planning.checkPlan(this.policy, c, now, amount, allowed), approval, now);
+      const decision = plan === null ? SPENT : (await this.admit(plan, c, now, EntryType.ADMITTED, [...allowed].sort()))[0];
+      // Used already, or lapsed: the call as if unapproved.
+      return decision === SPENT ? this.check(c, { amount }) : decision;
     }
     const plan = this.plan(c, now, amount);
     if (this.ledger === null && !plan.slots.length) return ADMITTED;
@@ -338,6 +348,7 @@ export class Governor {
     allowed: Set<string> | null,
     wait: number,
     signal: AbortSignal | undefined,
+    approval: Approval | null = null,
   ): Promise<Decision> {
     const ticket = `${newId()}/${Math.ceil(wait * 1000)}`;
     const deadline = performance.now() + wait * 1000;
@@ -350,8 +361,14 @@ export class Governor {
         throw signal.reason;
       }
       const now = this.clock();
-      const plan = allowed !== null ? planning.checkPlan(this.policy, ctx, now, amount, allowed) : this.plan(ctx, now, amount);
+      const plan = allowed !== null ? spending(planning.checkPlan(this.policy, ctx, now, amount, allowed), approval, now) : this.plan(ctx, now, amount);
+      const left0 = Math.max((deadline - performance.now()) / 1000, 0.001);
+      if (plan === null) return this.checkWaiting(ctx, amount, null, left0, signal); // lapsed: as if unapproved
       const [decision, eventId] = await this.admit(plan, ctx, now, EntryType.ADMITTED, approved, plan.leases.length ? ticket : null, false);
+      if (decision === SPENT) {
+        await this.leave(plan.leases, ticket);
+        return this.checkWaiting(ctx, amount, null, left0, signal); // used already: wait as if unapproved
+      }
       if (decision.admitted) return decision;
       queued = plan.leases;
       const left = deadline - performance.now();
@@ -592,11 +609,18 @@ export class Governor {
     const opId = eventId === null ? newId() : null;
     const lease = plan.leases.length ? newId() : null;
     let decision: Decision;
+    const n = plan.slots.length;
     try {
-      const result = await this.charge(plan.ops, eventId, true, opId, lease, ticket);
+      let result = await this.charge(plan.ops, eventId, true, opId, lease, ticket);
+      if (plan.ops.length > n) {
+        // An approval's marker came last: refused there, the approval was spent already.
+        if (result.refused >= n) return [SPENT, null];
+        result = { refused: result.refused, used: result.used.slice(0, n), caps: result.caps.slice(0, n) };
+      }
       decision = result.refused < 0 ? planning.admitted(plan.slots, result.used, false, result.caps) : this.decide(plan.slots, result, now);
     } catch (err) {
       if (!(err instanceof BackendUnavailableError)) throw err;
+      if (plan.ops.length > n) return [SPENT, null]; // an approval is spent only where it is counted
       decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
     }
     if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
@@ -793,6 +817,17 @@ function entry(
     change: null,
     approved: extra.approved ?? [],
   };
+}
+
+/** What admit() answers when the approval it was to spend was spent already (or
+ * cannot be spent: the counters unreachable); nothing was charged. */
+const SPENT = new Decision({ admitted: false, reason: "approval_spent" });
+
+/** `plan` that also spends `approval` (approval.ts spendOp) in the same atomic charge, its marker last; null when it has lapsed. */
+function spending(plan: Plan, approval: Approval | null, now: number): Plan | null {
+  if (approval === null) return plan;
+  if (approval.until <= now) return null;
+  return { ...plan, ops: [...plan.ops, spendOp(approval)] };
 }
 
 export { makeContext as context };
