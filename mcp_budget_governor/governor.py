@@ -26,11 +26,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from . import admin, bounds, planning
+from .approval import Approval, spend_op
 from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
+    BackendBusyError,
     BackendUnavailableError,
     BudgetExceeded,
     CounterOverflowError,
@@ -107,6 +109,10 @@ class Governor(Metering[MeterResult]):
         # late had landed, and its replay then changes nothing (lua/charge.lua).
         self._pending: deque[tuple[str, tuple[CounterOp, ...]]] = deque()
         self._max_pending = max_pending
+        # One replay at a time: concurrent checks at recovery wait for it, so each
+        # outage charge is sent (and taken off the deque) by one task only.
+        self._replaying = asyncio.Lock()
+        self._marks = 0  # how often the backend was marked down (see _flush_pending)
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
         # Plans (by id; the value keeps the id theirs) whose last check was refused:
@@ -187,10 +193,16 @@ class Governor(Metering[MeterResult]):
         now = self._clock()
         if approved:
             allowed = self._approvable(approved)
-            plan = planning.check_plan(self.policy, ctx, now, amount, allowed)
-            decision, _ = await self._admit(
-                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed))
+            plan = _spending(
+                planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
             )
+            decision, _ = (
+                (_SPENT, None)
+                if plan is None
+                else await self._admit(plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed))
+            )
+            if decision is _SPENT:  # used already, or lapsed: the call as if unapproved
+                return await self._check(ctx, amount, ())
             return decision
         plan = self._plan(ctx, now, amount)
         if self.ledger is None and not plan.slots:
@@ -211,15 +223,22 @@ class Governor(Metering[MeterResult]):
         delay = 0.005
         while True:
             now = self._clock()
-            plan = (
-                planning.check_plan(self.policy, ctx, now, amount, allowed)
-                if allowed
-                else self._plan(ctx, now, amount)
-            )
+            if allowed:
+                spending = _spending(
+                    planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
+                )
+                if spending is None:  # lapsed: wait as if unapproved
+                    return await self._check_waiting(ctx, amount, (), _left(deadline))
+                plan = spending
+            else:
+                plan = self._plan(ctx, now, amount)
             decision, event_id = await self._admit(
-                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed)),
+                plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed),
                 ticket=ticket if plan.leases else None, record_refusal=False,
             )  # fmt: skip
+            if decision is _SPENT:  # used already: wait as if unapproved
+                await self._leave(plan.leases, ticket)
+                return await self._check_waiting(ctx, amount, (), _left(deadline))
             if decision.admitted:
                 return decision
             left = deadline - time.monotonic()
@@ -621,10 +640,21 @@ class Governor(Metering[MeterResult]):
                     plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
                 )
         except BackendUnavailableError:
+            if len(plan.ops) > len(plan.slots):
+                return _SPENT, None  # an approval is spent only where it is counted
             decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
+        except BackendBusyError as exc:  # overload, not an outage: refused, no fail mode
+            decision = planning.busy(exc.store, self._retry_interval)
         else:
+            ops = plan.ops
+            if len(ops) > len(plan.slots):  # an approval's marker came last
+                if result.refused >= len(plan.slots):
+                    return _SPENT, None
+                n = len(plan.slots)
+                ops = ops[:n]
+                result = ChargeResult(result.refused, result.used[:n], result.caps[:n])
             if result.caps:
-                self._saw_caps(plan.ops, result.caps)
+                self._saw_caps(ops, result.caps)
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
@@ -745,6 +775,8 @@ class Governor(Metering[MeterResult]):
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
             await self._flush_pending()
+        elif self._pending:  # charges a busy store could not take
+            await self._flush_pending()
         try:
             if ticket is not None:  # a call waiting for a concurrency slot
                 return await self.backend.charge(  # type: ignore[call-arg]
@@ -769,11 +801,25 @@ class Governor(Metering[MeterResult]):
         if not self._down_until:
             log.warning("budget counters unreachable: applying each limit's fail mode")
         self._down_until = self._clock() + self._retry_interval
+        self._marks += 1
 
     async def _flush_pending(self) -> None:
-        """Replay outage charges, then resume normal enforcement."""
+        """Replay outage charges, then resume normal enforcement.
+
+        One task replays; checks arriving meanwhile wait for it, then find the
+        deque empty (replayed once each), or, if the replay found the backend
+        down again, take the fail mode without trying it themselves.
+        """
+        marks = self._marks
+        async with self._replaying:
+            if self._marks != marks:
+                raise BackendUnavailableError("backend marked down; retrying later")
+            await self._replay()
+
+    async def _replay(self) -> None:
         while self._pending:
-            op_id, ops = self._pending[0]
+            item = self._pending[0]
+            op_id, ops = item
             try:
                 await self.backend.charge(ops, want_used=False, op_id=op_id)
             except BackendUnavailableError:
@@ -781,7 +827,8 @@ class Governor(Metering[MeterResult]):
                 raise
             except CounterOverflowError as exc:
                 log.error("outage charge dropped: %s", exc)  # it can never be counted
-            self._pending.popleft()
+            if self._pending and self._pending[0] is item:  # (a full buffer drops its oldest)
+                self._pending.popleft()
         if self._down_until:
             log.warning("budget counters reachable again: normal enforcement resumed")
             self._down_until = 0.0
@@ -880,6 +927,10 @@ class Governor(Metering[MeterResult]):
             except BackendUnavailableError:
                 degraded = True
                 before = await self._charge_failed(slots, op_id)
+            except BackendBusyError:
+                # A completed call is charged whatever the store's load: inline mode
+                # keeps it for the next charge to replay (the ledger carries it).
+                self._keep_for_later(slots, op_id)
         if event_id is not None:
             await self._append(
                 event_id,
@@ -976,6 +1027,31 @@ def _wait_seconds(wait: Any) -> float:
     if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_WAIT:
         raise InvalidInputError("wait", wait, f"expected seconds from 0 to {MAX_WAIT:.0f}")
     return float(wait)
+
+
+#: What :meth:`Governor._admit` answers when the approval it was to spend was spent
+#: already (or cannot be spent: the counters unreachable): nothing was charged.
+_SPENT = Decision(admitted=False, reason="approval_spent")
+
+
+def _spending(plan: planning.Plan, approved: Sequence[str], now: float) -> planning.Plan | None:
+    """``plan`` that also spends its one-time approvals (approval.spend_op), in the
+    same atomic charge, their markers last; None when one has lapsed."""
+    spends = [a for a in approved if isinstance(a, Approval)]
+    if not spends:
+        return plan
+    if any(a.until <= now for a in spends):
+        return None
+    return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a) for a in spends))
+
+
+def _names(approved: frozenset[str]) -> tuple[str, ...]:
+    """The approved limits' names as the ledger records them (plain strings, sorted)."""
+    return tuple(sorted(str(a) for a in approved))
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def _local(limit: Limit) -> bool:

@@ -86,7 +86,10 @@ def test_the_clis_latest_until_is_refused() -> None:
 # -- the schema -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["cap_until", "grant_2_62", "grant_10_12", "grant_a_year", "other_user"])
+SCHEMA_CASES = ["cap_until", "grant_2_62", "grant_10_12", "grant_a_year", "other_user"]
+
+
+@pytest.mark.parametrize("case", SCHEMA_CASES)
 async def test_the_schema_refuses_changes_out_of_range_or_aimed_elsewhere(case: str) -> None:
     records, attack = await build(case)
     (raw,) = attack.raw
