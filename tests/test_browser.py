@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,16 @@ def browser(tmp_path: Path) -> Iterator[BrowserContext]:
             context.close()
 
 
+def _wait_for(page: Any, expression: str, within: float = 60.0) -> None:
+    """Wait until ``expression`` is true in ``page``: polled through ``evaluate``, as
+    Playwright's ``wait_for_function`` evaluates strings with ``eval``, which the
+    console's Content-Security-Policy (rightly) forbids."""
+    deadline = time.monotonic() + within
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {within:.0f} s: {expression}"
+        page.wait_for_timeout(100)
+
+
 def _api(served: Served, path: str) -> Any:
     req = urllib.request.Request(served.url + path, headers={"Authorization": f"Bearer {READ}"})
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -105,7 +116,7 @@ def test_dashboard_shows_the_api_numbers_and_a_new_refusal(
     page = browser.new_page()
     page.goto(f"{served.url}/dashboard?token={READ}")  # the token moves into a cookie
     assert page.url.endswith("/dashboard")
-    page.wait_for_function("Number(document.body.dataset.loaded || 0) >= 1", timeout=60_000)
+    _wait_for(page, "Number(document.body.dataset.loaded || 0) >= 1")
     # The numbers the API returns, in the budgets table.
     rows = _api(served, "/v1/budgets")["rows"]
     spend = next(r for r in rows if r["name"] == "tenant_spend" and
@@ -120,9 +131,7 @@ def test_dashboard_shows_the_api_numbers_and_a_new_refusal(
     # (in a thread of its own: Playwright's sync API keeps an event loop in this one)
     with ThreadPoolExecutor(1) as pool:
         pool.submit(asyncio.run, _refused_call(served, "u-browser")).result(timeout=120)
-    page.wait_for_function(
-        "document.getElementById('refusals').innerText.includes('u-browser')", timeout=60_000
-    )
+    _wait_for(page, "document.getElementById('refusals').innerText.includes('u-browser')")
     text = page.locator("#refusals tr", has_text="u-browser").first.inner_text()
     assert "global_spend: breaker tripped (503)" in text
     page.screenshot(path=str(artifacts() / "dashboard.png"), full_page=True)
