@@ -32,6 +32,7 @@ from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
+    BackendBusyError,
     BackendUnavailableError,
     BudgetExceeded,
     CounterOverflowError,
@@ -631,6 +632,8 @@ class Governor(Metering[MeterResult]):
             if len(plan.ops) > len(plan.slots):
                 return _SPENT, None  # an approval is spent only where it is counted
             decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
+        except BackendBusyError as exc:  # overload, not an outage: refused, no fail mode
+            decision = planning.busy(exc.store, self._retry_interval)
         else:
             ops = plan.ops
             if len(ops) > len(plan.slots):  # an approval's marker came last
@@ -760,6 +763,8 @@ class Governor(Metering[MeterResult]):
         if self._down_until:
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
+            await self._flush_pending()
+        elif self._pending:  # charges a busy store could not take
             await self._flush_pending()
         try:
             if ticket is not None:  # a call waiting for a concurrency slot
@@ -911,6 +916,10 @@ class Governor(Metering[MeterResult]):
             except BackendUnavailableError:
                 degraded = True
                 before = await self._charge_failed(slots, op_id)
+            except BackendBusyError:
+                # A completed call is charged whatever the store's load: inline mode
+                # keeps it for the next charge to replay (the ledger carries it).
+                self._keep_for_later(slots, op_id)
         if event_id is not None:
             await self._append(
                 event_id,

@@ -193,6 +193,8 @@ def test_every_typescript_block_runs(
     services = {"redis": redis_url, "postgres": "postgresql://unused", "kafka": "kafka://unused"}
     if "kafka://" in source:
         services["kafka"] = "kafka://" + request.getfixturevalue("kafka").bootstrap
+    if "postgresql://" in source:
+        services["postgres"] = str(request.getfixturevalue("postgres_url"))
     script.write_text(_localised(source, services))
     try:
         done = subprocess.run(

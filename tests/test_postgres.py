@@ -66,7 +66,7 @@ def test_four_processes_125_concurrent_checks_cap_50_admit_exactly_50(postgres_u
     assert sum(admitted) == 50
 
     async def usage() -> tuple[int, int]:
-        gov = Governor(burst_policy(50), PostgresBackend.from_url(postgres_url, timeout=5.0))
+        gov = Governor(burst_policy(50), PostgresBackend.from_url(postgres_url))
         c = Context(user="shared", tenant="t")
         result = (await gov.usage("burst", c), await gov.usage("daily", c))
         await gov.aclose()
@@ -252,8 +252,7 @@ def test_a_bad_url_is_refused_naming_the_field() -> None:
 async def test_concurrent_checks_over_shared_keys_never_deadlock(postgres_url: str) -> None:
     """Checks over overlapping key sets, in every order of their limits' keys: the
     locks are taken in one fixed order, so none waits on another forever."""
-    backend = PostgresBackend.from_url(postgres_url, timeout=30.0, max_connections=16)
-    gov = Governor(burst_policy(10_000), backend)
+    gov = Governor(burst_policy(10_000), PostgresBackend.from_url(postgres_url))
     rng = random.Random(4)
     ctxs = [Context(user=f"u{rng.randrange(3)}", tenant=f"t{rng.randrange(3)}") for _ in range(300)]
     decisions = await asyncio.gather(*(gov.check(c) for c in ctxs))
@@ -342,3 +341,25 @@ async def test_rewrite_sets_counters_drops_in_flight_and_refuses_a_moved_project
     assert await backend.rewrite([(key, 5, 0, [])], add=True) == 1
     assert await backend.usage([key]) == [15]
     await backend.aclose()
+
+
+async def test_a_lock_queue_is_busy_not_down(postgres_url: str) -> None:
+    """A live server that cannot hand out a lock within the check's bound (the default
+    2 s) is busy: 503 ``postgres busy``, not the fail mode (the OPEN limit would
+    otherwise admit from its local counter), nothing charged, nothing kept for later."""
+    gov = Governor(policy(), PostgresBackend.from_url(postgres_url))
+    alice = Context(user="alice", tenant="acme")
+    assert (await gov.check(alice)).admitted
+    holder = await psycopg.AsyncConnection.connect(postgres_url, autocommit=True)
+    async with holder, holder.transaction():
+        # The store lock, exclusive, as a whole-store rewrite holds it (sql/0003).
+        await holder.execute("SELECT pg_advisory_xact_lock(1835233380, 0)")
+        decisions = await asyncio.gather(*(gov.check(alice) for _ in range(8)))
+    assert {(d.admitted, d.status, d.degraded, d.reason) for d in decisions} == {
+        (False, 503, False, "budget_unavailable:postgres busy")
+    }
+    assert decisions[0].retry_after is not None and decisions[0].retry_after >= 1
+    assert not gov.degraded and gov.pending_charges == 0
+    assert (await gov.check(alice)).admitted  # the lock is free again
+    assert await gov.usage("per_user", alice) == 2
+    await gov.aclose()

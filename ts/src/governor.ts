@@ -14,6 +14,7 @@ import type { Backend, ChargeResult } from "./backends/types.js";
 import { EMPTY, cacheable, context as makeContext, contextKey, type Context } from "./context.js";
 import { ADMITTED, Decision, NOTHING_METERED, type MeterResult } from "./decision.js";
 import {
+  BackendBusyError,
   BackendUnavailableError,
   BudgetExceeded,
   CounterOverflowError,
@@ -261,6 +262,7 @@ export class Governor {
   private readonly pending: [string, CounterOp[]][] = [];
   private readonly maxPending: number;
   private downUntil = 0;
+  private flushing: Promise<void> | null = null;
   private plans = new Map<string, Plan>();
   private byObject = new WeakMap<Context, { minute: number; calls: number; plan: Plan }>();
   policy: Policy;
@@ -390,7 +392,7 @@ export class Governor {
     try {
       await this.backend.leave(leases, ticket);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
   }
 
@@ -428,7 +430,7 @@ export class Governor {
     try {
       await this.backend.release(lease.keys, lease.id);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
   }
 
@@ -440,7 +442,7 @@ export class Governor {
     try {
       return (await this.backend.renew(lease.keys, lease.id, this.leaseTtl)) === lease.keys.length;
     } catch (err) {
-      if (err instanceof BackendUnavailableError) return false;
+      if (storeFailed(err)) return false;
       throw err;
     }
   }
@@ -558,7 +560,7 @@ export class Governor {
     try {
       await this.flushPending();
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
     if (this.ledger !== null) await this.ledger.close();
     await this.backend.close();
@@ -619,9 +621,14 @@ export class Governor {
       }
       decision = result.refused < 0 ? planning.admitted(plan.slots, result.used, false, result.caps) : this.decide(plan.slots, result, now);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
-      if (plan.ops.length > n) return [SPENT, null]; // an approval is spent only where it is counted
-      decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
+      // Busy is overload, not an outage: refused, never decided by the fail mode (an
+      // approval stays unspent: nothing was charged).
+      if (err instanceof BackendBusyError) decision = planning.busy(err.store, this.retryInterval);
+      else {
+        if (!(err instanceof BackendUnavailableError)) throw err;
+        if (plan.ops.length > n) return [SPENT, null]; // an approval is spent only where it is counted
+        decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
+      }
     }
     if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
     if (eventId !== null && (recordRefusal || decision.admitted)) await this.logAdmission(eventId, kind, now, ctx, plan, decision, approved);
@@ -669,7 +676,7 @@ export class Governor {
     if (this.downUntil) {
       if (this.clock() < this.downUntil) throw new BackendUnavailableError("backend marked down; retrying later");
       await this.flushPending();
-    }
+    } else if (this.pending.length) await this.flushPending(); // kept while the store was busy
     try {
       return await this.backend.charge(ops, { eventId, wantUsed, opId, lease, leaseTtl: this.leaseTtl, ticket });
     } catch (err) {
@@ -682,7 +689,19 @@ export class Governor {
     this.downUntil = this.clock() + this.retryInterval;
   }
 
-  private async flushPending(): Promise<void> {
+  /**
+   * Replay the charges kept while the store was away, each once: concurrent
+   * callers share one flush (each shifting the head after its own replay would
+   * drop charges never replayed).
+   */
+  private flushPending(): Promise<void> {
+    this.flushing ??= this.flushOnce().finally(() => {
+      this.flushing = null;
+    });
+    return this.flushing;
+  }
+
+  private async flushOnce(): Promise<void> {
     while (this.pending.length) {
       const [opId, ops] = this.pending[0] ?? ["", []];
       try {
@@ -765,7 +784,7 @@ export class Governor {
           cap = result.caps.length ? (result.caps[0] ?? null) : null;
         }
       } catch (err) {
-        if (!(err instanceof BackendUnavailableError)) throw err;
+        if (!storeFailed(err)) throw err;
         degraded = true;
         const localOps = slots.filter((s) => local(s.limit)).map(planning.opOf);
         if (localOps.length) {
@@ -831,3 +850,8 @@ function spending(plan: Plan, approval: Approval | null, now: number): Plan | nu
 }
 
 export { makeContext as context };
+
+/** The store could not do it now: unreachable, or up but busy (neither is a bug). */
+function storeFailed(err: unknown): boolean {
+  return err instanceof BackendUnavailableError || err instanceof BackendBusyError;
+}
