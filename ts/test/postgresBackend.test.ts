@@ -70,6 +70,28 @@ describe("PostgresBackend", () => {
     assert.deepEqual(await backend.usage([]), []);
   });
 
+  it("decides a burst of 125 concurrent checks on one counter in Postgres, exactly, with the defaults", async () => {
+    const gov = new Governor(Policy.of(day("burst", 50)), backend);
+    const ctx = context({ user: fresh("burst") });
+    const ds = await Promise.all(Array.from({ length: 125 }, () => gov.check(ctx)));
+    const count = (status: number): number => ds.filter((d) => d.status === status).length;
+    assert.deepEqual([count(200), count(429), count(503)], [50, 75, 0], "10 connections queue 125 checks, none refused as busy");
+    assert.ok(ds.every((d) => !d.degraded), "none decided by the fail mode");
+    assert.equal(await gov.usage("burst", ctx), 50);
+  });
+
+  it("counts a store whose counters are not declared complete (requireEpoch) as unreachable", async () => {
+    const strict = PostgresBackend.fromUrl(url, { requireEpoch: true });
+    try {
+      assert.equal(await strict.hasEpoch(), false); // no stream worker marked this database
+      const gov = new Governor(Policy.of(day("open", 5, FailMode.OPEN), day("closed", 5, FailMode.CLOSED)), strict);
+      const d = await gov.check(context({ user: fresh("epoch") }));
+      assert.deepEqual([d.status, d.reason, d.degraded], [503, "budget_unavailable:user/day", true]);
+    } finally {
+      await strict.close();
+    }
+  });
+
   it("holds, counts and gives back concurrency leases", async () => {
     const gov = new Governor(Policy.of(new Limit("parallel", { cap: 2, unit: Unit.CONCURRENT, scope: Scope.USER })), backend);
     const ctx = context({ user: fresh("lease") });
