@@ -141,6 +141,17 @@ class CounterOverflowError(GovernorError, OverflowError):
         )
 
 
+class EventRefusedError(GovernorError, ValueError):
+    """A store refused to apply the ledger event at ``offset``, having written nothing of
+    the batch: its sums would leave the exact range, or take a counter below zero.
+    ``reason`` says which; the projection dead-letters that one event and goes on."""
+
+    def __init__(self, offset: int, reason: str) -> None:
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"event at offset {offset} refused: {reason}")
+
+
 class BudgetExceeded(GovernorError):
     """A call was refused; ``decision`` says by which limit and until when.
 

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import admin, planning
+from . import admin, bounds, planning
 from .approval import Approval, spend_op
 from .caps import Change
 from .context import EMPTY, Context, cacheable
@@ -545,6 +545,17 @@ class Governor(Metering[MeterResult]):
         change, ctx = admin.grant_change(
             self.policy, limit, scope, amount, now=self._clock(), reason=reason, actor=actor
         )
+        # The sum is checked before it is applied: the counter's cap and grants so far
+        # plus this one stay in the exact range, where every backend counts alike.
+        ((_, room_cap),) = await self._read((self._read_slot(limit, ctx),))
+        why = bounds.sum_problem("grant", room_cap, change.amount)
+        if why is not None:
+            raise InvalidInputError(
+                "amount",
+                amount,
+                f"the counter's cap and grants ({room_cap}) plus this one "
+                f"would leave the exact range (at most {bounds.MAX_AMOUNT})",
+            )
         return await self._apply_change(change, ctx)
 
     async def reset(self, limit: str, *, reason: str = "", actor: str = "", **scope: str) -> Change:

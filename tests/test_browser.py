@@ -156,3 +156,26 @@ def test_the_demo_report_opens_with_its_charts(tmp_path: Path, browser: BrowserC
     )
     assert "tripped at" in page.locator(".kpis").inner_text()
     page.screenshot(path=str(artifacts() / "demo-report.png"), full_page=True)
+
+
+@pytest.mark.slow
+def test_from_the_demos_printed_link_to_a_dashboard_of_its_spend(
+    tmp_path: Path, browser: BrowserContext
+) -> None:
+    """The newcomer's path: `mcpbg demo --serve`, then the link it prints, in a browser."""
+    from mcp_budget_governor import format_usd
+    from testing.demo_server import demo_serving
+
+    with demo_serving(tmp_path / "out") as demo:
+        spent = json.loads((demo.out / "summary.json").read_text())["global_spend_micros"]
+        page = browser.new_page()
+        page.goto(demo.link)  # one-time: sets the cookie, lands on the dashboard
+        assert page.url == demo.base + "/dashboard"
+        page.wait_for_function("Number(document.body.dataset.loaded || 0) >= 1", timeout=60_000)
+        card = page.locator('[data-breaker="global_spend"]').inner_text()
+        assert "TRIPPED" in card and format_usd(spent) in card, card
+        tenants = page.evaluate(
+            "Chart.getChart(document.getElementById('spend')).data.datasets.map(d => d.label)"
+        )
+        assert {"acme", "globex"} <= set(tenants)
+        page.screenshot(path=str(artifacts() / "demo-dashboard.png"), full_page=True)

@@ -23,6 +23,7 @@ describes it all.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ from .auth import Tokens
 #: The cookie the dashboard's browser carries the read token in (``/dashboard?token=``).
 COOKIE = "mcpbg_token"
 
+#: Seconds a login link (:meth:`Console.login_link`) stays valid, if unused.
+LOGIN_TTL = 900.0
+
 _SCOPES = ("user", "tenant", "tool", "session", "agent")
 _NO_LEDGER = "mcpbg serve was started without --archive-dir or --ledger-dir"
 
@@ -62,6 +66,21 @@ class Console:
     #: what a write says it did: "appended to the ledger" or "written"
     where: str = "written"
     extra: dict[str, Any] = field(default_factory=dict)
+    #: one-time login codes (:meth:`login_link`) and when each lapses (epoch seconds)
+    logins: dict[str, float] = field(default_factory=dict)
+
+    def login_link(self, ttl: float = LOGIN_TTL) -> str:
+        """A path that logs one browser in once: ``/login?code=...`` sets the read token's
+        cookie and sends it to the dashboard. The token itself never appears in a URL, so
+        it reaches no address bar, history or access log; a used or lapsed code is refused."""
+        code = secrets.token_urlsafe(24)
+        self.logins[code] = time.time() + ttl
+        return f"/login?code={code}"
+
+    def redeem(self, code: str) -> bool:
+        """True once for a code :meth:`login_link` made, within its time to live."""
+        lapses = self.logins.pop(code, None)
+        return lapses is not None and time.time() < lapses
 
     def ledger(self, since: Any = None, until: Any = None) -> Any:
         from ..projections.ledger_view import open_ledger
@@ -136,6 +155,9 @@ class Auth:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        if scope["path"] == "/login":
+            await _login(request, self.tokens)(scope, receive, send)
+            return
         write = request.method not in ("GET", "HEAD")
         header = request.headers.get("authorization")
         if header is None and not write:
@@ -159,6 +181,20 @@ class Auth:
             await self.app(scope, receive, send)
             return
         await response(scope, receive, send)
+
+
+def _login(request: Request, tokens: Tokens) -> Response:
+    """A one-time login link: its code, once, buys the read token's cookie."""
+    console: Console = request.app.state.console
+    if not console.redeem(request.query_params.get("code", "")):
+        return error(
+            401,
+            "this login link was used already or has lapsed: mcpbg serve prints a new one "
+            "at each start",
+        )
+    response = RedirectResponse("/dashboard", status_code=303)
+    response.set_cookie(COOKIE, tokens.read or tokens.write, httponly=True, samesite="strict")
+    return response
 
 
 # -- reads ----------------------------------------------------------------------

@@ -59,6 +59,7 @@ from mcp_budget_governor.counters import (
     CounterOp,
     CounterState,
     overflow,
+    refused_event,
 )
 from mcp_budget_governor.errors import (
     BackendBusyError,
@@ -831,7 +832,13 @@ class PostgresBackend:
             nchanges, ckeys, camounts, cexpire, kinds, xkeys, xfields, xamounts, xuntils,
             xplans, xwhys,
         )  # fmt: skip
-        applied = int(await self._call_long(_APPLY, params))
+        try:
+            applied = int(await self._call_long(_APPLY, params))
+        except ValueError as exc:
+            refused = refused_event(str(exc))
+            if refused is not None:  # the call rolled back: nothing of the batch written
+                raise refused from None
+            raise
         if applied < 0:
             raise EpochMissingError("postgres counters not complete (no epoch): rebuild first")
         return applied
