@@ -20,6 +20,7 @@ from .context import ANONYMOUS_USER, Context
 from .counters import Backend, ChargeResult
 from .decision import Decision, Lease, MeterResult
 from .errors import (
+    BackendBusyError,
     BackendUnavailable,
     BackendUnavailableError,
     BudgetExceeded,
@@ -64,6 +65,7 @@ __all__ = [
     "Admission",
     "Anonymous",
     "Backend",
+    "BackendBusyError",
     "BackendUnavailable",
     "BackendUnavailableError",
     "BudgetExceeded",

@@ -26,13 +26,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import admin, planning
+from . import admin, bounds, planning
 from .approval import Approval, spend_op
 from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
+    BackendBusyError,
     BackendUnavailableError,
     BudgetExceeded,
     CounterOverflowError,
@@ -581,6 +582,17 @@ class Governor(Metering[MeterResult]):
         change, ctx = admin.grant_change(
             self.policy, limit, scope, amount, now=self._clock(), reason=reason, actor=actor
         )
+        # The sum is checked before it is applied: the counter's cap and grants so far
+        # plus this one stay in the exact range, where every backend counts alike.
+        ((_, room_cap),) = await self._read((self._read_slot(limit, ctx),))
+        why = bounds.sum_problem("grant", room_cap, change.amount)
+        if why is not None:
+            raise InvalidInputError(
+                "amount",
+                amount,
+                f"the counter's cap and grants ({room_cap}) plus this one "
+                f"would leave the exact range (at most {bounds.MAX_AMOUNT})",
+            )
         return await self._apply_change(change, ctx)
 
     async def reset(self, limit: str, *, reason: str = "", actor: str = "", **scope: str) -> Change:
@@ -668,6 +680,8 @@ class Governor(Metering[MeterResult]):
             if len(plan.ops) > len(plan.slots):
                 return _SPENT, None  # an approval is spent only where it is counted
             decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
+        except BackendBusyError as exc:  # overload, not an outage: refused, no fail mode
+            decision = planning.busy(exc.store, self._retry_interval)
         else:
             ops = plan.ops
             if len(ops) > len(plan.slots):  # an approval's marker came last
@@ -797,6 +811,8 @@ class Governor(Metering[MeterResult]):
         if self._down_until:
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
+            await self._flush_pending()
+        elif self._pending:  # charges a busy store could not take
             await self._flush_pending()
         try:
             if ticket is not None:  # a call waiting for a concurrency slot
@@ -972,6 +988,10 @@ class Governor(Metering[MeterResult]):
             except BackendUnavailableError:
                 degraded = True
                 before = await self._charge_failed(slots, op_id)
+            except BackendBusyError:
+                # A completed call is charged whatever the store's load: inline mode
+                # keeps it for the next charge to replay (the ledger carries it).
+                self._keep_for_later(slots, op_id)
         if event_id is not None:
             await self._append(
                 event_id,

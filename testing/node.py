@@ -72,6 +72,24 @@ def tsx() -> list[str]:
     return [str(TS_DIR / "node_modules" / ".bin" / "tsx")]
 
 
+def typescript_postgres_bench(
+    url: str, *, calls: int = 2000, rounds: int = 5, durable: bool = True
+) -> dict[str, Any]:
+    """Serial ``check()`` of the TypeScript governor on Postgres (``ts/bench/postgres.ts``,
+    3 limits, defaults but ``durable``), for ``benchmarks/bench_postgres.py``: its JSON
+    line, medians in microseconds (``check_us``, ``select1_us``) and their ``ratio``."""
+    prepare_driver()
+    done = subprocess.run(
+        [*tsx(), "bench/postgres.ts", "--postgres", url, "--calls", str(calls),
+         "--rounds", str(rounds), "--durable", "true" if durable else "false"],
+        cwd=TS_DIR, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"ts/bench/postgres.ts: exit {done.returncode}: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def prepare_driver() -> None:
     """What :class:`Driver` needs: Node, ts/'s dependencies, the copied scripts and SQL."""
     require_node()

@@ -25,7 +25,7 @@ from mcp_budget_governor.policy_file import load_file
 from mcp_budget_governor.sql import latest
 from testing.buckets import room
 from testing.node import Driver as Node
-from testing.node import prepare_driver
+from testing.node import prepare_driver, typescript_postgres_bench
 from testing.postgres import scratch_database
 
 POLICY = """
@@ -137,3 +137,16 @@ async def test_a_database_typescript_migrated_is_the_one_python_uses(
             assert node("usage", limit="shared", ctx={"user": "first"})["usage"] == 2
         finally:
             node.close()
+
+
+@pytest.mark.slow
+def test_the_benchmark_hook_reads_the_typescript_figures(
+    node_ready: None, postgres_url: str
+) -> None:
+    """benchmarks/bench_postgres.py's hook: ts/bench/postgres.ts runs and its JSON line
+    parses (a few calls, both commit modes; the figures themselves are the benchmark's)."""
+    for durable in (True, False):
+        out = typescript_postgres_bench(postgres_url, calls=20, rounds=1, durable=durable)
+        assert (out["bench"], out["durable"], out["calls"]) == ("ts_postgres_check", durable, 20)
+        assert out["check_us"] > 0 and out["select1_us"] > 0
+        assert out["ratio"] == pytest.approx(out["check_us"] / out["select1_us"], rel=0.01)
