@@ -11,7 +11,7 @@ import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 
 import type { Approval } from "../approval.js";
 import { contextKey, type Context } from "../context.js";
-import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
+import { EXCEEDED, REFUSAL_META_KEY, refusalBody, refusalMeta, refusalText, type Decision } from "../decision.js";
 import { BudgetExceeded, InvalidInputError } from "../errors.js";
 import type { Governor, Reservations } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
@@ -87,16 +87,21 @@ export function toolPrices(
 /** How an integration names its caller; null/undefined: nobody (the policy's `anonymous` rule). */
 export type Identify<E> = (extra: E) => Context | null | undefined | Promise<Context | null | undefined>;
 
-/** The error result of a refused call: the refusal text, and its fields under `mcpbg`. */
+/**
+ * The error result of a refused call: the refusal text, its fields under `mcpbg`,
+ * and the refusal as data in `_meta` (refusalMeta, under REFUSAL_META_KEY).
+ */
 export function refusalResult(decision: Decision): {
   content: { type: "text"; text: string }[];
   structuredContent: Record<string, unknown>;
   isError: true;
+  _meta: Record<string, unknown>;
 } {
   return {
     content: [{ type: "text", text: refusalText(decision) }],
     structuredContent: { [META_KEY]: refusalBody(decision) },
     isError: true,
+    _meta: { [REFUSAL_META_KEY]: refusalMeta(decision) },
   };
 }
 
