@@ -331,13 +331,15 @@ export async function governedCall<R>(
 ): Promise<R> {
   const caller = await governor.identified(ctx);
   const over = [...approved];
+  // Cancelled before its check: nothing reached the counters, nothing to pay.
+  if (signal?.aborted) throw signal.reason;
   for (;;) {
     // admitted() hands back the decision, refused or not; a refused one holds no lease.
     const outcome = await governor.admitted(
       caller,
       async (decision): Promise<{ refused: Decision } | { result: R }> => {
         if (!decision.admitted) return { refused: decision };
-        return { result: await run(governor, caller, work, fixed, estimate, over) };
+        return { result: await run(governor, caller, work, fixed, estimate, over, signal) };
       },
       { wait, approved: over, approval, ...(signal !== undefined && { signal }) },
     );
@@ -349,7 +351,13 @@ export async function governedCall<R>(
   }
 }
 
-/** The admitted part of governedCall: reserve the estimates (one charge), run, charge. */
+/**
+ * The admitted part of governedCall: reserve the estimates (one charge), run, charge.
+ * An admission always runs to its end (nothing interrupts a promise); a call whose
+ * signal aborted meanwhile does not start its work and pays as one cancelled while
+ * it ran (its fixed price, its reservation kept or settled to it), its slot given
+ * back by admitted() at once (Python: governed_call).
+ */
 async function run<R>(
   governor: Governor,
   caller: Context,
@@ -357,6 +365,7 @@ async function run<R>(
   fixed: Charges | null,
   estimate: Charges | null,
   approved: readonly string[],
+  signal?: AbortSignal,
 ): Promise<R> {
   // An approved call goes over that limit: holding an estimate there would refuse it again.
   const wanted = Object.entries(estimate ?? {}).filter(([limit, amount]) => amount !== 0 && !approved.includes(limit));
@@ -376,6 +385,7 @@ async function run<R>(
   };
   let result: R;
   try {
+    if (signal?.aborted) throw signal.reason; // cancelled during the admission
     result = await work();
   } catch (err) {
     await charge();
