@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time as _time
 from datetime import UTC, datetime, time
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
@@ -162,8 +163,12 @@ def _until(policy: Policy, text: str | None) -> datetime | None:
     except ValueError:
         raise InvalidInputError("--until", text, "expected an ISO date or time") from None
     if len(text) == 10:  # a date: its start where the policy's days start
-        return datetime.combine(moment.date(), time(), tzinfo=policy.tz)
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+        moment = datetime.combine(moment.date(), time(), tzinfo=policy.tz)
+    elif moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    if moment.timestamp() <= _time.time():  # named as typed, before anything is read
+        raise InvalidInputError("--until", text, f"must be in the future ({moment.isoformat()})")
+    return moment
 
 
 def _actor(args: argparse.Namespace) -> str:
