@@ -13,6 +13,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+from ..numbers import whole_argument
 from .ledger_args import add_ledger_options, add_option, open_ledger_from, setting
 
 _DEFAULT_VIEWS = ("tenant", "user", "tool", "model", "day")
@@ -47,7 +48,7 @@ def register(sub: Any) -> None:
         help="group by these, comma-separated: user, tenant, tool, model, agent, day, hour, "
         "week (ISO, 2026-W48), month, type",
     )
-    p.add_argument("--top", type=int, help="keep the first N rows of each table")
+    p.add_argument("--top", type=whole_argument(), help="keep the first N rows of each table")
     p.add_argument("--json", action="store_true", help="print JSON (usd as exact decimals)")
     p.add_argument(
         "--html",
