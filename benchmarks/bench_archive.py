@@ -42,7 +42,15 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from mcp_budget_governor import Context, Governor, RedisBackend
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
 from testing.bench import loadavg, progress, table
-from testing.stream_support import CLI, Worker, create_topic, watermarks, worker_argv, worker_env
+from testing.stream_support import (
+    CLI,
+    Worker,
+    create_topic,
+    tenants_per_partition,
+    watermarks,
+    worker_argv,
+    worker_env,
+)
 
 from .bench_worker import PARTITIONS, Services, policy
 
@@ -65,6 +73,7 @@ async def feed(
 ) -> None:
     """``args.events`` operations at ``args.rate`` per second; the clock moves with them."""
     rng = random.Random(38)
+    tenants = tenants_per_partition(PARTITIONS, 1, "t")  # every partition gets events
     start = clock[0]
     step = args.sim_hours * 3600 / args.events
     began = time.monotonic()
@@ -73,7 +82,8 @@ async def feed(
         if (wait := due - time.monotonic()) > 0:
             await asyncio.sleep(wait)
         clock[0] = start + i * step
-        ctx = Context(user=f"u{rng.randrange(20)}", tenant=f"t{rng.randrange(6)}", tool="search")
+        user = rng.randrange(20)  # 20 users, each in one tenant
+        ctx = Context(user=f"u{user}", tenant=tenants[user % PARTITIONS], tool="search")
         if i % 2:
             await gov.check(ctx)
         else:

@@ -132,11 +132,25 @@ def _mtime(path: Path) -> float:
         return time.time()
 
 
-def scan(directory: str | os.PathLike[str], topic: str | None = None) -> list[Group]:
-    """Every (date folder, topic, partition) of an archive with its segments, sorted."""
+def scan(
+    directory: str | os.PathLike[str],
+    topic: str | None = None,
+    *,
+    folders: Iterable[str] | None = None,
+) -> list[Group]:
+    """Every (date folder, topic, partition) of an archive with its segments, sorted.
+
+    ``folders``: only the folders of these names.
+    """
     groups: dict[tuple[Path, str, int], Group] = {}
     root = Path(directory)
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else ():
+    if not root.is_dir():
+        return []
+    if folders is None:
+        listed = sorted(p for p in root.iterdir() if p.is_dir())
+    else:
+        listed = [root / name for name in sorted(folders) if (root / name).is_dir()]
+    for folder in listed:
         for path in sorted(folder.iterdir()):
             seg = parse_segment(path)
             if seg is None or (topic is not None and seg.topic != topic):
@@ -177,9 +191,8 @@ def finish(group: Group, *, step: Callable[[str], None] | None = None) -> int:
 def plan(group: Group, max_bytes: int) -> list[list[Path]]:
     """``group``'s small segments in runs of about ``max_bytes`` each (offset order).
 
-    A run holding one segment is left alone unless it is the only one: a
-    single small segment is rewritten too (it gains the compacted name, so
-    the folder shows at a glance what is done).
+    A lone small segment is a run too: rewritten, it gains the compacted name,
+    so a folder shows at a glance what is done.
     """
     runs: list[list[Path]] = []
     run: list[Path] = []
@@ -309,6 +322,12 @@ def stale_temp_files(directory: Path) -> Iterator[Path]:
     return directory.glob(f"*/.*{TEMP_SUFFIX}")
 
 
+#: The date folders (the newest) a worker's start looks at for what a killed one left.
+START_DAYS = 2
+
+#: Seconds after a failed compaction (a full disk...) before the worker tries again.
+RETRY_AFTER = 60.0
+
 #: Seconds the worker keeps a compacted segment's sources before deleting them: a query
 #: that listed them just before the rename can still read them (readers count rows once).
 DELETE_GRACE = 60.0
@@ -355,9 +374,11 @@ class Compactor:
         self._step = kill_hook()
         self.compacted = 0
 
-    def start(self) -> None:
-        """Finish what a killed process left undone and note the small segments found."""
-        for group in scan(self.directory, self.topic):
+    def start(self, *, days: int = START_DAYS) -> None:
+        """Finish what a killed process left undone in the last ``days`` date folders and
+        note their small segments (older ones are ``mcpbg archive compact``'s)."""
+        recent = sorted(p.name for p in self.directory.glob("date=*") if p.is_dir())[-days:]
+        for group in scan(self.directory, self.topic, folders=recent):
             finish(group)
             for path in group.small:
                 self._note(group.folder, group.partition, _size(path), _mtime(path))
@@ -399,8 +420,14 @@ class Compactor:
             for key in due:
                 del self._pending[key]
         written = 0
-        for folder, partition in due:
-            written += self._compact_folder(folder, partition, now)
+        for n, (folder, partition) in enumerate(due):
+            try:
+                written += self._compact_folder(folder, partition, now)
+            except BaseException:  # a full disk, say: those not done are tried in a minute
+                retry = now - self.max_age + min(RETRY_AFTER, self.max_age)
+                for key in due[n:]:
+                    self._note(*key, 0, retry)
+                raise
         self.delete_expired(now=now, everything=everything)
         self.compacted += written
         return written

@@ -258,3 +258,59 @@ def test_the_command_in_process(
     assert "archive_segment_mb" in capsys.readouterr().err
     assert main(["archive", "compact", "--archive-dir", str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_temporary_files_of_dead_writers_go_at_start(tmp_path: Path) -> None:
+    from mcp_budget_governor.stream import archiver as archiver_module
+
+    archiver = Archiver(tmp_path, topic=TOPIC)
+    folder = tmp_path / "date=2025-11-29"
+    folder.mkdir()
+    host = archiver_module._HOST
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    gone = folder / f".x.parquet.{dead}@{host}.0123abcd{TEMP_SUFFIX}"
+    alive = folder / f".y.parquet.{os.getppid()}@{host}.0123abcd{TEMP_SUFFIX}"
+    elsewhere = folder / f".z.parquet.{dead}@another-host.0123abcd{TEMP_SUFFIX}"
+    mine_before = folder / f".w.parquet.{os.getpid()}@{host}.0123abcd{TEMP_SUFFIX}"
+    for path in (gone, alive, elsewhere, mine_before):
+        path.write_bytes(b"half")
+    old = archiver_module._STARTED - 10
+    os.utime(mine_before, (old, old))  # a reused pid: written before this process started
+    assert archiver.remove_stale_temp_files() == 2
+    assert sorted(p.name for p in folder.iterdir()) == sorted([alive.name, elsewhere.name])
+
+
+def test_a_failed_compaction_is_tried_again_later(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mcp_budget_governor.stream import compaction
+
+    archive = tmp_path / "archive"
+    archiver = Archiver(archive, topic=TOPIC)
+    compactor = Compactor(archive, TOPIC, max_bytes=1, max_age=3600)
+    compactor.noted(archiver.write_batch(0, consumed[:3]))
+
+    def full(*args: Any, **kwargs: Any) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compaction, "compact", full)
+    with pytest.raises(OSError, match="No space"):
+        compactor.run_due()
+    now = time.time()
+    assert not compactor.due(now) and compactor.due(now + compaction.RETRY_AFTER + 1)
+    monkeypatch.undo()
+    assert compactor.run_due(now=now + compaction.RETRY_AFTER + 1) == 1
+
+
+def test_a_worker_start_looks_at_the_newest_days_only(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    archive = tmp_path / "archive"
+    small_archive(archive, consumed)  # two date folders
+    compactor = Compactor(archive, TOPIC, max_bytes=1, max_age=3600)
+    compactor.start(days=1)
+    compactor.run_due(everything=True)
+    first, last = sorted(p for p in archive.iterdir())
+    assert all(p.name.endswith(".compact.parquet") for p in last.iterdir())
+    assert not any(p.name.endswith(".compact.parquet") for p in first.iterdir())
