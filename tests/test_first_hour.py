@@ -163,3 +163,22 @@ def test_budgets_reads_mcpbg_policy_from_anywhere(
     monkeypatch.setenv("MCPBG_POLICY", str(EXAMPLE))
     code, out, err = run_cli(capsys, "budgets", "--redis-url", redis_url)
     assert code == 0 and "$1.250000" in out, err
+
+
+@pytest.mark.parametrize("module", ["fastmcp", "lowlevel"])
+def test_an_integration_without_its_extra_names_the_extra(module: str) -> None:
+    """Installed without [fastmcp], the import says what to install (it said
+    ``No module named 'mcp_types'``); run as a fresh interpreter would meet it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for name in ('mcp_types', 'fastmcp', 'mcp'): sys.modules[name] = None  # not installed\n"
+        f"import mcp_budget_governor.integrations.{module}\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: mcp_budget_governor.integrations.")
+    assert "pip install 'mcpbg[fastmcp]'" in last
