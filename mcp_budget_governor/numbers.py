@@ -17,12 +17,14 @@ mcp_budget_governor.errors.InvalidInputError: cap: expected a whole number of AS
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Callable
 
 from .errors import InvalidInputError
 from .money import MAX_AMOUNT, MICROS_PER_USD
 
-__all__ = ["dollars", "whole"]
+__all__ = ["dollars", "whole", "whole_argument"]
 
 # [0-9], not \d: \d matches every script's digits. The lengths bound the work
 # before the range is checked.
@@ -52,3 +54,16 @@ def dollars(text: str, field: str, *, most: int = MAX_AMOUNT) -> int:
     if micros > most:
         raise InvalidInputError(field, text, f"exceeds the largest amount ({most} micros)")
     return micros
+
+
+def whole_argument(*, least: int = 0, most: int = MAX_AMOUNT) -> Callable[[str], int]:
+    """:func:`whole` as an argparse ``type=``: argparse then prints the option and
+    the problem on one line, and exits 2 (``int`` takes ``"١٢"`` for 12)."""
+
+    def parse(text: str) -> int:
+        try:
+            return whole(text, "", least=least, most=most)
+        except InvalidInputError as exc:
+            raise argparse.ArgumentTypeError(f"{exc.problem} (got {text!r})") from None
+
+    return parse

@@ -83,3 +83,25 @@ def test_every_until_date_form_is_read_in_the_policys_zone() -> None:
     )
     with pytest.raises(InvalidInputError, match=r"^--until: expected an ISO date or time"):
         _until(POLICY, "\u0662\u0660\u0663\u0660-01-01")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["costs", "--top", "\u0661\u0662"],
+        ["sql", "SELECT 1", "--max-rows", "\u00b2"],
+        ["reconcile", "--older-than", "1_000"],
+        ["budgets", "--max-keys", " 5"],
+    ],
+)
+def test_the_cli_reads_counts_as_ascii_digits(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``type=int`` took ``"١٢"`` for 12 and ``"1_000"`` for 1000."""
+    from mcp_budget_governor.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"argument {argv[-2]}: expected a whole number of ASCII digits" in err
