@@ -386,3 +386,22 @@ def test_finish_never_deletes_on_the_word_of_a_deleted_file(tmp_path: Path) -> N
         pq.write_table(table, path)
     group = Group(folder, TOPIC, 0, [], [a, b])
     assert finish(group) == 0 and a.exists() and b.exists()
+
+
+def test_the_manifest_keeps_the_footer_small(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    """A thousand sources' names, compressed, stored once (not again in the Arrow schema)."""
+    import pyarrow.parquet as pq
+
+    archive = tmp_path / "archive"
+    archiver = Archiver(archive, topic=TOPIC)
+    one = consumed[:1]
+    for offset in range(1000):  # one event per batch, as a quiet worker writes them
+        archiver.write_batch(0, [(offset, one[0][1])])
+    compact_archive(archive, max_bytes=64_000_000)
+    (merged,) = segments(archive)
+    assert len(sources_of(merged)) == 1000
+    meta = pq.read_metadata(merged)
+    assert meta.serialized_size < 20_000, meta.serialized_size
+    assert SOURCES_KEY not in (pq.read_schema(merged).metadata or {})
