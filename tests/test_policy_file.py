@@ -19,6 +19,7 @@ from mcp_budget_governor import (
     InvalidInputError,
     Limit,
     OnExceed,
+    Plan,
     Policy,
     PolicyError,
     Scope,
@@ -62,6 +63,14 @@ EXAMPLE_POLICY = Policy.of(
         alert_at=(80,),
     ),
     Limit(
+        "tenant_spend",
+        cap=usd(25),
+        unit=Unit.USD_MICROS,
+        window=Window.DAY,
+        scope=Scope.TENANT,
+        caps={"acme": usd(100)},
+    ),
+    Limit(
         "global_spend",
         cap=usd(25),
         unit=Unit.USD_MICROS,
@@ -78,6 +87,8 @@ EXAMPLE_POLICY = Policy.of(
         scope=Scope.TENANT,
         on_exceed=OnExceed.ALERT,
     ),
+    plans=[Plan("pro", caps={"tenant_spend": usd(250), "burst": 90})],
+    assignments={"beta": "pro"},
     timezone="Europe/Paris",
     anonymous=Anonymous.REFUSE,
 )
@@ -156,7 +167,6 @@ def test_scope_forms() -> None:
         limits = [
           { name = "g1", cap = 1, window = "day" },
           { name = "g2", cap = 1, window = "day", scope = "global" },
-          { name = "g3", cap = 1, window = "day", scope = [] },
           { name = "u", cap = 1, window = "day", scope = "user" },
           { name = "ut", cap = 1, window = "day", scope = ["tool", "user"] },
           { name = "s", cap = 1, window = "session", scope = "user" },
@@ -166,11 +176,19 @@ def test_scope_forms() -> None:
     assert [lim.dimensions for lim in policy] == [
         (),
         (),
-        (),
         (Scope.USER,),
         (Scope.USER, Scope.TOOL),
         (Scope.USER, Scope.SESSION),
     ]
+
+
+def test_an_empty_scope_list_is_refused_naming_the_field() -> None:
+    """``scope = []`` once became a global limit without a word: a limit meant per
+    tenant, its dimensions forgotten, would have capped everyone together."""
+    text = '[[limits]]\nname = "t"\ncap = 1\nwindow = "day"\nscope = []\n'
+    with pytest.raises(PolicyError, match=r"limits\[0\]\.scope.*empty list") as err:
+        loads(text)
+    assert "\n" not in str(err.value).strip()
 
 
 # -- the locator ---------------------------------------------------------------

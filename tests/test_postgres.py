@@ -50,6 +50,8 @@ from testing.stream_support import kafka as kafka  # the broker fixture (module 
 from testing.workers import (
     burst_policy,
     concurrent_checks,
+    outage_checks,
+    outage_policies,
     user_and_global_checks,
     user_and_global_policy,
 )
@@ -111,6 +113,78 @@ def private_postgres() -> Iterator[PrivatePostgres]:
 
 
 RETRY = 0.3
+
+
+@pytest.fixture
+def postgres_100() -> Iterator[PrivatePostgres]:
+    """A server of this test's own with Postgres' default max_connections (100)."""
+    try:
+        server = start_private_postgres(max_connections=100)
+    except Exception as exc:  # no initdb/postgres binaries, or no postgres user
+        pytest.skip(f"cannot start a private Postgres: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_eight_processes_125_checks_with_defaults_under_max_connections_100_admit_50(
+    postgres_100: PrivatePostgres,
+) -> None:
+    """Eight replicas, every setting at its default (5 connections each), on a server
+    allowing 100: exactly 50 admitted, every check decided by Postgres (the helper
+    asserts none degraded and none refused as busy)."""
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 6.0
+    with ctx.Pool(8) as pool:
+        admitted = pool.starmap(concurrent_checks, [(postgres_100.url, 50, 125, start_at)] * 8)
+    assert sum(admitted) == 50
+
+
+@pytest.mark.slow
+def test_a_server_stopped_mid_run_closed_refuses_open_falls_back_then_enforcement_resumes(
+    postgres_100: PrivatePostgres,
+) -> None:
+    """Eight replicas x 16 callers checking a fail-open and a fail-closed limit, with
+    defaults; Postgres is killed mid-run and started again. While it is down: the
+    CLOSED limit answers 503 (degraded), the OPEN one admits from the replica's
+    counter. After: enforcement resumes on Postgres in every replica, and each
+    admitted fail-open check is counted once (the outage charges were replayed)."""
+    url = postgres_100.url
+    pctx = multiprocessing.get_context("spawn")
+    names = [f"r{i}" for i in range(8)]
+    with pctx.Manager() as manager, pctx.Pool(8) as pool:
+        ready, go = manager.Queue(), manager.Event()
+        runs = pool.starmap_async(outage_checks, [(url, n, ready, go, 16.0) for n in names])
+        for _ in names:
+            ready.get(timeout=120)  # every replica connected
+        go.set()
+        kill_at = time.time() + 3.0
+        time.sleep(3.0)
+        postgres_100.kill()
+        back_at = time.time() + 4.0
+        time.sleep(4.0)
+        postgres_100.start()
+        results = runs.get(timeout=120)
+    for seen in results:
+        before = [s for s in seen if s[0] < kill_at - 0.2]
+        assert before and all(s[2] and not s[3] for s in before)  # Postgres decided
+        down = [s for s in seen if kill_at + 1.0 < s[0] < back_at - 0.2]
+        closed = {(a, d, st) for _, w, a, d, st in down if w == "closed"}
+        opened = {(a, d, st) for _, w, a, d, st in down if w == "open"}
+        assert closed == {(False, True, 503)}
+        assert opened == {(True, True, 200)}
+        last = max(s[0] for s in seen)
+        after = [s for s in seen if s[0] > last - 2.0]
+        assert after and all(s[2] and not s[3] for s in after)  # enforcement resumed
+
+    async def counted() -> list[int]:
+        gov = Governor(outage_policies()[0], PostgresBackend.from_url(url))
+        got = [await gov.usage("o_user", Context(user=n)) for n in names]
+        await gov.aclose()
+        return got
+
+    admitted = [sum(1 for s in seen if s[1] == "open" and s[2]) for seen in results]
+    assert asyncio.run(counted()) == admitted
 
 
 def policy() -> Policy:
@@ -362,4 +436,45 @@ async def test_a_lock_queue_is_busy_not_down(postgres_url: str) -> None:
     assert not gov.degraded and gov.pending_charges == 0
     assert (await gov.check(alice)).admitted  # the lock is free again
     assert await gov.usage("per_user", alice) == 2
+    await gov.aclose()
+
+
+async def test_checks_queued_in_the_process_past_queue_timeout_are_refused_as_busy(
+    postgres_url: str,
+) -> None:
+    """The in-process queue has its bound too. One connection and a short queue bound
+    (non-default, so the queue fills at once and the test is quick; the default is the
+    lock test's above): with the only call stuck behind a held lock, the checks queued
+    behind it are refused as busy after ``queue_timeout``, never sent, never degraded."""
+    backend = PostgresBackend.from_url(postgres_url, max_connections=1, queue_timeout=0.3)
+    gov = Governor(policy(), backend)
+    alice = Context(user="alice", tenant="acme")
+    assert (await gov.check(alice)).admitted
+    holder = await psycopg.AsyncConnection.connect(postgres_url, autocommit=True)
+    async with holder, holder.transaction():
+        await holder.execute("SELECT pg_advisory_xact_lock(1835233380, 0)")
+        started = time.monotonic()
+        first = asyncio.ensure_future(gov.check(alice))  # sent: waits for the lock
+        await asyncio.sleep(0.05)
+        queued = await asyncio.gather(*(gov.check(alice) for _ in range(5)))
+        waited = time.monotonic() - started
+    assert {(d.admitted, d.status, d.degraded) for d in queued} == {(False, 503, False)}
+    assert waited < 1.5  # refused at the queue bound, not at the server's 2 s
+    d = await first  # sent before: the lock came free within its bound, Postgres decided
+    assert (d.admitted, d.degraded) == (True, False)
+    assert await gov.usage("per_user", alice) == 2
+    await gov.aclose()
+
+
+async def test_a_server_that_refuses_connections_is_down_not_busy() -> None:
+    """Nothing listens on the port: the fail modes decide (CLOSED 503 degraded, OPEN
+    admitted from the replica's counter), never a busy refusal."""
+    from testing.services import free_port
+
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    gov = Governor(policy(), PostgresBackend.from_url(url), retry_interval=RETRY)
+    d = await gov.check(Context(user="alice", tenant="acme"))
+    assert (d.admitted, d.status, d.degraded, d.limit) == (False, 503, True, "tenant_spend")
+    d = await gov.check(Context(user="alice"))
+    assert (d.admitted, d.degraded) == (True, True)
     await gov.aclose()

@@ -87,14 +87,19 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
-import anyio
-import mcp_types as mt
-from fastmcp.exceptions import ToolError
-from fastmcp.server.dependencies import get_access_token
-from fastmcp.server.elicitation import AcceptedElicitation
-from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
-from fastmcp.tools.base import InputRequiredToolResult, ToolResult
-from mcp.server.request_state import RequestStateSecurity
+from mcp_budget_governor.integrations import extra_missing
+
+try:
+    import anyio
+    import mcp_types as mt
+    from fastmcp.exceptions import ToolError
+    from fastmcp.server.dependencies import get_access_token
+    from fastmcp.server.elicitation import AcceptedElicitation
+    from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+    from fastmcp.tools.base import InputRequiredToolResult, ToolResult
+    from mcp.server.request_state import RequestStateSecurity
+except ModuleNotFoundError as exc:  # installed without the [fastmcp] extra
+    raise extra_missing("fastmcp", exc) from exc
 
 from mcp_budget_governor.approval import approval_state, open_approval
 from mcp_budget_governor.context import EMPTY, Context

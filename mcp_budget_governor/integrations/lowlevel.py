@@ -30,8 +30,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
-import mcp_types as mt
-from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp_budget_governor.integrations import extra_missing
+
+try:
+    import mcp_types as mt
+    from mcp.server.auth.middleware.auth_context import get_access_token
+except ModuleNotFoundError as exc:  # installed without the [fastmcp] extra (the MCP SDK)
+    raise extra_missing("lowlevel", exc) from exc
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.errors import BudgetExceeded

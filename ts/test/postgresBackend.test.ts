@@ -75,7 +75,7 @@ describe("PostgresBackend", () => {
     const ctx = context({ user: fresh("burst") });
     const ds = await Promise.all(Array.from({ length: 125 }, () => gov.check(ctx)));
     const count = (status: number): number => ds.filter((d) => d.status === status).length;
-    assert.deepEqual([count(200), count(429), count(503)], [50, 75, 0], "10 connections queue 125 checks, none refused as busy");
+    assert.deepEqual([count(200), count(429), count(503)], [50, 75, 0], "5 connections queue 125 checks, none refused as busy");
     assert.ok(ds.every((d) => !d.degraded), "none decided by the fail mode");
     assert.equal(await gov.usage("burst", ctx), 50);
   });
@@ -119,7 +119,7 @@ describe("PostgresBackend", () => {
     await admin.query("BEGIN");
     await admin.query("SELECT mcpbg_lock($1::text[])", [[key]]); // the lock mcpbg_charge queues on
     try {
-      const d = await gov.check(ctx); // waits past the default 0.5 s: Postgres cancels it
+      const d = await gov.check(ctx); // waits past the default 2 s: Postgres cancels it
       assert.deepEqual([d.admitted, d.status, d.reason, d.degraded, d.limit], [false, 503, "budget_unavailable:postgres busy", false, null]);
     } finally {
       await admin.query("ROLLBACK");
@@ -194,6 +194,34 @@ describe("PostgresBackend", () => {
     }
   });
 
+  it("reads a connection that dies under a check as unreachable, and carries on", async () => {
+    const mine = PostgresBackend.fromUrl(url, { pool: { application_name: "mcpbg_ts_dies" } }); // to find its sessions
+    const gov = new Governor(Policy.of(day("open", 5, FailMode.OPEN)), mine);
+    const ctx = context({ user: fresh("dies") });
+    try {
+      assert.equal((await gov.check(ctx)).admitted, true);
+      const key = checkPlan(gov.policy, ctx, Date.now() / 1000).slots[0]?.key ?? "";
+      await admin.query("BEGIN");
+      await admin.query("SELECT mcpbg_lock($1::text[])", [[key]]);
+      let d;
+      try {
+        const pending = gov.check(ctx); // queued on the lock
+        await new Promise((r) => setTimeout(r, 200));
+        await admin.query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'mcpbg_ts_dies'");
+        d = await pending;
+      } finally {
+        await admin.query("ROLLBACK");
+      }
+      assert.deepEqual([d.admitted, d.degraded], [true, true], "the fail mode (OPEN) decided it");
+      await new Promise((r) => setTimeout(r, 1100)); // the governor retries the store after 1 s
+      const next = await gov.check(ctx);
+      assert.deepEqual([next.admitted, next.degraded], [true, false]);
+      assert.equal(await gov.usage("open", ctx), 3, "the degraded check's charge was replayed once");
+    } finally {
+      await mine.close();
+    }
+  });
+
   it("replays each charge kept during an outage once, whatever the number of concurrent checks", async () => {
     let now = Date.now() / 1000;
     const flaky = new Flaky(backend);
@@ -213,6 +241,7 @@ describe("PostgresBackend", () => {
     const err = (message: string, code?: string): Error => Object.assign(new Error(message), code === undefined ? {} : { code });
     assert.equal(classify(err("canceling statement due to statement timeout", "57014"), true), "busy");
     assert.equal(classify(err("sorry, too many clients already", "53300"), true), "busy");
+    assert.equal(classify(err("could not resize shared memory segment", "53100"), true), "busy");
     assert.equal(classify(err("timeout exceeded when trying to connect"), true), "busy");
     assert.equal(classify(err("timeout exceeded when trying to connect"), false), "down", "a full pool of a server last seen down");
     assert.equal(classify(err("connect ECONNREFUSED 127.0.0.1:1", "ECONNREFUSED"), true), "down");

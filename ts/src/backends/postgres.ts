@@ -11,8 +11,8 @@
  * BackendBusyError, and the governor refuses with 503 ("postgres busy"), never
  * applying a fail mode: no pooled connection free within `queueTimeout`; the
  * server's own statement timeout (SQLSTATE 57014: a row or advisory lock queue, a
- * slow function); 55P03 lock_not_available, 53300 too_many_connections, 40001 and
- * 40P01. Only a store that cannot be reached makes a BackendUnavailableError, to
+ * slow function); 55P03 lock_not_available; class 53 (insufficient resources: 53300
+ * too_many_connections). The same classes as Python's backend. Only a store that cannot be reached makes a BackendUnavailableError, to
  * which each limit's fail mode applies: a refused or reset connection (ECONNREFUSED,
  * ECONNRESET, EPIPE, ETIMEDOUT, EHOSTUNREACH, ENOTFOUND...), a socket that died or
  * never answered (node-postgres' "Connection terminated", "Query read timeout"),
@@ -37,15 +37,19 @@ import { MAX_AMOUNT } from "../money.js";
 import type { CounterOp } from "../planning.js";
 import { ADMITTED_RESULT, type Backend, type ChargeOptions, type ChargeResult } from "./types.js";
 
-/** Seconds: the server round trip of one call (Python's PostgresBackend default). */
-export const DEFAULT_TIMEOUT = 0.5;
+// The defaults are Python's PostgresBackend's (docs/postgres.md), so a fleet of both
+// languages is sized by one rule.
+/** Seconds a call may take on the server (its statement_timeout, lock waits included). */
+export const DEFAULT_TIMEOUT = 2;
 /**
- * Connections per process. Ten replicas fit Postgres' default max_connections
- * (100, of which 3 are reserved for superusers): (max_connections - 3) / 10.
+ * Connections per process: 19 replicas fit Postgres' default max_connections (100,
+ * of which 3 are reserved for superusers): (max_connections - 3) / 5.
  */
-export const DEFAULT_MAX_CONNECTIONS = 10;
+export const DEFAULT_MAX_CONNECTIONS = 5;
 /** Seconds a call may wait for a pooled connection before it is refused as busy. */
-export const DEFAULT_QUEUE_TIMEOUT = 2;
+export const DEFAULT_QUEUE_TIMEOUT = 5;
+/** Seconds past `timeout` without any reply after which the socket counts as dead. */
+export const DEFAULT_ANSWER_GRACE = 1;
 
 /** The hot path's statement: the text of Python's, placeholders numbered (vectors "sql"). */
 export const CHARGE_SQL =
@@ -57,7 +61,8 @@ const MIGRATION_LOCK = 1835233379;
 /** The copied migrations: `<package>/sql/` (scripts/copy-lua.mjs), from src/ or dist/ alike. */
 export const SQL_DIR = new URL("../../sql/", import.meta.url);
 
-const BUSY_CODES = new Set(["57014", "55P03", "53300", "40001", "40P01"]);
+/** SQLSTATEs of a live server that is overloaded; class 53 (insufficient resources) too. */
+const BUSY_CODES = new Set(["57014", "55P03"]);
 const DOWN_CODES = new Set(["57P01", "57P02", "57P03", "3D000"]);
 const DOWN_ERRNOS = new Set([
   "ECONNREFUSED",
@@ -126,7 +131,7 @@ export function classify(err: unknown, serverSeen: boolean): "busy" | "down" | n
   if (!(err instanceof Error)) return null;
   const code = (err as { code?: unknown }).code;
   if (typeof code === "string") {
-    if (BUSY_CODES.has(code)) return "busy";
+    if (BUSY_CODES.has(code) || code.startsWith("53")) return "busy";
     if (DOWN_CODES.has(code) || code.startsWith("08") || code.startsWith("28") || DOWN_ERRNOS.has(code)) return "down";
   }
   if (POOL_WAIT_TEXT.test(err.message)) return serverSeen ? "busy" : "down";
@@ -158,11 +163,11 @@ export function migrations(dir: URL = SQL_DIR): { version: number; name: string;
 }
 
 export interface PostgresBackendOptions {
-  /** Seconds: the server round trip of a call (statement_timeout); default 0.5. */
+  /** Seconds a call may take on the server (statement_timeout); default 2. */
   timeout?: number;
-  /** Pooled connections of this process; default 10 (see DEFAULT_MAX_CONNECTIONS). */
+  /** Pooled connections of this process; default 5 (see DEFAULT_MAX_CONNECTIONS). */
   maxConnections?: number;
-  /** Seconds a call waits for a free pooled connection, then is refused as busy; default 2. */
+  /** Seconds a call waits for a free pooled connection, then is refused as busy; default 5. */
   queueTimeout?: number;
   /** Seconds past `timeout` without any answer after which the socket counts as dead; default 1. */
   answerGrace?: number;
@@ -192,6 +197,9 @@ export class PostgresBackend implements Backend {
     this.durable = options.durable ?? true;
     // An idle connection the server dropped: the pool discards it; the next call reports.
     pool.on("error", () => undefined);
+    // A connection that dies while checked out fails its query (reported by the call);
+    // without a listener its 'error' event would also end the process.
+    pool.on("connect", (client) => client.on("error", () => undefined));
   }
 
   /** Connect lazily to `url` (postgres:// or postgresql://); see PostgresBackendOptions. */
@@ -208,7 +216,7 @@ export class PostgresBackend implements Backend {
     const max = positive("maxConnections", options.maxConnections, DEFAULT_MAX_CONNECTIONS);
     if (!Number.isInteger(max)) throw new InvalidInputError("maxConnections", max, "must be a whole number");
     const queue = positive("queueTimeout", options.queueTimeout, DEFAULT_QUEUE_TIMEOUT);
-    const grace = positive("answerGrace", options.answerGrace, 1);
+    const grace = positive("answerGrace", options.answerGrace, DEFAULT_ANSWER_GRACE);
     const durable = options.durable ?? true;
     const pool = new pg.Pool({
       connectionString: url,
