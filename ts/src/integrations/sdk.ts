@@ -126,10 +126,12 @@ function askVia(extra: RequestExtra | undefined, tool: string, timeout: number, 
 
 /**
  * The approval of a 2026-07-28 client (SEP-2322 multi round trip; Python:
- * fastmcp._answered_in_round): on the retry that answers our question about this
- * very limit, true for an accepted yes and false otherwise; asked nothing yet, the
- * question goes out as the call's result (throws AskInRound). A client that
- * declares no elicitation capability in the request is not asked.
+ * fastmcp._answered_in_round): a retry that answered our question about this
+ * limit was checked with its approval (approvedInRound), so still refused it gets
+ * the usual refusal; asked nothing yet, the question goes out as the call's result
+ * (throws AskInRound), its state the sealed approvalText (the limit, the caller, a
+ * one-time id, `ttl` seconds to answer). A client that declares no elicitation
+ * capability in the request is not asked.
  */
 function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: ApprovalSeal, ttl: number): Ask {
   return async (decision) => {
