@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from mcp_budget_governor import (
     Backend,
@@ -103,5 +104,56 @@ def user_and_global_checks(url: str, user: str, calls: int, start_at: float) -> 
         await gov.aclose()
         assert not any(d.degraded or d.status == 503 for d in decisions)
         return sum(d.admitted for d in decisions)
+
+    return asyncio.run(main())
+
+
+def outage_policies() -> tuple[Policy, Policy]:
+    """A fail-open per-user limit and a fail-closed per-user limit, each alone."""
+    from mcp_budget_governor import FailMode
+
+    big = 10**9
+    return (
+        Policy.of(Limit("o_user", cap=big, window=Window.DAY, scope=Scope.USER,
+                        fail_mode=FailMode.OPEN)),
+        Policy.of(Limit("c_user", cap=big, window=Window.DAY, scope=Scope.USER,
+                        fail_mode=FailMode.CLOSED)),
+    )  # fmt: skip
+
+
+def outage_checks(
+    url: str, name: str, ready: Any, go: Any, seconds: float, callers: int = 16
+) -> list[tuple[float, str, bool, bool, int]]:
+    """Checks by ``callers`` concurrent callers of one process for ``seconds`` after
+    ``go`` (a manager Event; ``ready``, a manager Queue, hears when this process is
+    connected), each against a fail-open and a fail-closed limit (user ``name``),
+    every setting at its default: ``(time, which, admitted, degraded, status)`` per
+    decision."""
+
+    async def main() -> list[tuple[float, str, bool, bool, int]]:
+        open_policy, closed_policy = outage_policies()
+        govs = {
+            "open": Governor(open_policy, PostgresBackend.from_url(url)),
+            "closed": Governor(closed_policy, PostgresBackend.from_url(url)),
+        }
+        ctx = Context(user=name)
+        for gov in govs.values():
+            await gov.usage(next(iter(gov.policy)).name, ctx)  # connected before the start
+        ready.put(name)
+        await asyncio.to_thread(go.wait)
+        end_at = time.time() + seconds
+        seen: list[tuple[float, str, bool, bool, int]] = []
+
+        async def caller() -> None:
+            while time.time() < end_at:
+                for which, gov in govs.items():
+                    d = await gov.check(ctx)
+                    seen.append((time.time(), which, d.admitted, d.degraded, d.status))
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        for gov in govs.values():
+            await gov.aclose()
+        return seen
 
     return asyncio.run(main())

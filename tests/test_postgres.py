@@ -50,6 +50,8 @@ from testing.stream_support import kafka as kafka  # the broker fixture (module 
 from testing.workers import (
     burst_policy,
     concurrent_checks,
+    outage_checks,
+    outage_policies,
     user_and_global_checks,
     user_and_global_policy,
 )
@@ -111,6 +113,78 @@ def private_postgres() -> Iterator[PrivatePostgres]:
 
 
 RETRY = 0.3
+
+
+@pytest.fixture
+def postgres_100() -> Iterator[PrivatePostgres]:
+    """A server of this test's own with Postgres' default max_connections (100)."""
+    try:
+        server = start_private_postgres(max_connections=100)
+    except Exception as exc:  # no initdb/postgres binaries, or no postgres user
+        pytest.skip(f"cannot start a private Postgres: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_eight_processes_125_checks_with_defaults_under_max_connections_100_admit_50(
+    postgres_100: PrivatePostgres,
+) -> None:
+    """Eight replicas, every setting at its default (5 connections each), on a server
+    allowing 100: exactly 50 admitted, every check decided by Postgres (the helper
+    asserts none degraded and none refused as busy)."""
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 6.0
+    with ctx.Pool(8) as pool:
+        admitted = pool.starmap(concurrent_checks, [(postgres_100.url, 50, 125, start_at)] * 8)
+    assert sum(admitted) == 50
+
+
+@pytest.mark.slow
+def test_a_server_stopped_mid_run_closed_refuses_open_falls_back_then_enforcement_resumes(
+    postgres_100: PrivatePostgres,
+) -> None:
+    """Eight replicas x 16 callers checking a fail-open and a fail-closed limit, with
+    defaults; Postgres is killed mid-run and started again. While it is down: the
+    CLOSED limit answers 503 (degraded), the OPEN one admits from the replica's
+    counter. After: enforcement resumes on Postgres in every replica, and each
+    admitted fail-open check is counted once (the outage charges were replayed)."""
+    url = postgres_100.url
+    pctx = multiprocessing.get_context("spawn")
+    names = [f"r{i}" for i in range(8)]
+    with pctx.Manager() as manager, pctx.Pool(8) as pool:
+        ready, go = manager.Queue(), manager.Event()
+        runs = pool.starmap_async(outage_checks, [(url, n, ready, go, 16.0) for n in names])
+        for _ in names:
+            ready.get(timeout=120)  # every replica connected
+        go.set()
+        kill_at = time.time() + 3.0
+        time.sleep(3.0)
+        postgres_100.kill()
+        back_at = time.time() + 4.0
+        time.sleep(4.0)
+        postgres_100.start()
+        results = runs.get(timeout=120)
+    for seen in results:
+        before = [s for s in seen if s[0] < kill_at - 0.2]
+        assert before and all(s[2] and not s[3] for s in before)  # Postgres decided
+        down = [s for s in seen if kill_at + 1.0 < s[0] < back_at - 0.2]
+        closed = {(a, d, st) for _, w, a, d, st in down if w == "closed"}
+        opened = {(a, d, st) for _, w, a, d, st in down if w == "open"}
+        assert closed == {(False, True, 503)}
+        assert opened == {(True, True, 200)}
+        last = max(s[0] for s in seen)
+        after = [s for s in seen if s[0] > last - 2.0]
+        assert after and all(s[2] and not s[3] for s in after)  # enforcement resumed
+
+    async def counted() -> list[int]:
+        gov = Governor(outage_policies()[0], PostgresBackend.from_url(url))
+        got = [await gov.usage("o_user", Context(user=n)) for n in names]
+        await gov.aclose()
+        return got
+
+    admitted = [sum(1 for s in seen if s[1] == "open" and s[2]) for seen in results]
+    assert asyncio.run(counted()) == admitted
 
 
 def policy() -> Policy:
