@@ -360,7 +360,30 @@ def sql_vectors() -> dict[str, str]:
         parts = text.split("%s")
         return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts))
 
-    return {"charge": numbered(postgres._CHARGE)}
+    return {"charge": numbered(postgres._CHARGE), "charge_many": numbered(postgres._CHARGE_MANY)}
+
+
+def charge_many_vector() -> dict[str, Any]:
+    """Every charge case without leases as one coalesced check batch, in order: the
+    arguments of the mcpbg_charge_many call PostgresBackend makes for it."""
+    from mcp_budget_governor.projections.counters import postgres
+
+    cases, checks = [], []
+    for i, case in enumerate(CHARGE_CASES):
+        if case.get("lease") or case.get("require_epoch"):
+            continue  # leases go to mcpbg_charge alone; the epoch flag is per batch
+        policy = loads(POLICIES[case["policy"]])
+        ctx = Context(**case["context"])
+        if case["call"] == "check":
+            ops = planning.check_plan(policy, ctx, NOW).ops
+        else:
+            pairs = planning.charge_pairs(policy, {case["limit"]: case["amount"]})
+            ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
+        ledger = bool(case.get("ledger"))
+        cases.append(i)
+        checks.append((EVENT_ID if ledger else "", "" if ledger else OP_ID, True, ops))
+    params = postgres.charge_many_params(checks, require_epoch=False)
+    return {"cases": cases, "sql": list(params)}
 
 
 # -- run-time changes -----------------------------------------------------------
@@ -623,6 +646,7 @@ def vectors() -> dict[str, Any]:
     out["policies"] = policy_vectors()
     out["charge"] = charge_vectors()
     out["sql"] = sql_vectors()
+    out["charge_many"] = charge_many_vector()
     out["changes"] = change_vectors()
     out["builtin_prices"] = price_vectors()
     out["usd_more"] = usd_vectors()

@@ -231,6 +231,43 @@ def charge_params(
     )
 
 
+def charge_many_params(
+    checks: Sequence[tuple[str, str, bool, Sequence[CounterOp]]], *, require_epoch: bool
+) -> tuple[Any, ...]:
+    """The arguments of one ``mcpbg_charge_many`` call (:data:`_CHARGE_MANY`) for checks
+    ``(event id or '', operation id or '', want_used, ops)``, in order: the conformance
+    vectors hold the TypeScript backend's to these."""
+    event_ids, op_ids, want_used, resolve, nops = [], [], [], [], []
+    keys, amounts, caps, enforce, expire = [], [], [], [], []
+    has_ref, caps_keys, fields, plan_fields, plan_caps, file_plans = [], [], [], [], [], []
+    value_caps: list[int | None] = []
+    for event_id, op_id, wants, ops in checks:
+        event_ids.append(event_id)
+        op_ids.append(op_id)
+        want_used.append(wants)
+        resolve.append(any(op.ref is not None for op in ops))
+        nops.append(len(ops))
+        for op in ops:
+            keys.append(op.key)
+            amounts.append(op.amount)
+            caps.append(op.cap)
+            enforce.append(op.enforce)
+            expire.append(op.expire_at)
+            r = op.ref
+            has_ref.append(r is not None)
+            caps_keys.append(PLANS_KEY if r is None else r.caps_key)
+            fields.append("" if r is None else r.field)
+            value_caps.append(None if r is None else r.value_cap)
+            plan_fields.append("" if r is None else ",".join(r.plan_fields))
+            plan_caps.append("" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps))
+            file_plans.append("" if r is None else r.file_plan or "")
+    return (
+        require_epoch, event_ids, op_ids, want_used, resolve, nops, keys, amounts, caps,
+        enforce, expire, has_ref, caps_keys, fields, value_caps, plan_fields, plan_caps,
+        file_plans,
+    )  # fmt: skip
+
+
 # A charge that refuses (cap 0) on a key no counter has: it writes nothing.
 _WARM_PARAMS = (
     "", "", True, False, ["mcpbg:v1:_warm:-:-"], [1], [0], [True], [0.0], True, [True],
@@ -627,44 +664,10 @@ class PostgresBackend:
 
     async def charge_many(self, checks: Sequence[_Check]) -> list[list[int]]:
         """One ``mcpbg_charge_many`` call for ``checks``: each one's reply, in order."""
-        event_ids, op_ids, want_used, resolve, nops = [], [], [], [], []
-        keys, amounts, caps, enforce, expire = [], [], [], [], []
-        has_ref, caps_keys, fields, plan_fields, plan_caps, file_plans = [], [], [], [], [], []
-        value_caps: list[int | None] = []
-        for check in checks:
-            event_ids.append(check.event_id)
-            op_ids.append(check.op_id)
-            want_used.append(check.want_used)
-            resolve.append(check.resolve)
-            nops.append(len(check.ops))
-            for op in check.ops:
-                keys.append(op.key)
-                amounts.append(op.amount)
-                caps.append(op.cap)
-                enforce.append(op.enforce)
-                expire.append(op.expire_at)
-                r = op.ref
-                if r is None:
-                    has_ref.append(False)
-                    caps_keys.append(PLANS_KEY)
-                    fields.append("")
-                    value_caps.append(None)
-                    plan_fields.append("")
-                    plan_caps.append("")
-                    file_plans.append("")
-                else:
-                    has_ref.append(True)
-                    caps_keys.append(r.caps_key)
-                    fields.append(r.field)
-                    value_caps.append(r.value_cap)
-                    plan_fields.append(",".join(r.plan_fields))
-                    plan_caps.append(" ".join(f"{n} {c}" for n, c in r.plan_caps))
-                    file_plans.append(r.file_plan or "")
-        params = (
-            self.require_epoch, event_ids, op_ids, want_used, resolve, nops, keys, amounts,
-            caps, enforce, expire, has_ref, caps_keys, fields, value_caps, plan_fields,
-            plan_caps, file_plans,
-        )  # fmt: skip
+        params = charge_many_params(
+            [(c.event_id, c.op_id, c.want_used, c.ops) for c in checks],
+            require_epoch=self.require_epoch,
+        )
         rows = await self._run(_CHARGE_MANY, params, fetch="all")
         return [row[0] for row in rows]
 
@@ -696,9 +699,11 @@ class PostgresBackend:
             raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
         resolve = any(op.ref is not None for op in ops)
         if leases:  # leases and wait tickets: mcpbg_charge, alone
-            reply: list[int] = await self._call(_CHARGE, self._charge_params(
-                ops, event_id, op_id, want_used, resolve, lease, lease_ttl, ticket
-            ))  # fmt: skip
+            params = charge_params(
+                ops, event_id=event_id, want_used=want_used, op_id=op_id, lease=lease,
+                lease_ttl=lease_ttl, ticket=ticket, require_epoch=self.require_epoch,
+            )  # fmt: skip
+            reply: list[int] = await self._call(_CHARGE, params)
         else:
             reply = await self._batcher().charge(event_id or "", op_id or "", want_used,
                                                  resolve, ops)  # fmt: skip
@@ -715,41 +720,6 @@ class PostgresBackend:
         if resolve and len(values) == 2 * n:
             return ChargeResult(head - 1, values[:n], values[n:])
         return ChargeResult(head - 1, values)
-
-    def _charge_params(
-        self,
-        ops: Sequence[CounterOp],
-        event_id: str | None,
-        op_id: str | None,
-        want_used: bool,
-        resolve: bool,
-        lease: str | None,
-        lease_ttl: float,
-        ticket: str | None,
-    ) -> tuple[Any, ...]:
-        refs = [op.ref for op in ops]
-        return (
-            event_id or "",
-            op_id or "",
-            want_used,
-            self.require_epoch,
-            [op.key for op in ops],
-            [op.amount for op in ops],
-            [op.cap for op in ops],
-            [op.enforce for op in ops],
-            [op.expire_at for op in ops],
-            resolve,
-            [r is not None for r in refs],
-            [PLANS_KEY if r is None else r.caps_key for r in refs],
-            ["" if r is None else r.field for r in refs],
-            [None if r is None else r.value_cap for r in refs],
-            ["" if r is None else ",".join(r.plan_fields) for r in refs],
-            ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
-            ["" if r is None else r.file_plan or "" for r in refs],
-            lease or "",
-            max(1, round(lease_ttl * 1000)),
-            ticket or "",
-        )
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:

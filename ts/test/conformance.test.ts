@@ -10,7 +10,7 @@ import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 import { describe, it } from "node:test";
 
-import { CHARGE_SQL, chargeParams } from "../src/backends/postgres.js";
+import { CHARGE_MANY_SQL, CHARGE_SQL, chargeManyParams, chargeParams, type BatchedCheck } from "../src/backends/postgres.js";
 import { chargeCommand, chargeFrame } from "../src/backends/redis.js";
 import { Decision, refusalBody, refusalText } from "../src/decision.js";
 import { GovernorError, InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
@@ -139,7 +139,8 @@ describe("scripts", () => {
 
   it("call charge.lua (and mcpbg_charge) with exactly the arguments Python's backends send", () => {
     const policies = VECTORS.policies.good;
-    for (const c of VECTORS.charge as Json[]) {
+    const batch: BatchedCheck[] = [];
+    for (const [i, c] of (VECTORS.charge as Json[]).entries()) {
       const policy = parsePolicy(policies[c.policy].toml);
       const ctx = ctxOf(c.context);
       let ops: readonly planning.CounterOp[];
@@ -166,8 +167,13 @@ describe("scripts", () => {
       assert.equal(chargeFrame(script("charge").sha, ops, options), resp(c.command), `${what}: framed`);
       // The same charge on Postgres: mcpbg_charge's arguments as Python's PostgresBackend passes them.
       assert.deepEqual(chargeParams(ops, options), c.sql, `${what}: postgres`);
+      if ((VECTORS.charge_many.cases as number[]).includes(i)) batch.push({ ops, eventId: options.eventId, opId: options.opId, wantUsed: true });
     }
     assert.equal(CHARGE_SQL, VECTORS.sql.charge, "the statement PostgresBackend runs");
+    // The coalesced form: those checks as one mcpbg_charge_many batch, in order.
+    assert.equal(batch.length, VECTORS.charge_many.cases.length);
+    assert.deepEqual(chargeManyParams(batch, false), VECTORS.charge_many.sql, "mcpbg_charge_many");
+    assert.equal(CHARGE_MANY_SQL, VECTORS.sql.charge_many);
   });
 });
 

@@ -1,9 +1,10 @@
 /**
  * Postgres counters, driven only through the functions in the repository's `sql/`
- * (Python: projections/counters/postgres.py). A charge is one `mcpbg_charge` call
- * with exactly the arguments Python's PostgresBackend passes (the conformance
- * vectors hold the two together), so Node and Python replicas on one database
- * share every counter. The migrations are the same files, applied on first use
+ * (Python: projections/counters/postgres.py). Checks are coalesced into
+ * `mcpbg_charge_many` calls (see charge()), charges with leases are one
+ * `mcpbg_charge` call, each with exactly the arguments Python's PostgresBackend
+ * passes (the conformance vectors hold the two together), so Node and Python
+ * replicas on one database share every counter. The migrations are the same files, applied on first use
  * under the same advisory lock into the same `mcpbg_migrations` table, each once,
  * whichever language comes first.
  *
