@@ -247,6 +247,7 @@ BAD_POLICIES: dict[str, str] = {
     "bad_zone": 'timezone = "Mars/Olympus"\n[[limits]]\nname = "a"\ncap = 1\nwindow = "day"\n',
     "cap_and_cap_usd": '[[limits]]\nname = "a"\ncap = 1\ncap_usd = "1"\nwindow = "day"\n',
     "missing_window": '[[limits]]\nname = "a"\ncap = 1\n',
+    "empty_scope": '[[limits]]\nname = "a"\ncap = 1\nwindow = "day"\nscope = []\n',
 }
 
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -48,6 +49,7 @@ from .observe import Observer
 from .planning import Slot
 from .policy import Policy
 from .prices import PriceTable
+from .shielding import finished, not_cancelled, to_the_end
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -176,20 +178,46 @@ class Governor(Metering[MeterResult]):
         ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through
         :meth:`admitted`, which gives the slot back.
         """
+        decision, cancelled = await self._checked(ctx, amount, approved, wait)
+        if cancelled is not None:  # the caller never gets the decision: its slot back now
+            await to_the_end(self.release(decision))
+            raise cancelled
+        return decision
+
+    async def _checked(
+        self, ctx: Context | None, amount: int, approved: Sequence[str], wait: float
+    ) -> tuple[Decision, asyncio.CancelledError | None]:
+        """:meth:`check` run to its end whatever instant a cancellation arrives: the
+        decision (the admission recorded in the ledger, its lease still held) and the
+        cancellation, for the caller to settle the decision and raise it. A waiting
+        call gives up its place in the queues as the cancellation arrives."""
+        await not_cancelled()  # a caller cancelled before its check: nothing to settle
+        gave_up: asyncio.Event | None = asyncio.Event() if wait else None
         if self._obs is not None:
-            check = functools.partial(self._check, wait=wait) if wait else self._check
-            return await self._obs.observe_check(check, ctx, amount, approved)
-        return await self._check(ctx, amount, approved, wait)
+            check: Any = (
+                functools.partial(self._check, wait=wait, gave_up=gave_up) if wait else self._check
+            )
+            step = self._obs.observe_check(check, ctx, amount, approved)
+        else:
+            step = self._check(ctx, amount, approved, wait, gave_up)
+        return await finished(step, None if gave_up is None else gave_up.set)
 
     async def _check(
-        self, ctx: Context | None, amount: int, approved: Sequence[str], wait: float = 0
+        self,
+        ctx: Context | None,
+        amount: int,
+        approved: Sequence[str],
+        wait: float = 0,
+        gave_up: asyncio.Event | None = None,
     ) -> Decision:
         """:meth:`check` without its observer."""
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
         ctx = ctx or EMPTY
         if wait:
-            return await self._check_waiting(ctx, amount, approved, _wait_seconds(wait))
+            return await self._check_waiting(
+                ctx, amount, approved, _wait_seconds(wait), gave_up or asyncio.Event()
+            )
         now = self._clock()
         if approved:
             allowed = self._approvable(approved)
@@ -211,12 +239,19 @@ class Governor(Metering[MeterResult]):
         return decision
 
     async def _check_waiting(
-        self, ctx: Context, amount: int, approved: Sequence[str], wait: float
+        self,
+        ctx: Context,
+        amount: int,
+        approved: Sequence[str],
+        wait: float,
+        gave_up: asyncio.Event,
     ) -> Decision:
         """:meth:`check` retried while a concurrency cap refuses, holding a place in
         the caps' queues: a slot that frees goes to the oldest waiter, on every
         replica (the scripts admit nobody else while it waits ahead). The retries
-        back off from 5 ms to 100 ms; only the outcome reaches the ledger."""
+        back off from 5 ms to 100 ms; only the outcome reaches the ledger. ``gave_up``
+        set (the caller was cancelled) ends the wait at once: the attempt under way
+        ends, and a refused waiter leaves the queues."""
         allowed = self._approvable(approved) if approved else frozenset()
         ticket = f"{new_id()}/{math.ceil(wait * 1000)}"
         deadline = time.monotonic() + wait
@@ -228,7 +263,7 @@ class Governor(Metering[MeterResult]):
                     planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
                 )
                 if spending is None:  # lapsed: wait as if unapproved
-                    return await self._check_waiting(ctx, amount, (), _left(deadline))
+                    return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
                 plan = spending
             else:
                 plan = self._plan(ctx, now, amount)
@@ -238,17 +273,19 @@ class Governor(Metering[MeterResult]):
             )  # fmt: skip
             if decision is _SPENT:  # used already: wait as if unapproved
                 await self._leave(plan.leases, ticket)
-                return await self._check_waiting(ctx, amount, (), _left(deadline))
+                return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
             if decision.admitted:
                 return decision
             left = deadline - time.monotonic()
             full = decision.limit is not None and self.policy[decision.limit].concurrent
-            if left <= 0 or not plan.leases or not full or decision.status == 503:
+            ended = left <= 0 or gave_up.is_set() or decision.status == 503
+            if ended or not plan.leases or not full:
                 await self._leave(plan.leases, ticket)
                 if event_id is not None:  # the one refusal the ledger records
                     await self._log(event_id, EntryType.ADMITTED, now, ctx, plan, decision, ())
                 return decision
-            await asyncio.sleep(min(delay, left))
+            with contextlib.suppress(TimeoutError):  # slept, unless the caller gave up
+                await asyncio.wait_for(gave_up.wait(), min(delay, left))
             delay = min(delay * 2, 0.1)
 
     async def _leave(self, leases: Sequence[str], ticket: str) -> None:
@@ -897,13 +934,37 @@ class Governor(Metering[MeterResult]):
         want_used: bool = False,
         detach: bool = False,
     ) -> tuple[int | None, bool, int | None]:
-        """Charge ``slots`` in one call and append them as one ledger event.
+        """Charge ``slots`` in one call and append them as one ledger event, both
+        made even when the caller is cancelled meanwhile (then raised after).
 
         Returns the first slot's total before the charge (with ``want_used``,
         when a counter answered, else None), whether the shared counters
         were unreachable, and the first slot's effective cap with grants (None:
         its default).
         """
+        got, cancelled = await finished(
+            self._record_now(
+                slots, ctx, kind, usage, now,
+                reservation=reservation, want_used=want_used, detach=detach,
+            )
+        )  # fmt: skip
+        if cancelled is not None:
+            raise cancelled
+        return got
+
+    async def _record_now(
+        self,
+        slots: Sequence[Slot],
+        ctx: Context,
+        kind: EntryType,
+        usage: TokenUsage | None,
+        now: float,
+        *,
+        reservation: str | None,
+        want_used: bool,
+        detach: bool,
+    ) -> tuple[int | None, bool, int | None]:
+        """:meth:`_record`, cancellable."""
         cap: int | None = None
         event_id = new_id() if self.ledger is not None else None
         op_id = None if event_id is not None else new_id()

@@ -114,6 +114,26 @@ class LedgerError(GovernorError):
     """The ledger cannot be read: no source, a missing folder, no data, a corrupt file."""
 
 
+def require_events(
+    con: duckdb.DuckDBPyConnection, lo: datetime, hi: datetime, label: str | None = None
+) -> None:
+    """Raise :class:`LedgerError` unless the ledger has some event (costed or not) in
+    ``[lo, hi)``: a period the ledger does not cover is a mistake (a typo'd month), not
+    an empty report. ``mcpbg costs`` and ``mcpbg export focus`` share this rule (exit 2)."""
+    (found,) = con.execute(
+        'SELECT count(*) FROM (SELECT 1 FROM ledger WHERE "time" >= ? AND "time" < ? LIMIT 1)',
+        [lo, hi],
+    ).fetchone() or (0,)
+    if found:
+        return
+    # From the dates the ledger holds (folder names), not its rows: a ledger
+    # opened for this period only (open_ledger's since/until) names the same span.
+    span = con.execute('SELECT min("date"), max("date") FROM ledger_dates').fetchone()
+    held = f"{span[0]:%Y-%m-%d} to {span[1]:%Y-%m-%d}" if span and span[0] else "nothing"
+    where = label or f"{lo:%Y-%m-%dT%H:%MZ} .. {hi:%Y-%m-%dT%H:%MZ}"
+    raise LedgerError(f"{where}: the ledger has no event in this period (it holds {held})")
+
+
 def archive_glob(archive_dir: str | os.PathLike[str]) -> str:
     """What DuckDB reads of an archive folder: ``<dir>/**/*.parquet``."""
     return str(Path(archive_dir) / "**" / "*.parquet")

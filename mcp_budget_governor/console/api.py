@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import BackendUnavailableError, GovernorError, InvalidInputError
+from ..numbers import whole
 from ..policy import Policy
 from .auth import Tokens
 
@@ -114,11 +115,54 @@ def _field(name: str) -> str:
 
 
 def error(status: int, message: str, fld: str | None = None, value: Any = None) -> JSONResponse:
-    body: dict[str, Any] = {"error": message}
+    """One line of JSON: what is wrong, and the field and value it is about."""
+    body: dict[str, Any] = {"error": _text_of(message)}
     if fld is not None:
-        body["field"] = fld
-        body["value"] = value if isinstance(value, str | int | float | bool | None) else repr(value)
+        body["field"] = _text_of(fld)
+        ok = isinstance(value, int | float | bool | None)
+        body["value"] = value if ok else _text_of(value if isinstance(value, str) else repr(value))
     return JSONResponse(body, status_code=status)
+
+
+def _text_of(text: str) -> str:
+    """``text`` on one line and encodable: what the caller sent may hold a lone
+    surrogate (``"\\ud800"``, valid JSON), which UTF-8 cannot carry; it is shown
+    escaped, so the refusal itself cannot fail."""
+    return " ".join(text.splitlines()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+#: Sent with every response: the console's pages load nothing but its own files, are
+#: never framed by another site, and are never sniffed into another type.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self'; "
+        "frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every HTTP response (refusals included)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.raw = [(k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.raw]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -211,13 +255,13 @@ def _params(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
     return got
 
 
+#: The most a count in a query (``max_keys``, ``top``, ``n``) may ask for.
+MAX_COUNT = 1_000_000
+
+
 def _int(params: dict[str, str], name: str) -> int | None:
     text = params.get(name)
-    if text is None:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise InvalidInputError(name, text, "expected a positive whole number")
-    return int(text)
+    return None if text is None else whole(text, name, least=1, most=MAX_COUNT)
 
 
 async def budgets(request: Request) -> Response:
@@ -380,7 +424,19 @@ async def _body(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
     for name in ("reason", "actor"):
         if not isinstance(body.get(name, ""), str):
             raise InvalidInputError(name, body[name], "expected text")
+    for name, value in [*body.items(), *(("scope", k) for k in scope), *scope.items()]:
+        if isinstance(value, str) and not _encodable(value):
+            # JSON may carry a lone surrogate ("\\ud800"); the ledger and Redis cannot.
+            raise InvalidInputError(name, value, "not valid Unicode (a lone surrogate)")
     return body
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _text(body: dict[str, Any], name: str) -> str | None:
@@ -643,6 +699,9 @@ def build_app(console: Console) -> Starlette:
         Route("/static/{name}", _guard(_static), methods=["GET"]),
         Route("/", _root, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(Auth, tokens=console.tokens)])
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(SecurityHeaders), Middleware(Auth, tokens=console.tokens)],
+    )
     app.state.console = console
     return app
