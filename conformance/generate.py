@@ -19,6 +19,7 @@ files, refusals and the tool-price metadata of the integrations.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import importlib.util
@@ -365,8 +366,9 @@ def sql_vectors() -> dict[str, str]:
 
 
 def charge_many_vector() -> dict[str, Any]:
-    """Every charge case without leases as one coalesced check batch, in order: the
-    arguments of the mcpbg_charge_many call PostgresBackend makes for it."""
+    """Every charge case without leases as one coalesced check batch, in order, and the
+    first alone: the arguments of the mcpbg_charge_many calls PostgresBackend makes for
+    them (array literals, as it sends them), caught before they reach a server."""
     from mcp_budget_governor.projections.counters import postgres
 
     cases, checks = [], []
@@ -382,9 +384,30 @@ def charge_many_vector() -> dict[str, Any]:
             ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
         ledger = bool(case.get("ledger"))
         cases.append(i)
-        checks.append((EVENT_ID if ledger else "", "" if ledger else OP_ID, True, ops))
-    params = postgres.charge_many_params(checks, require_epoch=False)
-    return {"cases": cases, "sql": list(params)}
+        checks.append((EVENT_ID if ledger else "", "" if ledger else OP_ID, ops))
+
+    async def sent(batch: list[tuple[str, str, tuple[Any, ...]]]) -> list[Any]:
+        backend = postgres.PostgresBackend("postgresql://conformance@127.0.0.1:1/none")
+        caught: list[Any] = []
+
+        async def run(query: str, params: Any, **_: Any) -> list[tuple[list[int]]]:
+            caught.extend(params)
+            return [([0],) for _ in batch]
+
+        backend._run = run  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        await backend.charge_many([
+            postgres._Check(e, o, True, any(op.ref is not None for op in ops), ops,
+                            loop.create_future(), 0.0)
+            for e, o, ops in batch
+        ])  # fmt: skip
+        return caught
+
+    return {
+        "cases": cases,
+        "sql": asyncio.run(sent(checks)),
+        "sql_one": asyncio.run(sent(checks[:1])),
+    }
 
 
 # -- run-time changes -----------------------------------------------------------

@@ -1097,13 +1097,16 @@ _SPENT = Decision(admitted=False, reason="approval_spent")
 
 def _spending(plan: planning.Plan, approved: Sequence[str], now: float) -> planning.Plan | None:
     """``plan`` that also spends its one-time approvals (approval.spend_op), in the
-    same atomic charge, their markers last; None when one has lapsed."""
+    same atomic charge, their markers last; None when one has lapsed. ``now``: the
+    governor's clock, which the store's expiries follow."""
     spends = [a for a in approved if isinstance(a, Approval)]
     if not spends:
         return plan
-    if any(a.until <= now for a in spends):
+    wall = time.time()  # an approval lapses in real time, whatever the governor's clock
+    if any(a.until <= wall for a in spends):
         return None
-    return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a) for a in spends))
+    lead = now - wall
+    return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a, lead) for a in spends))
 
 
 def _names(approved: frozenset[str]) -> tuple[str, ...]:

@@ -54,6 +54,7 @@ _EMPTY_SCOPE = (
     'for everyone, or name the dimensions (scope = ["tenant"])'
 )
 
+
 class PolicyFileError(PolicyError):
     """A policy file is invalid; the message starts with ``<file>:<line>:``.
 

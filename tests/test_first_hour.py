@@ -97,3 +97,69 @@ def test_the_demo_prints_counts_with_thousands_separators(tmp_path: Path) -> Non
     bare = BARE_COUNT.findall(proc.stdout)
     assert bare == [], bare
     assert re.search(r"\b\d{1,3}(,\d{3})+ refused\b", proc.stdout)
+
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "policy.toml"
+
+
+def test_the_docs_caps_commands_run_against_the_shipped_example_policy(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shlex
+
+    text = (Path(__file__).parents[1] / "docs" / "policies.md").read_text()
+    block = text[text.index("mcpbg caps set tenant_spend --tenant acme --cap-usd 500") :]
+    lines = [ln.split("  #")[0] for ln in block[: block.index("```")].splitlines() if ln]
+    assert len(lines) == 7
+    monkeypatch.setenv("MCPBG_POLICY", str(EXAMPLE))
+    monkeypatch.setenv("MCPBG_REDIS_URL", redis_url)
+    for line in lines:
+        code, _, err = run_cli(capsys, *shlex.split(line)[1:])
+        assert code == 0, f"{line}: {err}"
+
+
+def _meter_something(redis_url: str) -> None:
+    import asyncio
+
+    from mcp_budget_governor import Context, Governor, RedisBackend, usd
+    from mcp_budget_governor.policy_file import load_policy
+
+    async def go() -> None:
+        backend = RedisBackend.from_url(redis_url)
+        async with Governor(load_policy(str(EXAMPLE)), backend) as gov:
+            await gov.meter("user_spend", usd("1.25"), Context(user="u_42", tenant="acme"))
+
+    asyncio.run(go())
+
+
+def test_budgets_list_prints_a_table_and_json_from_policy_toml_here(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    import json
+    import shutil
+
+    _meter_something(redis_url)
+    monkeypatch.delenv("MCPBG_POLICY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "budgets", "list", "--redis-url", redis_url)
+    assert code == 2 and err.count("\n") == 1
+    assert "--policy: required" in err and "MCPBG_POLICY" in err and "policy.toml" in err
+    shutil.copy(EXAMPLE, tmp_path / "policy.toml")  # the obvious default: ./policy.toml
+    code, out, err = run_cli(capsys, "budgets", "list", "--redis-url", redis_url)
+    assert code == 0, err
+    assert "user_spend" in out and "$1.250000" in out and "u_42" in out
+    code, out, _ = run_cli(capsys, "budgets", "list", "--json", "--redis-url", redis_url)
+    (row,) = [r for r in json.loads(out)["rows"] if r["name"] == "user_spend"]
+    assert row["spent"] == 1_250_000 and row["scope_values"] == {"user": "u_42"}
+
+
+def test_budgets_reads_mcpbg_policy_from_anywhere(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    _meter_something(redis_url)
+    monkeypatch.chdir(tmp_path)  # no policy.toml here
+    monkeypatch.setenv("MCPBG_POLICY", str(EXAMPLE))
+    code, out, err = run_cli(capsys, "budgets", "--redis-url", redis_url)
+    assert code == 0 and "$1.250000" in out, err

@@ -23,7 +23,7 @@ from datetime import UTC, date, datetime, time
 from typing import TYPE_CHECKING, Any
 
 from .counters_args import add_counters_options
-from .ledger_args import DEFAULT_TOPIC, add_option, required, setting
+from .ledger_args import DEFAULT_TOPIC, add_option, policy_spec, setting
 
 if TYPE_CHECKING:
     from ..governor import Governor
@@ -202,7 +202,7 @@ async def _governor(args: argparse.Namespace, policy: Policy) -> Governor:
 def _policy(args: argparse.Namespace) -> Policy:
     from ..policy_file import load_policy
 
-    return load_policy(required(args, "policy", "a .toml file or module:attribute"))
+    return load_policy(policy_spec(args))
 
 
 def _run(args: argparse.Namespace, make: Any) -> int:

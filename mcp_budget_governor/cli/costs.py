@@ -91,8 +91,11 @@ def run(args: argparse.Namespace) -> int:
 
             lo = start or datetime(1970, 1, 1, tzinfo=UTC)
             hi = end or datetime(9999, 12, 31, tzinfo=UTC)
-            given = [f"--{o} {v}" for o, v in (("period", args.period), ("from", args.start),
-                                                   ("to", args.end)) if v is not None]
+            given = [
+                f"--{o} {v}"
+                for o, v in (("period", args.period), ("from", args.start), ("to", args.end))
+                if v is not None
+            ]
             require_events(con, lo, hi, " ".join(given))
         by = [b.strip() for b in args.by.split(",") if b.strip()] if args.by else None
         reports = costs_reports(con, flt, by=by, top=args.top, policy=policy)

@@ -170,9 +170,13 @@ describe("scripts", () => {
       if ((VECTORS.charge_many.cases as number[]).includes(i)) batch.push({ ops, eventId: options.eventId, opId: options.opId, wantUsed: true });
     }
     assert.equal(CHARGE_SQL, VECTORS.sql.charge, "the statement PostgresBackend runs");
-    // The coalesced form: those checks as one mcpbg_charge_many batch, in order.
+    // The coalesced form: those checks as one mcpbg_charge_many batch, in order, and the
+    // first alone. Python sends array literals, node-postgres makes its own from arrays:
+    // each argument is compared as the values Postgres reads.
     assert.equal(batch.length, VECTORS.charge_many.cases.length);
-    assert.deepEqual(chargeManyParams(batch, false), VECTORS.charge_many.sql, "mcpbg_charge_many");
+    const read = (args: unknown[]): unknown[] => args.map((a) => (typeof a === "string" && a.startsWith("{") ? arrayLiteral(a) : a));
+    assert.deepEqual(chargeManyParams(batch, false), read(VECTORS.charge_many.sql), "mcpbg_charge_many");
+    assert.deepEqual(chargeManyParams(batch.slice(0, 1), false), read(VECTORS.charge_many.sql_one), "mcpbg_charge_many, one check");
     assert.equal(CHARGE_MANY_SQL, VECTORS.sql.charge_many);
   });
 });
@@ -271,3 +275,25 @@ describe("tool prices (_meta.mcpbg)", () => {
     }
   });
 });
+
+/** The values of a one-dimensional Postgres array literal ("{...}"): quoted elements
+ * (backslash escapes) as strings, NULL as null, t/f as booleans, others as numbers. */
+function arrayLiteral(text: string): unknown[] {
+  const out: unknown[] = [];
+  const body = text.slice(1, -1);
+  let i = 0;
+  while (i < body.length) {
+    if (body[i] === '"') {
+      let value = "";
+      for (i++; body[i] !== '"'; i++) value += body[i] === "\\" ? (body[++i] ?? "") : body[i];
+      out.push(value);
+      i += 2; // the closing quote and the comma
+    } else {
+      const end = body.indexOf(",", i) < 0 ? body.length : body.indexOf(",", i);
+      const token = body.slice(i, end);
+      out.push(token === "NULL" ? null : token === "t" ? true : token === "f" ? false : Number(token));
+      i = end + 1;
+    }
+  }
+  return out;
+}
