@@ -45,7 +45,12 @@ from mcp_budget_governor import (  # noqa: E402
 from mcp_budget_governor.caps import Change  # noqa: E402
 from mcp_budget_governor.decision import Decision  # noqa: E402
 from mcp_budget_governor.integrations.fastmcp import tool_estimate, tool_price  # noqa: E402
-from mcp_budget_governor.integrations.flow import refusal_body, refusal_text  # noqa: E402
+from mcp_budget_governor.integrations.flow import (  # noqa: E402
+    REFUSAL_META_KEY,
+    refusal_body,
+    refusal_meta,
+    refusal_text,
+)
 from mcp_budget_governor.lua import SCRIPTS, script_layout, source  # noqa: E402
 from mcp_budget_governor.policy_file import PolicyFileError, loads  # noqa: E402
 
@@ -612,6 +617,7 @@ def refusal_vectors() -> list[dict[str, Any]]:
                 "headers": d.headers,
                 "text": refusal_text(d),
                 "body": refusal_body(d),
+                "meta": {REFUSAL_META_KEY: refusal_meta(d)},
                 "error": d.refusal_type().__name__,
             }
         )

@@ -173,6 +173,9 @@ class Governor(Metering[MeterResult]):
         gated CALLS limits (spend and token limits are read, whatever it is).
         ``approved`` names ``OnExceed.ASK`` limits the user let this call go
         over: they count it without refusing, and the ledger records the approval.
+        A name given as an :class:`~mcp_budget_governor.approval.Approval` is
+        spent with the admission, in the same atomic charge: spent already, lapsed,
+        or with the counters unreachable, the call is checked as if unapproved.
         ``wait``: seconds a call refused by a full concurrency cap may wait for a
         slot, first come, first served across replicas (lua/lib.lua
         ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through

@@ -269,3 +269,17 @@ def test_an_approval_state_opens_for_its_caller_only_before_it_lapses() -> None:
     assert open_approval(state, ANA, now=NOW + 60) is None
     for other in ["daily", None, "[", '["mcpbg2"]', '["mcpbg2","daily","x","y",1]']:
         assert open_approval(other, ANA, now=NOW) is None
+
+
+async def test_an_approval_is_not_spent_where_it_cannot_be_counted() -> None:
+    """Counters unreachable: the approval cannot be marked spent, so it admits
+    nothing; the call is checked as if unapproved (here the limit's local fallback)."""
+    from mcp_budget_governor import RedisBackend
+
+    down = RedisBackend.from_url("redis://127.0.0.1:1/0", timeout=0.2)
+    gov, _, _ = governed(down)
+    assert (await gov.check(ANA)).admitted  # fail-open: the local fallback counts it
+    approval = Approval("daily", secrets.token_hex(16), int(time.time()) + 60)
+    refused = await gov.check(ANA, approved=[approval])
+    assert not refused.admitted and refused.degraded and refused.limit == "daily"
+    await down.aclose()

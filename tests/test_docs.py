@@ -237,3 +237,14 @@ def test_the_python_a_shell_snippet_imports_exists() -> None:
                     found = importlib.import_module(module or plain)
                     for name in filter(None, (n.strip() for n in names.split(","))):
                         assert hasattr(found, name), f"{page.name}: {module}.{name}"
+
+
+def test_the_install_page_lists_every_extra() -> None:
+    """Each extra of pyproject.toml has its install line (``[fastmcp]`` was missing)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    page = (DOCS / "install.md").read_text()
+    listed = {e for group in re.findall(r'"\.\[([\w,-]+)\]"', page) for e in group.split(",")}
+    assert set(extras) - {"dev", "bench-clients"} - listed == set()

@@ -437,3 +437,44 @@ async def test_a_lock_queue_is_busy_not_down(postgres_url: str) -> None:
     assert (await gov.check(alice)).admitted  # the lock is free again
     assert await gov.usage("per_user", alice) == 2
     await gov.aclose()
+
+
+async def test_checks_queued_in_the_process_past_queue_timeout_are_refused_as_busy(
+    postgres_url: str,
+) -> None:
+    """The in-process queue has its bound too. One connection and a short queue bound
+    (non-default, so the queue fills at once and the test is quick; the default is the
+    lock test's above): with the only call stuck behind a held lock, the checks queued
+    behind it are refused as busy after ``queue_timeout``, never sent, never degraded."""
+    backend = PostgresBackend.from_url(postgres_url, max_connections=1, queue_timeout=0.3)
+    gov = Governor(policy(), backend)
+    alice = Context(user="alice", tenant="acme")
+    assert (await gov.check(alice)).admitted
+    holder = await psycopg.AsyncConnection.connect(postgres_url, autocommit=True)
+    async with holder, holder.transaction():
+        await holder.execute("SELECT pg_advisory_xact_lock(1835233380, 0)")
+        started = time.monotonic()
+        first = asyncio.ensure_future(gov.check(alice))  # sent: waits for the lock
+        await asyncio.sleep(0.05)
+        queued = await asyncio.gather(*(gov.check(alice) for _ in range(5)))
+        waited = time.monotonic() - started
+    assert {(d.admitted, d.status, d.degraded) for d in queued} == {(False, 503, False)}
+    assert waited < 1.5  # refused at the queue bound, not at the server's 2 s
+    d = await first  # sent before: the lock came free within its bound, Postgres decided
+    assert (d.admitted, d.degraded) == (True, False)
+    assert await gov.usage("per_user", alice) == 2
+    await gov.aclose()
+
+
+async def test_a_server_that_refuses_connections_is_down_not_busy() -> None:
+    """Nothing listens on the port: the fail modes decide (CLOSED 503 degraded, OPEN
+    admitted from the replica's counter), never a busy refusal."""
+    from testing.services import free_port
+
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    gov = Governor(policy(), PostgresBackend.from_url(url), retry_interval=RETRY)
+    d = await gov.check(Context(user="alice", tenant="acme"))
+    assert (d.admitted, d.status, d.degraded, d.limit) == (False, 503, True, "tenant_spend")
+    d = await gov.check(Context(user="alice"))
+    assert (d.admitted, d.degraded) == (True, True)
+    await gov.aclose()

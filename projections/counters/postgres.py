@@ -526,10 +526,15 @@ class PostgresBackend:
         """Whether the server accepts a connection now (too many clients counts: it is
         alive); one probe at a time, its answer kept for half a second."""
         loop = asyncio.get_running_loop()
-        if self._probe is None or (self._probe.done() and loop.time() - self._probed_at > 0.5):
+        probe = self._probe
+        if (
+            probe is None
+            or probe.get_loop() is not loop  # (a probe of an earlier asyncio.run)
+            or (probe.done() and loop.time() - self._probed_at > 0.5)
+        ):
             self._probed_at = loop.time()
-            self._probe = loop.create_task(self._connects())
-        return await asyncio.shield(self._probe)
+            probe = self._probe = loop.create_task(self._connects())
+        return await asyncio.shield(probe)
 
     async def _connects(self) -> bool:
         try:

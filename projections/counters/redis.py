@@ -34,6 +34,7 @@ from mcp_budget_governor.counters import (
     refused_event,
 )
 from mcp_budget_governor.errors import (
+    BackendBusyError,
     BackendUnavailableError,
     EpochMissingError,
     InvalidInputError,
@@ -63,6 +64,25 @@ _UNAVAILABLE = (
 )
 
 DEFAULT_TIMEOUT = 0.25
+
+
+def redis_failure(exc: BaseException) -> BackendBusyError | BackendUnavailableError:
+    """Busy is not down: a pool with no free connection within its wait (``coalesce=False``;
+    the coalesced default has no pool queue) and a server at its ``maxclients`` are
+    overload, refused as busy; every other error of ``_UNAVAILABLE`` is unreachable.
+
+    >>> redis_failure(redis_errors.ConnectionError("No connection available."))
+    BackendBusyError('redis busy: No connection available.')
+    >>> str(redis_failure(redis_errors.ConnectionError("Connection refused")))
+    'redis unreachable: Connection refused'
+    """
+    if isinstance(exc, redis_errors.MaxConnectionsError | redis_errors.MaxClientsReachedError) or (
+        isinstance(exc, redis_errors.ConnectionError) and str(exc) == "No connection available."
+    ):
+        return BackendBusyError("redis", str(exc))
+    return BackendUnavailableError.redis(exc)
+
+
 _ADMITTED = ChargeResult(-1, ())
 
 
@@ -335,7 +355,7 @@ class RedisBackend:
             except redis_errors.NoScriptError:
                 return await self._command("EVAL", script.script, *args)
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError.redis(exc) from exc
+            raise redis_failure(exc) from exc
 
     async def _run(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return await self._eval(script, [len(keys), *keys, *args])
