@@ -15,13 +15,12 @@
 // decided ("concurrent_checks_per_s", "concurrent_select1_per_s", "concurrent_ratio",
 // "degraded").
 //
-// Default database: MCPBG_TEST_POSTGRES_URL, else the TypeScript suite's own
-// (test/services.ts). Counters are named per run (their keys end within the month).
+// The database: --postgres, else MCPBG_TEST_POSTGRES_URL. Counters are named per run
+// (their keys end within the month).
 import { randomBytes } from "node:crypto";
 import { parseArgs } from "node:util";
 
 import { Governor, Limit, MAX_AMOUNT, Policy, PostgresBackend, Scope, Window, context } from "../src/index.js";
-import { postgresUrl } from "../test/services.js";
 
 const { values } = parseArgs({
   options: {
@@ -34,7 +33,11 @@ const { values } = parseArgs({
     seconds: { type: "string", default: "3" },
   },
 });
-const url = values.postgres ?? (await postgresUrl());
+const url = values.postgres ?? process.env["MCPBG_TEST_POSTGRES_URL"]?.trim();
+if (!url) {
+  console.error("bench/postgres.ts: name the database with --postgres URL (or MCPBG_TEST_POSTGRES_URL)");
+  process.exit(2);
+}
 const calls = Number(values.calls);
 const rounds = Number(values.rounds);
 const chunk = Number(values.chunk);
