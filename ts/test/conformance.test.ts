@@ -12,7 +12,7 @@ import { describe, it } from "node:test";
 
 import { CHARGE_SQL, chargeParams } from "../src/backends/postgres.js";
 import { chargeCommand, chargeFrame } from "../src/backends/redis.js";
-import { Decision, refusalBody, refusalText } from "../src/decision.js";
+import { Decision, REFUSAL_META_KEY, refusalBody, refusalMeta, refusalText } from "../src/decision.js";
 import { GovernorError, InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
 import { KeyBuilder, SEPARATORS } from "../src/keys.js";
 import { usd } from "../src/money.js";
@@ -228,6 +228,7 @@ describe("refusals", () => {
       });
       assert.equal(refusalText(d), r.text, r.name);
       assert.deepEqual(refusalBody(d), r.body, r.name);
+      assert.deepEqual({ [REFUSAL_META_KEY]: refusalMeta(d) }, r.meta, r.name);
       assert.deepEqual(d.headers, r.headers, r.name);
       assert.equal(d.refusalType().name, r.error, r.name);
     }
