@@ -456,6 +456,11 @@ CHANGE_CASES: list[dict[str, Any]] = [
      "scope": {"tenant": "a"}, "cap": 1, "until": NOW - 1},
     {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
      "scope": {"tenant": "a"}, "cap": 1, "reason": "x" * 1025},
+    # until past the bounds table's last time (9999-01-01): refused at the door.
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": 1, "until": 1e300},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": 1, "until": 253_402_300_799},
     {"policy": "caps_and_plans", "call": "assign_plan", "plan": "gold", "tenant": "a"},
     {"policy": "caps_and_plans", "call": "assign_plan", "plan": "pro", "tenant": "a",
      "user": "u"},
@@ -506,6 +511,36 @@ def change_vectors() -> list[dict[str, Any]]:
         out.append({**case, "now": NOW, "change": fields, "context": _context(ctx),
                     "command": command})  # fmt: skip
     return out
+
+
+# -- bounds -------------------------------------------------------------------
+
+#: Numbers in and out of each row of the bounds table (mcp_budget_governor/bounds.py).
+BOUND_CASES: list[tuple[str, Any]] = [
+    ("until", 10**30), ("until", 1e300), ("until", 0), ("until", 1), ("until", 253_370_764_800),
+    ("until", 253_370_764_801), ("until", 1.5), ("until", "5"), ("until", True),
+    ("cap", -1), ("cap", 0), ("cap", 2**53 - 1), ("cap", 2**53), ("grant", 0), ("grant", 1),
+    ("amount", -(2**53) + 1), ("amount", -(2**53)), ("time", -1), ("expire_at", 0),
+]  # fmt: skip
+
+
+def bounds_vectors() -> dict[str, Any]:
+    """The table (kind -> [low, high, note]), each case's problem (None: in range), and the
+    sum rule's answers; TypeScript declares the same table and is held to these."""
+    from mcp_budget_governor import bounds
+
+    table = {k: [b.low, b.high, b.note] for k, b in bounds.BOUNDS.items()}
+    cases = [
+        {"kind": kind, "value": value, "problem": bounds.problem(kind, value)}
+        for kind, value in BOUND_CASES
+    ]
+    sums = [
+        {"kind": kind, "total": total, "amount": amount,
+         "problem": bounds.sum_problem(kind, total, amount)}
+        for kind, total, amount in [("grant", 2**53 - 2, 1), ("grant", 2**53 - 1, 1),
+                                    ("committed", 5, -6), ("committed", 5, -5)]
+    ]  # fmt: skip
+    return {"table": table, "cases": cases, "sums": sums}
 
 
 # -- prices -------------------------------------------------------------------
@@ -678,6 +713,7 @@ def vectors() -> dict[str, Any]:
     out["sql"] = sql_vectors()
     out["charge_many"] = charge_many_vector()
     out["changes"] = change_vectors()
+    out["bounds"] = bounds_vectors()
     out["builtin_prices"] = price_vectors()
     out["usd_more"] = usd_vectors()
     out["refusals"] = refusal_vectors()

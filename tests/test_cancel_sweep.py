@@ -303,3 +303,95 @@ async def test_governor_cancels_at_every_instant(stores: tuple[str, str], how: s
     finally:
         await watch.aclose()
         await gov.aclose()
+
+
+# -- the TypeScript server (ts/test/cross/cancelServer.ts), the same sweep -----------
+
+TS_POLICY = """
+[[limits]]
+name = "one_at_a_time"
+cap = 1
+unit = "concurrent"
+
+[[limits]]
+name = "calls"
+cap = 1000000
+window = "day"
+scope = "user"
+
+[[limits]]
+name = "spend"
+cap_usd = "1000"
+window = "day"
+scope = "user"
+gated = false
+"""
+
+
+async def test_a_typescript_server_settles_every_cancel(
+    stores: tuple[str, str], tmp_path: Path
+) -> None:
+    """The TypeScript SDK integration (``governTools``) in inline mode (no ledger: its
+    charges are committed at once, so there is nothing in flight to orphan): every
+    admitted call pays its price once, a refused or unchecked one nothing, and the
+    global slot is free at once after each cancel."""
+    from testing.node import TS_DIR, npm_ci, tsx
+
+    near_store, far_store = stores
+    npm_ci()
+    policy_file = tmp_path / "policy.toml"
+    policy_file.write_text(TS_POLICY)
+    if is_postgres(far_store):
+        backend = backend_for(near_store)
+        await backend.migrate()
+        await backend.aclose()
+    proc = await asyncio.create_subprocess_exec(
+        *tsx(), "test/cross/cancelServer.ts", str(policy_file), far_store,
+        cwd=TS_DIR, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    watch = Governor(
+        Policy.of(
+            Limit("one_at_a_time", cap=1, unit=Unit.CONCURRENT),
+            Limit("calls", cap=1_000_000, window=Window.DAY, scope=Scope.USER),
+            Limit("spend", cap=usd(1000), window=Window.DAY, scope=Scope.USER,
+                  unit=Unit.USD_MICROS, gated=False),
+        ),
+        backend_for(near_store),
+    )  # fmt: skip
+    users = [f"t{i:03d}" for i in range(CALLS)]
+    cancelled: list[str] = []
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        port = json.loads(line)["port"]
+
+        async def slot_freed() -> bool:
+            end = time.monotonic() + 5.0  # far below lease_ttl (30 s)
+            while await watch.usage("one_at_a_time"):
+                if time.monotonic() > end:
+                    return False
+                await asyncio.sleep(0.01)
+            return True
+
+        async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as client:
+            for i, user in enumerate(users):
+                with anyio.move_on_after(SPREAD * i / (CALLS - 1)) as scope:
+                    await client.call_tool("work", {}, meta={"user": user})
+                if scope.cancelled_caught:
+                    cancelled.append(user)
+                assert await slot_freed(), f"call {user}: the slot stayed taken"
+            result = await client.call_tool("work", {}, meta={"user": "after"})
+            assert not result.is_error, result
+        admitted = []
+        for user in users:
+            calls = await watch.usage("calls", Context(user=user))
+            paid = await watch.usage("spend", Context(user=user))
+            assert calls in (0, 1) and paid == PRICE * calls, (user, calls, paid)
+            if calls:
+                admitted.append(user)
+        assert len(set(admitted) & set(cancelled)) >= 20, (len(admitted), len(cancelled))
+        assert set(cancelled) - set(admitted)  # some cancelled before their check
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)
+        await watch.aclose()
