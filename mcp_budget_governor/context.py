@@ -30,6 +30,9 @@ class Context:
     session: str | None = None
     agent: str | None = None
     session_root: str | None = None
+    #: The call's tool and arguments hashed (:func:`~.repeats.call_hash`); set by
+    #: the integrations only when a limit counts per ``Scope.CALL``.
+    call: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
