@@ -182,3 +182,51 @@ def test_an_integration_without_its_extra_names_the_extra(module: str) -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: mcp_budget_governor.integrations.")
     assert "pip install 'mcpbg[fastmcp]'" in last
+
+
+def test_the_typescript_suite_alone_starts_its_own_redis_never_6379() -> None:
+    """``npm test`` without pytest's Redis used the shared 127.0.0.1:6379 database 13;
+    now it goes through scripts/test-services.mjs, which starts a private one."""
+    import json
+    import os
+    import shutil
+    import subprocess
+
+    ts = Path(__file__).parents[1] / "ts"
+    if shutil.which("node") is None or shutil.which("redis-server") is None:
+        pytest.skip("node and redis-server are needed")  # scripts/test requires node
+    assert "127.0.0.1:6379" not in (ts / "test" / "services.ts").read_text()
+    script = json.loads((ts / "package.json").read_text())["scripts"]["test"]
+    assert "node scripts/test-services.mjs tsx --test" in script
+    env = {k: v for k, v in os.environ.items() if k != "MCPBG_TEST_REDIS_URL"}
+    show = "console.log(process.env.MCPBG_TEST_REDIS_URL)"
+    done = subprocess.run(
+        ["node", "scripts/test-services.mjs", "node", "-e", show],
+        cwd=ts, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    url = done.stdout.strip()
+    assert re.fullmatch(r"redis://127\.0\.0\.1:\d+/0", url) and ":6379/" not in url
+    given = subprocess.run(
+        ["node", "scripts/test-services.mjs", "node", "-e", show],
+        cwd=ts, env={**env, "MCPBG_TEST_REDIS_URL": "redis://127.0.0.1:7777/3"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert given.stdout.strip() == "redis://127.0.0.1:7777/3"  # pytest's own, passed on
+
+
+def test_scripts_test_help_answers_before_installing_anything(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    venv = tmp_path / "venv"  # where a first run would install
+    env = {**os.environ, "MCPBG_VENV": str(venv)}
+    for flag in ("--help", "-h"):
+        done = subprocess.run(
+            [str(root / "scripts" / "test"), flag], env=env, capture_output=True, text=True,
+            timeout=30,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout.startswith("usage: scripts/test")
+        assert "MCPBG_TEST_REDIS_URL" in done.stdout
+    assert not venv.exists()

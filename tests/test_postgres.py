@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import random
 import subprocess
@@ -478,3 +479,21 @@ async def test_a_server_that_refuses_connections_is_down_not_busy() -> None:
     d = await gov.check(Context(user="alice"))
     assert (d.admitted, d.degraded) == (True, True)
     await gov.aclose()
+
+
+async def test_the_startup_log_says_how_many_replicas_the_server_allows(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mcp_budget_governor.projections.counters.postgres")
+    with psycopg.connect(postgres_url) as conn:
+        row = conn.execute(
+            "SELECT current_setting('max_connections')::int, "
+            "current_setting('superuser_reserved_connections')::int"
+        ).fetchone()
+    assert row is not None
+    backend = PostgresBackend.from_url(postgres_url)
+    await backend.migrate()
+    await backend.aclose()
+    fit = (row[0] - row[1]) // 5
+    assert f"max_connections={row[0]} ({row[1]} reserved)" in caplog.text
+    assert f"a pool of 5 per replica lets {fit} replicas share it" in caplog.text

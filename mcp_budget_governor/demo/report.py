@@ -238,4 +238,6 @@ def closing(console: Console, result: DemoResult, out: Path, *, serving: bool = 
     if serving:
         console.print("The console on the demo's data starts now:")
     else:
-        console.print("See it in the console (the dashboard, on this data): mcpbg demo --serve")
+        console.print(
+            "Next, the dashboard on this data: scripts/demo --serve (installed: mcpbg demo --serve)"
+        )

@@ -526,10 +526,15 @@ class PostgresBackend:
         """Whether the server accepts a connection now (too many clients counts: it is
         alive); one probe at a time, its answer kept for half a second."""
         loop = asyncio.get_running_loop()
-        if self._probe is None or (self._probe.done() and loop.time() - self._probed_at > 0.5):
+        probe = self._probe
+        if (
+            probe is None
+            or probe.get_loop() is not loop  # (a probe of an earlier asyncio.run)
+            or (probe.done() and loop.time() - self._probed_at > 0.5)
+        ):
             self._probed_at = loop.time()
-            self._probe = loop.create_task(self._connects())
-        return await asyncio.shield(self._probe)
+            probe = self._probe = loop.create_task(self._connects())
+        return await asyncio.shield(probe)
 
     async def _connects(self) -> bool:
         try:
@@ -722,9 +727,11 @@ class PostgresBackend:
             raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
         resolve = any(op.ref is not None for op in ops)
         if leases:  # leases and wait tickets: mcpbg_charge, alone
-            reply: list[int] = await self._call(_CHARGE, self._charge_params(
-                ops, event_id, op_id, want_used, resolve, lease, lease_ttl, ticket
-            ))  # fmt: skip
+            params = charge_params(
+                ops, event_id=event_id, want_used=want_used, op_id=op_id, lease=lease,
+                lease_ttl=lease_ttl, ticket=ticket, require_epoch=self.require_epoch,
+            )  # fmt: skip
+            reply: list[int] = await self._call(_CHARGE, params)
         else:
             reply = await self._batcher().charge(event_id or "", op_id or "", want_used,
                                                  resolve, ops)  # fmt: skip
@@ -741,41 +748,6 @@ class PostgresBackend:
         if resolve and len(values) == 2 * n:
             return ChargeResult(head - 1, values[:n], values[n:])
         return ChargeResult(head - 1, values)
-
-    def _charge_params(
-        self,
-        ops: Sequence[CounterOp],
-        event_id: str | None,
-        op_id: str | None,
-        want_used: bool,
-        resolve: bool,
-        lease: str | None,
-        lease_ttl: float,
-        ticket: str | None,
-    ) -> tuple[Any, ...]:
-        refs = [op.ref for op in ops]
-        return (
-            event_id or "",
-            op_id or "",
-            want_used,
-            self.require_epoch,
-            [op.key for op in ops],
-            [op.amount for op in ops],
-            [op.cap for op in ops],
-            [op.enforce for op in ops],
-            [op.expire_at for op in ops],
-            resolve,
-            [r is not None for r in refs],
-            [PLANS_KEY if r is None else r.caps_key for r in refs],
-            ["" if r is None else r.field for r in refs],
-            [None if r is None else r.value_cap for r in refs],
-            ["" if r is None else ",".join(r.plan_fields) for r in refs],
-            ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
-            ["" if r is None else r.file_plan or "" for r in refs],
-            lease or "",
-            max(1, round(lease_ttl * 1000)),
-            ticket or "",
-        )
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:
