@@ -19,6 +19,7 @@ files, refusals and the tool-price metadata of the integrations.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import importlib.util
@@ -366,7 +367,52 @@ def sql_vectors() -> dict[str, str]:
         parts = text.split("%s")
         return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts))
 
-    return {"charge": numbered(postgres._CHARGE)}
+    return {"charge": numbered(postgres._CHARGE), "charge_many": numbered(postgres._CHARGE_MANY)}
+
+
+def charge_many_vector() -> dict[str, Any]:
+    """Every charge case without leases as one coalesced check batch, in order, and the
+    first alone: the arguments of the mcpbg_charge_many calls PostgresBackend makes for
+    them (array literals, as it sends them), caught before they reach a server."""
+    from mcp_budget_governor.projections.counters import postgres
+
+    cases, checks = [], []
+    for i, case in enumerate(CHARGE_CASES):
+        if case.get("lease") or case.get("require_epoch"):
+            continue  # leases go to mcpbg_charge alone; the epoch flag is per batch
+        policy = loads(POLICIES[case["policy"]])
+        ctx = Context(**case["context"])
+        if case["call"] == "check":
+            ops = planning.check_plan(policy, ctx, NOW).ops
+        else:
+            pairs = planning.charge_pairs(policy, {case["limit"]: case["amount"]})
+            ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
+        ledger = bool(case.get("ledger"))
+        cases.append(i)
+        checks.append((EVENT_ID if ledger else "", "" if ledger else OP_ID, ops))
+
+    async def sent(batch: list[tuple[str, str, tuple[Any, ...]]]) -> list[Any]:
+        backend = postgres.PostgresBackend("postgresql://conformance@127.0.0.1:1/none")
+        caught: list[Any] = []
+
+        async def run(query: str, params: Any, **_: Any) -> list[tuple[list[int]]]:
+            caught.extend(params)
+            return [([0],) for _ in batch]
+
+        backend._run = run  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        await backend.charge_many([
+            postgres._Check(e, o, True, any(op.ref is not None for op in ops), ops,
+                            loop.create_future(), 0.0)
+            for e, o, ops in batch
+        ])  # fmt: skip
+        return caught
+
+    return {
+        "cases": cases,
+        "sql": asyncio.run(sent(checks)),
+        "sql_one": asyncio.run(sent(checks[:1])),
+    }
 
 
 # -- run-time changes -----------------------------------------------------------
@@ -665,6 +711,7 @@ def vectors() -> dict[str, Any]:
     out["policies"] = policy_vectors()
     out["charge"] = charge_vectors()
     out["sql"] = sql_vectors()
+    out["charge_many"] = charge_many_vector()
     out["changes"] = change_vectors()
     out["bounds"] = bounds_vectors()
     out["builtin_prices"] = price_vectors()

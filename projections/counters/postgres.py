@@ -727,9 +727,11 @@ class PostgresBackend:
             raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
         resolve = any(op.ref is not None for op in ops)
         if leases:  # leases and wait tickets: mcpbg_charge, alone
-            reply: list[int] = await self._call(_CHARGE, self._charge_params(
-                ops, event_id, op_id, want_used, resolve, lease, lease_ttl, ticket
-            ))  # fmt: skip
+            params = charge_params(
+                ops, event_id=event_id, want_used=want_used, op_id=op_id, lease=lease,
+                lease_ttl=lease_ttl, ticket=ticket, require_epoch=self.require_epoch,
+            )  # fmt: skip
+            reply: list[int] = await self._call(_CHARGE, params)
         else:
             reply = await self._batcher().charge(event_id or "", op_id or "", want_used,
                                                  resolve, ops)  # fmt: skip
@@ -746,41 +748,6 @@ class PostgresBackend:
         if resolve and len(values) == 2 * n:
             return ChargeResult(head - 1, values[:n], values[n:])
         return ChargeResult(head - 1, values)
-
-    def _charge_params(
-        self,
-        ops: Sequence[CounterOp],
-        event_id: str | None,
-        op_id: str | None,
-        want_used: bool,
-        resolve: bool,
-        lease: str | None,
-        lease_ttl: float,
-        ticket: str | None,
-    ) -> tuple[Any, ...]:
-        refs = [op.ref for op in ops]
-        return (
-            event_id or "",
-            op_id or "",
-            want_used,
-            self.require_epoch,
-            [op.key for op in ops],
-            [op.amount for op in ops],
-            [op.cap for op in ops],
-            [op.enforce for op in ops],
-            [op.expire_at for op in ops],
-            resolve,
-            [r is not None for r in refs],
-            [PLANS_KEY if r is None else r.caps_key for r in refs],
-            ["" if r is None else r.field for r in refs],
-            [None if r is None else r.value_cap for r in refs],
-            ["" if r is None else ",".join(r.plan_fields) for r in refs],
-            ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
-            ["" if r is None else r.file_plan or "" for r in refs],
-            lease or "",
-            max(1, round(lease_ttl * 1000)),
-            ticket or "",
-        )
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:
