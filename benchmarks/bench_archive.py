@@ -364,7 +364,7 @@ def report(
         [
             label,
             f"{shapes[label]['files']:,}",
-            f"{shapes[label]['files_per_partition_hour']:.2f}",
+            f"{shapes[label]['files_per_partition_hour']:.2f}" if label == "archive" else "-",
             f"{shapes[label]['bytes']:,}",
             f"{shapes[label]['bytes'] / events:.1f}",
             f"{med[label]['costs']:.2f}",
