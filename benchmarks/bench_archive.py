@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -39,10 +40,20 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor.events import encode
+from mcp_budget_governor.ledger import (
+    EntryType,
+    LedgerEntry,
+    new_id,
+    partition_key,
+    partition_of,
+)
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+from mcp_budget_governor.projections.counters.memory import MemoryBackend
 from testing.bench import loadavg, progress, table
 from testing.stream_support import (
     CLI,
@@ -96,6 +107,77 @@ async def feed(
             progress(f"  {i:,} events fed")
 
 
+async def hour_templates(begin: float, ops: int, seed: int) -> list[tuple[int, bytes, LedgerEntry]]:
+    """(partition, key, entry) of ``ops`` governed checks and costs within the hour at ``begin``."""
+    rng = random.Random(seed)
+    now = [begin]
+
+    def clock() -> float:
+        now[0] += 3000 / ops  # within the hour
+        return now[0]
+
+    ledger = MemoryLedger()
+    gov = Governor(policy(), MemoryBackend(clock=clock), ledger=ledger, clock=clock)
+    tenants = tenants_per_partition(PARTITIONS, 1, "t")
+    for _ in range(ops):
+        user = rng.randrange(20)
+        ctx = Context(user=f"u{user}", tenant=tenants[user % PARTITIONS], tool="search")
+        if rng.random() < 0.5:
+            await gov.check(ctx)
+        else:
+            await gov.meter("bw_spend", rng.randrange(1, 40_000), ctx)
+    await gov.aclose()
+    return [
+        (partition_of(key, PARTITIONS), key, e)
+        for e in ledger.entries
+        if e.type in (EntryType.ADMITTED, EntryType.METERED)
+        for key in [partition_key(e.context.tenant, e.context.user)]
+    ]
+
+
+async def direct_feed(
+    bootstrap: str, topic: str, start: float, args: argparse.Namespace, halfway: asyncio.Event
+) -> None:
+    """``--direct``: ledger events straight to the topic at ``args.rate`` per second.
+
+    Cloned, each with a fresh id, from governed runs of each simulated hour
+    (checks and metered costs; a clone keeps its template's time, which its
+    buckets must hold), keyed and partitioned as ``KafkaLedger`` sends them.
+    For runs the Governor cannot feed fast enough on this machine.
+    """
+    hours = max(1, math.ceil(args.sim_hours))
+    hourly = [await hour_templates(start + h * 3600, 400, h) for h in range(hours)]
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", enable_idempotence=False, linger_ms=5
+    )
+    await producer.start()
+    try:
+        began = time.monotonic()
+        pending: list[asyncio.Future[Any]] = []
+        for i in range(args.events):
+            if i % 200 == 0:
+                if (wait := began + i / args.rate - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)
+                if len(pending) > 5000:
+                    await asyncio.gather(*pending)
+                    pending.clear()
+            templates = hourly[i * hours // args.events]
+            partition, key, e = templates[i % len(templates)]
+            entry = dataclasses.replace(e, id=new_id())
+            pending.append(
+                await producer.send(
+                    topic, encode(entry, "/mcpbg/bench-archive"), key=key, partition=partition
+                )
+            )
+            if i == args.events // 2:
+                halfway.set()
+            if i and i % 100_000 == 0:
+                progress(f"  {i:,} events sent")
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
 def start(
     svc: Services, url: str, topic: str, group: str, tmp: Path, name: str, age: float | None
 ) -> Worker:
@@ -139,13 +221,20 @@ async def live_run(svc: Services, tmp: Path, args: argparse.Namespace) -> dict[s
         await asyncio.sleep(0.2)
     progress(f"feeding {args.events:,} events at {args.rate:,}/s ({real_seconds:.0f} s), "
              f"segment age {'default' if age is None else f'{age:.2f} s'}")  # fmt: skip
-    task = asyncio.create_task(feed(gov, clock, args, halfway))
+    feed_started = time.monotonic()
+    task = asyncio.create_task(
+        direct_feed(svc.bootstrap, topic, clock[0], args, halfway)
+        if args.direct
+        else feed(gov, clock, args, halfway)
+    )
     await halfway.wait()
     for w in workers:
         w.kill()
     progress("  both workers SIGKILLed halfway; replaced")
     workers += [start(svc, url, topic, group, tmp, f"w{i}", age) for i in (2, 3)]
     await task
+    fed = time.monotonic() - feed_started
+    progress(f"  fed in {fed:.0f} s ({args.events / fed:,.0f} events/s)")
     assert await ledger.flush(60.0), "the ledger did not ship every event"
     await ledger.aclose()
     ends = await end_offsets(svc.bootstrap, topic)
@@ -160,7 +249,12 @@ async def live_run(svc: Services, tmp: Path, args: argparse.Namespace) -> dict[s
     for w in workers[2:]:
         w.terminate(120)
     await backend.aclose()
-    return {"day": day.date().isoformat(), "records": sum(ends.values()), "age": age}
+    return {
+        "day": day.date().isoformat(),
+        "records": sum(ends.values()),
+        "age": age,
+        "fed_seconds": fed,
+    }
 
 
 def one_file_copy(archive: Path, out: Path, day: str) -> None:
@@ -209,6 +303,11 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--rate", type=int, default=250, help="events fed per second")
     parser.add_argument("--sim-hours", type=float, default=24.0)
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="send cloned events straight to the topic (no Governor): for --events 1000000",
+    )
     parser.add_argument(
         "--real-time",
         action="store_true",
@@ -265,7 +364,7 @@ def report(
         [
             label,
             f"{shapes[label]['files']:,}",
-            f"{shapes[label]['files_per_partition_hour']:.2f}",
+            f"{shapes[label]['files_per_partition_hour']:.2f}" if label == "archive" else "-",
             f"{shapes[label]['bytes']:,}",
             f"{shapes[label]['bytes'] / events:.1f}",
             f"{med[label]['costs']:.2f}",

@@ -180,6 +180,11 @@ class Governor(Metering[MeterResult]):
         slot, first come, first served across replicas (lua/lib.lua
         ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through
         :meth:`admitted`, which gives the slot back.
+
+        Cancelled once its charge has been sent, the check still runs to its end
+        (ledger event appended), its leases are given back at once, and the
+        cancellation is raised; cancelled before (an anyio scope cancelled already),
+        nothing is sent.
         """
         decision, cancelled = await self._checked(ctx, amount, approved, wait)
         if cancelled is not None:  # the caller never gets the decision: its slot back now

@@ -405,3 +405,29 @@ def test_the_manifest_keeps_the_footer_small(
     meta = pq.read_metadata(merged)
     assert meta.serialized_size < 20_000, meta.serialized_size
     assert SOURCES_KEY not in (pq.read_schema(merged).metadata or {})
+
+
+def test_costs_reports_read_the_archive_once_and_agree(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    from mcp_budget_governor.cli.costs import costs_reports
+    from mcp_budget_governor.projections.costs import Filter, read_once, spend
+
+    archive = tmp_path / "archive"
+    small_archive(archive, consumed)
+    start = datetime.fromtimestamp(MIDNIGHT, UTC)  # the events after midnight only
+    end = datetime.fromtimestamp(MIDNIGHT + 3600, UTC)
+    flt = Filter(start, end, tenant="acme")
+    fresh = open_ledger(archive_dir=archive)
+    want = spend(fresh, ["user"], flt).rows
+    fresh.close()
+    con = open_ledger(archive_dir=archive)
+    try:
+        first = [r.rows for r in costs_reports(con, flt)]
+        read_once(con, flt)  # again on the same connection: kept, not read anew
+        assert [r.rows for r in costs_reports(con, flt)] == first
+        assert spend(con, ["user"], flt).rows == want
+        ((snapshot,),) = con.sql("SELECT count(*) FROM _mcpbg_costs_snapshot").fetchall()
+        assert 0 < snapshot < len(consumed)  # the time range only
+    finally:
+        con.close()

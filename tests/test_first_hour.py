@@ -230,3 +230,38 @@ def test_scripts_test_help_answers_before_installing_anything(tmp_path: Path) ->
         assert done.returncode == 0 and done.stdout.startswith("usage: scripts/test")
         assert "MCPBG_TEST_REDIS_URL" in done.stdout
     assert not venv.exists()
+
+
+def _admits(node_range: str, major: int) -> bool:
+    """Whether an npm ``engines.node`` range admits Node ``major`` (majors only)."""
+    for alternative in node_range.split("||"):
+        ok = True
+        for op, version in re.findall(r"(>=|<=|>|<|\^|~|=)?\s*v?(\d+)(?:\.[\dx*]+)*", alternative):
+            n = int(version)
+            ok &= {
+                ">=": major >= n, "<=": major <= n, ">": major > n, "<": major < n,
+            }.get(op, major == n)  # ^, ~, = and a bare version pin the major
+        if ok:
+            return True
+    return False
+
+
+def test_every_locked_npm_package_runs_on_the_node_we_declare() -> None:
+    """``npm ci`` warned EBADENGINE (pipenet, under fastmcp's mcp-proxy, wants Node 22)
+    while ts/package.json declares Node >= 20."""
+    import json
+
+    ts = Path(__file__).parents[1] / "ts"
+    declared = json.loads((ts / "package.json").read_text())["engines"]["node"]
+    lowest = int(re.findall(r"\d+", declared)[0])
+    lock = json.loads((ts / "package-lock.json").read_text())["packages"]
+    refused = {
+        name: meta["engines"]["node"]
+        for name, meta in lock.items()
+        if isinstance(meta.get("engines"), dict)
+        and "node" in meta["engines"]
+        and not _admits(meta["engines"]["node"], lowest)
+    }
+    assert refused == {}
+    assert _admits(">=22.0.0", 22) and not _admits(">=22.0.0", 20)
+    assert _admits("^18.18.0 || ^20.9.0 || >=21.1.0", 20)

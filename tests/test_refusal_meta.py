@@ -182,3 +182,33 @@ def test_meta_names_scope_and_window_only_when_the_reason_has_them() -> None:
     meta = refusal_meta(d)
     assert (meta["error"], meta["scope"], meta["window"]) == ("ledger_unavailable", None, None)
     assert refusal_text(d).startswith("ledger_unavailable status=503")
+
+
+async def test_the_low_level_hook_carries_the_refusal_in_meta_and_opts_in_to_the_error() -> None:
+    import mcp_types as mt
+
+    from mcp_budget_governor.integrations.lowlevel import governed_call_tool
+
+    gov = Governor(policy(), MemoryBackend())
+
+    async def handler(ctx: Any, params: mt.CallToolRequestParams) -> mt.CallToolResult:
+        return mt.CallToolResult(content=[mt.TextContent(type="text", text="ok")])
+
+    def who(ctx: Any, params: mt.CallToolRequestParams) -> Context:
+        return Context(user="low")
+
+    plain = governed_call_tool(gov, handler, identify=who)
+    opted = governed_call_tool(gov, handler, identify=who, rate_limit_error=True)
+    params = mt.CallToolRequestParams(name="cheap", arguments={})
+    for _ in range(2):
+        assert not (await plain(None, params)).is_error
+    refused = await plain(None, params)
+    assert refused.is_error and refused.meta is not None
+    meta = refused.meta[REFUSAL_META_KEY]
+    assert (meta["status"], meta["limit"], meta["window"]) == (429, "burst", "minute")
+    assert refused.structured_content is not None  # the body it had, and the text, unchanged
+    assert refused.structured_content["mcpbg"]["message"] == refused.content[0].text
+    with pytest.raises(MCPError) as exc:
+        await opted(None, params)
+    assert exc.value.code == RATE_LIMITED
+    assert exc.value.data[REFUSAL_META_KEY] == meta

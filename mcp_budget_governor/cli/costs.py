@@ -126,11 +126,15 @@ def costs_reports(
     grouping; else a session's split (``flt.session``); else the summary views."""
     from ..projections.costs import (
         breaker_trips,
+        read_once,
         session_budget,
         session_split,
         spend,
         summary,
     )
+
+    if not by:  # several reports: the archive is read once for all of them
+        read_once(con, flt)
 
     if flt.session is not None and not by:
         reports = [

@@ -162,7 +162,9 @@ Cost: TypeAlias = Callable[
 class BudgetToolError(ToolError):
     """A tool call the budget refused; the message is :func:`refusal_text`.
 
-    ``decision`` holds the refusal (status, limit, retry_after, resets_at).
+    ``decision`` holds the refusal (status, limit, retry_after, resets_at). The
+    middleware returns a refusal as an error result with its ``_meta`` instead;
+    this error is kept for tools that raise a refusal themselves.
     """
 
     def __init__(self, decision: Decision) -> None:

@@ -23,7 +23,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, why_token
+from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, ChangeKind, why_token
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
     AppliedEvent,
@@ -163,6 +163,10 @@ def _position(keys: list[str], index: dict[str, int], key: str) -> int:
     return pos
 
 
+#: The changes that add room to a counter: their sums are checked exactly (apply.lua).
+_ROOM_KINDS = frozenset({ChangeKind.GRANTED, ChangeKind.RESET})
+
+
 def apply_args(
     partition: str,
     events: Sequence[AppliedEvent],
@@ -185,6 +189,10 @@ def apply_args(
     # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
     tokens: list[str] = []
     days: dict[float, str] = {}  # UTC day -> "<seen-set position> <its expire_at>"
+    # What spares apply.lua its exact check (surely_fits): per counter the sum of the
+    # batch's amounts, unless a refund or a grant needs that check anyway.
+    sums: dict[int, int] = {}
+    doubt = False
 
     for event in events:
         event_id = event.event_id
@@ -200,7 +208,13 @@ def apply_args(
         for charge in event.charges:
             pos = index.get(charge.key) or _position(counters, index, charge.key)
             tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
+            if charge.amount < 0:
+                doubt = True
+            else:
+                sums[pos] = sums.get(pos, 0) + charge.amount
         changes = event.changes
+        if any(c.kind in _ROOM_KINDS for c in changes):
+            doubt = True
         tokens.append(str(len(changes)))
         for c in changes:
             pos = _position(counters, index, c.key)
@@ -216,6 +230,7 @@ def apply_args(
         " ".join(tokens),
         len(seen_sets),
         through,
+        "1" if doubt else " ".join(["0", *(f"{p} {t}" for p, t in sums.items())]),
         now_ms,
     ]
     return keys, args
