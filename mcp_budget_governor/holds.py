@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from . import planning
 from .context import Context
 from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
-from .errors import BudgetExceeded
+from .errors import LimitExceeded
 from .ledger import EntryType
 from .limits import Limit
 from .money import check_amount
@@ -153,7 +153,7 @@ class Reservation:
             self._gov, self.ctx, ((self.limit, self.estimate),)
         )
         if not self.decision.admitted:
-            raise BudgetExceeded(self.decision)
+            raise LimitExceeded(self.decision)
         if slots:
             (self._slot,) = slots
             self.id = event_id
@@ -199,7 +199,7 @@ class Reservations:
     """Estimates held on several limits at once, for one call's hard caps.
 
     Entering reserves every estimate in one charge, all or nothing, as one
-    ``reserved`` event (raising :class:`BudgetExceeded` when one does not fit:
+    ``reserved`` event (raising :class:`LimitExceeded` when one does not fit:
     nothing is held then, so two calls near their caps cannot each hold part
     and refuse the other). ``actual[limit]`` is what the call cost on that
     limit (a limit left out keeps its estimate); exiting settles every limit
@@ -238,7 +238,7 @@ class Reservations:
         )
         self.decision, event_id, slots = await _hold(self._gov, self.ctx, wanted)
         if not self.decision.admitted:
-            raise BudgetExceeded(self.decision)
+            raise LimitExceeded(self.decision)
         self._slots = slots
         self.id = event_id
         return self

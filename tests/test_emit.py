@@ -20,12 +20,12 @@ import pytest
 from mcp_budget_governor import (
     MAX_AMOUNT,
     Backend,
-    BudgetExceeded,
     Context,
     Governor,
     GovernorError,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     MeterResult,
     Policy,
@@ -312,7 +312,7 @@ async def test_governed_checks_runs_and_meters(backend: Backend) -> None:
 
     assert await search("a", user="u1") == "A"
     assert await search("b", user="u1") == "B"
-    with pytest.raises(BudgetExceeded) as refused:
+    with pytest.raises(LimitExceeded) as refused:
         await search("c", user="u1")  # burst: 2 a minute per user
     assert (refused.value.decision.status, refused.value.decision.limit) == (429, "burst")
     assert ran == ["a", "b"]  # the refused call never ran...
@@ -350,7 +350,7 @@ async def test_cost_callable_receives_the_result_and_a_breaker_sheds_the_next_ca
     await model_call(usd("1.5"), user="u2")  # crosses the cap: completes and is charged
     assert len(seen) == 2 and all(s is r for s, r in zip(seen, results, strict=True))
     assert await gov.usage("spend") == usd(3)
-    with pytest.raises(BudgetExceeded) as shed:
+    with pytest.raises(LimitExceeded) as shed:
         await model_call(1, user="u3")
     assert (shed.value.decision.status, shed.value.decision.limit) == (503, "spend")
     assert len(results) == 2
@@ -364,7 +364,7 @@ async def test_a_governor_without_limit_only_checks() -> None:
         return "pong"
 
     assert [await ping(), await ping()] == ["pong", "pong"]
-    with pytest.raises(BudgetExceeded):
+    with pytest.raises(LimitExceeded):
         await ping()
     assert await gov.usage("spend") == 0
 

@@ -32,12 +32,12 @@ from hypothesis.stateful import (
 
 from mcp_budget_governor import (
     MAX_AMOUNT,
-    BudgetExceeded,
     Context,
     CounterOverflowError,
     Governor,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     OnExceed,
     Policy,
@@ -172,8 +172,8 @@ class BackendsAgree(RuleBasedStateMachine):
     def outcome(self, call: Callable[[Governor], Awaitable[Any]], gov: Governor) -> Outcome:
         try:
             return ("ok", self.run(call(gov)))
-        except BudgetExceeded as exc:
-            return ("BudgetExceeded", exc.decision)
+        except LimitExceeded as exc:
+            return ("LimitExceeded", exc.decision)
         except InvalidInputError as exc:
             return ("InvalidInputError", str(exc))
         except CounterOverflowError as exc:

@@ -9,11 +9,11 @@ import pytest
 
 from mcp_budget_governor import (
     Backend,
-    BudgetExceeded,
     Context,
     Governor,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     OnExceed,
     Policy,
     PolicyError,
@@ -47,7 +47,7 @@ async def test_admits_up_to_cap_then_refuses_with_429(backend: Backend) -> None:
     assert refusal.retry_after is not None and 1 <= refusal.retry_after <= 60
     assert refusal.headers == {"Retry-After": str(refusal.retry_after)}
     assert await gov.usage("burst", U42) == 3
-    with pytest.raises(BudgetExceeded) as info:
+    with pytest.raises(LimitExceeded) as info:
         refusal.raise_for_status()
     assert info.value.decision is refusal
     assert results[0].raise_for_status() is results[0]
@@ -202,7 +202,7 @@ async def test_reserve_settle_release(backend: Backend) -> None:
     assert await gov.usage("spend") == usd(0.1)
     # a reservation that does not fit is refused and charges nothing
     async with gov.reserved("spend", usd(0.8)):
-        with pytest.raises(BudgetExceeded) as info:
+        with pytest.raises(LimitExceeded) as info:
             async with gov.reserved("spend", usd(0.2)):
                 pytest.fail("entered a reservation past the cap")
         assert info.value.decision.status == 402

@@ -27,11 +27,11 @@ from starlette.routing import Route
 from mcp_budget_governor import (
     ANONYMOUS_USER,
     Anonymous,
-    BudgetExceeded,
     Context,
     Governor,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     Policy,
     RedisBackend,
@@ -325,7 +325,7 @@ async def test_a_refusal_a_bare_asgi_app_raises_is_answered_the_same_way() -> No
     )
 
     async def bare(scope: Any, receive: Any, send: Any) -> None:
-        raise BudgetExceeded(decision)  # e.g. a @governed function it awaited
+        raise LimitExceeded(decision)  # e.g. a @governed function it awaited
 
     gov = Governor(policy(), MemoryBackend(), clock=lambda: NOW)
     app = BudgetASGIMiddleware(bare, gov, identify=identify)

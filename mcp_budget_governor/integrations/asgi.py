@@ -32,7 +32,7 @@ Per HTTP request (``lifespan`` and ``websocket`` pass through untouched):
    rules of :func:`~mcp_budget_governor.integrations.flow.governed_call`).
    Without ``fixed``, such a request pays its admission only.
 
-A :class:`~mcp_budget_governor.BudgetExceeded` that a bare ASGI app raises
+A :class:`~mcp_budget_governor.LimitExceeded` that a bare ASGI app raises
 before starting its response is answered the same way (frameworks such as
 Starlette answer an exception with a 500 themselves, before it gets here).
 """
@@ -45,7 +45,7 @@ from typing import Any, TypeAlias
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
-from mcp_budget_governor.errors import BudgetExceeded
+from mcp_budget_governor.errors import LimitExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
@@ -132,7 +132,7 @@ class BudgetASGIMiddleware:
             ctx = (await self._caller(scope)).with_tool(name)
             ctx = await self.governor.identified(ctx)
             await governed_call(self.governor, ctx, respond, fixed=self.fixed, priced=priced)
-        except BudgetExceeded as exc:
+        except LimitExceeded as exc:
             if status:
                 raise  # the app already answered: too late to refuse
             await refusal_response(exc.decision)(scope, receive, send)

@@ -1,7 +1,7 @@
 """``@governed``: check before an async tool function, meter after it.
 
 With a :class:`~mcp_budget_governor.Governor`, each call is checked first: a
-refusal raises :class:`~mcp_budget_governor.BudgetExceeded` and the function
+refusal raises :class:`~mcp_budget_governor.LimitExceeded` and the function
 never runs (a refused call is charged nothing). An admitted call runs, then
 ``cost`` is metered on ``limit``, even past the cap (the call that crosses the
 line completes; a breaker sheds the next one).
@@ -36,7 +36,7 @@ decorated (budget checks await the counters; run blocking work inside an
 
 >>> import asyncio
 >>> from mcp_budget_governor import (
-...     BudgetExceeded, Governor, Limit, MemoryBackend, Policy, Unit, Window, usd)
+...     LimitExceeded, Governor, Limit, MemoryBackend, Policy, Unit, Window, usd)
 >>> gov = Governor(Policy.of(
 ...     Limit("calls", cap=2, window=Window.MINUTE),
 ...     Limit("spend", cap=usd(10), window=Window.DAY, unit=Unit.USD_MICROS, gated=False),
@@ -48,7 +48,7 @@ decorated (budget checks await the counters; run blocking work inside an
 ...     out = [await search("a"), await search("b")]
 ...     try:
 ...         await search("c")
-...     except BudgetExceeded as exc:
+...     except LimitExceeded as exc:
 ...         out.append(exc.decision.status)
 ...     return out, await gov.usage("spend")
 >>> asyncio.run(three_searches())

@@ -100,9 +100,9 @@ from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
 from mcp_budget_governor.errors import (
     BackendUnavailableError,
-    BudgetExceeded,
     GovernorError,
     InvalidInputError,
+    LimitExceeded,
 )
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
@@ -235,7 +235,7 @@ class BudgetMiddleware(Middleware):
                 wait=self.wait,
                 approved=self._approved_in_round(context),
             )
-        except BudgetExceeded as exc:
+        except LimitExceeded as exc:
             raise BudgetToolError(exc.decision) from None
         except _AskInRound as ask:  # a 2026-07-28 client: the question is the result
             return InputRequiredToolResult(ask.result)

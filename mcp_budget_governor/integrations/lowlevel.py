@@ -34,7 +34,7 @@ import mcp_types as mt
 from mcp.server.auth.middleware.auth_context import get_access_token
 
 from mcp_budget_governor.context import EMPTY, Context
-from mcp_budget_governor.errors import BudgetExceeded
+from mcp_budget_governor.errors import LimitExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
@@ -85,7 +85,7 @@ def governed_call_tool(
             return await governed_call(
                 governor, who, lambda: handler(ctx, params), fixed=price, priced=priced
             )
-        except BudgetExceeded as exc:
+        except LimitExceeded as exc:
             return mt.CallToolResult(
                 content=[mt.TextContent(type="text", text=refusal_text(exc.decision))],
                 structured_content={"mcpbg": refusal_body(exc.decision)},
