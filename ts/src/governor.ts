@@ -14,7 +14,7 @@ import { EMPTY, cacheable, context as makeContext, contextKey, type Context } fr
 import { ADMITTED, Decision, NOTHING_METERED, type MeterResult } from "./decision.js";
 import {
   BackendUnavailableError,
-  BudgetExceeded,
+  LimitExceeded,
   CounterOverflowError,
   GovernorError,
   InvalidInputError,
@@ -433,7 +433,7 @@ export class Governor {
     try {
       return this.policy.identified(ctx);
     } catch (err) {
-      if (err instanceof BudgetExceeded && this.ledger !== null) {
+      if (err instanceof LimitExceeded && this.ledger !== null) {
         const d = err.decision;
         await this.append(newId(), EntryType.REJECTED, this.clock(), ctx, [], { limit: d.limit, status: d.status, over: d.over });
       }

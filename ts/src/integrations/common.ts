@@ -11,7 +11,7 @@ import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 
 import { contextKey, type Context } from "../context.js";
 import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
-import { BudgetExceeded, InvalidInputError } from "../errors.js";
+import { LimitExceeded, InvalidInputError } from "../errors.js";
 import type { Governor, Reservations } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
 import { OnExceed, type Policy } from "../policy.js";
@@ -291,7 +291,7 @@ export function approvalSeconds(timeout: unknown): number {
 }
 
 /**
- * One governed call: identify, check (a refusal throws BudgetExceeded and the
+ * One governed call: identify, check (a refusal throws LimitExceeded and the
  * work never runs; `wait`: seconds a full concurrency cap may hold the call
  * for a slot first), reserve estimates, run, then charge: a completed call is
  * charged its price even past a cap; a failed one its fixed price.
@@ -375,6 +375,6 @@ async function run<R>(
   return result;
 }
 
-export function isRefusal(err: unknown): err is BudgetExceeded {
-  return err instanceof BudgetExceeded;
+export function isRefusal(err: unknown): err is LimitExceeded {
+  return err instanceof LimitExceeded;
 }

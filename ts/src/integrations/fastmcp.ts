@@ -22,7 +22,7 @@ import { UserError } from "fastmcp";
 
 import { context, type Context } from "../context.js";
 import { refusalText } from "../decision.js";
-import { BudgetExceeded } from "../errors.js";
+import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
 import {
   APPROVAL_TIMEOUT,
@@ -84,7 +84,7 @@ interface FastMCPLike {
 
 /** The refusal as fastmcp's error: its text is the Python middleware's refusal text. */
 export class BudgetToolError extends UserError {
-  constructor(readonly refusal: BudgetExceeded) {
+  constructor(readonly refusal: LimitExceeded) {
     super(refusalText(refusal.decision), { mcpbg: { status: refusal.decision.status, reason: refusal.decision.reason } });
   }
 }
@@ -103,7 +103,7 @@ export function governTool<T extends ToolLike>(governor: Governor, tool: T, opti
         const caller = context({ ...(found ?? {}), tool: tool.name });
         return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait, askVia(ctx, tool.name, timeout), ctx?.signal);
       } catch (err) {
-        if (err instanceof BudgetExceeded) throw new BudgetToolError(err);
+        if (err instanceof LimitExceeded) throw new BudgetToolError(err);
         throw err;
       }
     },

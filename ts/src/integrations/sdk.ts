@@ -30,7 +30,7 @@
 import { ElicitResultSchema } from "@modelcontextprotocol/sdk/types.js";
 
 import { context, type Context } from "../context.js";
-import { BudgetExceeded } from "../errors.js";
+import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
 import { OnExceed } from "../policy.js";
 import {
@@ -275,7 +275,7 @@ async function governedTool<E extends RequestExtra | undefined, R>(
     const signal = extra?.signal ?? extra?.mcpReq?.signal;
     return await governedCall(governor, ctx, work, price, estimate, wait, askVia(extra, tool, timeout, ctx, seal), signal, approved);
   } catch (err) {
-    if (err instanceof BudgetExceeded) return refusalResult(err.decision);
+    if (err instanceof LimitExceeded) return refusalResult(err.decision);
     if (err instanceof AskInRound) return err.result; // a 2026-07-28 client: the question is the result
     throw err;
   }
