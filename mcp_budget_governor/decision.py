@@ -22,6 +22,18 @@ def _no_headroom() -> Mapping[str, int]:
     return _NO_HEADROOM
 
 
+class LimitName(str):
+    """A refusing limit's name (a plain ``str`` in every way), whose ``name`` is
+    itself: mcp-budget-governor 0.1.0's decisions held the ``Limit``, and code
+    written for it reads ``decision.limit.name``."""
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return str(self)
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """The slots an admitted call holds on concurrency caps: lease ``id`` in each

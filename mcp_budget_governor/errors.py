@@ -160,8 +160,11 @@ class CounterOverflowError(GovernorError, OverflowError):
         )
 
 
-#: Where a refusal's RFC 9457 (7807) ``type`` points: one page per kind of refusal.
-PROBLEM_TYPES = "https://github.com/mcp-budget-governor/mcpbg/blob/main/docs/refusals.md#"
+#: The prefix of a refusal's RFC 9457 (7807) problem ``type``, then its kind
+#: (``limit-exceeded``, ``budget-exceeded``, ``budget-unavailable``). An identifier, not a
+#: page: the reserved ``.invalid`` domain (RFC 2606) resolves nowhere, so no client
+#: follows it; the kinds are described in docs/migrating.md.
+PROBLEM_TYPES = "https://mcp-budget-governor.invalid/problems/"
 
 
 class LimitExceeded(GovernorError):

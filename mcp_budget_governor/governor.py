@@ -78,6 +78,8 @@ class Governor(Metering[MeterResult]):
       through ``backends.base.KeyValueAdapter``, without a ledger.
     """
 
+    _keyed_only = True
+
     def __init__(
         self,
         policy: Policy,
@@ -85,7 +87,7 @@ class Governor(Metering[MeterResult]):
         *,
         ledger: Ledger | None = None,
         prices: PriceTable | None = None,
-        clock: Callable[[], Any] = time.time,
+        clock: Callable[[], Any] | None = time.time,
         retry_interval: float = 1.0,
         max_pending: int = 100_000,
         lease_ttl: float = 30.0,
@@ -95,7 +97,7 @@ class Governor(Metering[MeterResult]):
         if not isinstance(policy, Policy):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
         if clock is not time.time:
-            clock = epoch_clock(clock)
+            clock = epoch_clock(clock)  # None, or a datetime clock: epoch seconds
             adopt = getattr(backend, "adopt_clock", None)
             if adopt is not None:
                 adopt(clock)
@@ -349,9 +351,11 @@ class Governor(Metering[MeterResult]):
         ``async with gov.reserved("spend", usd(0.05), ctx) as r: ... r.actual = cost``.
         Entering raises :class:`LimitExceeded` when the estimate does not fit.
         """
+        lim = planning.metered_limit(self.policy, limit)
+        planning.require_keyed((lim,), ctx or EMPTY)  # a hold on no counter holds nothing
         return Reservation(
             self,
-            planning.metered_limit(self.policy, limit),
+            lim,
             check_amount(estimate, "estimate"),
             ctx or EMPTY,
         )
@@ -433,8 +437,8 @@ class Governor(Metering[MeterResult]):
             lim, ctx, self._clock(), self.policy.tz, 0, enforce=False, policy=self.policy
         )
         if s is None:
-            missing = [d.value for d in lim.dimensions if getattr(ctx, d.value) is None]
-            raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
+            planning.require_keyed((lim,), ctx)
+        assert s is not None
         return s
 
     async def _read(self, slots: Sequence[Slot]) -> list[tuple[int | None, int]]:

@@ -11,7 +11,7 @@
 >>> Policy.of(Limit("a", cap=1, window=Window.DAY), Limit("a", cap=2, window=Window.DAY))
 Traceback (most recent call last):
 ...
-mcp_budget_governor.errors.PolicyError: Policy.limits[1].name: duplicate limit name (got 'a')
+mcp_budget_governor.errors.PolicyError: Policy.limits[1].name: duplicate limit names (got 'a')
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Policy:
                 raise PolicyError(f"Policy.limits[{i}]", limit, "expected a Limit")
             if limit.name in seen:
                 raise PolicyError(
-                    f"Policy.limits[{i}].name", limit.name, "duplicate limit names share counters"
+                    f"Policy.limits[{i}].name", limit.name, "duplicate limit names"
                 )
             seen.add(limit.name)
         object.__setattr__(self, "limits", tuple(limits))

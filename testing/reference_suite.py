@@ -156,14 +156,16 @@ def judge(outcome: dict[str, str], listed: set[str], *, full: bool) -> int:
 
 
 def main(argv: list[str]) -> int:
-    url = os.environ.get("MCPBG_TEST_REDIS_URL")
-    if url:
-        return run(argv, url)
     sys.path.insert(0, str(ROOT))
-    from testing.services import start_redis
+    from testing.services import ENV_VAR, start_redis
 
-    with start_redis(prefer_local=True) as service:
-        return run(argv, service.url)
+    # The reference's fixtures flush their database before every test: a database
+    # given by MCPBG_TEST_REDIS_URL must be empty (claimed), else a private server.
+    with (
+        start_redis(prefer_local=not os.environ.get(ENV_VAR)) as service,
+        service.claimed() as url,
+    ):
+        return run(argv, url)
 
 
 if __name__ == "__main__":

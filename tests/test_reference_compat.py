@@ -48,7 +48,12 @@ from mcp_budget_governor import (
     __version__,
     usd,
 )
-from mcp_budget_governor.errors import BudgetUnavailable, InvalidInputError, PolicyError
+from mcp_budget_governor.errors import (
+    BudgetUnavailable,
+    InvalidInputError,
+    MissingScopeError,
+    PolicyError,
+)
 from testing.buckets import room
 from testing.services import free_port
 
@@ -348,7 +353,8 @@ async def test_budget_governor_error_is_also_the_base_of_input_errors(backend: B
 
 async def test_unknown_limits_and_missing_scopes(backend: Backend) -> None:
     """4. An unknown limit raises PolicyError (a ValueError, and a KeyError); a context
-    lacking a limit's scope is skipped by meter() and reserve(), refused by is_tripped()."""
+    lacking the scope of the limit meter(), reserve(), is_tripped() or usage() names
+    raises MissingScopeError (an InvalidInputError, and a KeyError); check() skips it."""
     gov = quota_and_breaker(backend)
     with pytest.raises(PolicyError, match="no such limit") as unknown:
         await gov.meter("nope", 1)
@@ -356,17 +362,23 @@ async def test_unknown_limits_and_missing_scopes(backend: Backend) -> None:
     assert "no limit named 'nope'" in str(unknown.value)
 
     nobody = Context()
-    got = await gov.meter("user_spend", 100, nobody)
-    assert (got.charged, got.limit, got.total) == (0, None, 0)
-    r = await gov.reserve("user_spend", 100, nobody)
-    assert await gov.settle(r, 50) == MeterResult(within=True, total=0, crossed=False)
-    with pytest.raises(InvalidInputError, match="lacks user"):
-        await gov.is_tripped("user_spend", nobody)
-    with pytest.raises(InvalidInputError, match="lacks user"):
-        await gov.usage("user_spend", nobody)
+    for call in (
+        gov.meter("user_spend", 100, nobody),
+        gov.meter_tokens("user_spend", "m", input_tokens=1, ctx=nobody),
+        gov.reserve("user_spend", 100, nobody),
+        gov.is_tripped("user_spend", nobody),
+        gov.usage("user_spend", nobody),
+    ):
+        with pytest.raises(MissingScopeError, match="does not carry user") as missing:
+            await call
+        assert isinstance(missing.value, KeyError) and isinstance(missing.value, ValueError)
+    # Several names: charged where the context keys one, the others skipped.
+    got = await gov.meter(("user_spend", "global_spend"), 100, nobody)
+    assert (got.charged, got.limit) == (100, "global_spend")
+    assert (await gov.check(nobody)).allowed
     assert await gov.status(nobody) == {
         "global_spend": {
-            "total": 0, "cap": usd(5), "remaining": usd(5), "exceeded": False,
+            "total": 100, "cap": usd(5), "remaining": usd(5) - 100, "exceeded": False,
             "resets_in": (await gov.status(nobody))["global_spend"]["resets_in"],
         }
     }  # fmt: skip
@@ -523,7 +535,8 @@ async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_use
 ) -> None:
     """15. The middlewares pass callers through Governor.identified: with a per-user limit,
     a caller without a user id is refused (403) unless Policy(anonymous="shared");
-    check() itself still skips the limits the context cannot key."""
+    check() itself still skips the limits the context cannot key. @governed takes the
+    reference's identify=/cost_of=/meter_limit= as well as context=/cost=/limit=."""
     gov = quota_and_breaker(backend)
     with pytest.raises(LimitExceeded) as exc:
         await gov.identified(Context(tool="search"))
@@ -532,8 +545,17 @@ async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_use
 
     from mcp_budget_governor.integrations.decorator import governed
 
-    with pytest.raises(TypeError):
-        governed(gov, meter_limit="user_spend", cost_of=len)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="together"):
+        governed(gov, meter_limit="user_spend")
+
+    @governed(
+        gov, meter_limit="user_spend", cost_of=lambda r: None, identify=lambda u: Context(user=u)
+    )
+    async def free(user: str) -> str:
+        return "nothing to pay"
+
+    assert await free("u_8") == "nothing to pay"
+    assert await gov.usage("user_spend", Context(user="u_8")) == 0  # None charges nothing
 
     @governed(gov, limit="user_spend", cost=len, context=lambda args, kwargs: Context(user=args[0]))
     async def search(user: str) -> str:
@@ -544,12 +566,15 @@ async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_use
 
 
 def test_model_prices_are_dollars_per_million_tokens() -> None:
-    """16. ModelPrice takes USD per million tokens (the reference: micros); the cost is
-    cost_micros(), the lookup price_of()."""
+    """16. ModelPrice takes USD per million tokens (the reference: micros), so does
+    ModelPrice.from_dollars; PriceTable.of/cost/price_for/prices as in the reference."""
     table = PriceTable({"m": ModelPrice(5, 25)})
     assert table.cost_micros("m", input_tokens=1_000_000, output_tokens=0) == usd(5)
     assert table.price_of("m").output_per_mtok == 25
-    assert not hasattr(table, "cost") and not hasattr(table, "price_for")
+    assert ModelPrice.from_dollars(5, 25) == ModelPrice(5, 25)
+    by_of = PriceTable.of(m=(5, 25))
+    assert by_of.cost("m", output_tokens=1_000_000) == usd(25) and by_of.cost("m") == 0
+    assert by_of.price_for("m") == table.price_of("m") and list(by_of.prices) == ["m"]
 
 
 def test_builtin_as_of_is_the_date_of_the_builtin_prices() -> None:
@@ -605,9 +630,7 @@ async def test_a_backend_written_to_the_reference_protocol_serves_our_governor()
         ),
         mine,
     )
-    decisions = await asyncio.gather(
-        *(gov.check(Context(user=f"u{i % 7}")) for i in range(500))
-    )
+    decisions = await asyncio.gather(*(gov.check(Context(user=f"u{i % 7}")) for i in range(500)))
     assert sum(d.allowed for d in decisions) == 50
     (calls_key,) = [k for k in mine.values if ":calls:" in k]
     assert mine.values[calls_key] == 50

@@ -81,9 +81,12 @@ class KeyValueBackend(Protocol):
 Backend = KeyValueBackend
 
 
-def epoch_clock(clock: Callable[[], Any]) -> Callable[[], float]:
+def epoch_clock(clock: Callable[[], Any] | None) -> Callable[[], float]:
     """``clock`` as epoch seconds: a clock returning an aware ``datetime`` (the
-    reference's) is wrapped; one returning numbers is returned as it is."""
+    reference's) is wrapped; one returning numbers is returned as it is; None is
+    ``time.time``."""
+    if clock is None:
+        return time.time
     if isinstance(clock(), datetime):
         return lambda: float(clock().timestamp())
     return clock
@@ -98,7 +101,14 @@ class KeyValueOps:
     (its clock, epoch seconds) and ``_kv_release`` (the give-back).
     """
 
-    async def charge(self, ops: Sequence[CounterOp], **kwargs: Any) -> ChargeResult:
+    async def charge(
+        self,
+        ops: Sequence[CounterOp],
+        *,
+        event_id: str | None = None,
+        want_used: bool = True,
+        op_id: str | None = None,
+    ) -> ChargeResult:
         raise NotImplementedError  # pragma: no cover - the backend's own
 
     async def usage(self, keys: Sequence[str]) -> list[int]:

@@ -84,6 +84,9 @@ def governed(
     cost: int | Callable[[Any], int] | None = None,
     tool: str | None = None,
     context: Context | ContextFactory | None = None,
+    identify: Callable[..., Context] | None = None,
+    cost_of: Callable[[Any], int | None] | None = None,
+    meter_limit: str | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Govern an async function: check before it (Governor only), meter ``cost`` after it.
 
@@ -98,6 +101,10 @@ def governed(
     Misuse (unknown limit, a cost without a limit, a sync function) fails when
     decorating, not on the first call. See the module docstring for what a
     failing call is charged.
+
+    mcp-budget-governor 0.1.0's spellings work too: ``identify`` (called with
+    the function's own arguments, returns the :class:`Context`), and
+    ``cost_of`` (of the result; None charges nothing) with ``meter_limit``.
 
     >>> import asyncio
     >>> from mcp_budget_governor import Context, Limit, Policy, Scope, Window
@@ -116,6 +123,17 @@ def governed(
     """
     if not isinstance(governor, Governor | Recorder):
         raise TypeError(f"governed() needs a Governor or a Recorder, not {type(governor).__name__}")
+    if cost_of is not None or meter_limit is not None:
+        if cost_of is None or meter_limit is None:
+            raise ValueError("governed(): give meter_limit= and cost_of= together")
+        if limit is not None or cost is not None:
+            raise TypeError("governed(): give limit= and cost=, or meter_limit= and cost_of=")
+        limit, cost = meter_limit, _or_nothing(cost_of)
+    if identify is not None:
+        if context is not None:
+            raise TypeError("governed(): give context= or identify=, not both")
+        who = identify
+        context = lambda args, kwargs: who(*args, **kwargs)  # noqa: E731
     if (limit is None) != (cost is None):
         raise TypeError("governed(): give limit= and cost= together (what to charge, and where)")
     if limit is None and isinstance(governor, Recorder):
@@ -138,7 +156,8 @@ def governed(
         price_of = cost
 
         def priced(result: Any) -> dict[str, int]:
-            return {limit: price_of(result)}
+            amount = price_of(result)
+            return {} if amount is _NOTHING else {limit: amount}
 
     def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         if not _is_async(fn):
@@ -173,6 +192,19 @@ def governed(
         return wrapper
 
     return decorate
+
+
+_NOTHING: Any = object()
+
+
+def _or_nothing(cost_of: Callable[[Any], int | None]) -> Callable[[Any], int]:
+    """``cost_of`` with None (the reference's "charge nothing") as :data:`_NOTHING`."""
+
+    def cost(result: Any) -> int:
+        amount = cost_of(result)
+        return _NOTHING if amount is None else amount
+
+    return cost
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

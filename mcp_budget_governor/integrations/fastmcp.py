@@ -144,6 +144,16 @@ Cost: TypeAlias = Callable[
 ]
 
 
+def _cost_of(cost_of: Callable[[ToolResult], int | None], limit: str) -> Cost:
+    """mcp-budget-governor 0.1.0's ``cost_of`` + ``meter_limit`` as a ``cost=``."""
+
+    def cost(context: MiddlewareContext[Any], result: ToolResult) -> Charges | None:
+        amount = cost_of(result)
+        return None if amount is None else {limit: amount}
+
+    return cost
+
+
 class BudgetToolError(ToolError):
     """A tool call the budget refused; the message is :func:`refusal_text`.
 
@@ -171,6 +181,9 @@ class BudgetMiddleware(Middleware):
       approval (MCP elicitation); unanswered, the call is refused as usual.
     - ``wait``: seconds a call refused by a full concurrency cap waits for a slot
       (first come, first served across replicas); past it, the refusal.
+    - mcp-budget-governor 0.1.0's spellings: ``cost_of`` (of the result; None
+      charges nothing) with ``meter_limit``; ``raise_tool_error=False`` raises the
+      refusal itself (a :class:`LimitExceeded`) instead of a ``ToolError``.
     """
 
     def __init__(
@@ -182,9 +195,21 @@ class BudgetMiddleware(Middleware):
         approval_timeout: float = 120.0,
         session_root: SessionRoot | None = None,
         wait: float = 0,
+        *,
+        cost_of: Callable[[ToolResult], int | None] | None = None,
+        meter_limit: str | None = None,
+        raise_tool_error: bool = True,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
+        if cost_of is not None or meter_limit is not None:
+            if cost_of is None or meter_limit is None:
+                raise ValueError("BudgetMiddleware: give meter_limit= and cost_of= together")
+            if cost is not None:
+                raise TypeError("BudgetMiddleware: give cost=, or meter_limit= and cost_of=")
+            governor.policy[meter_limit]  # an unknown limit raises PolicyError now
+            cost = _cost_of(cost_of, meter_limit)
+        self.raise_tool_error = raise_tool_error
         if identify is not None and not callable(identify):
             raise TypeError("BudgetMiddleware: identify= must be callable (context -> Context)")
         if cost is not None and not callable(cost):
@@ -236,9 +261,14 @@ class BudgetMiddleware(Middleware):
                 approved=self._approved_in_round(context),
             )
         except LimitExceeded as exc:
-            raise BudgetToolError(exc.decision) from None
+            raise self._as_client_error(exc) from None
         except _AskInRound as ask:  # a 2026-07-28 client: the question is the result
             return InputRequiredToolResult(ask.result)
+
+    def _as_client_error(self, exc: LimitExceeded) -> Exception:
+        """What a refusal raises to FastMCP: a :class:`BudgetToolError` (the agent
+        reads its text), or the refusal itself with ``raise_tool_error=False``."""
+        return BudgetToolError(exc.decision) if self.raise_tool_error else exc
 
     async def _ask(self, context: MiddlewareContext[Any], decision: Decision) -> bool:
         """Ask the client's user (MCP elicitation) whether this call may go over the
