@@ -1,27 +1,28 @@
-"""Postgres against Redis, in one run: check() latency, throughput, one hot counter.
+"""Postgres check() against its floors, in one run, every figure a ratio (issue 31).
 
-- Serial latency: ``check()`` with 3 limits on :class:`PostgresBackend` against one
-  ``SELECT 1`` round trip through the same pool (median ratio: one round trip per
-  check, whatever the number of limits), and the same pair on Redis (``check()``
-  against a no-op EVALSHA). Variants are interleaved in chunks, so drift on a busy
-  machine hits them alike.
-- Throughput at 64 concurrent callers: checks/s on each store, each caller its own
-  user (3 limits: per user, per tenant of 8, per tool), and the baseline round trip
-  at 64 callers.
-- Each Postgres figure twice: durable commits (the default) and ``durable=False``
-  (``synchronous_commit=off``), since the WAL flush of each admitted check's commit
-  dominates its cost on most disks.
-- Lock contention: 64 concurrent callers on one global counter (every check locks
-  the same row), as checks/s, and as a ratio against the spread-out run.
+- Serial latency, 3 limits, every setting at its default: ``check()`` against one
+  durable one-row upsert (``INSERT ... ON CONFLICT DO UPDATE``: one round trip and
+  one WAL flush, the least a durable check can cost) and against ``SELECT 1``;
+  with ``durable=False`` (``synchronous_commit=off``) against ``SELECT 1``. All
+  through the backend's own pool and call path. Variants are interleaved in chunks,
+  so drift on a busy machine hits them alike; ratios are of medians, per round too.
+- 64 concurrent callers in one process: ``check()`` (each caller its own user; per
+  user, per tenant of 8, per tool) against 64 callers doing ``SELECT 1`` through a
+  pool of the same size (the default, 5), and how many checks the fail mode or a
+  busy refusal decided (the target: none).
+- One hot counter (every check on one global counter) against the spread run.
+- Python against TypeScript: ``ts/bench/postgres.ts`` on the same database, its
+  ``check()``/``SELECT 1`` ratio beside Python's (skipped, and said so, where Node or
+  ts/'s dependencies are missing).
 
 Usage::
 
-    python -m benchmarks.bench_postgres [--postgres URL] [--redis URL] [--calls N]
-        [--rounds R] [--concurrent-calls N] [--json out.json]
+    python -m benchmarks.bench_postgres [--postgres URL] [--calls N] [--rounds R]
+        [--concurrent-calls N] [--no-typescript] [--json out.json]
 
 Without ``--postgres`` the run uses the local server (127.0.0.1:5432) or starts one
-with initdb, in a scratch database dropped at the end; without ``--redis`` a
-throwaway redis-server is started. Progress goes to stderr, results to stdout.
+with initdb, in a scratch database dropped at the end. Progress goes to stderr,
+results to stdout.
 """
 
 from __future__ import annotations
@@ -30,20 +31,23 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import platform
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import psycopg
+
 from mcp_budget_governor import (
     MAX_AMOUNT,
-    Backend,
     Context,
+    Decision,
     Governor,
     Limit,
     Policy,
     PostgresBackend,
-    RedisBackend,
     Scope,
     Window,
 )
@@ -51,6 +55,11 @@ from testing import bench
 from testing.postgres import find_postgres, scratch_database
 
 CALLERS = 64
+_FLOOR_TABLE = "CREATE TABLE IF NOT EXISTS mcpbg_bench_floor (k text PRIMARY KEY, v bigint)"
+_UPSERT = (
+    "INSERT INTO mcpbg_bench_floor AS t (k, v) VALUES (%s, 1) "
+    "ON CONFLICT (k) DO UPDATE SET v = t.v + 1 RETURNING v"
+)
 
 
 def three_limits(rid: str) -> Policy:
@@ -70,64 +79,66 @@ def ctx(i: int) -> Context:
 
 
 async def serial(
-    pairs: dict[str, tuple[Callable[[], Awaitable[Any]], Callable[[], Awaitable[Any]]]],
-    rounds: int,
-    calls: int,
-    chunk: int = 50,
-) -> dict[str, dict[str, float]]:
-    """Median latency of (baseline, check) per store, interleaved; the ratio of medians."""
-    samples: dict[str, list[list[int]]] = {f"{s}:{w}": [] for s in pairs for w in ("base", "check")}
+    variants: dict[str, Callable[[], Awaitable[Any]]], rounds: int, calls: int, chunk: int = 50
+) -> dict[str, list[list[int]]]:
+    """Per variant and round, each call's latency (ns), the variants interleaved in chunks."""
+    samples: dict[str, list[list[int]]] = {name: [] for name in variants}
     clock = time.perf_counter_ns
-    for base, check in pairs.values():  # warm: connections, scripts, plans
+    for call in variants.values():  # warm: connections, plans, compiled functions
         for _ in range(200):
-            await base()
-            await check()
+            await call()
     for r in range(rounds):
         for name in samples:
             samples[name].append([])
         done = 0
+        order = list(variants.items())
         while done < calls:
-            for store, (base, check) in pairs.items():
-                for which, call in (("base", base), ("check", check)):
-                    into = samples[f"{store}:{which}"][r]
-                    for _ in range(chunk):
-                        t0 = clock()
-                        await call()
-                        into.append(clock() - t0)
+            for name, call in order:
+                into = samples[name][r]
+                for _ in range(chunk):
+                    t0 = clock()
+                    await call()
+                    into.append(clock() - t0)
+            order.reverse()  # alternate which goes first
             done += chunk
-        ratios = {
-            s: bench.median(samples[f"{s}:check"][r]) / bench.median(samples[f"{s}:base"][r])
-            for s in pairs
-        }
-        shown = ", ".join(f"{s} {x:.2f}x" for s, x in ratios.items())
-        bench.progress(f"serial round {r + 1}/{rounds}: {shown}")
-    out = {}
-    for store in pairs:
-        base_all = [x for s in samples[f"{store}:base"] for x in s]
-        check_all = [x for s in samples[f"{store}:check"] for x in s]
-        out[store] = {
-            "baseline_median_us": bench.median(base_all) / 1000,
-            "check_median_us": bench.median(check_all) / 1000,
-            "ratio_median": bench.median(check_all) / bench.median(base_all),
-            "per_round_ratio": [
-                bench.median(c) / bench.median(b)
-                for c, b in zip(samples[f"{store}:check"], samples[f"{store}:base"], strict=True)
-            ],
-        }
-    return out
+        bench.progress(f"serial round {r + 1}/{rounds}: " + ", ".join(
+            f"{n} {bench.median(s[r]) / 1000:.0f}us" for n, s in samples.items()
+        ))  # fmt: skip
+    return samples
 
 
-async def throughput(call: Callable[[int], Awaitable[Any]], total: int) -> float:
-    """Calls/s of ``CALLERS`` concurrent callers making ``total`` calls between them."""
+def ratio(samples: dict[str, list[list[int]]], num: str, den: str) -> dict[str, Any]:
+    """``num``'s median over ``den``'s: over every sample, and per round."""
+    everything = {n: [x for r in s for x in r] for n, s in samples.items()}
+    return {
+        "ratio_median": bench.median(everything[num]) / bench.median(everything[den]),
+        "per_round": [
+            bench.median(a) / bench.median(b)
+            for a, b in zip(samples[num], samples[den], strict=True)
+        ],
+        f"{num}_us": bench.median(everything[num]) / 1000,
+        f"{den}_us": bench.median(everything[den]) / 1000,
+    }
+
+
+async def throughput(call: Callable[[int], Awaitable[Any]], total: int) -> tuple[float, list[Any]]:
+    """Calls/s of ``CALLERS`` concurrent callers making ``total`` calls between them,
+    and what the calls returned."""
     each = total // CALLERS
+    out: list[Any] = []
 
     async def caller(i: int) -> None:
         for _ in range(each):
-            await call(i)
+            out.append(await call(i))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(caller(i) for i in range(CALLERS)))
-    return each * CALLERS / (time.perf_counter() - t0)
+    return each * CALLERS / (time.perf_counter() - t0), out
+
+
+def not_by_postgres(decisions: list[Decision]) -> int:
+    """Checks decided by the fail mode (degraded) or refused as busy (503)."""
+    return sum(1 for d in decisions if d.degraded or d.status == 503)
 
 
 @contextlib.contextmanager
@@ -139,17 +150,15 @@ def postgres_database(url: str | None) -> Iterator[str]:
         yield db
 
 
-async def run(args: argparse.Namespace, pg_url: str, redis_url: str) -> dict[str, Any]:
+async def run(args: argparse.Namespace, pg_url: str) -> dict[str, Any]:
     rid = bench.run_id()
-    pg = PostgresBackend.from_url(pg_url, timeout=30.0, max_connections=CALLERS // 2)
+    pg = PostgresBackend.from_url(pg_url)  # every default
     await pg.migrate()
-    # The same, committing without waiting for the WAL flush (durable=False).
-    fast = PostgresBackend.from_url(
-        pg_url, timeout=30.0, max_connections=CALLERS // 2, durable=False
-    )
+    fast = PostgresBackend.from_url(pg_url, durable=False)
     await fast.migrate()
-    red = RedisBackend.from_url(redis_url, timeout=5.0, max_connections=CALLERS)
-    noop = bench.noop(red.client)
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as conn:
+        await conn.execute(_FLOOR_TABLE)
+    floor_key = f"floor-{rid}"
 
     async def select1() -> Any:
         return await pg._call("SELECT 1", ())  # the pool's round trip, nothing else
@@ -157,83 +166,154 @@ async def run(args: argparse.Namespace, pg_url: str, redis_url: str) -> dict[str
     async def select1_fast() -> Any:
         return await fast._call("SELECT 1", ())
 
-    stores: dict[str, Backend] = {"postgres": pg, "postgres-async-commit": fast, "redis": red}
-    baselines: dict[str, Callable[[], Awaitable[Any]]] = {
-        "postgres": select1, "postgres-async-commit": select1_fast, "redis": noop,
-    }  # fmt: skip
-    govs = {s: Governor(three_limits(rid), b) for s, b in stores.items()}
-    hot = {s: Governor(one_global(rid), b) for s, b in stores.items()}
+    async def upsert() -> Any:
+        return await pg._call(_UPSERT, (floor_key,))
+
+    gov = Governor(three_limits(rid), pg)
+    gov_fast = Governor(three_limits(rid), fast)
     c0 = ctx(0)
-    pairs = {s: (baselines[s], lambda s=s: govs[s].check(c0)) for s in stores}
-    results: dict[str, Any] = {"serial": await serial(pairs, args.rounds, args.calls)}
-    n = args.concurrent_calls
-    conc: dict[str, Any] = {}
-    for store in stores:
-        base = baselines[store]
-        gov, hot_gov = govs[store], hot[store]
-        conc[store] = {
-            "baseline_per_s": await throughput(lambda i, base=base: base(), n),
-            "check_per_s": await throughput(lambda i, gov=gov: gov.check(ctx(i)), n),
-            "hot_global_per_s": await throughput(lambda i, g=hot_gov: g.check(ctx(i)), n),
+    samples = await serial(
+        {
+            "select1": select1,
+            "upsert": upsert,
+            "check": lambda: gov.check(c0),
+            "select1_fast": select1_fast,
+            "check_fast": lambda: gov_fast.check(c0),
+        },
+        args.rounds,
+        args.calls,
+    )
+    results: dict[str, Any] = {
+        "serial": {
+            "durable_check_vs_upsert": ratio(samples, "check", "upsert"),
+            "durable_check_vs_select1": ratio(samples, "check", "select1"),
+            "upsert_vs_select1": ratio(samples, "upsert", "select1"),
+            "fast_check_vs_select1": ratio(samples, "check_fast", "select1_fast"),
         }
-        conc[store]["hot_vs_spread"] = conc[store]["hot_global_per_s"] / conc[store]["check_per_s"]
-        bench.progress(f"{CALLERS} callers, {store}: {conc[store]}")
-    redis_rate = conc["redis"]["check_per_s"]
-    conc["postgres_vs_redis_checks"] = conc["postgres"]["check_per_s"] / redis_rate
+    }
+    n = args.concurrent_calls
+    conc: dict[str, Any] = {"pool_size": pg.max_connections}
+    hot = Governor(one_global(rid), pg)
+    for name, backend, g in (("durable", pg, gov), ("durable=False", fast, gov_fast)):
+        base_rate, _ = await throughput(lambda i, b=backend: b._call("SELECT 1", ()), n)
+        rate, decisions = await throughput(lambda i, g=g: g.check(ctx(i)), n)
+        conc[name] = {
+            "select1_per_s": base_rate,
+            "check_per_s": rate,
+            "ratio": rate / base_rate,
+            "not_decided_by_postgres": not_by_postgres(decisions),
+        }
+        bench.progress(f"{CALLERS} callers, {name}: {conc[name]}")
+    hot_rate, hot_decisions = await throughput(lambda i: hot.check(ctx(i)), n)
+    conc["hot"] = {
+        "check_per_s": hot_rate,
+        "vs_spread": hot_rate / conc["durable"]["check_per_s"],
+        "not_decided_by_postgres": not_by_postgres(hot_decisions),
+    }
+    bench.progress(f"{CALLERS} callers, one hot counter: {conc['hot']}")
     results["concurrent"] = conc
-    for gov in (*govs.values(), *hot.values()):
+    for g in (gov, gov_fast, hot):
         with contextlib.suppress(Exception):
-            await gov.aclose()
+            await g.aclose()
     await pg.aclose()
     await fast.aclose()
-    await red.aclose()
-    bench.cleanup(redis_url, [f"mcpbg:v1:b{rid}_*"])
     return results
 
 
+def typescript(pg_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """ts/bench/postgres.ts on the same database, both commit modes; why not, if not."""
+    try:
+        from testing.node import typescript_postgres_bench
+
+        return {
+            "durable": typescript_postgres_bench(pg_url, calls=args.calls, rounds=args.rounds),
+            "durable=False": typescript_postgres_bench(
+                pg_url, calls=args.calls, rounds=args.rounds, durable=False
+            ),
+        }
+    except Exception as exc:  # no Node, no ts/ dependencies: the row says so
+        return {"skipped": str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)}
+
+
 def render(results: dict[str, Any]) -> str:
-    rows = []
-    for store, r in results["serial"].items():
-        lo, hi = min(r["per_round_ratio"]), max(r["per_round_ratio"])
-        rows.append([
-            store, "noop EVALSHA" if store == "redis" else "SELECT 1",
-            f"{r['baseline_median_us']:.0f}", f"{r['check_median_us']:.0f}",
-            f"{r['ratio_median']:.2f}x", f"{lo:.2f}-{hi:.2f}x",
-        ])  # fmt: skip
-    serial = bench.table(
-        ["store", "baseline", "baseline us", "check() 3 limits us", "ratio (median)", "per round"],
-        rows, [False, False, True, True, True, True],
-    )  # fmt: skip
-    conc = results["concurrent"]
+    s = results["serial"]
+
+    def row(label: str, r: dict[str, Any], target: str) -> list[str]:
+        lo, hi = min(r["per_round"]), max(r["per_round"])
+        return [label, f"{r['ratio_median']:.2f}x", f"{lo:.2f}-{hi:.2f}x", target]
+
     rows = [
-        [
-            s, f"{conc[s]['baseline_per_s']:.0f}", f"{conc[s]['check_per_s']:.0f}",
-            f"{conc[s]['hot_global_per_s']:.0f}", f"{conc[s]['hot_vs_spread']:.2f}x",
-        ]
-        for s in ("postgres", "postgres-async-commit", "redis")
-    ]  # fmt: skip
-    table = bench.table(
-        ["store", "baseline/s", "check()/s (64 users)", "check()/s (1 hot global)", "hot/spread"],
-        rows, [False, True, True, True, True],
+        row("check() durable / one durable upsert", s["durable_check_vs_upsert"], "<= 1.5x"),
+        row("check() durable=False / SELECT 1", s["fast_check_vs_select1"], "<= 2x"),
+        row("check() durable / SELECT 1", s["durable_check_vs_select1"], "-"),
+        row("one durable upsert / SELECT 1", s["upsert_vs_select1"], "-"),
+    ]
+    us = {
+        "SELECT 1": s["durable_check_vs_select1"]["select1_us"],
+        "upsert": s["durable_check_vs_upsert"]["upsert_us"],
+        "check()": s["durable_check_vs_upsert"]["check_us"],
+        "check() durable=False": s["fast_check_vs_select1"]["check_fast_us"],
+    }
+    serial = bench.table(
+        ["serial, 3 limits, defaults", "ratio (median)", "per round", "target"],
+        rows, [False, True, True, False],
     )  # fmt: skip
+    c = results["concurrent"]
+    conc_rows = [
+        [name, f"{c[name]['select1_per_s']:.0f}", f"{c[name]['check_per_s']:.0f}",
+         f"{c[name]['ratio']:.2f}x", str(c[name]["not_decided_by_postgres"])]
+        for name in ("durable", "durable=False")
+    ]  # fmt: skip
+    conc = bench.table(
+        ["64 callers", "SELECT 1/s", "check()/s", "ratio (>= 1.0x)", "fail mode or busy"],
+        conc_rows, [False, True, True, True, True],
+    )  # fmt: skip
+    hot = c["hot"]
+    ts = results.get("typescript", {})
+    if "skipped" in ts or not ts:
+        ts_line = f"Python vs TypeScript: not measured ({ts.get('skipped', 'not asked')})"
+    else:
+        py = s["durable_check_vs_select1"]["ratio_median"]
+        pyf = s["fast_check_vs_select1"]["ratio_median"]
+        ts_line = (
+            "Python vs TypeScript, check()/SELECT 1 on each side: "
+            f"durable {py:.2f}x vs {ts['durable']['ratio']:.2f}x "
+            f"({s['durable_check_vs_select1']['check_us']:.0f} vs "
+            f"{ts['durable']['check_us']:.0f} us); durable=False {pyf:.2f}x vs "
+            f"{ts['durable=False']['ratio']:.2f}x"
+        )
     return (
-        f"serial latency\n{serial}\n\n{CALLERS} concurrent callers\n{table}\n"
-        f"postgres/redis check throughput: {conc['postgres_vs_redis_checks']:.2f}x\n"
+        f"{serial}\n"
+        + "medians: "
+        + ", ".join(f"{k} {v:.0f} us" for k, v in us.items())
+        + "\n\n"
+        + f"{conc}\n(pool of {c['pool_size']} connections on both sides)\n"
+        + f"one hot counter: {hot['check_per_s']:.0f} checks/s, {hot['vs_spread']:.2f}x the "
+        + f"spread run, {hot['not_decided_by_postgres']} by fail mode or busy\n"
+        + ts_line
+        + "\n"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--postgres", default=None, help="postgresql:// URL (default: local)")
-    parser.add_argument("--redis", default=None, help="redis:// URL (default: a local one)")
     parser.add_argument("--calls", type=int, default=1000, help="serial calls per variant/round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrent-calls", type=int, default=6400)
+    parser.add_argument("--no-typescript", action="store_true", help="skip the Node figures")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args(argv)
-    with postgres_database(args.postgres) as pg_url, bench.redis_server(args.redis) as server:
-        results = asyncio.run(run(args, pg_url, server.url))
-        results["environment"] = bench.environment(server.url, server.origin)
+    with postgres_database(args.postgres) as pg_url:
+        results = asyncio.run(run(args, pg_url))
+        if not args.no_typescript:
+            results["typescript"] = typescript(pg_url, args)
+    results["environment"] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg": bench.loadavg(),
+    }
     print(render(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

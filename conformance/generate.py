@@ -247,6 +247,7 @@ BAD_POLICIES: dict[str, str] = {
     "bad_zone": 'timezone = "Mars/Olympus"\n[[limits]]\nname = "a"\ncap = 1\nwindow = "day"\n',
     "cap_and_cap_usd": '[[limits]]\nname = "a"\ncap = 1\ncap_usd = "1"\nwindow = "day"\n',
     "missing_window": '[[limits]]\nname = "a"\ncap = 1\n',
+    "empty_scope": '[[limits]]\nname = "a"\ncap = 1\nwindow = "day"\nscope = []\n',
 }
 
 
@@ -309,9 +310,11 @@ LEASE_TTL = 30.0
 
 
 def charge_vectors() -> list[dict[str, Any]]:
-    """Per case the exact EVALSHA command RedisBackend sends (nothing reaches a server)."""
+    """Per case the exact EVALSHA command RedisBackend sends, and the arguments of
+    PostgresBackend's mcpbg_charge (nothing reaches a server)."""
     import redis.asyncio as aioredis
 
+    from mcp_budget_governor.projections.counters import postgres
     from mcp_budget_governor.projections.counters.redis import RedisBackend
 
     out = []
@@ -338,8 +341,27 @@ def charge_vectors() -> list[dict[str, Any]]:
         command = ["EVALSHA", backend._charge.sha] + [
             a.decode() if isinstance(a, bytes) else str(a) for a in args
         ]
-        out.append({**case, "now": NOW, "ledger": ledger, "command": command})
+        # The same charge on Postgres: mcpbg_charge's arguments, as PostgresBackend passes them.
+        sql_params = postgres.charge_params(
+            ops, event_id=event_id, want_used=True, op_id=op_id, lease=lease, lease_ttl=LEASE_TTL,
+            ticket=case.get("ticket"), require_epoch=bool(case.get("require_epoch")),
+        )  # fmt: skip
+        out.append(
+            {**case, "now": NOW, "ledger": ledger, "command": command, "sql": list(sql_params)}
+        )
     return out
+
+
+def sql_vectors() -> dict[str, str]:
+    """The statements PostgresBackend runs on the hot path, placeholders numbered as
+    node-postgres numbers them ($1, $2, ...), casts and all."""
+    from mcp_budget_governor.projections.counters import postgres
+
+    def numbered(text: str) -> str:
+        parts = text.split("%s")
+        return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts))
+
+    return {"charge": numbered(postgres._CHARGE)}
 
 
 # -- run-time changes -----------------------------------------------------------
@@ -601,6 +623,7 @@ def vectors() -> dict[str, Any]:
     }
     out["policies"] = policy_vectors()
     out["charge"] = charge_vectors()
+    out["sql"] = sql_vectors()
     out["changes"] = change_vectors()
     out["builtin_prices"] = price_vectors()
     out["usd_more"] = usd_vectors()

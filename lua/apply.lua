@@ -60,6 +60,77 @@ local counters = 2 + seen_sets
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
 local wm = tonumber(wm_raw or '-1')
 local now = math.floor(caller_ms() / 1000)
+
+-- Every fresh event's sums are checked before the first write (all or none,
+-- counters.apply_problem and grant_problem): a committed part stays within the
+-- exact range, a refund never takes a counter's spend below zero, a counter's
+-- grants stay within the exact range. The first event that fails refuses the
+-- batch, naming its offset; the client dead-letters it and applies the rest.
+local MAX_EXACT = 9007199254740991
+do
+  local c_of, f_of, g_of, ids = {}, {}, {}, {}
+  local mark = wm
+  local check = string.gmatch(ARGV[4], '%S+')
+  local function refuse(offset, why)
+    return redis.error_reply('mcpbg apply: refused event at offset ' .. offset .. ': ' .. why)
+  end
+  for _ = 1, tonumber(ARGV[2]) do
+    local offset_raw = check()
+    local offset = tonumber(offset_raw)
+    local event_id = check()
+    local seen = KEYS[2 + tonumber(check())]
+    check()
+    local fresh = offset > mark
+    if fresh then
+      mark = offset
+      fresh = not ids[event_id] and redis.call('SISMEMBER', seen, event_id) == 0
+      ids[event_id] = true
+    end
+    for _ = 1, tonumber(check()) do
+      local key_pos, amount, expire_at = check(), check(), check()
+      if fresh then
+        local key = KEYS[counters + tonumber(key_pos)]
+        if c_of[key] == nil then
+          local v = redis.call('HMGET', key, 'c', 'f')
+          c_of[key], f_of[key] = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+        end
+        local pending = redis.call('HGET', key, 'e:' .. event_id)
+        if pending then f_of[key] = f_of[key] - tonumber(pending) end
+        if tonumber(expire_at) > now then
+          local a = tonumber(amount)
+          local c = c_of[key] + a
+          if not (c >= -MAX_EXACT and c <= MAX_EXACT) then
+            return refuse(offset_raw, key .. ': committed ' .. string.format('%.0f', c_of[key])
+              .. ' + ' .. amount .. ' would leave the exact range (at most 9007199254740991)')
+          end
+          if a < 0 and c + f_of[key] < 0 then
+            return refuse(offset_raw, key .. ': ' .. amount .. ' would take its spend ('
+              .. string.format('%.0f', c_of[key] + f_of[key]) .. ') below zero')
+          end
+          c_of[key] = c
+        end
+      end
+    end
+    for _ = 1, tonumber(check()) do
+      local pos, kind, _, amount, untl = check(), check(), check(), check(), check()
+      check()
+      check()
+      if fresh and (kind == 'granted' or kind == 'reset') and tonumber(untl) > now then
+        local key = KEYS[counters + tonumber(pos)]
+        if g_of[key] == nil then g_of[key] = tonumber(redis.call('HGET', key, 'g') or '0') end
+        local g = tonumber(amount)
+        if kind == 'granted' then
+          if not (g_of[key] + g <= MAX_EXACT) then
+            return refuse(offset_raw, key .. ': grant ' .. string.format('%.0f', g_of[key])
+              .. ' + ' .. amount .. ' would leave the exact range (at most 9007199254740991)')
+          end
+          g = g_of[key] + g
+        end
+        g_of[key] = g
+      end
+    end
+  end
+end
 local token = string.gmatch(ARGV[4], '%S+')
 local applied = 0
 for _ = 1, tonumber(ARGV[2]) do

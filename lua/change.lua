@@ -13,6 +13,31 @@ for i = 1, #KEYS do
   end
 end
 local now = math.floor(caller_ms() / 1000)
+-- A counter's grants stay within the exact range (counters.grant_problem),
+-- checked for every change before the first write: all or none.
+local grants = {}
+local check = string.gmatch(ARGV[1], '%S+')
+while true do
+  local kind = check()
+  if not kind then break end
+  local pos, _, amount, untl = check(), check(), check(), check()
+  check()
+  check()
+  if (kind == 'granted' or kind == 'reset') and tonumber(untl) > now then
+    local key = KEYS[tonumber(pos)]
+    if grants[key] == nil then grants[key] = tonumber(redis.call('HGET', key, 'g') or '0') end
+    local g = tonumber(amount)
+    if kind == 'granted' then
+      if not (grants[key] + g <= 9007199254740991) then
+        return redis.error_reply('mcpbg change: refused: ' .. key .. ': grant '
+          .. string.format('%.0f', grants[key]) .. ' + ' .. amount
+          .. ' would leave the exact range (at most 9007199254740991)')
+      end
+      g = grants[key] + g
+    end
+    grants[key] = g
+  end
+end
 local token = string.gmatch(ARGV[1], '%S+')
 local n = 0
 while true do

@@ -21,6 +21,7 @@ from .context import ANONYMOUS_USER, Context
 from .counters import Backend
 from .decision import Decision, Lease, MeterResult
 from .errors import (
+    BackendBusyError,
     BackendUnavailable,
     BackendUnavailableError,
     BudgetExceeded,
@@ -61,6 +62,7 @@ __all__ = [
     "Admission",
     "Anonymous",
     "Backend",
+    "BackendBusyError",
     "BackendUnavailable",
     "BackendUnavailableError",
     "BudgetExceeded",

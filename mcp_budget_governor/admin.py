@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from . import bounds
 from .caps import PLANS_KEY, Change, ChangeKind, assignment_field, caps_key, check_cap
 from .context import Context
 from .errors import InvalidInputError, PolicyError
@@ -75,6 +76,9 @@ def _until(until: Any, now: float) -> int:
         raise InvalidInputError("until", until, "expected a datetime or epoch seconds")
     if not math.isfinite(moment) or moment <= now:
         raise InvalidInputError("until", until, "must be in the future")
+    why = bounds.problem("until", math.ceil(moment))
+    if why is not None:  # a time every zone, language and store can still show
+        raise InvalidInputError("until", until, why)
     return math.ceil(moment)
 
 

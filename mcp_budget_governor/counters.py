@@ -19,13 +19,14 @@ bound still is (doubles round monotonically and the bound is representable).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .caps import CapRef, Change
-from .errors import CounterOverflowError
+from .errors import CounterOverflowError, EventRefusedError
 from .keys import parse_key
 from .money import MAX_AMOUNT
 
@@ -72,6 +73,59 @@ def stays_exact(committed: int, in_flight: int, amount: int, *, inline: bool) ->
         and -MAX_COUNTER <= in_flight <= MAX_COUNTER
         and -MAX_COUNTER <= committed + in_flight <= MAX_COUNTER
     )
+
+
+def apply_problem(key: str, committed: int, in_flight: int, amount: int) -> str | None:
+    """Why the projection must not commit ``amount`` to counter ``key`` (None: it may).
+
+    ``in_flight`` is the counter's in-flight total without the event's own
+    entry (the apply moves that one out). The committed part stays in the exact
+    range, and a negative amount (a settlement's or a release's refund) never
+    takes the spend below zero: a refund returns what was spent, never more.
+    ``lua/apply.lua`` and ``mcpbg_apply`` (sql/) make the same tests before
+    their first write; an event that fails one is refused whole.
+
+    >>> apply_problem("k", MAX_COUNTER, 0, 1)
+    'k: committed 9007199254740991 + 1 would leave the exact range (at most 9007199254740991)'
+    >>> apply_problem("k", 5, 0, -6), apply_problem("k", 5, 0, -5)
+    ('k: -6 would take its spend (5) below zero', None)
+    """
+    total = committed + amount
+    if total > MAX_COUNTER or total < -MAX_COUNTER:
+        return (
+            f"{key}: committed {committed} + {amount} would leave the exact range "
+            f"(at most {MAX_COUNTER})"
+        )
+    if amount < 0 and total + in_flight < 0:
+        return f"{key}: {amount} would take its spend ({committed + in_flight}) below zero"
+    return None
+
+
+def grant_problem(key: str, grant: int, amount: int) -> str | None:
+    """Why a grant of ``amount`` must not be added to counter ``key``'s ``grant`` (None: ok).
+
+    >>> grant_problem("k", MAX_COUNTER, 1)
+    'k: grant 9007199254740991 + 1 would leave the exact range (at most 9007199254740991)'
+    """
+    if grant + amount > MAX_COUNTER:
+        bound = MAX_COUNTER
+        return f"{key}: grant {grant} + {amount} would leave the exact range (at most {bound})"
+    return None
+
+
+_REFUSED = re.compile(r"mcpbg apply: refused event at offset (\d+): (.+)")
+
+
+def refused_event(message: str) -> EventRefusedError | None:
+    """The refusal a store's apply reported (lua/apply.lua, sql/ ``mcpbg_apply``), or None.
+
+    >>> refused_event("mcpbg apply: refused event at offset 7: k: grant 1 + 2 ...").offset
+    7
+    """
+    found = _REFUSED.search(message)
+    if found is None:
+        return None
+    return EventRefusedError(int(found.group(1)), found.group(2).splitlines()[0])
 
 
 def overflow(key: str, amount: int) -> CounterOverflowError:

@@ -136,6 +136,21 @@ class BackendUnavailableError(GovernorError, ConnectionError):
         return cls(f"redis {redact(url)} unreachable: {cause}")
 
 
+class BackendBusyError(GovernorError):
+    """The counter store answers but is overloaded: no free connection, a lock queue or
+    a statement past its bound on a live server. Not an outage: no fail mode applies,
+    the check is refused (503, ``budget_unavailable:<store> busy``) and nothing is
+    charged.
+
+    >>> str(BackendBusyError("postgres", "no connection free within 5.0s"))
+    'postgres busy: no connection free within 5.0s'
+    """
+
+    def __init__(self, store: str, detail: str) -> None:
+        self.store = store
+        super().__init__(f"{store} busy: {detail}")
+
+
 class EpochMissingError(BackendUnavailableError):
     """The counter store restarted empty: its counters must be rebuilt from the ledger
     before anything is applied to, or admitted from, them."""
@@ -158,6 +173,17 @@ class CounterOverflowError(GovernorError, OverflowError):
             f"limit {limit!r}: charging {amount} would take counter {_show(key)} past "
             f"+-{bound}, the largest total counted exactly; nothing was charged"
         )
+
+
+class EventRefusedError(GovernorError, ValueError):
+    """A store refused to apply the ledger event at ``offset``, having written nothing of
+    the batch: its sums would leave the exact range, or take a counter below zero.
+    ``reason`` says which; the projection dead-letters that one event and goes on."""
+
+    def __init__(self, offset: int, reason: str) -> None:
+        self.offset = offset
+        self.reason = reason
+        super().__init__(f"event at offset {offset} refused: {reason}")
 
 
 #: The prefix of a refusal's RFC 9457 (7807) problem ``type``, then its kind

@@ -41,6 +41,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from . import bounds
+from .bounds import LATEST_TIME
 from .caps import Change, ChangeKind
 from .context import Context, cacheable
 from .errors import GovernorError
@@ -149,7 +151,7 @@ class ChangeData(_Model):
     key: Annotated[str, StringConstraints(pattern=f"^{PREFIX}:", max_length=1024)]
     field: Annotated[str, StringConstraints(max_length=1024)] = ""
     amount: Count = 0
-    until: Annotated[int, Field(strict=True, ge=0)] = 0
+    until: Annotated[int, Field(strict=True, ge=0, le=LATEST_TIME)] = 0
     plan: LimitName | None = None
     actor: Annotated[str, StringConstraints(max_length=256)] = ""
     reason: Annotated[str, StringConstraints(max_length=1024)] = ""
@@ -176,6 +178,10 @@ class _Event(_Model):
     def model_post_init(self, _: Any) -> None:
         # The topic is input: only charges a governor could have written (see provenance).
         charges = self.data.charges
+        moment = self.time.timestamp()
+        why = bounds.problem("time", math.floor(moment))
+        if why is not None:
+            raise PydanticCustomError("time", "time: {why} (got {at})", {"why": why, "at": moment})
         problem = event_problem(
             _KINDS[self.type],  # type: ignore[attr-defined]
             self.time.timestamp(),
@@ -201,6 +207,8 @@ class _Event(_Model):
                 change.amount,
                 change.until,
                 change.plan,
+                time=self.time.timestamp(),
+                context=self.data.context.__dict__,
             )
         if problem is not None:
             # A custom error: the reason reads as is, without pydantic's "Value error, ".

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -26,13 +27,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import admin, planning
+from . import admin, bounds, planning
+from .approval import Approval, spend_op
 from .backends.base import adapted, epoch_clock
 from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
 from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
+    BackendBusyError,
     BackendUnavailableError,
     CounterOverflowError,
     GovernorError,
@@ -48,6 +51,7 @@ from .observe import Observer
 from .planning import Slot
 from .policy import Policy
 from .prices import PriceTable
+from .shielding import finished, not_cancelled, to_the_end
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -127,6 +131,10 @@ class Governor(Metering[MeterResult]):
         # late had landed, and its replay then changes nothing (lua/charge.lua).
         self._pending: deque[tuple[str, tuple[CounterOp, ...]]] = deque()
         self._max_pending = max_pending
+        # One replay at a time: concurrent checks at recovery wait for it, so each
+        # outage charge is sent (and taken off the deque) by one task only.
+        self._replaying = asyncio.Lock()
+        self._marks = 0  # how often the backend was marked down (see _flush_pending)
         self._down_until = 0.0
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
         # Plans (by id; the value keeps the id theirs) whose last check was refused:
@@ -201,27 +209,59 @@ class Governor(Metering[MeterResult]):
         ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through
         :meth:`admitted`, which gives the slot back.
         """
+        decision, cancelled = await self._checked(ctx, amount, approved, wait)
+        if cancelled is not None:  # the caller never gets the decision: its slot back now
+            await to_the_end(self.release(decision))
+            raise cancelled
+        return decision
+
+    async def _checked(
+        self, ctx: Context | None, amount: int, approved: Sequence[str], wait: float
+    ) -> tuple[Decision, asyncio.CancelledError | None]:
+        """:meth:`check` run to its end whatever instant a cancellation arrives: the
+        decision (the admission recorded in the ledger, its lease still held) and the
+        cancellation, for the caller to settle the decision and raise it. A waiting
+        call gives up its place in the queues as the cancellation arrives."""
+        await not_cancelled()  # a caller cancelled before its check: nothing to settle
+        gave_up: asyncio.Event | None = asyncio.Event() if wait else None
         if self._obs is not None:
-            check = functools.partial(self._check, wait=wait) if wait else self._check
-            return await self._obs.observe_check(check, ctx, amount, approved)
-        return await self._check(ctx, amount, approved, wait)
+            check: Any = (
+                functools.partial(self._check, wait=wait, gave_up=gave_up) if wait else self._check
+            )
+            step = self._obs.observe_check(check, ctx, amount, approved)
+        else:
+            step = self._check(ctx, amount, approved, wait, gave_up)
+        return await finished(step, None if gave_up is None else gave_up.set)
 
     async def _check(
-        self, ctx: Context | None, amount: int, approved: Sequence[str], wait: float = 0
+        self,
+        ctx: Context | None,
+        amount: int,
+        approved: Sequence[str],
+        wait: float = 0,
+        gave_up: asyncio.Event | None = None,
     ) -> Decision:
         """:meth:`check` without its observer."""
         if amount.__class__ is not int or amount != 1:
             check_amount(amount, "amount")
         ctx = ctx or EMPTY
         if wait:
-            return await self._check_waiting(ctx, amount, approved, _wait_seconds(wait))
+            return await self._check_waiting(
+                ctx, amount, approved, _wait_seconds(wait), gave_up or asyncio.Event()
+            )
         now = self._clock()
         if approved:
             allowed = self._approvable(approved)
-            plan = planning.check_plan(self.policy, ctx, now, amount, allowed)
-            decision, _ = await self._admit(
-                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed))
+            plan = _spending(
+                planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
             )
+            decision, _ = (
+                (_SPENT, None)
+                if plan is None
+                else await self._admit(plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed))
+            )
+            if decision is _SPENT:  # used already, or lapsed: the call as if unapproved
+                return await self._check(ctx, amount, ())
             return decision
         plan = self._plan(ctx, now, amount)
         if self.ledger is None and not plan.slots:
@@ -230,37 +270,53 @@ class Governor(Metering[MeterResult]):
         return decision
 
     async def _check_waiting(
-        self, ctx: Context, amount: int, approved: Sequence[str], wait: float
+        self,
+        ctx: Context,
+        amount: int,
+        approved: Sequence[str],
+        wait: float,
+        gave_up: asyncio.Event,
     ) -> Decision:
         """:meth:`check` retried while a concurrency cap refuses, holding a place in
         the caps' queues: a slot that frees goes to the oldest waiter, on every
         replica (the scripts admit nobody else while it waits ahead). The retries
-        back off from 5 ms to 100 ms; only the outcome reaches the ledger."""
+        back off from 5 ms to 100 ms; only the outcome reaches the ledger. ``gave_up``
+        set (the caller was cancelled) ends the wait at once: the attempt under way
+        ends, and a refused waiter leaves the queues."""
         allowed = self._approvable(approved) if approved else frozenset()
         ticket = f"{new_id()}/{math.ceil(wait * 1000)}"
         deadline = time.monotonic() + wait
         delay = 0.005
         while True:
             now = self._clock()
-            plan = (
-                planning.check_plan(self.policy, ctx, now, amount, allowed)
-                if allowed
-                else self._plan(ctx, now, amount)
-            )
+            if allowed:
+                spending = _spending(
+                    planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
+                )
+                if spending is None:  # lapsed: wait as if unapproved
+                    return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
+                plan = spending
+            else:
+                plan = self._plan(ctx, now, amount)
             decision, event_id = await self._admit(
-                plan, ctx, now, EntryType.ADMITTED, approved=tuple(sorted(allowed)),
+                plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed),
                 ticket=ticket if plan.leases else None, record_refusal=False,
             )  # fmt: skip
+            if decision is _SPENT:  # used already: wait as if unapproved
+                await self._leave(plan.leases, ticket)
+                return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
             if decision.admitted:
                 return decision
             left = deadline - time.monotonic()
             full = decision.limit is not None and self.policy[decision.limit].concurrent
-            if left <= 0 or not plan.leases or not full or decision.status == 503:
+            ended = left <= 0 or gave_up.is_set() or decision.status == 503
+            if ended or not plan.leases or not full:
                 await self._leave(plan.leases, ticket)
                 if event_id is not None:  # the one refusal the ledger records
                     await self._log(event_id, EntryType.ADMITTED, now, ctx, plan, decision, ())
                 return decision
-            await asyncio.sleep(min(delay, left))
+            with contextlib.suppress(TimeoutError):  # slept, unless the caller gave up
+                await asyncio.wait_for(gave_up.wait(), min(delay, left))
             delay = min(delay * 2, 0.1)
 
     async def _leave(self, leases: Sequence[str], ticket: str) -> None:
@@ -559,6 +615,17 @@ class Governor(Metering[MeterResult]):
         change, ctx = admin.grant_change(
             self.policy, limit, scope, amount, now=self._clock(), reason=reason, actor=actor
         )
+        # The sum is checked before it is applied: the counter's cap and grants so far
+        # plus this one stay in the exact range, where every backend counts alike.
+        ((_, room_cap),) = await self._read((self._read_slot(limit, ctx),))
+        why = bounds.sum_problem("grant", room_cap, change.amount)
+        if why is not None:
+            raise InvalidInputError(
+                "amount",
+                amount,
+                f"the counter's cap and grants ({room_cap}) plus this one "
+                f"would leave the exact range (at most {bounds.MAX_AMOUNT})",
+            )
         return await self._apply_change(change, ctx)
 
     async def reset(self, limit: str, *, reason: str = "", actor: str = "", **scope: str) -> Change:
@@ -643,10 +710,21 @@ class Governor(Metering[MeterResult]):
                     plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
                 )
         except BackendUnavailableError:
+            if len(plan.ops) > len(plan.slots):
+                return _SPENT, None  # an approval is spent only where it is counted
             decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
+        except BackendBusyError as exc:  # overload, not an outage: refused, no fail mode
+            decision = planning.busy(exc.store, self._retry_interval)
         else:
+            ops = plan.ops
+            if len(ops) > len(plan.slots):  # an approval's marker came last
+                if result.refused >= len(plan.slots):
+                    return _SPENT, None
+                n = len(plan.slots)
+                ops = ops[:n]
+                result = ChargeResult(result.refused, result.used[:n], result.caps[:n])
             if result.caps:
-                self._saw_caps(plan.ops, result.caps)
+                self._saw_caps(ops, result.caps)
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
@@ -767,6 +845,8 @@ class Governor(Metering[MeterResult]):
             if self._clock() < self._down_until:
                 raise BackendUnavailableError("backend marked down; retrying later")
             await self._flush_pending()
+        elif self._pending:  # charges a busy store could not take
+            await self._flush_pending()
         try:
             if ticket is not None:  # a call waiting for a concurrency slot
                 return await self.backend.charge(  # type: ignore[call-arg]
@@ -796,11 +876,25 @@ class Governor(Metering[MeterResult]):
                 extra={"event": f"governor.backend_{event}"},
             )
         self._down_until = self._clock() + self._retry_interval
+        self._marks += 1
 
     async def _flush_pending(self) -> None:
-        """Replay outage charges, then resume normal enforcement."""
+        """Replay outage charges, then resume normal enforcement.
+
+        One task replays; checks arriving meanwhile wait for it, then find the
+        deque empty (replayed once each), or, if the replay found the backend
+        down again, take the fail mode without trying it themselves.
+        """
+        marks = self._marks
+        async with self._replaying:
+            if self._marks != marks:
+                raise BackendUnavailableError("backend marked down; retrying later")
+            await self._replay()
+
+    async def _replay(self) -> None:
         while self._pending:
-            op_id, ops = self._pending[0]
+            item = self._pending[0]
+            op_id, ops = item
             try:
                 await self.backend.charge(ops, want_used=False, op_id=op_id)
             except BackendUnavailableError:
@@ -808,7 +902,8 @@ class Governor(Metering[MeterResult]):
                 raise
             except CounterOverflowError as exc:
                 log.error("outage charge dropped: %s", exc)  # it can never be counted
-            self._pending.popleft()
+            if self._pending and self._pending[0] is item:  # (a full buffer drops its oldest)
+                self._pending.popleft()
         if self._down_until:
             log.warning("budget counters reachable again: normal enforcement resumed")
             self._down_until = 0.0
@@ -883,13 +978,37 @@ class Governor(Metering[MeterResult]):
         want_used: bool = False,
         detach: bool = False,
     ) -> tuple[int | None, bool, int | None]:
-        """Charge ``slots`` in one call and append them as one ledger event.
+        """Charge ``slots`` in one call and append them as one ledger event, both
+        made even when the caller is cancelled meanwhile (then raised after).
 
         Returns the first slot's total before the charge (with ``want_used``,
         when a counter answered, else None), whether the shared counters
         were unreachable, and the first slot's effective cap with grants (None:
         its default).
         """
+        got, cancelled = await finished(
+            self._record_now(
+                slots, ctx, kind, usage, now,
+                reservation=reservation, want_used=want_used, detach=detach,
+            )
+        )  # fmt: skip
+        if cancelled is not None:
+            raise cancelled
+        return got
+
+    async def _record_now(
+        self,
+        slots: Sequence[Slot],
+        ctx: Context,
+        kind: EntryType,
+        usage: TokenUsage | None,
+        now: float,
+        *,
+        reservation: str | None,
+        want_used: bool,
+        detach: bool,
+    ) -> tuple[int | None, bool, int | None]:
+        """:meth:`_record`, cancellable."""
         cap: int | None = None
         event_id = new_id() if self.ledger is not None else None
         op_id = None if event_id is not None else new_id()
@@ -913,6 +1032,10 @@ class Governor(Metering[MeterResult]):
             except BackendUnavailableError:
                 degraded = True
                 before = await self._charge_failed(slots, op_id)
+            except BackendBusyError:
+                # A completed call is charged whatever the store's load: inline mode
+                # keeps it for the next charge to replay (the ledger carries it).
+                self._keep_for_later(slots, op_id)
         if event_id is not None:
             await self._append(
                 event_id,
@@ -1009,6 +1132,31 @@ def _wait_seconds(wait: Any) -> float:
     if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= MAX_WAIT:
         raise InvalidInputError("wait", wait, f"expected seconds from 0 to {MAX_WAIT:.0f}")
     return float(wait)
+
+
+#: What :meth:`Governor._admit` answers when the approval it was to spend was spent
+#: already (or cannot be spent: the counters unreachable): nothing was charged.
+_SPENT = Decision(admitted=False, reason="approval_spent")
+
+
+def _spending(plan: planning.Plan, approved: Sequence[str], now: float) -> planning.Plan | None:
+    """``plan`` that also spends its one-time approvals (approval.spend_op), in the
+    same atomic charge, their markers last; None when one has lapsed."""
+    spends = [a for a in approved if isinstance(a, Approval)]
+    if not spends:
+        return plan
+    if any(a.until <= now for a in spends):
+        return None
+    return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a) for a in spends))
+
+
+def _names(approved: frozenset[str]) -> tuple[str, ...]:
+    """The approved limits' names as the ledger records them (plain strings, sorted)."""
+    return tuple(sorted(str(a) for a in approved))
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
 
 
 def _local(limit: Limit) -> bool:

@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from . import planning
 from .context import Context
@@ -36,6 +36,7 @@ from .ledger import EntryType
 from .limits import Limit
 from .money import check_amount
 from .planning import Slot
+from .shielding import finished, not_cancelled, to_the_end
 
 if TYPE_CHECKING:
     from .governor import Governor
@@ -50,6 +51,10 @@ class Admission:
     admitted, never raising for a refusal); while the block runs a task renews
     the call's concurrency-cap leases every third of ``lease_ttl``; exiting gives
     them back, on success, exception and cancellation alike.
+
+    A cancellation that arrives while entering lets the check end (recorded in
+    the ledger), gives the leases back at once and is raised; ``decision`` then
+    still tells whether the call had been admitted (it has used its admission).
     """
 
     def __init__(
@@ -66,13 +71,19 @@ class Admission:
         self._approved = tuple(approved)
         self._wait = wait
         self.decision: Decision | None = None
+        self._held: Decision | None = None  # its leases not given back yet
         self._renewer: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Decision:
-        decision = await self._gov.check(
-            self._ctx, amount=self._amount, approved=self._approved, wait=self._wait
+        gov = self._gov
+        decision, cancelled = await gov._checked(
+            self._ctx, self._amount, self._approved, self._wait
         )
         self.decision = decision
+        if cancelled is not None:  # the block never runs: its slot back now
+            await to_the_end(gov.release(decision))
+            raise cancelled
+        self._held = decision
         if decision.lease is not None:
             self._renewer = asyncio.ensure_future(self._renew(decision))
         return decision
@@ -96,10 +107,10 @@ class Admission:
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
             renewer.cancel()
-        if self.decision is not None:
-            decision, self.decision = self.decision, None
-            # Shielded: a cancelled call still gives its slot back at once.
-            await asyncio.shield(self._gov.release(decision))
+        if self._held is not None:
+            decision, self._held = self._held, None
+            # To its end: a cancelled call still gives its slot back at once.
+            await to_the_end(self._gov.release(decision))
 
 
 class Reservation:
@@ -149,14 +160,17 @@ class Reservation:
         self._released = True
 
     async def __aenter__(self) -> Reservation:
-        self.decision, event_id, slots = await _hold(
-            self._gov, self.ctx, ((self.limit, self.estimate),)
+        await not_cancelled()  # cancelled before it: nothing held
+        (self.decision, event_id, slots), cancelled = await finished(
+            _hold(self._gov, self.ctx, ((self.limit, self.estimate),))
         )
-        if not self.decision.admitted:
-            raise LimitExceeded(self.decision)
         if slots:
             (self._slot,) = slots
             self.id = event_id
+        if cancelled is not None:  # the caller never holds it: released at once
+            await _given_back(self, cancelled)
+        if not self.decision.admitted:
+            raise LimitExceeded(self.decision)
         return self
 
     async def __aexit__(
@@ -231,16 +245,21 @@ class Reservations:
         self._released = True
 
     async def __aenter__(self) -> Reservations:
+        await not_cancelled()  # cancelled before it: nothing held
         policy = self._gov.policy
         wanted = tuple(
             (planning.metered_limit(policy, name), estimate)
             for name, estimate in self.estimates.items()
         )
-        self.decision, event_id, slots = await _hold(self._gov, self.ctx, wanted)
-        if not self.decision.admitted:
-            raise LimitExceeded(self.decision)
+        (self.decision, event_id, slots), cancelled = await finished(
+            _hold(self._gov, self.ctx, wanted)
+        )
         self._slots = slots
         self.id = event_id
+        if cancelled is not None:  # the caller never holds them: released at once
+            await _given_back(self, cancelled)
+        if not self.decision.admitted:
+            raise LimitExceeded(self.decision)
         return self
 
     async def __aexit__(
@@ -263,6 +282,14 @@ class Reservations:
         if not deltas and gov.ledger is None:
             return  # every estimate stands and nothing records the close
         await gov._record(tuple(deltas), self.ctx, kind, None, gov._clock(), reservation=self.id)
+
+
+async def _given_back(held: Reservation | Reservations, cancelled: BaseException) -> NoReturn:
+    """A reservation whose caller was cancelled while it was made: every estimate
+    it holds is released (one ``released`` event), then the cancellation raised."""
+    held.release()
+    await to_the_end(held.__aexit__(None, None, None))
+    raise cancelled
 
 
 async def _hold(

@@ -143,6 +143,10 @@ EPOCH_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 #: 64 hex digits, created once with SET NX (ts/src/keys.ts APPROVAL_KEY); Python's
 #: FastMCP replicas seal their request state under it too (fastmcp.shared_request_state).
 APPROVAL_KEY = f"{PREFIX}:_approval"
+#: Prefix of the markers of spent approvals (``<prefix>:<one-time id>``,
+#: approval.py): charged with the admission an approval allows, in the same atomic
+#: step, so a second use finds it and is refused (ts/src/keys.ts SPENT_PREFIX).
+SPENT_PREFIX = f"{PREFIX}:_spent"
 #: Prefix of the markers of applied inline charges (``<prefix>:<operation id>``).
 OP_PREFIX = f"{PREFIX}:_op"
 #: How long an inline charge's operation marker lives (mirrored in ``lua/charge.lua``).

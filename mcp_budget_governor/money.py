@@ -12,7 +12,15 @@ True
 
 from __future__ import annotations
 
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from decimal import (
+    ROUND_CEILING,
+    Context,
+    Decimal,
+    DivisionByZero,
+    InvalidOperation,
+    Overflow,
+    localcontext,
+)
 from enum import StrEnum
 from typing import Any
 
@@ -20,6 +28,13 @@ from .errors import InvalidInputError
 
 MAX_AMOUNT = 2**53 - 1
 MICROS_PER_USD = 1_000_000
+
+#: The arithmetic of a dollar figure: exact enough for any amount in range, rounding
+#: up (as a fraction of a micro is), and a signal that would otherwise be a bare
+#: ``decimal`` exception trapped, to be reported as bad input.
+_DOLLAR_MATH = Context(
+    prec=64, rounding=ROUND_CEILING, traps=[InvalidOperation, Overflow, DivisionByZero]
+)
 
 
 class Unit(StrEnum):
@@ -39,6 +54,9 @@ def to_decimal(value: Any, field: str) -> Decimal:
     if isinstance(value, Decimal):
         result = value
     elif isinstance(value, int | float | str):
+        if isinstance(value, str) and (not value.isascii() or "_" in value):
+            # Decimal() reads other scripts' digits and "1_000": a person means neither.
+            raise InvalidInputError(field, value, "not a number")
         try:
             result = Decimal(str(value).strip()) if not isinstance(value, int) else Decimal(value)
         except InvalidOperation:
@@ -63,7 +81,10 @@ def usd(dollars: int | float | str | Decimal) -> int:
     value = to_decimal(dollars, "usd")
     if value < 0:
         raise InvalidInputError("usd", dollars, "must not be negative")
-    micros = int((value * MICROS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
+    if value.adjusted() > 16:  # past 10**16 dollars: out of range, and no arithmetic on it
+        raise InvalidInputError("usd", dollars, f"exceeds the largest amount ({MAX_AMOUNT} micros)")
+    with localcontext(_DOLLAR_MATH):
+        micros = int((value * MICROS_PER_USD).to_integral_value(rounding=ROUND_CEILING))
     if micros > MAX_AMOUNT:
         raise InvalidInputError("usd", dollars, f"exceeds the largest amount ({MAX_AMOUNT} micros)")
     return micros

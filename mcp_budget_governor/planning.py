@@ -375,6 +375,17 @@ def unavailable(s: Slot, retry_after: float) -> Decision:
     )
 
 
+def busy(store: str, retry_after: float) -> Decision:
+    """The counter store is overloaded, not down: 503, try again soon, nothing charged,
+    no fail mode (``degraded`` stays False: the store decided, by saying it is busy)."""
+    return Decision(
+        admitted=False,
+        status=503,
+        retry_after=max(1, math.ceil(retry_after)),
+        reason=f"{UNAVAILABLE}:{store} busy",
+    )
+
+
 def ledger_full(retry_after: float) -> Decision:
     """The ledger cannot record new work: 503, try again soon, nothing charged."""
     return Decision(

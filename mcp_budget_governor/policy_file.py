@@ -49,6 +49,11 @@ _REQUIRED = ("name", "window")
 _DOLLARS = re.compile(r"[0-9]+(\.[0-9]{1,6})?")
 
 
+_EMPTY_SCOPE = (
+    'an empty list names no dimension: write scope = "global" for one counter '
+    'for everyone, or name the dimensions (scope = ["tenant"])'
+)
+
 class PolicyFileError(PolicyError):
     """A policy file is invalid; the message starts with ``<file>:<line>:``.
 
@@ -274,7 +279,10 @@ class _Builder:
                 )
         elif "cap" not in fields:
             raise self.error(here, None, "missing required key 'cap' (or 'cap_usd' for money)")
-        if fields.get("scope") in ("global", []):
+        if fields.get("scope") == []:
+            # Most likely dimensions left out by mistake: it would silently be global.
+            raise self.error((*here, "scope"), [], _EMPTY_SCOPE)
+        if fields.get("scope") == "global":
             fields["scope"] = None  # written out explicitly: no dimension
         if "caps" in fields:
             caps = fields["caps"]

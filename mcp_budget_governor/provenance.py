@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from . import bounds
 from .errors import _show
 from .keys import MAX_BUCKET_CHARS, MAX_KEY_CHARS, ParsedKey, escape, parse_key
 from .ledger import EntryType
@@ -93,23 +94,41 @@ _ASSIGNMENT = re.compile(
 
 
 def change_problem(
-    kind: EntryType, limit: str, key: str, field: str, amount: int, until: int, plan: str | None
+    kind: EntryType,
+    limit: str,
+    key: str,
+    field: str,
+    amount: int,
+    until: int,
+    plan: str | None,
+    *,
+    time: float,
+    context: Mapping[str, str | None],
 ) -> str | None:
     """Why a run-time change cannot be one a governor wrote (None: it can be).
 
     Caps name their limit's caps hash and a scope segment of that limit's
     shape; assignments the plans hash and a ``tenant=``/``user=`` field;
-    grants and resets a counter key of their limit, with its expiry."""
+    grants and resets a counter key of their limit, with its expiry. Every
+    number is in its range (:mod:`.bounds`): a cap's ``until`` is 0 or a time
+    before year 9999, a grant's or reset's is its counter's expiry (the
+    bucket's end plus grace; for a session, at most a session's life past the
+    event). The scope it changes is the event's context: a change made for one
+    user never reaches another's counter.
+    """
     from .caps import PLANS_KEY, caps_key
 
     if kind in (EntryType.CAP_SET, EntryType.CAP_UNSET):
         if key != caps_key(limit):
             return f"data.change.key: {_show(key)} is not the caps hash of {limit!r}"
-        if parse_key(f"mcpbg:v1:{limit}:{field}:x") is None or field == "global":
+        parsed = parse_key(f"mcpbg:v1:{limit}:{field}:x")
+        if parsed is None or field == "global":
             return f"data.change.field: {_show(field)} is not a scope value"
         if kind is EntryType.CAP_UNSET and (amount or until):
             return "data.change: an unset carries no cap"
-        return None
+        if until and (why := bounds.problem("until", until)) is not None:
+            return f"data.change.until: {why} (got {until})"
+        return _scope_problem(parsed, context, "data.change.field")
     if kind is EntryType.PLAN_ASSIGNED:
         if key != PLANS_KEY:
             return f"data.change.key: {_show(key)} is not the plans hash"
@@ -117,12 +136,53 @@ def change_problem(
             return f"data.change.field: {_show(field)} is not tenant=<v> or user=<v>"
         if amount or until:
             return "data.change: an assignment carries no amount"
+        dim, _, value = field.partition("=")
+        mine = context.get(dim)
+        if mine is None or escape(mine) != value:
+            return f"data.change.field: {_show(field)} is not this event's {dim}"
         return None
     parsed = parse_key(key)
     if parsed is None or parsed.limit != limit:
         return f"data.change.key: {_show(key)} is not a counter of {limit!r}"
     if until <= 0 or plan is not None or field:
         return "data.change: a grant or reset names a counter and its expiry only"
+    why = bounds.problem("grant" if kind is EntryType.GRANTED else "reset", amount)
+    if why is not None:
+        return f"data.change.amount: {why} (got {amount})"
+    bucket = _bucket_of_label(parsed.bucket)
+    if bucket is None:
+        return f"data.change.key: {_show(key)} is in no window's bucket"
+    if bucket.end is None:
+        latest = math.ceil(time) + SESSION_TTL_SECONDS + 1
+        if not 0 < until <= latest:
+            return f"data.change.until: {until} is not a session counter's expiry (<= {latest})"
+    elif until != bucket.expire_at(0):
+        return (
+            f"data.change.until: {until} is not its counter's expiry "
+            f"(the bucket's end plus grace, {bucket.expire_at(0)})"
+        )
+    return _scope_problem(parsed, context, "data.change.key")
+
+
+def _bucket_of_label(label: str) -> Bucket | None:
+    """The bucket a counter key's label names, whichever window it is of."""
+    if len(label) > MAX_BUCKET_CHARS:
+        return None
+    for window in Window:
+        found = bucket_of(window, label)
+        if found is not None:
+            return found
+    return None
+
+
+def _scope_problem(parsed: ParsedKey, context: Mapping[str, str | None], where: str) -> str | None:
+    """Why the scope values of ``parsed`` are not the event's context (None: they are)."""
+    for dim, value, hashed in zip(parsed.dims, parsed.values, parsed.hashed, strict=True):
+        mine = context.get(dim.value)
+        if dim.value == "session" and context.get("session_root") is not None:
+            mine = context.get("session_root")
+        if mine is None or (escape(mine) != value if hashed else mine != value):
+            return f"{where}: names {dim.value} {_show(value)}, not this event's"
     return None
 
 

@@ -268,6 +268,22 @@ SETTINGS: Mapping[str, Setting] = {
             "",
             "the Parquet archive (the worker writes it before each batch applies)",
         ),
+        Setting(
+            "archive_segment_mb",
+            int,
+            64,
+            "compact a partition's small archive segments of one day once they hold this many "
+            "MB (docs/ledger-format.md, Compaction)",
+            _positive_int,
+        ),
+        Setting(
+            "archive_segment_age",
+            float,
+            3600.0,
+            "...or once the oldest of them is this many seconds old: about one file per "
+            "partition per hour",
+            _positive_seconds,
+        ),
         Setting("metrics_port", int, 0, "serve Prometheus metrics on this port, 0 for off", _port),
         Setting(
             "partitions",

@@ -24,8 +24,9 @@ import contextlib
 import os
 import re
 import secrets
+import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
@@ -46,7 +47,9 @@ __all__ = [
     "TEMP_SUFFIX",
     "Archiver",
     "ledger_table",
+    "remove_stale_temp_files",
     "segment_name",
+    "write_atomically",
 ]
 
 #: Bumped when a column changes meaning or type; stored in each file's metadata.
@@ -57,6 +60,10 @@ COMPRESSION = "zstd"
 TEMP_SUFFIX = ".tmp"
 
 _OFFSET_DIGITS = 20
+# Who writes a temporary file (its name says): dead writers' files are removed at start.
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:63] or "host"
+_TEMP_TAG = re.compile(r"\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9-]+)\.[0-9a-f]{8}\.tmp$")
+_STARTED = time.time()
 _MAX_OFFSET = 2**63 - 1
 # Kafka's rule for topic names; it also keeps them safe as part of a file name.
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -231,19 +238,8 @@ class Archiver:
         return written
 
     def remove_stale_temp_files(self, older_than: float = 3600.0) -> int:
-        """Delete temporary files older than ``older_than`` seconds; returns how many.
-
-        Only a killed process leaves one behind. Files younger than the limit
-        are kept: another worker may be writing them right now.
-        """
-        limit = time.time() - older_than
-        removed = 0
-        for path in self.directory.glob(f"date=*/.*{TEMP_SUFFIX}"):
-            with contextlib.suppress(FileNotFoundError):
-                if path.stat().st_mtime < limit:
-                    path.unlink()
-                    removed += 1
-        return removed
+        """:func:`remove_stale_temp_files` of this archive's folder."""
+        return remove_stale_temp_files(self.directory, older_than)
 
     # -- internals -------------------------------------------------------------
 
@@ -266,31 +262,91 @@ class Archiver:
 
     def _write(self, folder: Path, name: str, table: pa.Table) -> Path:
         """Encode ``table`` and put it at ``folder/name`` atomically (temp, fsync, rename)."""
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression=self.compression)
-        data = memoryview(sink.getvalue())
-        final = folder / name
-        temp = folder / f".{name}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
-            fd = os.open(temp, flags, 0o644)
+            return write_atomically(folder, name, table, self.compression)
         except FileNotFoundError:  # the folder was removed since (a retention job, say)
             self._folders.discard(folder.name)
             self._folder_for(folder)
-            fd = os.open(temp, flags, 0o644)
+            return write_atomically(folder, name, table, self.compression)
+
+
+def _temp_tag() -> str:
+    """``<pid>@<host>.<random>``: whose temporary file it is, so a restart can tell."""
+    return f"{os.getpid()}@{_HOST}.{secrets.token_hex(4)}"
+
+
+def write_atomically(
+    folder: Path,
+    name: str,
+    table: pa.Table,
+    compression: str = COMPRESSION,
+    *,
+    step: Callable[[str], None] | None = None,
+) -> Path:
+    """Write ``table`` to ``folder/name``: a hidden temporary file, fsync, rename, fsync folder.
+
+    A reader sees the old file or the new one, never half of one; on an
+    exception the temporary file is removed. ``step("written")`` is called
+    between the fsync and the rename (compaction's crash tests stop there).
+    """
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression=compression)
+    data = memoryview(sink.getvalue())
+    final = folder / name
+    temp = folder / f".{name}.{_temp_tag()}{TEMP_SUFFIX}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
         try:
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, final)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
-            raise
-        fsync_dir(folder)
-        return final
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if step is not None:
+            step("written")
+        os.replace(temp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+        raise
+    fsync_dir(folder)
+    return final
+
+
+def remove_stale_temp_files(directory: Path, older_than: float = 3600.0) -> int:
+    """Delete temporary files a killed process left behind; returns how many.
+
+    A file is left behind when its writer (named in its name: pid and host)
+    is no longer running on this host, or when it is older than
+    ``older_than`` seconds (a writer on another host sharing the folder).
+    Any other is kept: another worker may be writing it right now.
+    """
+    limit = time.time() - older_than
+    removed = 0
+    for path in Path(directory).glob(f"date=*/.*{TEMP_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            if _stale(path, limit):
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def _stale(path: Path, limit: float) -> bool:
+    """Whether a temporary file is left over: old, or its writer (on this host) is gone."""
+    if path.stat().st_mtime < limit:
+        return True
+    match = _TEMP_TAG.search(path.name)
+    if match is None or match["host"] != _HOST:
+        return False  # another host's worker may be writing it: only age tells
+    pid = int(match["pid"])
+    if pid == os.getpid():  # ours: written before this process started (a reused pid)?
+        return path.stat().st_mtime < _STARTED
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def ledger_table(

@@ -53,6 +53,8 @@ class WorkerConfig:
     alert_topic: str = _default("alert_topic")
     alert_keep: int = _default("alert_keep")
     archive_dir: str = _default("archive_dir")
+    archive_segment_mb: int = _default("archive_segment_mb")
+    archive_segment_age: float = _default("archive_segment_age")
     metrics_port: int = _default("metrics_port")
     partitions: int = _default("partitions")
     concurrency: int = _default("concurrency")

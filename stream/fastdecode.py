@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from mcp_budget_governor.bounds import LATEST_TIME
 from mcp_budget_governor.caps import Change, ChangeKind
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
 from mcp_budget_governor.events import (
@@ -230,8 +231,8 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
     second = _seconds.get(stamp[:19])
     if second is None:
         second = _epoch_second(stamp[:19])
-        if second is None:
-            return None
+        if second is None or not 0 <= second < LATEST_TIME:
+            return None  # no time, or one out of range: the full parse says why
         if len(_seconds) >= _CACHE_SIZE:
             _seconds.clear()
         _seconds[stamp[:19]] = second
@@ -250,7 +251,8 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
         return None
     changes: tuple[Change, ...] = ()
     if "change" in data or _KINDS[kind] in CHANGE_KINDS:
-        change = _change(_KINDS[kind], data.get("change"))
+        at = (second * 1_000_000 + int(micros)) / 1_000_000
+        change = _change(_KINDS[kind], data.get("change"), at, context)
         if change is None:
             return None
         changes = (change,)
@@ -302,7 +304,7 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
                 or not 1 <= len(bucket) <= 64
                 or not key.startswith(_KEY_PREFIX)
                 or len(key) > MAX_KEY_CHARS
-                or expire_at <= 0
+                or not 0 < expire_at <= LATEST_TIME
             ):
                 return None
             shape = counter_shape(limit, window, bucket, key, expire_at)
@@ -327,7 +329,7 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
     return Decoded(AppliedEvent(offset, event_id, when, tuple(applied), changes), tuple(decoded))
 
 
-def _change(kind: EntryType, change: Any) -> Change | None:
+def _change(kind: EntryType, change: Any, time: float, context: dict[str, Any]) -> Change | None:
     """A run-time change of the exact shape events.encode writes, checked as the model
     checks it (provenance.change_problem); None: ask the full parse."""
     if kind not in CHANGE_KINDS or type(change) is not dict or change.keys() != _CHANGE:
@@ -354,6 +356,9 @@ def _change(kind: EntryType, change: Any) -> Change | None:
         or len(reason) > 1024
     ):
         return None
-    if change_problem(kind, limit, key, field, amount, until, plan) is not None:
+    if (
+        change_problem(kind, limit, key, field, amount, until, plan, time=time, context=context)
+        is not None
+    ):
         return None
     return Change(ChangeKind(kind.value), limit, key, field, amount, until, plan, actor, reason)

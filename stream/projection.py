@@ -18,6 +18,7 @@ metrics and the progress line. docs/worker.md says how the rules fit together.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -44,6 +45,7 @@ from .alerts import (
     WebhookSink,
 )
 from .archiver import Archiver
+from .compaction import Compactor
 from .config import WorkerConfig
 from .projector import DeadLetter, Projector, ProjectorResult, Record
 from .rebuild import EpochBackend, rebuild
@@ -55,6 +57,9 @@ if TYPE_CHECKING:  # the postgres extra is needed only by a worker given --postg
 __all__ = ["Projection", "Send"]
 
 log = logging.getLogger("mcp_budget_governor.stream.worker")
+
+#: Seconds between two looks at whether an archive segment is due for compaction.
+COMPACT_TICK = 1.0
 
 #: The engine's producer: ``send(topic, key, value, headers)``, awaited until the broker acks.
 Send = Callable[[str, bytes, bytes, list[tuple[str, bytes]] | None], Awaitable[None]]
@@ -76,6 +81,8 @@ class Projection:
         self._projector: Projector | None = None
         self._alerts: AlertEvaluator | None = None
         self._archiver: Archiver | None = None
+        self._compactor: Compactor | None = None
+        self._compaction: asyncio.Task[None] | None = None
         # One rebuild at a time: concurrent partition applies may all find Redis empty.
         self._rebuilding = asyncio.Lock()
         #: The last offset processed (applied or dead-lettered) per partition; -1: none.
@@ -127,6 +134,7 @@ class Projection:
 
     async def aclose(self) -> None:
         """Log the totals and release the alerts' and Redis' connections."""
+        await self._stop_compaction()
         p = self._projector
         log.info(
             "projector: stopped after %d records, %d applied, %d dead letters",
@@ -267,7 +275,12 @@ class Projection:
                         len(lost.slots),
                         SLOTS,
                     )
-                await rebuild(target, self.config.bootstrap, self.config.topic, batch=batch)
+                # The watermarks end at the topic's end: the live path will not read
+                # these events again, so they reach the archive here.
+                archive = self._archive_batch if self.config.archive_dir else None
+                await rebuild(
+                    target, self.config.bootstrap, self.config.topic, batch=batch, archive=archive
+                )
 
             def failed(exc: Exception, number: int, delay: float) -> None:  # Kafka/Redis away
                 log.warning(
@@ -306,10 +319,55 @@ class Projection:
         self, partition: int, records: Sequence[tuple[int, LedgerEvent]]
     ) -> None:
         if self._archiver is None:
-            self._archiver = Archiver(self.config.archive_dir, topic=self.config.topic)
-            self._archiver.remove_stale_temp_files()
+            await asyncio.to_thread(self._start_archive)
+            self._compaction = asyncio.create_task(self._compact_every(COMPACT_TICK))
+        assert self._archiver is not None and self._compactor is not None
         # Parquet encoding and fsync off the event loop; the batch waits for it.
-        await asyncio.to_thread(self._archiver.write_batch, partition, records)
+        written = await asyncio.to_thread(self._archiver.write_batch, partition, records)
+        self._compactor.noted(written)
+
+    def _start_archive(self) -> None:
+        """The archiver, and its compactor, once what a killed worker left is cleaned up."""
+        config = self.config
+        archiver = Archiver(config.archive_dir, topic=config.topic)
+        archiver.remove_stale_temp_files()
+        compactor = Compactor(
+            config.archive_dir,
+            config.topic,
+            max_bytes=config.archive_segment_mb * 1_000_000,
+            max_age=config.archive_segment_age,
+        )
+        compactor.start()
+        self._archiver, self._compactor = archiver, compactor
+
+    async def _compact_every(self, interval: float) -> None:
+        """Compact what is due, off the event loop, every ``interval`` seconds (until cancelled)."""
+        compactor = self._compactor
+        assert compactor is not None
+        while True:
+            await asyncio.sleep(interval)
+            if not compactor.due():
+                continue
+            try:
+                written = await asyncio.to_thread(compactor.run_due)
+            except Exception as exc:  # the sources stay; the next round tries again
+                log.warning("archive: compaction failed (%s: %s)", type(exc).__name__, exc)
+                continue
+            if written:
+                log.info("archive: %d compacted segment(s) written", written)
+
+    async def _stop_compaction(self) -> None:
+        """On a clean stop: compact every small segment noted, delete every source due."""
+        task, self._compaction = self._compaction, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._compactor is not None:
+            try:
+                await asyncio.to_thread(self._compactor.run_due, everything=True)
+            except Exception as exc:  # the next start finishes it
+                log.warning("archive: compaction at stop failed (%s: %s)", type(exc).__name__, exc)
 
     async def send_dead_letter(self, letter: DeadLetter) -> None:
         """Produce one poison record to ``<topic>.dlq`` and wait for the broker's ack."""

@@ -35,6 +35,7 @@ from typing import Protocol, runtime_checkable
 import orjson
 
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
+from mcp_budget_governor.errors import EventRefusedError
 from mcp_budget_governor.events import (
     Charge,
     LedgerEvent,
@@ -261,40 +262,106 @@ class Projector:
             dead.append(DeadLetter(self.topic, partition, offset, reason, raw))
         sent = 0
         if dead:
-            # At or below the watermark, a record was dead-lettered when first read (the
-            # watermark passes dead letters only after they are sent); at or below
-            # _dead_lettered, by an earlier try of this batch whose apply failed.
-            done = max(await self.watermark(partition), self._dead_lettered.get(partition, -1))
+            done = await self._done(partition)
             for letter in dead:
-                if letter.offset <= done:
-                    continue
-                outcome = self.dlq(letter)
-                if inspect.isawaitable(outcome):
-                    await outcome
-                self._dead_lettered[partition] = letter.offset
-                sent += 1
+                sent += await self._send(partition, letter, done)
         if self.archive is not None and parsed:
             archived = self.archive(partition, parsed)
             if inspect.isawaitable(archived):
                 await archived
-        # The watermark moves through the batch's dead letters too (``through``),
-        # in the same step as its events: they are not read, or sent, again.
-        applied = (
-            await self.backend.apply(
-                self.partition_name(partition),
-                events,
-                require_epoch=self.require_epoch,
-                through=previous if dead else -1,
-            )
-            if events or dead
-            else 0
-        )
+        applied, refused = await self._apply(partition, records, events, previous, bool(dead))
+        sent += refused
         self.records += len(records)
         self.applied += applied
         self.dead += sent
         return ProjectorResult(
             partition, len(records), len(events), applied, sent, previous, tuple(charges)
         )
+
+    async def _done(self, partition: int) -> int:
+        """The last offset of ``partition`` already dead-lettered or applied: at or below the
+        watermark, a record was dead-lettered when first read (the watermark passes dead
+        letters only after they are sent); at or below ``_dead_lettered``, by an earlier
+        try of this batch whose apply failed."""
+        return max(await self.watermark(partition), self._dead_lettered.get(partition, -1))
+
+    async def _send(self, partition: int, letter: DeadLetter, done: int) -> int:
+        """Hand ``letter`` to the dead-letter handler unless it was (1 if sent, else 0)."""
+        if letter.offset <= done:
+            return 0
+        outcome = self.dlq(letter)
+        if inspect.isawaitable(outcome):
+            await outcome
+        self._dead_lettered[partition] = max(letter.offset, self._dead_lettered.get(partition, -1))
+        return 1
+
+    async def _apply(
+        self,
+        partition: int,
+        records: Sequence[Record],
+        events: list[AppliedEvent],
+        last: int,
+        dead: bool,
+    ) -> tuple[int, int]:
+        """Apply ``events``; an event the store refuses goes to the dead letters, the rest
+        are applied. Returns (applied, events dead-lettered here).
+
+        The watermark moves through the batch's dead letters too (``through``), in the
+        same step as its events: they are not read, or sent, again. A store that
+        refuses an event has written nothing of the batch (all or none): the refused
+        event is sent to the dead letters once, with the store's reason, and the batch
+        is applied again without it. An error that names no event (a store that cannot
+        apply one of them for a reason other than being unreachable) is narrowed down
+        by applying the events one at a time. The partition never stalls on one event.
+        """
+        name = self.partition_name(partition)
+        raws = dict(records)
+        refused = 0
+        while events or dead:
+            try:
+                applied = await self.backend.apply(
+                    name, events, require_epoch=self.require_epoch, through=last if dead else -1
+                )
+            except EventRefusedError as exc:
+                if not any(e.offset == exc.offset for e in events):
+                    raise  # not one of ours: nothing to take out
+                offset, reason = exc.offset, exc.reason
+            except Exception as exc:
+                if _retry(exc) or not events:
+                    raise
+                if len(events) > 1:
+                    # No event named: one at a time, each all or none, finds the ones that fail.
+                    total = 0
+                    for event in events:
+                        one, bad = await self._apply(
+                            partition, records, [event], event.offset, False
+                        )
+                        total, refused = total + one, refused + bad
+                    _, bad = await self._apply(partition, records, [], last, True)
+                    return total, refused + bad
+                offset, reason = events[0].offset, _reason(exc)
+            else:
+                return applied, refused
+            letter = DeadLetter(self.topic, partition, offset, reason, raws.get(offset))
+            refused += await self._send(partition, letter, await self._done(partition))
+            events = [e for e in events if e.offset != offset]
+            dead = True  # the watermark passes it, with the rest of the batch
+        return 0, refused
+
+
+def _reason(exc: BaseException) -> str:
+    """An apply error as a dead letter's one-line reason."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _retry(exc: BaseException) -> bool:
+    """Whether an apply error is the store being unreachable or busy (the batch is retried)
+    rather than something about the events (they are dead-lettered); a bug in this
+    code (a TypeError...) is retried too, never blamed on the events."""
+    if isinstance(exc, (ConnectionError, TimeoutError, OSError, TypeError, AttributeError)):
+        return True
+    return any(cls.__name__ == "BackendBusyError" for cls in type(exc).__mro__)
 
 
 def _problem(raw: bytes | None) -> str | None:

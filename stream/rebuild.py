@@ -4,7 +4,10 @@ Every retained event of every partition is applied from the earliest offset
 through the same ``apply`` as the live projection; only when every partition's
 highwater mark is reached is the epoch marker set, so a hot path with
 ``require_epoch`` never admits from empty counters. ``docs/exactly-once.md``
-(*Lost state: the epoch marker*) says why.
+(*Lost state: the epoch marker*) says why. The watermarks then stand at the
+topic's end, so the live projection never reads these events: a worker that
+archives hands each batch to its archive here too, before applying it, as the
+live projection does (readers count an event archived twice once).
 
 >>> result = await rebuild(backend, "broker:9092", "mcpbg.ledger")  # doctest: +SKIP
 >>> result.read, result.applied, result.epoch  # doctest: +SKIP
@@ -15,11 +18,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mcp_budget_governor.counters import AppliedEvent, Backend
 from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.ledger import new_id
 
 from .projector import to_applied
@@ -34,6 +39,10 @@ class EpochBackend(Backend, Protocol):
     async def has_epoch(self) -> bool: ...
 
     async def mark_ready(self, epoch: str) -> None: ...
+
+
+#: Where a rebuild hands each batch for the archive: ``(partition, [(offset, event)])``.
+Archive = Callable[[int, Sequence[tuple[int, LedgerEvent]]], Awaitable[None]]
 
 
 class RebuildIncompleteError(GovernorError):
@@ -59,6 +68,7 @@ async def rebuild(
     batch: int = 2000,
     idle_timeout: float = 5.0,
     dry_run: bool = False,
+    archive: Archive | None = None,
     **client_options: Any,
 ) -> RebuildResult:
     """Apply every retained event of ``topic`` to ``backend``, then set the epoch marker.
@@ -66,19 +76,27 @@ async def rebuild(
     ``dry_run``: ``backend`` is a scratch copy (``mcpbg replay --dry-run``), so
     nothing is announced as replayed or ready: the progress lines go to debug.
 
+    ``archive(partition, [(offset, event), ...])``: the worker's archive, given
+    each batch before it is applied (the live projection's order: an event is
+    never applied unarchived).
+
     Raises :class:`RebuildIncompleteError` (leaving the marker unset) when the
     read stopped without reaching every partition's highwater mark.
     """
     started = time.monotonic()
     pending: dict[int, list[AppliedEvent]] = defaultdict(list)
+    parsed: dict[int, list[tuple[int, LedgerEvent]]] = defaultdict(list)
     read = applied = 0
 
     async def flush(partition: int) -> None:
         nonlocal applied
         events = pending[partition]
         if events:
+            if archive is not None:
+                await archive(partition, parsed[partition])
             applied += await backend.apply(f"{topic}:{partition}", events)
             events.clear()
+            parsed[partition] = []
 
     def skip(partition: int, offset: int, raw: bytes | None, reason: str) -> None:
         # Dead-lettered when first projected; the live projection re-reads it.
@@ -94,6 +112,8 @@ async def rebuild(
             read += 1
             events = pending[record.partition]
             events.append(to_applied(record.event, record.offset))
+            if archive is not None:
+                parsed[record.partition].append((record.offset, record.event))
             if len(events) >= batch:
                 await flush(record.partition)
         for partition in list(pending):

@@ -10,10 +10,12 @@ says clearly what is missing instead of failing somewhere inside npm:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 #: The package's folder.
 TS_DIR = Path(__file__).resolve().parent.parent / "ts"
@@ -68,3 +70,67 @@ def npm_ci(*, force: bool = False) -> None:
 def tsx() -> list[str]:
     """The command that runs a TypeScript file of ts/ (after :func:`npm_ci`)."""
     return [str(TS_DIR / "node_modules" / ".bin" / "tsx")]
+
+
+def typescript_postgres_bench(
+    url: str, *, calls: int = 2000, rounds: int = 5, durable: bool = True
+) -> dict[str, Any]:
+    """Serial ``check()`` of the TypeScript governor on Postgres (``ts/bench/postgres.ts``,
+    3 limits, defaults but ``durable``), for ``benchmarks/bench_postgres.py``: its JSON
+    line, medians in microseconds (``check_us``, ``select1_us``) and their ``ratio``."""
+    prepare_driver()
+    done = subprocess.run(
+        [*tsx(), "bench/postgres.ts", "--postgres", url, "--calls", str(calls),
+         "--rounds", str(rounds), "--durable", "true" if durable else "false"],
+        cwd=TS_DIR, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"ts/bench/postgres.ts: exit {done.returncode}: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def prepare_driver() -> None:
+    """What :class:`Driver` needs: Node, ts/'s dependencies, the copied scripts and SQL."""
+    require_node()
+    npm_ci()
+    subprocess.run(["node", "scripts/copy-lua.mjs"], cwd=TS_DIR, check=True)
+
+
+class Driver:
+    """A TypeScript governor in its Node process (``ts/test/cross/driver.ts``), driven one
+    JSON line at a time by the cross-language tests; ``url``: Redis or Postgres."""
+
+    def __init__(self, policy: Path, url: str) -> None:
+        self.proc = subprocess.Popen(
+            [*tsx(), "test/cross/driver.ts", str(policy), url],
+            cwd=TS_DIR,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+        )
+        assert self.read() == {"ready": True}
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, "the TypeScript driver exited"
+        answer: dict[str, Any] = json.loads(line)
+        assert "error" not in answer, answer["error"]
+        return answer
+
+    def send(self, op: str, **fields: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+
+    def __call__(self, op: str, **fields: Any) -> dict[str, Any]:
+        self.send(op, **fields)
+        return self.read()
+
+    def close(self) -> None:
+        try:
+            self("close")
+        finally:
+            self.proc.wait(timeout=30)

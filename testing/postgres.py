@@ -72,6 +72,7 @@ class PrivatePostgres:
     port: int
     folder: Path
     binaries: Path
+    max_connections: int = 200
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -101,7 +102,7 @@ class PrivatePostgres:
             [str(self.binaries / "postgres"), "-D", str(self.folder / "data"),
              "-p", str(self.port), "-c", "listen_addresses=127.0.0.1",
              "-c", f"unix_socket_directories={self.folder}", "-c", "fsync=off",
-             "-c", "max_connections=200"],
+             "-c", f"max_connections={self.max_connections}"],
             stdout=log, stderr=log, start_new_session=True, **self._as_owner(),  # type: ignore[arg-type]
         )  # fmt: skip
         deadline = time.monotonic() + START_TIMEOUT
@@ -145,12 +146,13 @@ def _binaries() -> Path | None:
     return Path(os.path.realpath(found)).parent
 
 
-def start_private_postgres() -> PrivatePostgres:
+def start_private_postgres(max_connections: int = 200) -> PrivatePostgres:
     """initdb + postgres from the PATH, on a free loopback port, in a temp folder."""
     binaries = _binaries()
     if binaries is None:
         raise PostgresUnavailable("no initdb/postgres on the PATH")
-    server = PrivatePostgres(free_port(), Path(tempfile.mkdtemp(prefix="mcpbg-pg-")), binaries)
+    folder = Path(tempfile.mkdtemp(prefix="mcpbg-pg-"))
+    server = PrivatePostgres(free_port(), folder, binaries, max_connections)
     try:
         server.init()
         server.start()

@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -292,8 +292,10 @@ def start_worker(
     names: Names,
     tmp_path: Path,
     *extra: str,
+    env_extra: Mapping[str, str] | None = None,
 ) -> Worker:
     env = worker_env(tmp_path)
+    env.update(env_extra or {})
     # Settings through the environment (as in a container), options for the rest.
     env.update(MCPBG_KAFKA_URL=f"kafka://{kafka.bootstrap}", MCPBG_REDIS_URL=redis_url)
     # --policy testing.stream_support:ALERT_POLICY names a module of this package.
@@ -474,7 +476,8 @@ class Stream:
         """A Governor whose ledger is the topic (see :func:`governor`)."""
         return governor(self.kafka, self.backend, self.topic, self.tmp_path, rules)
 
-    def start_worker(self, *extra: str) -> Worker:
+    def start_worker(self, *extra: str, env: Mapping[str, str] | None = None) -> Worker:
+        """A worker with options ``extra`` (and variables ``env``, not settings: test hooks)."""
         return start_worker(
             self.workers,
             self.kafka,
@@ -484,6 +487,7 @@ class Stream:
             "--engine",
             self.engine,
             *extra,
+            env_extra=env,
         )
 
     async def start_worker_taking_all(self, *extra: str, within: float = 30.0) -> Worker:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from mcp_budget_governor import (
     Backend,
@@ -21,8 +22,7 @@ from mcp_budget_governor import (
 def shared_backend(url: str, timeout: float = 5.0) -> Backend:
     """The shared store a URL names: Postgres for postgresql://, else Redis."""
     if url.startswith(("postgresql:", "postgres:")):
-        # Waits for a pooled connection count against the timeout: 125 checks share 16.
-        return PostgresBackend.from_url(url, timeout=max(timeout, 60.0), max_connections=16)
+        return PostgresBackend.from_url(url)  # every setting at its default (issue 31)
     return RedisBackend.from_url(url, timeout=timeout)
 
 
@@ -46,6 +46,8 @@ def concurrent_checks(url: str, cap: int, calls: int, start_at: float) -> int:
             await asyncio.sleep(delay)
         decisions = await asyncio.gather(*(gov.check(ctx) for _ in range(calls)))
         await gov.aclose()
+        # The store decided every check: no fail mode, no busy refusal.
+        assert not any(d.degraded or d.status == 503 for d in decisions)
         return sum(d.admitted for d in decisions)
 
     return asyncio.run(main())
@@ -100,7 +102,58 @@ def user_and_global_checks(url: str, user: str, calls: int, start_at: float) -> 
             await asyncio.sleep(delay)
         decisions = await asyncio.gather(*(gov.check(ctx) for _ in range(calls)))
         await gov.aclose()
-        assert not any(d.degraded for d in decisions)
+        assert not any(d.degraded or d.status == 503 for d in decisions)
         return sum(d.admitted for d in decisions)
+
+    return asyncio.run(main())
+
+
+def outage_policies() -> tuple[Policy, Policy]:
+    """A fail-open per-user limit and a fail-closed per-user limit, each alone."""
+    from mcp_budget_governor import FailMode
+
+    big = 10**9
+    return (
+        Policy.of(Limit("o_user", cap=big, window=Window.DAY, scope=Scope.USER,
+                        fail_mode=FailMode.OPEN)),
+        Policy.of(Limit("c_user", cap=big, window=Window.DAY, scope=Scope.USER,
+                        fail_mode=FailMode.CLOSED)),
+    )  # fmt: skip
+
+
+def outage_checks(
+    url: str, name: str, ready: Any, go: Any, seconds: float, callers: int = 16
+) -> list[tuple[float, str, bool, bool, int]]:
+    """Checks by ``callers`` concurrent callers of one process for ``seconds`` after
+    ``go`` (a manager Event; ``ready``, a manager Queue, hears when this process is
+    connected), each against a fail-open and a fail-closed limit (user ``name``),
+    every setting at its default: ``(time, which, admitted, degraded, status)`` per
+    decision."""
+
+    async def main() -> list[tuple[float, str, bool, bool, int]]:
+        open_policy, closed_policy = outage_policies()
+        govs = {
+            "open": Governor(open_policy, PostgresBackend.from_url(url)),
+            "closed": Governor(closed_policy, PostgresBackend.from_url(url)),
+        }
+        ctx = Context(user=name)
+        for gov in govs.values():
+            await gov.usage(next(iter(gov.policy)).name, ctx)  # connected before the start
+        ready.put(name)
+        await asyncio.to_thread(go.wait)
+        end_at = time.time() + seconds
+        seen: list[tuple[float, str, bool, bool, int]] = []
+
+        async def caller() -> None:
+            while time.time() < end_at:
+                for which, gov in govs.items():
+                    d = await gov.check(ctx)
+                    seen.append((time.time(), which, d.admitted, d.degraded, d.status))
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        for gov in govs.values():
+            await gov.aclose()
+        return seen
 
     return asyncio.run(main())

@@ -12,6 +12,7 @@ import asyncio
 import time
 from typing import Any
 
+import mcp_types as mt
 import pytest
 from fastmcp import Client, FastMCP
 from fastmcp.exceptions import ToolError
@@ -27,8 +28,9 @@ from mcp_budget_governor import (
     Scope,
     Window,
 )
+from mcp_budget_governor.approval import Approval, approval_state, open_approval
 from mcp_budget_governor.events import encode, parse, to_entry
-from mcp_budget_governor.integrations.fastmcp import BudgetMiddleware
+from mcp_budget_governor.integrations.fastmcp import APPROVAL_REQUEST, BudgetMiddleware
 from mcp_budget_governor.ledger import EntryType
 from mcp_budget_governor.policy_file import loads
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
@@ -190,3 +192,75 @@ def test_the_policy_file_accepts_ask() -> None:
         '[[limits]]\nname = "daily"\ncap = 5\nwindow = "day"\nscope = "user"\non_exceed = "ask"\n'
     )
     assert policy["daily"].on_exceed is OnExceed.ASK
+
+
+BOB = Context(user="bob")
+
+
+def yes_retry(client: Client[Any], question: Any) -> Any:
+    """The retry of ``search("b")`` that answers ``question`` yes (SEP-2322)."""
+    yes = mt.ElicitResult(action="accept", content={"value": True})
+    return client.session.call_tool(
+        "search",
+        {"q": "b"},
+        input_responses={APPROVAL_REQUEST: yes},
+        request_state=question.request_state,
+        allow_input_required=True,
+    )
+
+
+async def test_an_approval_is_spent_once_and_only_by_its_caller(backend: Backend) -> None:
+    """One sealed approval state: another caller presenting it, and its own caller
+    using it a second time (at once, and concurrently), get the usual refusal; one
+    admission over the cap, one ``approved`` event."""
+    caller = {"now": ANA}
+    gov, ledger, mcp = governed(backend)
+    mcp.middleware.clear()
+    mcp.add_middleware(BudgetMiddleware(gov, identify=lambda c: caller["now"]))
+    async with Client(mcp, elicitation_handler=answering("decline")) as client:
+        await client.call_tool("search", {"q": "a"})  # Ana's one call
+        caller["now"] = BOB
+        await client.call_tool("search", {"q": "a"})  # Bob's one call
+        caller["now"] = ANA
+        question = await client.session.call_tool("search", {"q": "b"}, allow_input_required=True)
+        assert isinstance(question, mt.InputRequiredResult)
+        caller["now"] = BOB  # Bob presents Ana's approval: his own cap refuses
+        stolen = await yes_retry(client, question)
+        assert isinstance(stolen, mt.CallToolResult) and stolen.is_error
+        assert "budget_exceeded:user/day" in str(stolen.content[0])
+        caller["now"] = ANA
+        first = await yes_retry(client, question)
+        assert isinstance(first, mt.CallToolResult) and not first.is_error, first
+        again = await asyncio.gather(*(yes_retry(client, question) for _ in range(3)))
+        assert all(isinstance(r, mt.CallToolResult) and r.is_error for r in again), again
+    assert await gov.usage("daily", ANA) == 2 and await gov.usage("daily", BOB) == 1
+    approved = [e for e in ledger.entries if e.approved]
+    assert [(e.type, e.approved, e.context.user) for e in approved] == [
+        (EntryType.ADMITTED, ("daily",), "ana")
+    ]
+
+
+async def test_the_governor_spends_an_approval_with_the_admission(backend: Backend) -> None:
+    gov, ledger, _ = governed(backend)
+    assert (await gov.check(ANA)).admitted
+    approval = Approval("daily", "ab" * 16, int(NOW) + 60)
+    assert (await gov.check(ANA, approved=[approval])).admitted
+    refused = await gov.check(ANA, approved=[approval])
+    assert not refused.admitted and refused.limit == "daily" and refused.status == 429
+    lapsed = Approval("daily", "cd" * 16, int(NOW))
+    assert not (await gov.check(ANA, approved=[lapsed])).admitted
+    assert await gov.usage("daily", ANA) == 2
+    assert [e.type for e in ledger.entries] == [
+        EntryType.ADMITTED, EntryType.ADMITTED, EntryType.REJECTED, EntryType.REJECTED
+    ]  # fmt: skip
+
+
+def test_an_approval_state_opens_for_its_caller_only_before_it_lapses() -> None:
+    state = approval_state("daily", ANA, now=NOW, ttl=60)
+    opened = open_approval(state, ANA, now=NOW + 59)
+    assert opened == "daily" and opened is not None and opened.until == int(NOW + 60)
+    assert open_approval(state, ANA.with_tool("other"), now=NOW) is None
+    assert open_approval(state, BOB, now=NOW) is None
+    assert open_approval(state, ANA, now=NOW + 60) is None
+    for other in ["daily", None, "[", '["mcpbg2"]', '["mcpbg2","daily","x","y",1]']:
+        assert open_approval(other, ANA, now=NOW) is None

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,16 @@ def browser(tmp_path: Path) -> Iterator[BrowserContext]:
             context.close()
 
 
+def _wait_for(page: Any, expression: str, within: float = 60.0) -> None:
+    """Wait until ``expression`` is true in ``page``: polled through ``evaluate``, as
+    Playwright's ``wait_for_function`` evaluates strings with ``eval``, which the
+    console's Content-Security-Policy (rightly) forbids."""
+    deadline = time.monotonic() + within
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {within:.0f} s: {expression}"
+        page.wait_for_timeout(100)
+
+
 def _api(served: Served, path: str) -> Any:
     req = urllib.request.Request(served.url + path, headers={"Authorization": f"Bearer {READ}"})
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -105,7 +116,7 @@ def test_dashboard_shows_the_api_numbers_and_a_new_refusal(
     page = browser.new_page()
     page.goto(f"{served.url}/dashboard?token={READ}")  # the token moves into a cookie
     assert page.url.endswith("/dashboard")
-    page.wait_for_function("Number(document.body.dataset.loaded || 0) >= 1", timeout=60_000)
+    _wait_for(page, "Number(document.body.dataset.loaded || 0) >= 1")
     # The numbers the API returns, in the budgets table.
     rows = _api(served, "/v1/budgets")["rows"]
     spend = next(r for r in rows if r["name"] == "tenant_spend" and
@@ -120,9 +131,7 @@ def test_dashboard_shows_the_api_numbers_and_a_new_refusal(
     # (in a thread of its own: Playwright's sync API keeps an event loop in this one)
     with ThreadPoolExecutor(1) as pool:
         pool.submit(asyncio.run, _refused_call(served, "u-browser")).result(timeout=120)
-    page.wait_for_function(
-        "document.getElementById('refusals').innerText.includes('u-browser')", timeout=60_000
-    )
+    _wait_for(page, "document.getElementById('refusals').innerText.includes('u-browser')")
     text = page.locator("#refusals tr", has_text="u-browser").first.inner_text()
     assert "global_spend: breaker tripped (503)" in text
     page.screenshot(path=str(artifacts() / "dashboard.png"), full_page=True)
@@ -156,3 +165,51 @@ def test_the_demo_report_opens_with_its_charts(tmp_path: Path, browser: BrowserC
     )
     assert "tripped at" in page.locator(".kpis").inner_text()
     page.screenshot(path=str(artifacts() / "demo-report.png"), full_page=True)
+
+
+@pytest.mark.parametrize("tenant", ["<!--<script>", "</script><b>x", "a&b\u2028c"])
+def test_a_report_draws_its_charts_whatever_a_tenant_is_named(
+    tmp_path: Path, browser: BrowserContext, tenant: str
+) -> None:
+    """A tenant named ``<!--<script>`` once put the report's inline script in the HTML
+    parser's "double-escaped" state, and its charts stayed blank."""
+    from mcp_budget_governor.console.report import render
+
+    series = {"t": [0, 60], "tenants": {tenant: [0, 5_000_000], "acme": [0, 1_000_000]}}
+    caps = [{"tenant": tenant, "value": 9_000_000, "label": f"cap of {tenant}"}]
+    reasons = [{"reason": f"{tenant}: budget_exceeded", "refusals": 3, "status": 429}]
+    path = tmp_path / "report.html"
+    path.write_text(render(tenant, "s", series, caps, None, reasons, [(tenant, "<p>x</p>")]))
+    page = browser.new_page()
+    page.goto(path.as_uri())
+    page.wait_for_function("Chart.getChart(document.getElementById('reasons')) !== undefined")
+    labels = page.evaluate(
+        "Chart.getChart(document.getElementById('spend')).data.datasets.map(d => d.label)"
+    )
+    assert {tenant, "acme"} <= set(labels)
+    reasons_drawn = page.evaluate("Chart.getChart(document.getElementById('reasons')).data.labels")
+    assert reasons_drawn == [f"{tenant}: budget_exceeded"]
+    assert page.title() == tenant
+
+
+@pytest.mark.slow
+def test_from_the_demos_printed_link_to_a_dashboard_of_its_spend(
+    tmp_path: Path, browser: BrowserContext
+) -> None:
+    """The newcomer's path: `mcpbg demo --serve`, then the link it prints, in a browser."""
+    from mcp_budget_governor import format_usd
+    from testing.demo_server import demo_serving
+
+    with demo_serving(tmp_path / "out") as demo:
+        spent = json.loads((demo.out / "summary.json").read_text())["global_spend_micros"]
+        page = browser.new_page()
+        page.goto(demo.link)  # one-time: sets the cookie, lands on the dashboard
+        assert page.url == demo.base + "/dashboard"
+        _wait_for(page, "Number(document.body.dataset.loaded || 0) >= 1")
+        card = page.locator('[data-breaker="global_spend"]').inner_text()
+        assert "TRIPPED" in card and format_usd(spent) in card, card
+        tenants = page.evaluate(
+            "Chart.getChart(document.getElementById('spend')).data.datasets.map(d => d.label)"
+        )
+        assert {"acme", "globex"} <= set(tenants)
+        page.screenshot(path=str(artifacts() / "demo-dashboard.png"), full_page=True)

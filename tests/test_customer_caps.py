@@ -356,6 +356,10 @@ async def test_cli_changes_are_enforced_and_listed(
     await gov.aclose()
 
 
+#: Year 10000 in UTC: past the bounds table's last time.
+LAST_UNTIL = "9999-12-31T23:59:59-12:00"
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -366,6 +370,7 @@ async def test_cli_changes_are_enforced_and_listed(
         ("caps", "set", "tenant_spend", "--tenant", "a", "--cap-usd", "1.0000001"),
         ("caps", "set", "tenant_spend", "--tenant", "a", "--cap", "5"),
         ("caps", "set", "tenant_calls", "--tenant", "a", "--cap", "5", "--until", "2001-01-01"),
+        ("caps", "set", "tenant_calls", "--tenant", "a", "--cap", "5", "--until", LAST_UNTIL),
         ("grant", "tenant_spend", "--tenant", "a", "--usd", "-5"),
         ("grant", "tenant_calls", "--tenant", "a", "--amount", "0"),
         ("plans", "assign", "--tenant", "a", "gold"),

@@ -59,6 +59,9 @@ def entries(draw: Any) -> LedgerEntry:
         if slot is not None:
             charges.append(slot.ledger_charge())
     assume(charges or kind is not EntryType.RECOVERED)  # a recovery carries what it settles
+    change = None
+    if kind in CHANGE_KINDS:  # a change names its own context
+        change, ctx = draw(changes_for(kind, now))
     return LedgerEntry(
         id=new_id(),
         type=kind,
@@ -73,7 +76,7 @@ def entries(draw: Any) -> LedgerEntry:
         reservation=new_id()
         if kind in CLOSING_KINDS and not charges  # then it must name its reservation
         else draw(st.one_of(st.none(), st.just(new_id()))),
-        change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
+        change=change,
     )
 
 

@@ -156,7 +156,6 @@ def test_scope_forms() -> None:
         limits = [
           { name = "g1", cap = 1, window = "day" },
           { name = "g2", cap = 1, window = "day", scope = "global" },
-          { name = "g3", cap = 1, window = "day", scope = [] },
           { name = "u", cap = 1, window = "day", scope = "user" },
           { name = "ut", cap = 1, window = "day", scope = ["tool", "user"] },
           { name = "s", cap = 1, window = "session", scope = "user" },
@@ -166,11 +165,19 @@ def test_scope_forms() -> None:
     assert [lim.dimensions for lim in policy] == [
         (),
         (),
-        (),
         (Scope.USER,),
         (Scope.USER, Scope.TOOL),
         (Scope.USER, Scope.SESSION),
     ]
+
+
+def test_an_empty_scope_list_is_refused_naming_the_field() -> None:
+    """``scope = []`` once became a global limit without a word: a limit meant per
+    tenant, its dimensions forgotten, would have capped everyone together."""
+    text = '[[limits]]\nname = "t"\ncap = 1\nwindow = "day"\nscope = []\n'
+    with pytest.raises(PolicyError, match=r"limits\[0\]\.scope.*empty list") as err:
+        loads(text)
+    assert "\n" not in str(err.value).strip()
 
 
 # -- the locator ---------------------------------------------------------------

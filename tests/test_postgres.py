@@ -50,6 +50,8 @@ from testing.stream_support import kafka as kafka  # the broker fixture (module 
 from testing.workers import (
     burst_policy,
     concurrent_checks,
+    outage_checks,
+    outage_policies,
     user_and_global_checks,
     user_and_global_policy,
 )
@@ -66,7 +68,7 @@ def test_four_processes_125_concurrent_checks_cap_50_admit_exactly_50(postgres_u
     assert sum(admitted) == 50
 
     async def usage() -> tuple[int, int]:
-        gov = Governor(burst_policy(50), PostgresBackend.from_url(postgres_url, timeout=5.0))
+        gov = Governor(burst_policy(50), PostgresBackend.from_url(postgres_url))
         c = Context(user="shared", tenant="t")
         result = (await gov.usage("burst", c), await gov.usage("daily", c))
         await gov.aclose()
@@ -111,6 +113,78 @@ def private_postgres() -> Iterator[PrivatePostgres]:
 
 
 RETRY = 0.3
+
+
+@pytest.fixture
+def postgres_100() -> Iterator[PrivatePostgres]:
+    """A server of this test's own with Postgres' default max_connections (100)."""
+    try:
+        server = start_private_postgres(max_connections=100)
+    except Exception as exc:  # no initdb/postgres binaries, or no postgres user
+        pytest.skip(f"cannot start a private Postgres: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_eight_processes_125_checks_with_defaults_under_max_connections_100_admit_50(
+    postgres_100: PrivatePostgres,
+) -> None:
+    """Eight replicas, every setting at its default (5 connections each), on a server
+    allowing 100: exactly 50 admitted, every check decided by Postgres (the helper
+    asserts none degraded and none refused as busy)."""
+    ctx = multiprocessing.get_context("spawn")
+    start_at = time.time() + 6.0
+    with ctx.Pool(8) as pool:
+        admitted = pool.starmap(concurrent_checks, [(postgres_100.url, 50, 125, start_at)] * 8)
+    assert sum(admitted) == 50
+
+
+@pytest.mark.slow
+def test_a_server_stopped_mid_run_closed_refuses_open_falls_back_then_enforcement_resumes(
+    postgres_100: PrivatePostgres,
+) -> None:
+    """Eight replicas x 16 callers checking a fail-open and a fail-closed limit, with
+    defaults; Postgres is killed mid-run and started again. While it is down: the
+    CLOSED limit answers 503 (degraded), the OPEN one admits from the replica's
+    counter. After: enforcement resumes on Postgres in every replica, and each
+    admitted fail-open check is counted once (the outage charges were replayed)."""
+    url = postgres_100.url
+    pctx = multiprocessing.get_context("spawn")
+    names = [f"r{i}" for i in range(8)]
+    with pctx.Manager() as manager, pctx.Pool(8) as pool:
+        ready, go = manager.Queue(), manager.Event()
+        runs = pool.starmap_async(outage_checks, [(url, n, ready, go, 16.0) for n in names])
+        for _ in names:
+            ready.get(timeout=120)  # every replica connected
+        go.set()
+        kill_at = time.time() + 3.0
+        time.sleep(3.0)
+        postgres_100.kill()
+        back_at = time.time() + 4.0
+        time.sleep(4.0)
+        postgres_100.start()
+        results = runs.get(timeout=120)
+    for seen in results:
+        before = [s for s in seen if s[0] < kill_at - 0.2]
+        assert before and all(s[2] and not s[3] for s in before)  # Postgres decided
+        down = [s for s in seen if kill_at + 1.0 < s[0] < back_at - 0.2]
+        closed = {(a, d, st) for _, w, a, d, st in down if w == "closed"}
+        opened = {(a, d, st) for _, w, a, d, st in down if w == "open"}
+        assert closed == {(False, True, 503)}
+        assert opened == {(True, True, 200)}
+        last = max(s[0] for s in seen)
+        after = [s for s in seen if s[0] > last - 2.0]
+        assert after and all(s[2] and not s[3] for s in after)  # enforcement resumed
+
+    async def counted() -> list[int]:
+        gov = Governor(outage_policies()[0], PostgresBackend.from_url(url))
+        got = [await gov.usage("o_user", Context(user=n)) for n in names]
+        await gov.aclose()
+        return got
+
+    admitted = [sum(1 for s in seen if s[1] == "open" and s[2]) for seen in results]
+    assert asyncio.run(counted()) == admitted
 
 
 def policy() -> Policy:
@@ -252,8 +326,7 @@ def test_a_bad_url_is_refused_naming_the_field() -> None:
 async def test_concurrent_checks_over_shared_keys_never_deadlock(postgres_url: str) -> None:
     """Checks over overlapping key sets, in every order of their limits' keys: the
     locks are taken in one fixed order, so none waits on another forever."""
-    backend = PostgresBackend.from_url(postgres_url, timeout=30.0, max_connections=16)
-    gov = Governor(burst_policy(10_000), backend)
+    gov = Governor(burst_policy(10_000), PostgresBackend.from_url(postgres_url))
     rng = random.Random(4)
     ctxs = [Context(user=f"u{rng.randrange(3)}", tenant=f"t{rng.randrange(3)}") for _ in range(300)]
     decisions = await asyncio.gather(*(gov.check(c) for c in ctxs))
@@ -342,3 +415,25 @@ async def test_rewrite_sets_counters_drops_in_flight_and_refuses_a_moved_project
     assert await backend.rewrite([(key, 5, 0, [])], add=True) == 1
     assert await backend.usage([key]) == [15]
     await backend.aclose()
+
+
+async def test_a_lock_queue_is_busy_not_down(postgres_url: str) -> None:
+    """A live server that cannot hand out a lock within the check's bound (the default
+    2 s) is busy: 503 ``postgres busy``, not the fail mode (the OPEN limit would
+    otherwise admit from its local counter), nothing charged, nothing kept for later."""
+    gov = Governor(policy(), PostgresBackend.from_url(postgres_url))
+    alice = Context(user="alice", tenant="acme")
+    assert (await gov.check(alice)).admitted
+    holder = await psycopg.AsyncConnection.connect(postgres_url, autocommit=True)
+    async with holder, holder.transaction():
+        # The store lock, exclusive, as a whole-store rewrite holds it (sql/0003).
+        await holder.execute("SELECT pg_advisory_xact_lock(1835233380, 0)")
+        decisions = await asyncio.gather(*(gov.check(alice) for _ in range(8)))
+    assert {(d.admitted, d.status, d.degraded, d.reason) for d in decisions} == {
+        (False, 503, False, "budget_unavailable:postgres busy")
+    }
+    assert decisions[0].retry_after is not None and decisions[0].retry_after >= 1
+    assert not gov.degraded and gov.pending_charges == 0
+    assert (await gov.check(alice)).admitted  # the lock is free again
+    assert await gov.usage("per_user", alice) == 2
+    await gov.aclose()

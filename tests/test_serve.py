@@ -282,3 +282,79 @@ def test_mcpbg_serve_runs_and_refuses_without_tokens(served: Served) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+_BURST = {"limit": "burst", "scope": {"user": "u1"}}
+_HUGE = "1E+999999999999999999"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        *[
+            ("POST", "/v1/caps", {**_BURST, "cap": n}, "cap")
+            for n in ["\u00b2", "\u0661\u0662", "1_000", " 5"]
+        ],
+        ("POST", "/v1/caps", {**_WRITE_BODY, "cap_usd": _HUGE}, "cap_usd"),
+        ("POST", "/v1/caps", {**_WRITE_BODY, "cap_usd": "\u0661.\u0665"}, "cap_usd"),
+        ("POST", "/v1/grants", {**_WRITE_BODY, "cap_usd": None, "usd": _HUGE}, "usd"),
+        ("POST", "/v1/grants", {**_BURST, "amount": "\u00b2"}, "amount"),
+        ("POST", "/v1/caps", {**_WRITE_BODY, "scope": {"tenant": "\ud800"}}, None),
+        ("POST", "/v1/caps", {**_WRITE_BODY, "reason": "\ud800\n"}, None),
+        ("GET", "/v1/budgets?max_keys=%C2%B2", None, "max_keys"),
+        ("GET", "/v1/costs?top=%D9%A1%D9%A2", None, "top"),
+        ("GET", "/v1/alerts?n=+5", None, "n"),
+    ],
+)
+def test_a_malformed_number_or_string_is_400_with_one_line(
+    served: Served, method: str, path: str, body: Any, field: str | None
+) -> None:
+    if body is not None:
+        body = {k: v for k, v in body.items() if v is not None}
+    status, reply = call(served, method, path, WRITE, body)
+    assert status == 400, reply
+    assert isinstance(reply, dict) and "\n" not in reply["error"], reply
+    if field is not None:
+        assert reply["field"] == field, reply
+
+
+def _headers(served: Served, path: str, authorization: str | None) -> tuple[int, Any]:
+    req = urllib.request.Request(served.url + path)
+    if authorization is not None:
+        req.add_header("Authorization", authorization)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers
+
+
+def test_every_response_carries_the_security_headers(served: Served) -> None:
+    for path, token in [
+        ("/dashboard", f"Bearer {READ}"),
+        ("/v1/budgets", f"Bearer {READ}"),
+        ("/static/mcpbg-charts.js", f"Bearer {READ}"),
+        ("/v1/budgets", None),  # the 401 too
+        ("/v1/budgets?colour=red", f"Bearer {READ}"),  # and a 400
+    ]:
+        status, headers = _headers(served, path, token)
+        assert status in (200, 400, 401), (path, status)
+        csp = headers["Content-Security-Policy"]
+        assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, path
+        assert headers["X-Frame-Options"] == "DENY", path
+        assert headers["X-Content-Type-Options"] == "nosniff", path
+
+
+def test_the_bearer_scheme_is_case_insensitive(served: Served) -> None:
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert _headers(served, "/v1/budgets", f"{scheme} {READ}")[0] == 200, scheme
+    assert _headers(served, "/v1/budgets", f"Basic {READ}")[0] == 401
+
+
+def test_the_same_token_for_reading_and_writing_is_refused() -> None:
+    from mcp_budget_governor.console.auth import Tokens
+    from mcp_budget_governor.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"^MCPBG_READ_TOKEN: .*MCPBG_WRITE_TOKEN") as err:
+        Tokens.from_env({"MCPBG_READ_TOKEN": WRITE, "MCPBG_WRITE_TOKEN": WRITE})
+    assert WRITE not in str(err.value)

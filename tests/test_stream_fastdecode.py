@@ -108,6 +108,9 @@ def entries(draw: st.DrawFn) -> LedgerEntry:
     within = draw(st.floats(0, 59.999)) if kind is EntryType.ADMITTED else 0.0
     when = planned + later if later else min(planned + within, (planned // 60) * 60 + 59.999)
     assume(charges or kind is not EntryType.RECOVERED)  # a recovery carries what it settles
+    change = None
+    if kind in CHANGE_KINDS:  # a change names its own context
+        change, ctx = draw(changes_for(kind, when))
     return LedgerEntry(
         id=new_id(),
         type=kind,
@@ -121,7 +124,7 @@ def entries(draw: st.DrawFn) -> LedgerEntry:
         degraded=draw(st.booleans()),
         # A close that charges nothing names its reservation (provenance.closing_problem).
         reservation=new_id() if kind in CLOSING_KINDS and not charges else draw(st.none() | texts),
-        change=draw(changes_for(kind)) if kind in CHANGE_KINDS else None,
+        change=change,
     )
 
 

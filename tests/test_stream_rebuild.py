@@ -4,9 +4,15 @@ from the empty counters meanwhile, and the counters converge to the ledger's tot
 from __future__ import annotations
 
 import asyncio
+import csv
+import json
+import subprocess
+import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import pytest
 import redis as redis_sync
 
@@ -119,3 +125,53 @@ async def test_a_worker_started_on_an_empty_redis_rebuilds_before_it_resumes(
     assert "rebuild: " in worker.text() and "counters ready" in worker.text()
     assert worker.terminate() == 0
     await fresh.aclose()
+
+
+@pytest.mark.slow
+async def test_what_the_start_up_rebuild_applies_reaches_the_archive_once(
+    kafka: KafkaService, redis_url: str, names: Names, workers: list[Worker], tmp_path: Path
+) -> None:
+    """6,000 events appended before any worker ran, then one worker (archiving) on an
+    empty Redis: its rebuild applies them and leaves the watermarks at the topic's
+    end, so they reach the archive there. Counters, archive, ``mcpbg costs`` and the
+    FOCUS file all show the same 6,000 events and the same dollars."""
+    fresh = RedisBackend.from_url(redis_url, timeout=5.0)
+    spent = 0
+    async with governor(kafka, fresh, names.topic, tmp_path) as gov:
+        for i in range(6000):
+            spent += 1_000 + i % 7
+            await gov.meter("spend", 1_000 + i % 7, Context(user=f"u{i % 12}", tenant=f"t{i % 3}"))
+    redis_sync.Redis.from_url(redis_url).flushdb()  # the first worker finds an empty store
+    archive = tmp_path / "archive"
+    worker = start_worker(workers, kafka, redis_url, names, tmp_path, "--archive-dir", str(archive))
+    records = await wait_caught_up(kafka, fresh, names.topic, workers)
+    assert await assert_exact(fresh, records) == 6000
+    assert "counters ready" in worker.text()
+    assert worker.terminate() == 0
+    await fresh.aclose()
+
+    rows = pq.read_table(archive, columns=["id", "amount"]).to_pydict()  # no reader's dedupe
+    assert len(rows["id"]) == len(set(rows["id"])) == 6000 and sum(rows["amount"]) == spent
+
+    out = await asyncio.to_thread(run_mcpbg, "costs", "--archive-dir", str(archive), "--json")
+    (total,) = json.loads(out)["summary"]
+    assert (total["events"], total["usd_micros"]) == (6000, spent)
+
+    focus = tmp_path / "focus.csv"
+    month = time.strftime("%Y-%m", time.gmtime(records[0].event.time.timestamp()))
+    await asyncio.to_thread(
+        run_mcpbg, "export", "focus", "--period", month, "--archive-dir", str(archive),
+        "--out", str(focus), "--quiet",
+    )  # fmt: skip
+    rows_out = csv.DictReader(focus.read_text().splitlines())
+    assert sum(Decimal(row["BilledCost"]) for row in rows_out) * 1_000_000 == spent
+
+
+def run_mcpbg(*argv: str) -> str:
+    """``mcpbg argv`` as a user runs it (its own process); its output, after exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mcp_budget_governor.cli", *argv],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout

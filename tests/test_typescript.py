@@ -5,8 +5,9 @@
 and ``tsc`` over sources, tests and benchmark) and ``npm test`` (build, which
 copies ``lua/`` and checks its digests against ``conformance/vectors.json``,
 then node's test runner) run with this run's Redis in ``MCPBG_TEST_REDIS_URL``,
-a broker in ``MCPBG_TEST_KAFKA_BOOTSTRAP`` and a private Redis in
-``MCPBG_TEST_OWN_REDIS_URL``, as the TypeScript tests expect them
+a broker in ``MCPBG_TEST_KAFKA_BOOTSTRAP``, a private Redis in
+``MCPBG_TEST_OWN_REDIS_URL`` and this run's Postgres database in
+``MCPBG_TEST_POSTGRES_URL``, as the TypeScript tests expect them
 (``ts/test/services.ts``). Without them ``ts/test/ledgerKafka.test.ts`` would skip
 its test of the bytes, keys and partitions on the topic: here no test may skip.
 Node 20+ is required: without it this fails saying so (see ``testing/node.py``).
@@ -40,7 +41,7 @@ def _npm(script: str, env: dict[str, str]) -> str:
 
 @pytest.mark.slow
 def test_the_typescript_suite_passes(
-    redis_service: RedisService, kafka: KafkaService, own_redis: RedisService
+    redis_service: RedisService, kafka: KafkaService, own_redis: RedisService, postgres_url: str
 ) -> None:
     npm_ci()
     env = {
@@ -48,6 +49,7 @@ def test_the_typescript_suite_passes(
         "MCPBG_TEST_REDIS_URL": redis_service.url,
         "MCPBG_TEST_KAFKA_BOOTSTRAP": kafka.bootstrap,
         "MCPBG_TEST_OWN_REDIS_URL": own_redis.url,  # for the test that flushes its scripts
+        "MCPBG_TEST_POSTGRES_URL": postgres_url,  # this run's database (testing/postgres.py)
     }
     _npm("lint", env)
     out = _npm("test", env)

@@ -30,7 +30,8 @@ from mcp_budget_governor.keys import APPROVAL_KEY
 from mcp_budget_governor.planning import check_plan
 from mcp_budget_governor.policy_file import load_file
 from testing.buckets import room
-from testing.node import TS_DIR, npm_ci, require_node, tsx
+from testing.node import Driver as Node
+from testing.node import prepare_driver
 
 POLICY = """
 [[limits]]
@@ -63,49 +64,9 @@ SPREAD = 3.0  # seconds over which each side starts its concurrent calls
 HOSTILE = "a:b,{c}=%41 é\n🙂#" + "x" * 40
 
 
-class Node:
-    """The TypeScript governor in its Node process."""
-
-    def __init__(self, policy: Path, url: str) -> None:
-        self.proc = subprocess.Popen(
-            [*tsx(), "test/cross/driver.ts", str(policy), url],
-            cwd=TS_DIR,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            encoding="utf-8",
-        )
-        assert self.read() == {"ready": True}
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the TypeScript driver exited"
-        answer: dict[str, Any] = json.loads(line)
-        assert "error" not in answer, answer["error"]
-        return answer
-
-    def send(self, op: str, **fields: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        self.proc.stdin.flush()
-
-    def __call__(self, op: str, **fields: Any) -> dict[str, Any]:
-        self.send(op, **fields)
-        return self.read()
-
-    def close(self) -> None:
-        try:
-            self("close")
-        finally:
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def node_ready() -> None:
-    require_node()
-    npm_ci()
-    subprocess.run(["node", "scripts/copy-lua.mjs"], cwd=TS_DIR, check=True)
+    prepare_driver()
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ COMMANDS: tuple[str, ...] = (
     "reconcile",
     "replay",
     "worker",
+    "archive",
     "migrate",
     "schema",
 )

@@ -16,6 +16,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ..numbers import whole_argument
 from .counters_args import add_counters_options
 from .ledger_args import add_ledger_options, add_option, open_ledger_from, required, setting
 
@@ -47,7 +48,7 @@ def register(sub: Any) -> None:
         p.add_argument(f"--{scope}", help=f"only the counters of this {scope}")
     p.add_argument(
         "--max-keys",
-        type=int,
+        type=whole_argument(),
         default=None,
         help="list at most this many counter keys (default 10000); the output says when it stopped",
     )

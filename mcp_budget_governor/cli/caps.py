@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from datetime import UTC, datetime, time
-from decimal import Decimal, InvalidOperation
+from datetime import UTC, date, datetime, time
 from typing import TYPE_CHECKING, Any
 
 from .counters_args import add_counters_options
@@ -100,33 +99,15 @@ def _scope(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _whole(option: str, text: str | None) -> int | None:
-    from ..errors import InvalidInputError
+    from ..numbers import whole
 
-    if text is None:
-        return None
-    if not text.isdigit():
-        raise InvalidInputError(option, text, "expected a whole number, not negative")
-    return int(text)
+    return None if text is None else whole(text, option)
 
 
 def _dollars(option: str, text: str | None) -> int | None:
-    from ..errors import InvalidInputError
-    from ..money import usd
+    from ..numbers import dollars
 
-    if text is None:
-        return None
-    try:
-        value = Decimal(text)
-    except InvalidOperation:
-        raise InvalidInputError(option, text, 'expected dollars, e.g. "5" or "5.25"') from None
-    if not value.is_finite() or value < 0:
-        raise InvalidInputError(option, text, "expected dollars, not negative")
-    if int(value.as_tuple().exponent) < -6:
-        raise InvalidInputError(option, text, "at most six decimals (whole micros)")
-    try:
-        return usd(value)
-    except InvalidInputError as exc:
-        raise InvalidInputError(option, text, exc.problem) from None
+    return None if text is None else dollars(text, option)
 
 
 def _amount(
@@ -157,12 +138,18 @@ def _until(policy: Policy, text: str | None) -> datetime | None:
 
     if text is None:
         return None
+    if not text.isascii():
+        raise InvalidInputError("--until", text, "expected an ISO date or time")
+    try:
+        # Every ISO date form (2030-01-01, 20300101, 2030-W01, 2030-W01-1): its start
+        # where the policy's days start, whichever form it is written in.
+        return datetime.combine(date.fromisoformat(text), time(), tzinfo=policy.tz)
+    except ValueError:
+        pass
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise InvalidInputError("--until", text, "expected an ISO date or time") from None
-    if len(text) == 10:  # a date: its start where the policy's days start
-        return datetime.combine(moment.date(), time(), tzinfo=policy.tz)
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 

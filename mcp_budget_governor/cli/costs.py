@@ -12,6 +12,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ..numbers import whole_argument
 from .ledger_args import add_ledger_options, add_option, open_ledger_from, setting
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ def register(sub: Any) -> None:
         help="group by these, comma-separated: user, tenant, tool, model, agent, day, hour, "
         "month, type",
     )
-    p.add_argument("--top", type=int, help="keep the first N rows of each table")
+    p.add_argument("--top", type=whole_argument(), help="keep the first N rows of each table")
     p.add_argument("--json", action="store_true", help="print JSON (usd as exact decimals)")
     p.add_argument(
         "--html",

@@ -53,6 +53,15 @@ def register(sub: Any) -> None:
         help="Kafka topic for --kafka (default a fresh mcpbg.demo.<id> per run)",
     )
     demo.add_argument("--seed", type=int, default=7, help="seed of the simulated agents")
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="then serve the console (mcpbg serve) on the demo's own data and print a "
+        "one-time login link to its dashboard; Ctrl-C stops it",
+    )
+    demo.add_argument(
+        "--port", type=int, default=8900, help="the console's port with --serve (0: any free one)"
+    )
     demo.set_defaults(run=run)
 
 
@@ -86,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         kafka_url=args.kafka,
         topic=args.topic,
         seed=args.seed,
+        serve=args.serve,
+        port=args.port,
     )
     main_sync(options, console())
     return 0

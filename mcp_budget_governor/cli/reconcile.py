@@ -20,6 +20,7 @@ import json
 import sys
 from typing import Any
 
+from ..numbers import whole_argument
 from ..settings import SETTINGS
 from .counters_args import add_counters_options, counters_store
 from .ledger_args import (
@@ -50,7 +51,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--older-than",
-        type=int,
+        type=whole_argument(),
         default=None,
         metavar="SECONDS",
         help="an in-flight entry with no ledger event is orphaned past this age "
@@ -63,7 +64,9 @@ def register(sub: Any) -> None:
         "without it, --ledger-dir's file ledger is appended to",
     )
     add_option(p, "topic", "the ledger topic")
-    p.add_argument("--show", type=int, default=100, help="drifting keys listed (default 100)")
+    p.add_argument(
+        "--show", type=whole_argument(), default=100, help="drifting keys listed (default 100)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 from typing import Any, ClassVar
 
+from ..numbers import whole_argument
 from .counters_args import add_counters_options, counters_store
 from .ledger_args import (
     DEFAULT_TOPIC,
@@ -57,7 +58,10 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--dry-run", action="store_true", help="show what would change; write nothing")
     p.add_argument(
-        "--show", type=int, default=50, help="changed counters listed by --dry-run (default 50)"
+        "--show",
+        type=whole_argument(),
+        default=50,
+        help="changed counters listed by --dry-run (default 50)",
     )
     add_counters_options(p)
     add_ledger_options(p)

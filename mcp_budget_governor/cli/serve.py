@@ -2,8 +2,9 @@
 
 ``mcpbg serve --policy policy.toml --redis-url redis://... --ledger-dir ledger/``
 with ``MCPBG_READ_TOKEN`` / ``MCPBG_WRITE_TOKEN`` (or their ``_FILE``
-variables) set; the dashboard is at ``/dashboard?token=<read token>``, the API
-under ``/v1/`` (``/openapi.json``). Writes go to the ledger when
+variables) set; the dashboard is at ``/dashboard``, the API
+under ``/v1/`` (``/openapi.json``); it prints a one-time login link that sets
+the read token's cookie, so the token never travels in a URL. Writes go to the ledger when
 ``--kafka-url`` or ``--ledger-dir`` is given (like ``mcpbg caps``), else
 straight to the counters in Redis. ``GET /v1/alerts`` shows the stream worker's
 latest alerts from the same Redis (``mcpbg worker --alert-keep``, docs/alerts.md).
@@ -44,10 +45,31 @@ def setting_help(name: str) -> str:
     return f"default {s.default}; env {s.env}"
 
 
-def run(args: argparse.Namespace) -> int:
+async def serve_console(console: Any, host: str, port: int, *, name: str = "serve") -> None:
+    """Serve ``console`` until interrupted; once listening, print a one-time login link
+    (the port's real number, also for port 0) that a person can open."""
     import uvicorn
 
-    from ..console.api import Console, build_app
+    from ..console.api import build_app
+
+    config = uvicorn.Config(build_app(console), host=host, port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn has only a flag)
+        await asyncio.sleep(0.05)
+    if server.started:
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(
+            f"mcpbg {name}: the dashboard: open http://{shown}:{bound}{console.login_link()}\n"
+            f"  (a one-time login link: it sets a cookie and is spent; Ctrl-C stops)",
+            flush=True,
+        )
+    await task
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..console.api import Console
     from ..console.auth import Tokens
     from ..settings import resolve
     from .caps import _governor, _policy
@@ -71,19 +93,8 @@ def run(args: argparse.Namespace) -> int:
             governor=governor,
             where="appended to the ledger" if ledgered else "written",
         )
-        config = uvicorn.Config(
-            build_app(console),
-            host=values["serve_host"],
-            port=values["serve_port"],
-            log_level="warning",
-        )
-        server = uvicorn.Server(config)
-        print(
-            f"mcpbg serve: http://{values['serve_host']}:{values['serve_port']}/dashboard",
-            flush=True,
-        )
         try:
-            await server.serve()
+            await serve_console(console, values["serve_host"], values["serve_port"])
         finally:
             await governor.aclose()
 

@@ -19,6 +19,7 @@ import json
 import sys
 from typing import Any
 
+from ..numbers import whole_argument
 from .ledger_args import add_ledger_options, open_ledger_from
 
 
@@ -34,7 +35,10 @@ def register(sub: Any) -> None:
     out.add_argument("--csv", action="store_true", help="print CSV")
     out.add_argument("--json", action="store_true", help="print JSON (one object per row)")
     p.add_argument(
-        "--max-rows", type=int, default=1000, help="rows shown in a table (default 1000)"
+        "--max-rows",
+        type=whole_argument(),
+        default=1000,
+        help="rows shown in a table (default 1000)",
     )
     p.set_defaults(run=run)
 

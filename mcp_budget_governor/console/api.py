@@ -23,6 +23,7 @@ describes it all.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,11 +39,15 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import BackendUnavailableError, GovernorError, InvalidInputError
+from ..numbers import whole
 from ..policy import Policy
 from .auth import Tokens
 
 #: The cookie the dashboard's browser carries the read token in (``/dashboard?token=``).
 COOKIE = "mcpbg_token"
+
+#: Seconds a login link (:meth:`Console.login_link`) stays valid, if unused.
+LOGIN_TTL = 900.0
 
 _SCOPES = ("user", "tenant", "tool", "session", "agent")
 _NO_LEDGER = "mcpbg serve was started without --archive-dir or --ledger-dir"
@@ -62,6 +67,21 @@ class Console:
     #: what a write says it did: "appended to the ledger" or "written"
     where: str = "written"
     extra: dict[str, Any] = field(default_factory=dict)
+    #: one-time login codes (:meth:`login_link`) and when each lapses (epoch seconds)
+    logins: dict[str, float] = field(default_factory=dict)
+
+    def login_link(self, ttl: float = LOGIN_TTL) -> str:
+        """A path that logs one browser in once: ``/login?code=...`` sets the read token's
+        cookie and sends it to the dashboard. The token itself never appears in a URL, so
+        it reaches no address bar, history or access log; a used or lapsed code is refused."""
+        code = secrets.token_urlsafe(24)
+        self.logins[code] = time.time() + ttl
+        return f"/login?code={code}"
+
+    def redeem(self, code: str) -> bool:
+        """True once for a code :meth:`login_link` made, within its time to live."""
+        lapses = self.logins.pop(code, None)
+        return lapses is not None and time.time() < lapses
 
     def ledger(self, since: Any = None, until: Any = None) -> Any:
         from ..projections.ledger_view import open_ledger
@@ -95,11 +115,54 @@ def _field(name: str) -> str:
 
 
 def error(status: int, message: str, fld: str | None = None, value: Any = None) -> JSONResponse:
-    body: dict[str, Any] = {"error": message}
+    """One line of JSON: what is wrong, and the field and value it is about."""
+    body: dict[str, Any] = {"error": _text_of(message)}
     if fld is not None:
-        body["field"] = fld
-        body["value"] = value if isinstance(value, str | int | float | bool | None) else repr(value)
+        body["field"] = _text_of(fld)
+        ok = isinstance(value, int | float | bool | None)
+        body["value"] = value if ok else _text_of(value if isinstance(value, str) else repr(value))
     return JSONResponse(body, status_code=status)
+
+
+def _text_of(text: str) -> str:
+    """``text`` on one line and encodable: what the caller sent may hold a lone
+    surrogate (``"\\ud800"``, valid JSON), which UTF-8 cannot carry; it is shown
+    escaped, so the refusal itself cannot fail."""
+    return " ".join(text.splitlines()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+#: Sent with every response: the console's pages load nothing but its own files, are
+#: never framed by another site, and are never sniffed into another type.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self'; "
+        "frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class SecurityHeaders:
+    """Adds :data:`SECURITY_HEADERS` to every HTTP response (refusals included)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.raw = [(k.lower().encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self.raw]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -136,6 +199,9 @@ class Auth:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        if scope["path"] == "/login":
+            await _login(request, self.tokens)(scope, receive, send)
+            return
         write = request.method not in ("GET", "HEAD")
         header = request.headers.get("authorization")
         if header is None and not write:
@@ -161,6 +227,20 @@ class Auth:
         await response(scope, receive, send)
 
 
+def _login(request: Request, tokens: Tokens) -> Response:
+    """A one-time login link: its code, once, buys the read token's cookie."""
+    console: Console = request.app.state.console
+    if not console.redeem(request.query_params.get("code", "")):
+        return error(
+            401,
+            "this login link was used already or has lapsed: mcpbg serve prints a new one "
+            "at each start",
+        )
+    response = RedirectResponse("/dashboard", status_code=303)
+    response.set_cookie(COOKIE, tokens.read or tokens.write, httponly=True, samesite="strict")
+    return response
+
+
 # -- reads ----------------------------------------------------------------------
 
 
@@ -175,13 +255,13 @@ def _params(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
     return got
 
 
+#: The most a count in a query (``max_keys``, ``top``, ``n``) may ask for.
+MAX_COUNT = 1_000_000
+
+
 def _int(params: dict[str, str], name: str) -> int | None:
     text = params.get(name)
-    if text is None:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise InvalidInputError(name, text, "expected a positive whole number")
-    return int(text)
+    return None if text is None else whole(text, name, least=1, most=MAX_COUNT)
 
 
 async def budgets(request: Request) -> Response:
@@ -344,7 +424,19 @@ async def _body(request: Request, allowed: tuple[str, ...]) -> dict[str, Any]:
     for name in ("reason", "actor"):
         if not isinstance(body.get(name, ""), str):
             raise InvalidInputError(name, body[name], "expected text")
+    for name, value in [*body.items(), *(("scope", k) for k in scope), *scope.items()]:
+        if isinstance(value, str) and not _encodable(value):
+            # JSON may carry a lone surrogate ("\\ud800"); the ledger and Redis cannot.
+            raise InvalidInputError(name, value, "not valid Unicode (a lone surrogate)")
     return body
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _text(body: dict[str, Any], name: str) -> str | None:
@@ -607,6 +699,9 @@ def build_app(console: Console) -> Starlette:
         Route("/static/{name}", _guard(_static), methods=["GET"]),
         Route("/", _root, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(Auth, tokens=console.tokens)])
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(SecurityHeaders), Middleware(Auth, tokens=console.tokens)],
+    )
     app.state.console = console
     return app

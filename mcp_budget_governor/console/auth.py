@@ -64,11 +64,19 @@ class Tokens:
                 f"mcpbg serve needs a token: set {SETTINGS['read_token'].env} and "
                 f"{SETTINGS['write_token'].env} (or their _FILE variables)",
             )
+        if out[0] and out[0] == out[1]:
+            # Every reader could write: the two tokens exist to tell them apart.
+            raise InvalidInputError(
+                SETTINGS["read_token"].env,
+                "<hidden>",
+                f"the same as {SETTINGS['write_token'].env}: give readers a token of their own",
+            )
         return cls(out[0], out[1])
 
     def level(self, authorization: str | None) -> str | None:
         """``"write"``, ``"read"`` or None (missing or wrong) for an Authorization header."""
-        if not authorization or not authorization.startswith("Bearer "):
+        # The scheme's name is case-insensitive (RFC 9110 11.1): "bearer" is "Bearer".
+        if not authorization or authorization[:7].lower() != "bearer ":
             return None
         given = authorization[7:].strip().encode()
         # Both compared every time, each in constant time.

@@ -32,10 +32,17 @@ async def snapshot(console: Console, period: str | None = None) -> dict[str, Any
     from starlette.concurrency import run_in_threadpool
 
     from ..cli.costs import costs_json
+    from ..money import Unit
     from ..projections.budgets import budget_report, format_amount
     from ..projections.costs import Filter, spend
     from ..windows import parse_period
-    from .data import first_trip, latest_refusals, refusals_by_reason, spend_series
+    from .data import (
+        counter_totals,
+        first_trip,
+        latest_refusals,
+        refusals_by_reason,
+        spend_series,
+    )
 
     report = await budget_report(console.policy, console.backend)
     rows: list[dict[str, Any]] = []
@@ -59,6 +66,7 @@ async def snapshot(console: Console, period: str | None = None) -> dict[str, Any
             return {"ledger_error": str(exc)}
         try:
             return {
+                "ledger_spent": counter_totals(con, [card["key"] for card in breakers]),
                 "series": spend_series(con, flt),
                 "trip": first_trip(con, flt),
                 "top": costs_json([spend(con, ["user", "tenant"], flt, top=10)])[
@@ -71,6 +79,20 @@ async def snapshot(console: Console, period: str | None = None) -> dict[str, Any
             con.close()
 
     ledger = await run_in_threadpool(read)
+    # One source for the cards and the chart beside them: with a ledger, a breaker
+    # card's spend is the ledger's total for its counter, as the chart's is; what the
+    # counters hold stays beside it (they differ only while the projection lags, or
+    # over counters that were never fed this ledger).
+    for card in breakers:
+        total = ledger.get("ledger_spent", {}).get(card["key"])
+        if total is not None:
+            card["counters_spent"] = card["spent"]
+            card["spent"] = total
+            card["shown"]["spent"] = format_amount(Unit(card["unit"]), total)
+            card["source"] = "ledger"
+        else:
+            card["source"] = "counters"
+    ledger.pop("ledger_spent", None)
     caps = []
     for r in rows:  # the counters' effective caps (run-time caps and plans included)
         if r["unit"] == "usd_micros" and r["scope"] == "tenant":

@@ -54,6 +54,18 @@ def _epoch(value: Any) -> float:
     return float(value)
 
 
+def counter_totals(con: Any, keys: list[str]) -> dict[str, int]:
+    """What the ledger says each counter holds (the sum of its charges, as a rebuild
+    computes it), for the given counter keys; keys it never charged are left out."""
+    if not keys:
+        return {}
+    marks = ", ".join("?" for _ in keys)
+    rows = _rows(
+        con, f'SELECT "key", sum(amount) FROM ledger WHERE "key" IN ({marks}) GROUP BY 1', keys
+    )
+    return {str(key): int(total) for key, total in rows}
+
+
 def spend_series(con: Any, flt: Filter, points: int = 120) -> dict[str, Any]:
     """Cumulative spend per tenant over the filter's span, in at most ``points`` steps:
     ``{"t": [epoch s...], "tenants": {tenant: [micros...]}}``."""

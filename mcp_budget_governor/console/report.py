@@ -126,6 +126,15 @@ def tenant_caps(policy: Policy | None, tenants: list[str]) -> list[dict[str, Any
     return out
 
 
+def script_json(value: Any) -> str:
+    """``value`` as JSON safe inside any ``<script>`` element, whatever its strings hold:
+    ``<``, ``>`` and ``&`` written as ``\\u003c`` and so on, so no ``</script>``,
+    ``<!--`` or ``<script`` (which put the HTML parser in a "double-escaped" state
+    and blank the page's charts) can appear in the element's text."""
+    text = json.dumps(value)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def render(
     title: str,
     subtitle: str,
@@ -140,9 +149,9 @@ def render(
 ) -> str:
     """The report page: KPI tiles, the spend chart, the refusals chart, then ``sections``
     (title, HTML) as cards."""
-    data = json.dumps(
+    data = script_json(
         {"series": series, "caps": caps, "trip": trip, "reasons": reasons, "relative": relative}
-    ).replace("</", "<\\/")
+    )
     tiles = "".join(
         f'<div class="kpi {esc(cls)}"><div class="v">{esc(v)}</div><div class="l">{esc(label)}'
         f"</div></div>"
@@ -173,8 +182,9 @@ def render(
 </footer>
 <script>{_script("chart.umd.min.js")}</script>
 <script>{_script("mcpbg-charts.js")}</script>
+<script type="application/json" id="mcpbg-data">{data}</script>
 <script>
-const D = {data};
+const D = JSON.parse(document.getElementById("mcpbg-data").textContent);
 mcpbgSpendChart(document.getElementById("spend"), D.series, D.caps, D.trip, D.relative);
 mcpbgReasonChart(document.getElementById("reasons"), D.reasons);
 </script>

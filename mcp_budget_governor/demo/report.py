@@ -211,7 +211,7 @@ def _open_ledger(options: DemoOptions, out: Path) -> Any:
     return open_ledger(ledger_dir=out / "ledger")
 
 
-def closing(console: Console, result: DemoResult, out: Path) -> None:
+def closing(console: Console, result: DemoResult, out: Path, *, serving: bool = False) -> None:
     if result.tripped_at is not None:
         when = scenario.clock_label(result.tripped_at)
         cap = POLICY["global_spend"].cap
@@ -234,3 +234,7 @@ def closing(console: Console, result: DemoResult, out: Path) -> None:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     console.print(f"Everything the demo wrote is in {out.resolve()}/")
+    if serving:
+        console.print("The console on the demo's data starts now:")
+    else:
+        console.print("See it in the console (the dashboard, on this data): mcpbg demo --serve")

@@ -60,6 +60,10 @@ class DemoOptions:
     topic: str | None = None
     seed: int = 7
     seconds: int = scenario.SIMULATED_SECONDS
+    #: then serve the console on the demo's own counters and ledger (``--serve``)
+    serve: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8900
 
 
 @dataclass
@@ -82,6 +86,8 @@ class DemoResult:
     events: int = 0
     focus_file: Path | None = None
     report_file: Path | None = None
+    #: the counters the demo charged, for ``mcpbg demo --serve``
+    backend: Backend | None = None
 
 
 # -- the governed server ------------------------------------------------------
@@ -208,7 +214,7 @@ def prepare_out(out: Path) -> None:
 async def run(options: DemoOptions, console: Console) -> DemoResult:
     """Run the demo end to end and print its report; returns what happened."""
     out = options.out
-    clock = SimClock()
+    clock = SimClock(duration=options.seconds)
     backend = _backend(options, clock)
     # The services first: a wrong URL fails in one line before anything is written.
     await _reachable(options, backend)
@@ -226,7 +232,8 @@ async def run(options: DemoOptions, console: Console) -> DemoResult:
     report.costs(console, options, out)
     result.focus_file = report.write_focus(console, options, out, clock.now)
     result.report_file = report.write_html(console, options, out)
-    report.closing(console, result, out)
+    result.backend = backend
+    report.closing(console, result, out, serving=options.serve)
     return result
 
 
@@ -484,5 +491,39 @@ async def _project_topic(
 
 
 def main_sync(options: DemoOptions, console: Console) -> DemoResult:
-    """Run :func:`run` in a fresh event loop."""
-    return asyncio.run(run(options, console))
+    """Run :func:`run` in a fresh event loop (then :func:`serve`, with ``options.serve``)."""
+
+    async def main() -> DemoResult:
+        result = await run(options, console)
+        if options.serve:
+            await serve(options, result)
+        return result
+
+    return asyncio.run(main())
+
+
+async def serve(options: DemoOptions, result: DemoResult) -> None:
+    """The console (``mcpbg serve``) on the demo's own data, its counters, ledger and
+    policy, behind fresh random tokens; prints a one-time login link."""
+    import secrets
+
+    from mcp_budget_governor.cli.serve import serve_console
+    from mcp_budget_governor.console.api import Console as AdminConsole
+    from mcp_budget_governor.console.auth import Tokens
+
+    backend = result.backend
+    if backend is None or options.redis_url or options.postgres_url:
+        backend = _backend(options, SimClock())  # the demo closed its client with it
+    archived = options.kafka_url is not None
+    admin = AdminConsole(
+        POLICY,
+        backend,
+        Tokens(secrets.token_hex(16), secrets.token_hex(16)),
+        archive_dir=str(options.out / "archive") if archived else None,
+        ledger_dir=None if archived else str(options.out / "ledger"),
+        governor=Governor(POLICY, backend),
+    )
+    try:
+        await serve_console(admin, options.host, options.port, name="demo")
+    finally:
+        await backend.aclose()

@@ -95,12 +95,19 @@ def summary_tokens(text_tokens: int, seed: int) -> tuple[int, int]:
 class SimClock:
     """Simulated time, so minute windows roll over in a blink.
 
-    It starts at the next whole minute of real time (every run then tells the
-    same story) and moves only when :meth:`advance_to` is called.
+    It starts on a whole minute (every run then tells the same story) and moves only
+    when :meth:`advance_to` is called. Given ``duration`` and no ``start``, it starts
+    that long before now, so the story (refusals, the breaker's trip, the ledger's
+    times) lies in the past, never in the future; but not before today's UTC
+    midnight, so today's budgets hold the whole story (a run in a day's first minutes
+    ends those minutes ahead).
     """
 
-    def __init__(self, start: float | None = None) -> None:
-        self.start = float(int((start if start is not None else time.time()) // 60 + 1) * 60)
+    def __init__(self, start: float | None = None, *, duration: float = 0.0) -> None:
+        if start is None:
+            now = time.time()
+            start = max((now - duration) // 60 * 60, now // 86_400 * 86_400)
+        self.start = float(int(start // 60) * 60)
         self.now = self.start
 
     def __call__(self) -> float:

@@ -96,6 +96,7 @@ from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import InputRequiredToolResult, ToolResult
 from mcp.server.request_state import RequestStateSecurity
 
+from mcp_budget_governor.approval import approval_state, open_approval
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
 from mcp_budget_governor.errors import (
@@ -256,9 +257,9 @@ class BudgetMiddleware(Middleware):
                 fixed=fixed,
                 priced=priced,
                 estimate=estimate,
-                ask=lambda decision: self._ask(context, decision),
+                ask=lambda decision: self._ask(context, decision, ctx),
                 wait=self.wait,
-                approved=self._approved_in_round(context),
+                approved=self._approved_in_round(context, ctx),
             )
         except LimitExceeded as exc:
             raise self._as_client_error(exc) from None
@@ -270,7 +271,9 @@ class BudgetMiddleware(Middleware):
         reads its text), or the refusal itself with ``raise_tool_error=False``."""
         return BudgetToolError(exc.decision) if self.raise_tool_error else exc
 
-    async def _ask(self, context: MiddlewareContext[Any], decision: Decision) -> bool:
+    async def _ask(
+        self, context: MiddlewareContext[Any], decision: Decision, caller: Context
+    ) -> bool:
         """Ask the client's user (MCP elicitation) whether this call may go over the
         ``OnExceed.ASK`` limit that refused it; False for no, no answer in time, or a
         client that cannot be asked."""
@@ -283,7 +286,14 @@ class BudgetMiddleware(Middleware):
             f"Allow this one call to {tool!r} to go over it?"
         )
         if fc._is_modern_protocol():
-            return _answered_in_round(fc, decision, message, tool)
+            now = time.time()
+            state = approval_state(decision.limit or "", caller, now=now, ttl=self.approval_timeout)
+            previous = open_approval(fc.request_state, caller, now=now)
+            # An answer about another limit (approved over one, refused by the next)
+            # is a new question; any other answered retry was checked with its approval.
+            answered = fc.input_responses is not None and fc.request_state is not None
+            answered = answered and (previous is None or previous == decision.limit)
+            return _answered_in_round(fc, decision, message, tool, state, answered)
         answer: Any = None
         try:
             with anyio.move_on_after(self.approval_timeout):
@@ -298,17 +308,23 @@ class BudgetMiddleware(Middleware):
         )  # fmt: skip
         return approved
 
-    def _approved_in_round(self, context: MiddlewareContext[Any]) -> tuple[str, ...]:
+    def _approved_in_round(
+        self, context: MiddlewareContext[Any], caller: Context
+    ) -> tuple[str, ...]:
         """The limit a 2026-07-28 client's retry answers yes for (SEP-2322), so the
-        retry is admitted over it at once (one refusal in the ledger, not two)."""
+        retry is admitted over it at once (one refusal in the ledger, not two): an
+        :class:`~mcp_budget_governor.approval.Approval` the governor spends with the
+        admission, so the same state admits once, and only the caller it was given to."""
         fc = context.fastmcp_context
         if fc is None or not fc._is_modern_protocol():
             return ()
-        limit = fc.request_state
+        approval = open_approval(fc.request_state, caller, now=time.time())
+        if approval is None:
+            return ()  # another caller's, lapsed, or not ours: the usual check
         asking = {lim.name for lim in self.governor.policy.limits if lim.on_exceed is OnExceed.ASK}
-        if limit not in asking:
+        if approval not in asking:
             return ()  # a policy reloaded since the question: ask again, or refuse
-        return (limit,) if _yes(fc.input_responses) else ()
+        return (approval,) if _yes(fc.input_responses) else ()
 
     async def _caller(self, context: MiddlewareContext[Any]) -> Context:
         if self.identify is not None:
@@ -456,26 +472,27 @@ class _AskInRound(Exception):
         self.result = result
 
 
-def _answered_in_round(fc: Any, decision: Decision, message: str, tool: str) -> bool:
-    """The approval of a 2026-07-28 client (SEP-2322 multi round trip): on the retry
-    that answers our question about this very limit, True for an accepted "yes" and
-    False otherwise; asked nothing yet, the question goes out as the call's result
-    (raises :class:`_AskInRound`). The limit travels in ``request_state``, which the
-    framework seals, so a client cannot approve a question it was never asked. A
-    client that declares no elicitation capability in the request is not asked."""
+def _answered_in_round(
+    fc: Any, decision: Decision, message: str, tool: str, state: str, answered: bool
+) -> bool:
+    """The approval of a 2026-07-28 client (SEP-2322 multi round trip): on a retry
+    that ``answered`` our question and was still refused, False: the usual refusal;
+    asked nothing yet, the question goes out as the call's result (raises
+    :class:`_AskInRound`) with ``state``
+    (:func:`~mcp_budget_governor.approval.approval_state`: the limit, the caller, a
+    one-time id) as its ``request_state``, which the framework seals, so a client
+    cannot approve a question it was never asked. A client that declares no
+    elicitation capability in the request is not asked."""
     limit = decision.limit or ""
     meta = fc.request_context.meta or {}
     declared = meta.get("io.modelcontextprotocol/clientCapabilities") or {}
     if not isinstance(declared, Mapping) or "elicitation" not in declared:
         return False  # a client that cannot elicit: the normal refusal
-    responses = fc.input_responses
-    if fc.request_state == limit and responses is not None:
-        approved = _yes(responses)
-        log.info(
-            "tool %r: the user %s going over %r",
-            tool, "approved" if approved else "did not approve", limit,
-        )  # fmt: skip
-        return approved
+    if answered:
+        # The approval, if any, was tried with the check (spent already, another
+        # caller's, lapsed or declined): refused, not asked again and again.
+        log.info("tool %r: no usable approval to go over %r", tool, limit)
+        return False
     schema = {
         "type": "object",
         "properties": {"value": {"type": "boolean", "title": "Go over budget"}},
@@ -485,7 +502,7 @@ def _answered_in_round(fc: Any, decision: Decision, message: str, tool: str) -> 
         params=mt.ElicitRequestFormParams(message=message, requested_schema=schema)
     )
     raise _AskInRound(
-        mt.InputRequiredResult(input_requests={APPROVAL_REQUEST: question}, request_state=limit)
+        mt.InputRequiredResult(input_requests={APPROVAL_REQUEST: question}, request_state=state)
     )
 
 

@@ -27,7 +27,16 @@ failed, a cancelled or a completed call is charged is decided in one place:
 - the charging runs to its end even when the caller's task is cancelled
   meanwhile (shielded, for asyncio and for anyio cancel scopes alike); the
   cancellation is raised once it is done. Other ``BaseException`` (process
-  exit) is not metered.
+  exit) is not metered;
+- so does the admission: once the check has reached the counters, a
+  cancellation arriving at any instant (before the reply, before the ledger
+  event, during the reservation) lets it end, and is then raised where the
+  work would run. An admitted call so cancelled pays as one cancelled while it
+  ran (``fixed``, its reservations kept at their estimates or settled to
+  ``fixed``; an estimate not yet reserved is metered as its price); its leases
+  are given back at once; its ledger events are appended, so nothing is left
+  in flight. A refused call so cancelled pays nothing, and a waiting one leaves
+  the queue.
 
 Charges map a limit name to an amount in that limit's unit (integer USD micros
 for money). All of them are validated before any is metered, so a bad amount
@@ -41,10 +50,8 @@ This module also renders a refusal for people and agents (:func:`refusal_text`,
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
-import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from datetime import UTC
@@ -58,6 +65,7 @@ from mcp_budget_governor.holds import Admission, Reservations
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
+from mcp_budget_governor.shielding import finished, to_the_end
 
 __all__ = [
     "Charges",
@@ -122,11 +130,22 @@ async def governed_call(
     # A Governor admits for the whole call: its concurrency-cap leases are
     # renewed while the work runs and given back when it ends, however it ends.
     admission: Admission | None = None
+    # A cancellation that arrived once the check had reached the counters: the
+    # admission ran to its end, and the cancellation is raised in the charged
+    # block below, so an admitted call pays as if cancelled while it ran.
+    cancelled: asyncio.CancelledError | None = None
+    owed = fixed  # what a call that fails or is cancelled pays beyond its reservations
     if isinstance(governor, Governor):
         approved = list(approved)
         while True:
             admission = governor.admitted(ctx, approved=approved, wait=wait)
-            decision = await admission.__aenter__()  # refused: no lease held
+            try:
+                decision = await admission.__aenter__()  # refused: no lease held
+            except asyncio.CancelledError as exc:
+                if admission.decision is None or not admission.decision.admitted:
+                    raise  # refused, or never reached the counters: nothing to pay
+                decision, cancelled = admission.decision, exc  # its leases are back
+                break
             limit = None if ask is None else askable(governor, decision, approved)
             if ask is None or limit is None or not await ask(decision):
                 break
@@ -134,29 +153,34 @@ async def governed_call(
         decision.raise_for_status()
         if estimate:
             estimate = {k: v for k, v in estimate.items() if k not in approved}
-        if estimate:
+        if estimate and cancelled is not None:
+            # Cancelled before its reservation: the estimate is charged as a price.
+            owed = {**_validated(governor, estimate), **(fixed or {})}
+        elif estimate:
             # After the check: a reservation that fills its limit to the cap
             # exactly must not make that check refuse the very call it holds.
             # A call refused here has used its call quota (the check admitted it).
             try:
-                held = await _reserve_all(governor, estimate, ctx)
+                held, cancelled = await _reserve_all(governor, estimate, ctx)
             except BaseException:
                 await _to_the_end(admission.__aexit__(None, None, None))  # its leases back
                 raise
     token = _current.set(ctx)
     try:
         try:
+            if cancelled is not None:
+                raise cancelled
             result = await work()
         except asyncio.CancelledError:
-            if fixed or held:
+            if owed or held:
                 try:
-                    await _to_the_end(_charge(governor, ctx, fixed, held))
+                    await _to_the_end(_charge(governor, ctx, owed, held))
                 except Exception:  # the cancellation goes on, whatever the charge met
                     log.exception("tool %r: charging the cancelled call failed", ctx.tool)
             raise
         except Exception:
-            if fixed or held:
-                await _to_the_end(_charge(governor, ctx, fixed, held))
+            if owed or held:
+                await _to_the_end(_charge(governor, ctx, owed, held))
             raise
         await _to_the_end(_settle(governor, ctx, result, fixed, priced, held))
         return result
@@ -182,22 +206,19 @@ def askable(governor: Governor, decision: Decision, approved: Sequence[str]) -> 
     return name
 
 
-async def _reserve_all(governor: Governor, estimate: Charges, ctx: Context) -> Reservations:
-    """Reserve every estimate, all or nothing, in one round trip. The charge runs to its
-    end even when the call is cancelled meanwhile; what it held is then given back."""
+async def _reserve_all(
+    governor: Governor, estimate: Charges, ctx: Context
+) -> tuple[Reservations, asyncio.CancelledError | None]:
+    """Reserve every estimate, all or nothing, in one round trip, to its end even when
+    the call is cancelled meanwhile: the reservation and that cancellation (the call
+    then settles what it holds, as one cancelled while it ran)."""
     held = Reservations(governor, _validated(governor, estimate), ctx)
 
     async def enter() -> None:
         await held.__aenter__()
 
-    try:
-        await _to_the_end(enter())
-    except asyncio.CancelledError:
-        if held.decision is not None and held.decision.admitted:
-            held.release()
-            await _to_the_end(held.__aexit__(None, None, None))
-        raise
-    return held
+    _, cancelled = await finished(enter())
+    return held, cancelled
 
 
 async def _settle_all(held: Reservations | None, charges: Charges) -> None:
@@ -253,36 +274,8 @@ async def _settle(
         await _charge(governor, ctx, charges, held)
 
 
-async def _to_the_end(step: Awaitable[None]) -> None:
-    """Await ``step`` to its end even if the calling task is cancelled meanwhile, then
-    raise the cancellation: a charge under way is never abandoned half-made.
-
-    The step runs as its own task that a cancellation does not reach
-    (``asyncio.shield``); under anyio (the MCP SDK cancels a request's scope,
-    and redelivers the cancellation at every await) a shielded cancel scope
-    also keeps this task from being woken again and again while it waits.
-    """
-    task = asyncio.ensure_future(step)
-    cancelled: asyncio.CancelledError | None = None
-    with _anyio_shield():
-        while True:
-            try:
-                await asyncio.shield(task)
-                break
-            except asyncio.CancelledError as exc:
-                if task.done():
-                    raise  # the step itself was cancelled (the loop is closing)
-                cancelled = exc
-    if cancelled is not None:
-        raise cancelled
-
-
-def _anyio_shield() -> contextlib.AbstractContextManager[Any]:
-    # Only a caller already running under anyio can be in one of its cancel scopes.
-    anyio = sys.modules.get("anyio")
-    if anyio is None:
-        return contextlib.nullcontext()
-    return anyio.CancelScope(shield=True)  # type: ignore[no-any-return]
+#: A step run to its end whatever instant a cancellation arrives (:mod:`..shielding`).
+_to_the_end = to_the_end
 
 
 def governed_context() -> Context | None:

@@ -52,6 +52,7 @@ from mcp_budget_governor.counters import (
     ChargeResult,
     CounterOp,
     CounterState,
+    refused_event,
 )
 from mcp_budget_governor.errors import (
     BackendUnavailableError,
@@ -708,6 +709,9 @@ class ClusterBackend:
         out = []
         for reply in replies:
             if isinstance(reply, redis_errors.ResponseError) and "mcpbg apply:" in str(reply):
+                refused = refused_event(str(reply))
+                if refused is not None:  # that slot wrote nothing; the others' watermarks moved
+                    raise refused
                 raise ValueError(str(reply))  # a key of no counter's shape: that slot wrote nothing
             if isinstance(reply, _UNAVAILABLE):
                 raise BackendUnavailableError.redis(reply)

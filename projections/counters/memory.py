@@ -24,11 +24,13 @@ from mcp_budget_governor.counters import (
     ChargeResult,
     CounterOp,
     CounterState,
+    apply_problem,
     fits,
+    grant_problem,
     overflow,
     stays_exact,
 )
-from mcp_budget_governor.errors import EpochMissingError
+from mcp_budget_governor.errors import EpochMissingError, EventRefusedError, InvalidInputError
 from mcp_budget_governor.keys import (
     INTERNAL_PREFIX,
     LEASE_PREFIX,
@@ -287,8 +289,32 @@ class MemoryBackend(KeyValueOps):
         """:meth:`change` at clock ``now`` (epoch seconds), synchronously: what
         ``mcpbg reconcile`` folds the ledger's run-time changes with."""
         self._evict(now)
+        why = self._grants_problem(changes, now)
+        if why is not None:  # all or none: nothing is written
+            raise InvalidInputError("change", why[1], why[0])
         for c in changes:
             self._change(c, now)
+
+    def _grants_problem(
+        self, changes: Sequence[Change], now: float, grants: dict[str, int] | None = None
+    ) -> tuple[str, int] | None:
+        """Why ``changes`` would take a counter's grant past the exact range, and the
+        amount (None: they fit); ``grants`` carries a batch's grants so far."""
+        grants = {} if grants is None else grants
+        for c in changes:
+            if c.kind not in (ChangeKind.GRANTED, ChangeKind.RESET) or c.until <= now:
+                continue
+            if c.key not in grants:
+                counter = self._get(c.key, now)
+                grants[c.key] = 0 if counter is None else counter.grant
+            if c.kind is ChangeKind.RESET:
+                grants[c.key] = c.amount
+                continue
+            why = grant_problem(c.key, grants[c.key], c.amount)
+            if why is not None:
+                return why, c.amount
+            grants[c.key] += c.amount
+        return None
 
     async def overrides(self) -> tuple[dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
         """The run-time value caps (caps key -> field -> (cap, until, why)) and assignments."""
@@ -382,6 +408,9 @@ class MemoryBackend(KeyValueOps):
         now = self._now()
         self._evict(now)
         mark = self._watermarks.get(partition, -1)
+        refused = self._refusal(events, mark, now)
+        if refused is not None:  # all or none: nothing of the batch is written
+            raise refused
         applied = 0
         for event in events:
             if event.offset <= mark:
@@ -401,6 +430,43 @@ class MemoryBackend(KeyValueOps):
         if events or through >= 0:
             self._watermarks[partition] = max(mark, through)
         return applied
+
+    def _refusal(
+        self, events: Sequence[AppliedEvent], mark: int, now: float
+    ) -> EventRefusedError | None:
+        """The first fresh event of a batch whose sums would leave the range
+        (counters.apply_problem, grant_problem), as lua/apply.lua checks it first."""
+        committed: dict[str, int] = {}
+        flight: dict[str, int] = {}
+        grants: dict[str, int] = {}
+        ids: set[str] = set()
+        for event in events:
+            if event.offset <= mark:
+                continue
+            mark = event.offset
+            entry = self._seen.get(event.seen_day)
+            if event.event_id in ids or (
+                entry is not None and entry[1] > now and event.event_id in entry[0]
+            ):
+                continue
+            ids.add(event.event_id)
+            for charge in event.charges:
+                key = charge.key
+                counter = self._get(key, now)
+                if key not in committed:
+                    committed[key] = 0 if counter is None else counter.committed
+                    flight[key] = 0 if counter is None else counter.in_flight
+                if counter is not None and event.event_id in counter.pending:
+                    flight[key] -= counter.pending[event.event_id]
+                if charge.expire_at > now:
+                    why = apply_problem(key, committed[key], flight[key], charge.amount)
+                    if why is not None:
+                        return EventRefusedError(event.offset, why)
+                    committed[key] += charge.amount
+            found = self._grants_problem(event.changes, now, grants)
+            if found is not None:
+                return EventRefusedError(event.offset, found[0])
+        return None
 
     def _first_sight(self, event: AppliedEvent, now: float) -> bool:
         day = event.seen_day

@@ -1,25 +1,40 @@
 """Postgres counters: the shared read model, driven only through the functions in ``sql/``.
 
-Each operation is one SQL function call, one round trip: ``mcpbg_charge``
-admits or refuses a whole check over every applicable limit, locking the
-counters it touches in one fixed order (sql/0002_functions.sql says how), so
-concurrent checks never over-admit and never deadlock. The schema is
-versioned: the migrations in ``sql/`` are applied on first use (and by
-``mcpbg migrate``), each once, under a lock, so replicas starting together
-agree.
+Each operation is one SQL function call, one round trip. Checks go through
+``mcpbg_charge_many``: concurrent checks of one process are coalesced into one
+call over arrays (one transaction, one commit, each check its own decision in
+arrival order), at most ``max_connections`` calls in flight; a lone check goes
+at once, alone. Calls lock the counters they touch in one fixed order
+(sql/0002_functions.sql says how), so concurrent checks never over-admit and
+never deadlock. The schema is versioned: the migrations in ``sql/`` are applied
+on first use (and by ``mcpbg migrate``), each once, under a lock, so replicas
+starting together agree.
 
 The driver is psycopg 3 (async) with psycopg-pool: it is typed (mypy --strict
 needs no stubs), speaks libpq's URLs and environment (``sslmode``, service
 files, ``PGPASSWORD``) exactly as ``psql`` does, and the pool replaces dead
 connections in the background, so a restarted server is picked up without a
-restart of ours. Connection failures and timeouts become
+restart of ours.
+
+Busy is not down (docs/postgres.md). A live server that is slow to hand out a
+connection or a lock is overloaded: the call raises :class:`BackendBusyError`
+(the governor refuses with 503 ``budget_unavailable:postgres busy``, no fail
+mode, nothing charged). Busy means: no pooled connection within
+``queue_timeout`` while the server accepts connections; SQLSTATE 57014 (the
+server's ``statement_timeout``, which is ``timeout``: lock waits count), 55P03
+(lock not available) and class 53 (insufficient resources, 53300 too many
+connections). Down means: a refused connection, a dead socket (no SQLSTATE),
+class 08 (connection exception), 57P01-57P03 (shutdown, crash, starting up), or
+no reply ``timeout`` + 1 s after the call was sent; only those raise
 :class:`BackendUnavailableError`, so the governor applies each limit's fail
-mode; a charge whose reply came too late carries its operation id, so its
+mode. A charge whose reply came too late carries its operation id, so its
 replay counts once (as on Redis).
 
 >>> backend = PostgresBackend.from_url("postgresql://postgres@127.0.0.1:5432/test")
->>> backend.timeout
-0.5
+>>> backend.timeout, backend.max_connections, backend.queue_timeout
+(2.0, 5, 5.0)
+>>> replicas_allowed(100, 3, 5)
+19
 """
 
 from __future__ import annotations
@@ -27,7 +42,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -41,8 +59,10 @@ from mcp_budget_governor.counters import (
     CounterOp,
     CounterState,
     overflow,
+    refused_event,
 )
 from mcp_budget_governor.errors import (
+    BackendBusyError,
     BackendUnavailableError,
     EpochMissingError,
     InvalidInputError,
@@ -51,22 +71,91 @@ from mcp_budget_governor.keys import EPOCH_VALUE, INTERNAL_PREFIX, LEASE_PREFIX
 from mcp_budget_governor.sql import latest, migrations
 from mcp_budget_governor.urls import check_postgres_url, redact
 
-DEFAULT_TIMEOUT = 0.5
+log = logging.getLogger(__name__)
+
+# The defaults (docs/postgres.md): a live server may take ``timeout`` on a check
+# (its statement_timeout, lock waits included) before the check counts as busy; a
+# check waits ``queue_timeout`` at most for a pooled connection; five connections
+# per replica (coalesced checks need few) let 19 replicas share Postgres' default
+# max_connections of 100.
+DEFAULT_TIMEOUT = 2.0
+DEFAULT_QUEUE_TIMEOUT = 5.0
+DEFAULT_MAX_CONNECTIONS = 5
+# No reply this long after the server's own bound: the socket or the server is gone.
+REPLY_GRACE = 1.0
+# The most checks one coalesced call carries (the rest go in the next call).
+MAX_BATCH = 256
 _ADMITTED = ChargeResult(-1, ())
 # The advisory lock migrations take (another class than the counters' locks).
 _MIGRATION_LOCK = 1835233379
-_UNAVAILABLE = (psycopg.OperationalError, PoolTimeout, TimeoutError, OSError)
+# SQLSTATEs of a live server that is overloaded (busy), not gone: the statement
+# timeout, a lock timeout; class 53 (insufficient resources: 53300 too many
+# connections, out of memory, disk full) is busy too.
+_BUSY_STATES = frozenset({"57014", "55P03"})
+# SQLSTATEs that mean the server is going or gone (with class 08 and no SQLSTATE).
+_DOWN_STATES = frozenset({"57P01", "57P02", "57P03"})
 
 _CHARGE = (
     "SELECT mcpbg_charge(%s, %s, %s, %s, %s::text[], %s::bigint[], %s::bigint[], "
     "%s::boolean[], %s::float8[], %s, %s::boolean[], %s::text[], %s::text[], %s::bigint[], "
     "%s::text[], %s::text[], %s::text[], %s, %s, %s)"
 )
+_CHARGE_MANY = (
+    "SELECT * FROM mcpbg_charge_many(%s, %s::text[], %s::text[], %s::boolean[], "
+    "%s::boolean[], %s::int[], %s::text[], %s::bigint[], %s::bigint[], %s::boolean[], "
+    "%s::float8[], %s::boolean[], %s::text[], %s::text[], %s::bigint[], %s::text[], "
+    "%s::text[], %s::text[])"
+)
 _APPLY = (
     "SELECT mcpbg_apply(%s, %s, %s, %s::bigint[], %s::text[], %s::text[], %s::float8[], "
     "%s::int[], %s::int[], %s::text[], %s::bigint[], %s::float8[], %s::text[], %s::text[], "
     "%s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::text[])"
 )
+
+
+def replicas_allowed(max_connections: int, reserved: int, pool: int) -> int:
+    """How many replicas with ``pool`` connections each fit in a server's
+    ``max_connections`` less its ``superuser_reserved_connections``.
+
+    >>> replicas_allowed(100, 3, 5), replicas_allowed(100, 3, 32)
+    (19, 3)
+    """
+    return max(0, max_connections - reserved) // max(1, pool)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def is_busy(exc: BaseException) -> bool:
+    """Whether ``exc`` is a live server saying it is overloaded (see the module docstring).
+
+    >>> is_busy(pg_errors.QueryCanceled("canceling statement due to statement timeout"))
+    True
+    >>> is_busy(psycopg.OperationalError("server closed the connection unexpectedly"))
+    False
+    """
+    state = getattr(exc, "sqlstate", None) or ""
+    return state in _BUSY_STATES or state.startswith("53")
+
+
+def is_down(exc: BaseException) -> bool:
+    """Whether ``exc`` means the server cannot be reached (see the module docstring).
+
+    >>> is_down(psycopg.OperationalError("connection refused")), is_down(TimeoutError())
+    (True, True)
+    >>> is_down(pg_errors.UndefinedFunction("no such function"))
+    False
+    """
+    if is_busy(exc):
+        return False
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate or ""
+        if state:
+            return state.startswith("08") or state in _DOWN_STATES
+        return isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError)  # the socket
+    return isinstance(exc, TimeoutError | OSError)
 
 
 CHANGE_SQL = (
@@ -98,20 +187,171 @@ def like_pattern(match: str) -> str:
     return escaped.replace("*", "%")
 
 
+def charge_params(
+    ops: Sequence[CounterOp],
+    *,
+    event_id: str | None,
+    want_used: bool,
+    op_id: str | None,
+    lease: str | None,
+    lease_ttl: float,
+    ticket: str | None,
+    require_epoch: bool,
+) -> tuple[Any, ...]:
+    """The arguments of one ``mcpbg_charge`` call (:data:`_CHARGE`), as every client
+    passes them: the conformance vectors hold the TypeScript backend's to these."""
+    if op_id is None or event_id is not None:
+        op_id = None
+    leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
+    if leases and lease is None:
+        raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
+    resolve = any(op.ref is not None for op in ops)
+    refs = [op.ref for op in ops]
+    return (
+        event_id or "",
+        op_id or "",
+        want_used,
+        require_epoch,
+        [op.key for op in ops],
+        [op.amount for op in ops],
+        [op.cap for op in ops],
+        [op.enforce for op in ops],
+        [op.expire_at for op in ops],
+        resolve,
+        [r is not None for r in refs],
+        [PLANS_KEY if r is None else r.caps_key for r in refs],
+        ["" if r is None else r.field for r in refs],
+        [None if r is None else r.value_cap for r in refs],
+        ["" if r is None else ",".join(r.plan_fields) for r in refs],
+        ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
+        ["" if r is None else r.file_plan or "" for r in refs],
+        lease or "" if leases else "",
+        max(1, round(lease_ttl * 1000)),
+        ticket or "" if leases else "",
+    )
+
+
 # A charge that refuses (cap 0) on a key no counter has: it writes nothing.
 _WARM_PARAMS = (
     "", "", True, False, ["mcpbg:v1:_warm:-:-"], [1], [0], [True], [0.0], True, [True],
     [PLANS_KEY], ["-"], [None], [""], [""], [""], "", 1, "",
 )  # fmt: skip
+# The same through the coalesced function: one check of one op.
+_WARM_MANY = (
+    False, [""], [""], [True], [True], [1], ["mcpbg:v1:_warm:-:-"], [1], [0], [True], [0.0],
+    [True], [PLANS_KEY], [""], [None], [""], [""], [""],
+)  # fmt: skip
 
 
 async def _warm(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Run each new pooled connection's first charge before a caller gets it: Postgres
+    """Run each new pooled connection's first charges before a caller gets it: Postgres
     compiles a PL/pgSQL function once per session, which would otherwise cost the
     first check on every connection several round trips' time."""
     # Not migrated yet (a new database): the first use migrates, then warms.
     with contextlib.suppress(pg_errors.UndefinedFunction, pg_errors.UndefinedTable):
         await conn.execute(_CHARGE, _WARM_PARAMS)
+        await conn.execute(_CHARGE_MANY, _WARM_MANY)
+
+
+@dataclass(slots=True, eq=False)
+class _Check:
+    """One check waiting for (or in) a coalesced call."""
+
+    event_id: str
+    op_id: str
+    want_used: bool
+    resolve: bool
+    ops: Sequence[CounterOp]
+    future: asyncio.Future[list[int]]
+    since: float
+
+
+class _Coalescer:
+    """The checks of one event loop: a lone check goes at once; checks arriving while
+    ``slots`` calls are in flight (or in the same loop turn) wait here, in order, and
+    go together in the next call. A check that waits here longer than the queue bound
+    is refused as busy (it was never sent: nothing is charged)."""
+
+    def __init__(self, backend: PostgresBackend, loop: asyncio.AbstractEventLoop) -> None:
+        self.backend = backend
+        self.loop = loop
+        self.queue: deque[_Check] = deque()
+        self.in_flight = 0
+        self.scheduled = False
+        self.watch: asyncio.TimerHandle | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def charge(self, event_id: str, op_id: str, want_used: bool, resolve: bool,
+                     ops: Sequence[CounterOp]) -> list[int]:  # fmt: skip
+        future: asyncio.Future[list[int]] = self.loop.create_future()
+        check = _Check(event_id, op_id, want_used, resolve, ops, future, self.loop.time())
+        if not self.in_flight and not self.queue:  # alone: no task, no wait
+            self.in_flight += 1
+            try:
+                return (await self.backend.charge_many([check]))[0]
+            finally:
+                self.in_flight -= 1
+                self.kick()
+        self.queue.append(check)
+        self.kick()
+        return await future
+
+    def kick(self) -> None:
+        if self.queue and not self.scheduled and self.in_flight < self.backend.max_connections:
+            self.scheduled = True
+            self.loop.call_soon(self.flush)
+        elif self.queue and self.watch is None:
+            self.watch = self.loop.call_later(0.1, self.expire)
+
+    def flush(self) -> None:
+        self.scheduled = False
+        while self.queue and self.in_flight < self.backend.max_connections:
+            batch: list[_Check] = []
+            while self.queue and len(batch) < MAX_BATCH:
+                check = self.queue.popleft()
+                if not check.future.done():  # (its caller gave up while it waited)
+                    batch.append(check)
+            if batch:
+                self.in_flight += 1
+                task = self.loop.create_task(self.send(batch))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+        if self.queue and self.watch is None:
+            self.watch = self.loop.call_later(0.1, self.expire)
+
+    async def send(self, batch: list[_Check]) -> None:
+        try:
+            replies = await self.backend.charge_many(batch)
+        except asyncio.CancelledError:
+            for check in batch:
+                check.future.cancel()
+            raise
+        except Exception as exc:
+            for check in batch:
+                if not check.future.done():
+                    check.future.set_exception(exc)
+        else:
+            for check, reply in zip(batch, replies, strict=True):
+                if not check.future.done():
+                    check.future.set_result(reply)
+        finally:
+            self.in_flight -= 1
+            self.kick()
+
+    def expire(self) -> None:
+        """Refuse, as busy, the checks that waited here past the queue bound."""
+        self.watch = None
+        bound = self.backend.queue_timeout
+        end = self.loop.time() - bound
+        while self.queue and self.queue[0].since <= end:
+            check = self.queue.popleft()
+            if not check.future.done():
+                check.future.set_exception(
+                    BackendBusyError("postgres", f"{self.backend.max_connections} calls "
+                                     f"in flight for {bound:g}s; this check was not sent")
+                )  # fmt: skip
+        if self.queue:
+            self.watch = self.loop.call_later(0.1, self.expire)
 
 
 class PostgresBackend:
@@ -122,24 +362,33 @@ class PostgresBackend:
         url: str,
         *,
         timeout: float = DEFAULT_TIMEOUT,
-        max_connections: int = 32,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
         require_epoch: bool = False,
         durable: bool = True,
     ) -> None:
         self.url = url
         self.durable = durable
         self.timeout = timeout
+        self.queue_timeout = queue_timeout
+        self.max_connections = max(1, max_connections)
         self.require_epoch = require_epoch
+        # The server's bound on every statement of the pool (the hot path's): past it a
+        # live server cancels the call (SQLSTATE 57014, busy) and nothing is written.
+        # Batch work (apply, rewrite, migrations, reads) lifts it (see _long).
+        options = f"-c statement_timeout={max(1, round(timeout * 1000))}"
+        if not durable:
+            options += " -c synchronous_commit=off"
         self._pool = AsyncConnectionPool(
             url,
             min_size=1,
-            max_size=max(1, max_connections),
+            max_size=self.max_connections,
             open=False,
-            timeout=timeout,
+            timeout=queue_timeout,
             kwargs={
                 "autocommit": True,
                 "connect_timeout": max(2, round(timeout + 0.5)),
-                **({} if durable else {"options": "-c synchronous_commit=off"}),
+                "options": options,
             },
             reconnect_timeout=0,  # keep trying while the server is away
             name="mcpbg",
@@ -149,6 +398,9 @@ class PostgresBackend:
         self._migrated = False
         self._open_lock = asyncio.Lock()
         self._checking: asyncio.Task[None] | None = None
+        self._coalescer: _Coalescer | None = None
+        self._probe: asyncio.Task[bool] | None = None
+        self._probed_at = -1.0
 
     @classmethod
     def from_url(
@@ -156,11 +408,23 @@ class PostgresBackend:
         url: str,
         *,
         timeout: float = DEFAULT_TIMEOUT,
-        max_connections: int = 32,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
         require_epoch: bool = False,
         durable: bool = True,
     ) -> PostgresBackend:
-        """Connect lazily to ``url``; ``timeout`` (seconds) bounds every call.
+        """Connect lazily to ``url``.
+
+        ``timeout`` (seconds, default 2): the longest a live server may take on
+        one check, lock waits included (its ``statement_timeout``); past it the
+        server cancels the call and the check is refused as busy. No reply at
+        all ``timeout`` + 1 s after sending: the server is unreachable (fail
+        modes). ``max_connections`` (default 5): this replica's pool, and the
+        most coalesced calls in flight; at startup the log says how many
+        replicas of this size the server's ``max_connections`` allows.
+        ``queue_timeout`` (default 5): the longest a check waits in this process
+        for a connection before it is refused as busy. docs/postgres.md says
+        what to tune first.
 
         ``require_epoch=True`` (deployments with a ledger and a stream worker):
         until the worker has declared the counters complete, every charge
@@ -176,10 +440,20 @@ class PostgresBackend:
         Without a ledger the lost charges are not counted: keep the default.
         """
         check_postgres_url(url, "url")
+        for name, value in (("timeout", timeout), ("queue_timeout", queue_timeout)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise InvalidInputError(name, value, "expected a number of seconds above 0")
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or (max_connections < 1)
+        ):
+            raise InvalidInputError("max_connections", max_connections, "expected an int >= 1")
         return cls(
             url,
-            timeout=timeout,
+            timeout=float(timeout),
             max_connections=max_connections,
+            queue_timeout=float(queue_timeout),
             require_epoch=require_epoch,
             durable=durable,
         )
@@ -193,13 +467,65 @@ class PostgresBackend:
         if self._opened and (self._checking is None or self._checking.done()):
             with contextlib.suppress(RuntimeError):  # no running loop: nothing to check
                 self._checking = asyncio.get_running_loop().create_task(self._check_pool())
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = _first_line(exc)
         return BackendUnavailableError(f"postgres {redact(self.url)} unreachable: {text}")
+
+    def _failed(self, exc: BaseException) -> BaseException:
+        """What a failed call raises: busy, unreachable, or the error itself (a bug)."""
+        if isinstance(exc, BackendBusyError | BackendUnavailableError):
+            return exc
+        if is_busy(exc):
+            return BackendBusyError("postgres", _first_line(exc))
+        if isinstance(exc, TimeoutError):
+            return self._down(TimeoutError(f"no reply within {self.timeout + REPLY_GRACE:g}s"))
+        if is_down(exc):
+            return self._down(exc)
+        if isinstance(exc, pg_errors.RaiseException):
+            return ValueError(_first_line(exc))
+        return exc
 
     async def _check_pool(self) -> None:
         # Replaces the idle connections a server restart broke, so they fail no more calls.
         with contextlib.suppress(Exception):
             await self._pool.check()
+
+    async def _reachable(self) -> bool:
+        """Whether the server accepts a connection now (too many clients counts: it is
+        alive); one probe at a time, its answer kept for half a second."""
+        loop = asyncio.get_running_loop()
+        if self._probe is None or (self._probe.done() and loop.time() - self._probed_at > 0.5):
+            self._probed_at = loop.time()
+            self._probe = loop.create_task(self._connects())
+        return await asyncio.shield(self._probe)
+
+    async def _connects(self) -> bool:
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self.url, autocommit=True, connect_timeout=max(2, round(self.timeout + 0.5))
+            )
+        except psycopg.Error as exc:
+            return is_busy(exc)
+        await conn.close()
+        return True
+
+    async def _connection(self, deadline: float) -> psycopg.AsyncConnection[Any]:
+        """A pooled connection by ``deadline`` (loop time): waiting past it while the
+        server accepts connections is busy; a server refusing them is down."""
+        loop = asyncio.get_running_loop()
+        while True:
+            wait = deadline - loop.time()
+            if wait <= 0:
+                raise BackendBusyError(
+                    "postgres", f"no pooled connection free within {self.queue_timeout:g}s"
+                )
+            try:
+                return await self._pool.getconn(timeout=min(wait, 0.5))
+            except PoolTimeout:
+                stats = self._pool.get_stats()
+                if stats.get("pool_size", 0) >= self.max_connections:
+                    continue  # every connection is in use: the pool is busy
+                if not await self._reachable():
+                    raise self._down(ConnectionError("the server refuses connections")) from None
 
     async def _ensure(self) -> None:
         if self._migrated:
@@ -209,46 +535,146 @@ class PostgresBackend:
                 await self._pool.open(wait=False)
                 self._opened = True
             if not self._migrated:
-                async with self._pool.connection() as conn:
+                deadline = asyncio.get_running_loop().time() + max(self.queue_timeout, 30.0)
+                conn = await self._connection(deadline)
+                try:
                     await migrate_connection(conn)
                     await _warm(conn)
+                    await self._log_capacity(conn)
+                finally:
+                    await self._pool.putconn(conn)
                 self._migrated = True
 
-    async def _call(self, query: str, params: Sequence[Any]) -> Any:
-        """One statement's first value, within the timeout; failures: unavailable."""
+    async def _log_capacity(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Say at startup how many replicas of this pool size the server allows."""
+        cur = await conn.execute(
+            "SELECT current_setting('max_connections')::int, "
+            "current_setting('superuser_reserved_connections')::int, "
+            "(SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')"
+        )
+        row = await cur.fetchone()
+        if row is None:  # pragma: no cover - the query always returns a row
+            return
+        most, reserved, in_use = (int(v) for v in row)
+        fit = replicas_allowed(most, reserved, self.max_connections)
+        say = log.warning if fit < 2 else log.info
+        say(
+            "postgres %s: max_connections=%d (%d reserved), %d in use now; a pool of %d "
+            "per replica lets %d replicas share it (docs/postgres.md)",
+            redact(self.url), most, reserved, in_use, self.max_connections, fit,
+        )  # fmt: skip
+
+    async def _run(
+        self, query: str, params: Sequence[Any], *, fetch: str = "one", long: float = 0.0
+    ) -> Any:
+        """One statement through a pooled connection: its first value (``fetch="one"``)
+        or its rows. The round trip is bounded from the moment it is sent (the pool's
+        queue has its own bound); ``long`` (seconds): batch work, the server's statement
+        bound lifted to it."""
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.timeout):
-                if not self._migrated:
-                    await self._ensure()
-                async with self._pool.connection() as conn:
-                    cur = await conn.execute(query, params)
-                    row = await cur.fetchone()
-        except pg_errors.RaiseException as exc:
-            raise ValueError(str(exc).splitlines()[0]) from None
-        except _UNAVAILABLE as exc:
-            raise self._down(exc) from exc
-        return None if row is None else row[0]
+            if not self._migrated:
+                await self._ensure()
+            conn = await self._connection(loop.time() + max(self.queue_timeout, long))
+            try:
+                async with asyncio.timeout(max(long, self.timeout) + REPLY_GRACE):
+                    if long:
+                        async with conn.transaction():
+                            await conn.execute(
+                                "SELECT set_config('statement_timeout', %s, true)",
+                                (str(round(long * 1000)),),
+                            )
+                            cur = await conn.execute(query, params)
+                            rows = await cur.fetchall()
+                    else:
+                        cur = await conn.execute(query, params)
+                        rows = await cur.fetchall()
+            finally:
+                await self._pool.putconn(conn)
+        except Exception as exc:
+            failed = self._failed(exc)
+            if failed is exc:
+                raise
+            raise failed from exc
+        if fetch == "one":
+            return rows[0][0] if rows else None
+        return rows
+
+    async def _call(self, query: str, params: Sequence[Any]) -> Any:
+        """One statement's first value, bounded as a check is."""
+        return await self._run(query, params)
 
     async def _rows(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        try:
-            async with asyncio.timeout(max(self.timeout, 5.0)):
-                if not self._migrated:
-                    await self._ensure()
-                async with self._pool.connection() as conn:
-                    cur = await conn.execute(query, params)
-                    return list(await cur.fetchall())
-        except _UNAVAILABLE as exc:
-            raise self._down(exc) from exc
+        rows: list[tuple[Any, ...]] = await self._run(query, params, fetch="all", long=5.0)
+        return rows
+
+    async def _call_long(self, query: str, params: Sequence[Any]) -> Any:
+        """:meth:`_call` for batch work (apply, rewrite): a longer bound than the hot path's."""
+        return await self._run(query, params, long=max(self.timeout, 30.0))
 
     async def migrate(self) -> int:
         """Apply every pending migration now; the schema version afterwards."""
         try:
             await self._ensure()
-        except _UNAVAILABLE as exc:
-            raise self._down(exc) from exc
+        except Exception as exc:
+            failed = self._failed(exc)
+            if failed is exc:
+                raise
+            raise failed from exc
         return latest()
 
     # -- the hot path -------------------------------------------------------
+
+    async def charge_many(self, checks: Sequence[_Check]) -> list[list[int]]:
+        """One ``mcpbg_charge_many`` call for ``checks``: each one's reply, in order."""
+        event_ids, op_ids, want_used, resolve, nops = [], [], [], [], []
+        keys, amounts, caps, enforce, expire = [], [], [], [], []
+        has_ref, caps_keys, fields, plan_fields, plan_caps, file_plans = [], [], [], [], [], []
+        value_caps: list[int | None] = []
+        for check in checks:
+            event_ids.append(check.event_id)
+            op_ids.append(check.op_id)
+            want_used.append(check.want_used)
+            resolve.append(check.resolve)
+            nops.append(len(check.ops))
+            for op in check.ops:
+                keys.append(op.key)
+                amounts.append(op.amount)
+                caps.append(op.cap)
+                enforce.append(op.enforce)
+                expire.append(op.expire_at)
+                r = op.ref
+                if r is None:
+                    has_ref.append(False)
+                    caps_keys.append(PLANS_KEY)
+                    fields.append("")
+                    value_caps.append(None)
+                    plan_fields.append("")
+                    plan_caps.append("")
+                    file_plans.append("")
+                else:
+                    has_ref.append(True)
+                    caps_keys.append(r.caps_key)
+                    fields.append(r.field)
+                    value_caps.append(r.value_cap)
+                    plan_fields.append(",".join(r.plan_fields))
+                    plan_caps.append(" ".join(f"{n} {c}" for n, c in r.plan_caps))
+                    file_plans.append(r.file_plan or "")
+        params = (
+            self.require_epoch, event_ids, op_ids, want_used, resolve, nops, keys, amounts,
+            caps, enforce, expire, has_ref, caps_keys, fields, value_caps, plan_fields,
+            plan_caps, file_plans,
+        )  # fmt: skip
+        rows = await self._run(_CHARGE_MANY, params, fetch="all")
+        return [row[0] for row in rows]
+
+    def _batcher(self) -> _Coalescer:
+        """This event loop's coalescer (a new one on another loop)."""
+        loop = asyncio.get_running_loop()
+        co = self._coalescer
+        if co is None or co.loop is not loop:
+            co = self._coalescer = _Coalescer(self, loop)
+        return co
 
     async def charge(
         self,
@@ -269,8 +695,40 @@ class PostgresBackend:
         if leases and lease is None:
             raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
         resolve = any(op.ref is not None for op in ops)
+        if leases:  # leases and wait tickets: mcpbg_charge, alone
+            reply: list[int] = await self._call(_CHARGE, self._charge_params(
+                ops, event_id, op_id, want_used, resolve, lease, lease_ttl, ticket
+            ))  # fmt: skip
+        else:
+            reply = await self._batcher().charge(event_id or "", op_id or "", want_used,
+                                                 resolve, ops)  # fmt: skip
+        head = reply[0]
+        if head == 0 and len(reply) == 1:
+            return _ADMITTED
+        if head == -2:
+            op = ops[reply[1] - 1]
+            raise overflow(op.key, op.amount)
+        if head < 0:
+            raise BackendUnavailableError("postgres counters not complete (no epoch): rebuilding")
+        values = tuple(reply[1:])
+        n = len(ops)
+        if resolve and len(values) == 2 * n:
+            return ChargeResult(head - 1, values[:n], values[n:])
+        return ChargeResult(head - 1, values)
+
+    def _charge_params(
+        self,
+        ops: Sequence[CounterOp],
+        event_id: str | None,
+        op_id: str | None,
+        want_used: bool,
+        resolve: bool,
+        lease: str | None,
+        lease_ttl: float,
+        ticket: str | None,
+    ) -> tuple[Any, ...]:
         refs = [op.ref for op in ops]
-        params = (
+        return (
             event_id or "",
             op_id or "",
             want_used,
@@ -288,24 +746,10 @@ class PostgresBackend:
             ["" if r is None else ",".join(r.plan_fields) for r in refs],
             ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
             ["" if r is None else r.file_plan or "" for r in refs],
-            lease or "" if leases else "",
+            lease or "",
             max(1, round(lease_ttl * 1000)),
-            ticket or "" if leases else "",
+            ticket or "",
         )
-        reply: list[int] = await self._call(_CHARGE, params)
-        head = reply[0]
-        if head == 0 and len(reply) == 1:
-            return _ADMITTED
-        if head == -2:
-            op = ops[reply[1] - 1]
-            raise overflow(op.key, op.amount)
-        if head < 0:
-            raise BackendUnavailableError("postgres counters not complete (no epoch): rebuilding")
-        values = tuple(reply[1:])
-        n = len(ops)
-        if resolve and len(values) == 2 * n:
-            return ChargeResult(head - 1, values[:n], values[n:])
-        return ChargeResult(head - 1, values)
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
         if not keys:
@@ -388,25 +832,16 @@ class PostgresBackend:
             nchanges, ckeys, camounts, cexpire, kinds, xkeys, xfields, xamounts, xuntils,
             xplans, xwhys,
         )  # fmt: skip
-        applied = int(await self._call_long(_APPLY, params))
+        try:
+            applied = int(await self._call_long(_APPLY, params))
+        except ValueError as exc:
+            refused = refused_event(str(exc))
+            if refused is not None:  # the call rolled back: nothing of the batch written
+                raise refused from None
+            raise
         if applied < 0:
             raise EpochMissingError("postgres counters not complete (no epoch): rebuild first")
         return applied
-
-    async def _call_long(self, query: str, params: Sequence[Any]) -> Any:
-        """:meth:`_call` for batch work (apply, rewrite): a longer bound than the hot path's."""
-        try:
-            async with asyncio.timeout(max(self.timeout, 30.0)):
-                if not self._migrated:
-                    await self._ensure()
-                async with self._pool.connection() as conn:
-                    cur = await conn.execute(query, params)
-                    row = await cur.fetchone()
-        except pg_errors.RaiseException as exc:
-            raise ValueError(str(exc).splitlines()[0]) from None
-        except _UNAVAILABLE as exc:
-            raise self._down(exc) from exc
-        return None if row is None else row[0]
 
     async def watermark(self, partition: str) -> int:
         """The last applied offset of a partition, -1 when none."""
@@ -557,6 +992,8 @@ async def migrate_connection(conn: psycopg.AsyncConnection[Any]) -> list[int]:
     lock (replicas starting together wait for each other); the versions applied."""
     done: list[int] = []
     async with conn.transaction():
+        # DDL is batch work: not bound by the hot path's statement_timeout.
+        await conn.execute("SET LOCAL statement_timeout = 0")
         await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         await conn.execute(
             "CREATE TABLE IF NOT EXISTS mcpbg_migrations (version integer PRIMARY KEY, "

@@ -32,6 +32,7 @@ from mcp_budget_governor.counters import (
     CounterOp,
     CounterState,
     overflow,
+    refused_event,
 )
 from mcp_budget_governor.errors import (
     BackendUnavailableError,
@@ -681,6 +682,9 @@ class RedisBackend(KeyValueOps):
         except redis_errors.ResponseError as exc:
             if "mcpbg apply:" not in str(exc):
                 raise
+            refused = refused_event(str(exc))
+            if refused is not None:  # checked before the first write: nothing written
+                raise refused from None
             raise ValueError(str(exc)) from None  # a key of no counter's shape: nothing written
         if applied < 0:
             raise EpochMissingError("redis lost its state (epoch marker missing): rebuild first")

@@ -3,7 +3,8 @@
 // conformance vectors; Python's lua/__init__.py picks them) and SHA1 (prelude +
 // "\n" + body, as EVALSHA runs it, assembled as src/scripts.ts does). The
 // digests must equal those of the vectors, which the Python implementation
-// generated: a copy or layout that differs fails the build.
+// generated: a copy or layout that differs fails the build. The Postgres migrations
+// (sql/*.sql) are copied into ts/sql/ too.
 import { createHash } from "node:crypto";
 import { copyFileSync, existsSync, mkdirSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
 
@@ -14,7 +15,9 @@ const vectorsFile = new URL("../conformance/vectors.json", here);
 
 if (!existsSync(from)) {
   // Installed from a tarball: the scripts and their layout were copied when it was packed.
-  if (existsSync(new URL("digests.json", to)) && existsSync(new URL("layout.json", to))) process.exit(0);
+  if (existsSync(new URL("digests.json", to)) && existsSync(new URL("layout.json", to)) && existsSync(new URL("sql/", here))) {
+    process.exit(0);
+  }
   console.error("copy-lua: ../lua not found and no copied scripts in ts/lua");
   process.exit(1);
 }
@@ -44,6 +47,14 @@ if (stale.length) {
   process.exit(1);
 }
 writeFileSync(new URL("digests.json", to), JSON.stringify(digests, null, 1) + "\n");
+// The Postgres migrations (sql/NNNN_<name>.sql), for src/backends/postgres.ts, which
+// applies them as Python's PostgresBackend does: the same files, never translated.
+const sqlFrom = new URL("../sql/", here);
+const sqlTo = new URL("sql/", here);
+mkdirSync(sqlTo, { recursive: true });
+for (const file of readdirSync(sqlFrom).filter((f) => /^\d{4}_[a-z0-9_]+\.sql$/.test(f))) {
+  copyFileSync(new URL(file, sqlFrom), new URL(file, sqlTo));
+}
 // The built-in price table, as the Python package exports it into the vectors.
 mkdirSync(new URL("data/", here), { recursive: true });
 writeFileSync(new URL("data/prices.json", here), JSON.stringify(vectors.builtin_prices.models) + "\n");

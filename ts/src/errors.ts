@@ -102,6 +102,23 @@ export class BackendUnavailableError extends GovernorError {
   }
 }
 
+/**
+ * The shared counter store is up but overloaded (Postgres: no pooled connection
+ * free within the queue bound, a lock or statement that outlasted the timeout, too
+ * many connections): the governor refuses with 503 and this reason, and never
+ * applies a limit's fail mode, which is for a store that cannot be reached.
+ */
+export class BackendBusyError extends GovernorError {
+  override name = "BackendBusyError";
+  constructor(
+    /** Which store: the refusal's reason reads "<store> busy". */
+    readonly store: string,
+    detail: string,
+  ) {
+    super(`${store} busy: ${detail}`);
+  }
+}
+
 /** A charge would leave the range a counter is counted exactly in: refused, nothing written. */
 export class CounterOverflowError extends GovernorError {
   override name = "CounterOverflowError";

@@ -8,11 +8,13 @@
  * );
  * (await governor.check(context({ user: "u_42" }))).status  // 200, 200, then 429
  */
+import { spendOp, type Approval } from "./approval.js";
 import { MemoryBackend } from "./backends/memory.js";
 import type { Backend, ChargeResult } from "./backends/types.js";
 import { EMPTY, cacheable, context as makeContext, contextKey, type Context } from "./context.js";
 import { ADMITTED, Decision, NOTHING_METERED, type MeterResult } from "./decision.js";
 import {
+  BackendBusyError,
   BackendUnavailableError,
   LimitExceeded,
   CounterOverflowError,
@@ -50,6 +52,12 @@ export interface CheckOptions {
   amount?: number;
   /** OnExceed.ASK limits the user let this call go over (the ledger records the approval). */
   approved?: readonly string[];
+  /**
+   * The one-time approval of an `approved` limit (approval.ts): spent with the
+   * admission, in the same atomic charge; one spent already, or lapsed, and the
+   * call is checked as if unapproved.
+   */
+  approval?: Approval | null;
   /**
    * Seconds a call refused by a full concurrency cap waits for a slot, first
    * come, first served across replicas and languages (lua/lib.lua
@@ -254,6 +262,7 @@ export class Governor {
   private readonly pending: [string, CounterOp[]][] = [];
   private readonly maxPending: number;
   private downUntil = 0;
+  private flushing: Promise<void> | null = null;
   private plans = new Map<string, Plan>();
   private byObject = new WeakMap<Context, { minute: number; calls: number; plan: Plan }>();
   policy: Policy;
@@ -305,11 +314,14 @@ export class Governor {
     const c = ctx ?? EMPTY;
     const approved = options.approved ?? [];
     const allowed = approved.length ? this.approvable(approved) : null;
-    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal);
+    const approval = options.approval ?? null;
+    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal, approval);
     const now = this.clock();
     if (allowed !== null) {
-      const plan = planning.checkPlan(this.policy, c, now, amount, allowed);
-      return (await this.admit(plan, c, now, EntryType.ADMITTED, [...allowed].sort()))[0];
+      const plan = spending(planning.checkPlan(this.policy, c, now, amount, allowed), approval, now);
+      const decision = plan === null ? SPENT : (await this.admit(plan, c, now, EntryType.ADMITTED, [...allowed].sort()))[0];
+      // Used already, or lapsed: the call as if unapproved.
+      return decision === SPENT ? this.check(c, { amount }) : decision;
     }
     const plan = this.plan(c, now, amount);
     if (this.ledger === null && !plan.slots.length) return ADMITTED;
@@ -338,6 +350,7 @@ export class Governor {
     allowed: Set<string> | null,
     wait: number,
     signal: AbortSignal | undefined,
+    approval: Approval | null = null,
   ): Promise<Decision> {
     const ticket = `${newId()}/${Math.ceil(wait * 1000)}`;
     const deadline = performance.now() + wait * 1000;
@@ -350,8 +363,14 @@ export class Governor {
         throw signal.reason;
       }
       const now = this.clock();
-      const plan = allowed !== null ? planning.checkPlan(this.policy, ctx, now, amount, allowed) : this.plan(ctx, now, amount);
+      const plan = allowed !== null ? spending(planning.checkPlan(this.policy, ctx, now, amount, allowed), approval, now) : this.plan(ctx, now, amount);
+      const left0 = Math.max((deadline - performance.now()) / 1000, 0.001);
+      if (plan === null) return this.checkWaiting(ctx, amount, null, left0, signal); // lapsed: as if unapproved
       const [decision, eventId] = await this.admit(plan, ctx, now, EntryType.ADMITTED, approved, plan.leases.length ? ticket : null, false);
+      if (decision === SPENT) {
+        await this.leave(plan.leases, ticket);
+        return this.checkWaiting(ctx, amount, null, left0, signal); // used already: wait as if unapproved
+      }
       if (decision.admitted) return decision;
       queued = plan.leases;
       const left = deadline - performance.now();
@@ -373,7 +392,7 @@ export class Governor {
     try {
       await this.backend.leave(leases, ticket);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
   }
 
@@ -411,7 +430,7 @@ export class Governor {
     try {
       await this.backend.release(lease.keys, lease.id);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
   }
 
@@ -423,7 +442,7 @@ export class Governor {
     try {
       return (await this.backend.renew(lease.keys, lease.id, this.leaseTtl)) === lease.keys.length;
     } catch (err) {
-      if (err instanceof BackendUnavailableError) return false;
+      if (storeFailed(err)) return false;
       throw err;
     }
   }
@@ -541,7 +560,7 @@ export class Governor {
     try {
       await this.flushPending();
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
+      if (!storeFailed(err)) throw err;
     }
     if (this.ledger !== null) await this.ledger.close();
     await this.backend.close();
@@ -592,12 +611,24 @@ export class Governor {
     const opId = eventId === null ? newId() : null;
     const lease = plan.leases.length ? newId() : null;
     let decision: Decision;
+    const n = plan.slots.length;
     try {
-      const result = await this.charge(plan.ops, eventId, true, opId, lease, ticket);
+      let result = await this.charge(plan.ops, eventId, true, opId, lease, ticket);
+      if (plan.ops.length > n) {
+        // An approval's marker came last: refused there, the approval was spent already.
+        if (result.refused >= n) return [SPENT, null];
+        result = { refused: result.refused, used: result.used.slice(0, n), caps: result.caps.slice(0, n) };
+      }
       decision = result.refused < 0 ? planning.admitted(plan.slots, result.used, false, result.caps) : this.decide(plan.slots, result, now);
     } catch (err) {
-      if (!(err instanceof BackendUnavailableError)) throw err;
-      decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
+      // Busy is overload, not an outage: refused, never decided by the fail mode (an
+      // approval stays unspent: nothing was charged).
+      if (err instanceof BackendBusyError) decision = planning.busy(err.store, this.retryInterval);
+      else {
+        if (!(err instanceof BackendUnavailableError)) throw err;
+        if (plan.ops.length > n) return [SPENT, null]; // an approval is spent only where it is counted
+        decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
+      }
     }
     if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
     if (eventId !== null && (recordRefusal || decision.admitted)) await this.logAdmission(eventId, kind, now, ctx, plan, decision, approved);
@@ -645,7 +676,7 @@ export class Governor {
     if (this.downUntil) {
       if (this.clock() < this.downUntil) throw new BackendUnavailableError("backend marked down; retrying later");
       await this.flushPending();
-    }
+    } else if (this.pending.length) await this.flushPending(); // kept while the store was busy
     try {
       return await this.backend.charge(ops, { eventId, wantUsed, opId, lease, leaseTtl: this.leaseTtl, ticket });
     } catch (err) {
@@ -658,7 +689,19 @@ export class Governor {
     this.downUntil = this.clock() + this.retryInterval;
   }
 
-  private async flushPending(): Promise<void> {
+  /**
+   * Replay the charges kept while the store was away, each once: concurrent
+   * callers share one flush (each shifting the head after its own replay would
+   * drop charges never replayed).
+   */
+  private flushPending(): Promise<void> {
+    this.flushing ??= this.flushOnce().finally(() => {
+      this.flushing = null;
+    });
+    return this.flushing;
+  }
+
+  private async flushOnce(): Promise<void> {
     while (this.pending.length) {
       const [opId, ops] = this.pending[0] ?? ["", []];
       try {
@@ -741,7 +784,7 @@ export class Governor {
           cap = result.caps.length ? (result.caps[0] ?? null) : null;
         }
       } catch (err) {
-        if (!(err instanceof BackendUnavailableError)) throw err;
+        if (!storeFailed(err)) throw err;
         degraded = true;
         const localOps = slots.filter((s) => local(s.limit)).map(planning.opOf);
         if (localOps.length) {
@@ -795,4 +838,20 @@ function entry(
   };
 }
 
+/** What admit() answers when the approval it was to spend was spent already (or
+ * cannot be spent: the counters unreachable); nothing was charged. */
+const SPENT = new Decision({ admitted: false, reason: "approval_spent" });
+
+/** `plan` that also spends `approval` (approval.ts spendOp) in the same atomic charge, its marker last; null when it has lapsed. */
+function spending(plan: Plan, approval: Approval | null, now: number): Plan | null {
+  if (approval === null) return plan;
+  if (approval.until <= now) return null;
+  return { ...plan, ops: [...plan.ops, spendOp(approval)] };
+}
+
 export { makeContext as context };
+
+/** The store could not do it now: unreachable, or up but busy (neither is a bug). */
+function storeFailed(err: unknown): boolean {
+  return err instanceof BackendUnavailableError || err instanceof BackendBusyError;
+}

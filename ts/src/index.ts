@@ -1,6 +1,7 @@
 /**
  * mcp-budget-governor for TypeScript: the same budgets as the Python package,
- * enforced by the same Lua scripts on the same Redis keys.
+ * enforced by the same Lua scripts on the same Redis keys (or the same SQL functions
+ * on the same Postgres tables: PostgresBackend).
  *
  * @example
  * import { Governor, Limit, Policy, RedisBackend, Scope, Window, context } from "mcp-budget-governor";
@@ -21,6 +22,7 @@ export { PriceTable, type Tokens } from "./prices.js";
 export { escape, counterKey, scopeSegment, leaseKey, KeyBuilder, SEPARATORS, PREFIX } from "./keys.js";
 export { RedisBackend, chargeCommand } from "./backends/redis.js";
 export { MemoryBackend } from "./backends/memory.js";
+export { PostgresBackend, chargeParams, type PostgresBackendOptions } from "./backends/postgres.js";
 export type { Backend, ChargeResult, ChargeOptions } from "./backends/types.js";
 export { script, SCRIPTS } from "./scripts.js";
 export * from "./ledger/index.js";
@@ -31,6 +33,7 @@ export {
   PolicyFileError,
   UnknownModelError,
   BackendUnavailableError,
+  BackendBusyError,
   CounterOverflowError,
   BudgetExceeded,
   LimitExceeded,

@@ -135,3 +135,5 @@ export const PLANS_KEY = `${PREFIX}:_plans`;
 /** The key of the SDK middleware's default approval seal, shared by every replica on
  * this Redis (Python: keys.APPROVAL_KEY): 64 hex digits, created once with SET NX. */
 export const APPROVAL_KEY = `${PREFIX}:_approval`;
+/** Prefix of the markers of spent approvals (Python: keys.SPENT_PREFIX; approval.ts spendOp). */
+export const SPENT_PREFIX = `${PREFIX}:_spent`;

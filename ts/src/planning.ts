@@ -233,6 +233,19 @@ export function unavailable(s: Slot, retryAfter: number): Decision {
   });
 }
 
+/**
+ * The store is up but overloaded (BackendBusyError): 503, nothing charged, no limit
+ * blamed and no fail mode applied; the reason reads "budget_unavailable:<store> busy".
+ */
+export function busy(store: string, retryAfter: number): Decision {
+  return new Decision({
+    admitted: false,
+    status: 503,
+    retryAfter: Math.max(1, Math.ceil(retryAfter)),
+    reason: `${UNAVAILABLE}:${store} busy`,
+  });
+}
+
 /** The ledger cannot record new work: 503, nothing charged. */
 export function ledgerFull(retryAfter: number): Decision {
   return new Decision({

@@ -48,6 +48,8 @@ function dotted(path: Path): string {
   return out || "policy";
 }
 
+const EMPTY_SCOPE = 'an empty list names no dimension: write scope = "global" for one counter for everyone, or name the dimensions (scope = ["tenant"])';
+
 class Builder {
   private readonly lines: string[];
   constructor(
@@ -164,7 +166,9 @@ class Builder {
       throw this.error(here, null, "missing required key 'cap' (or 'cap_usd' for money)");
     }
     const scope = fields["scope"];
-    if (scope === "global" || (Array.isArray(scope) && scope.length === 0)) fields["scope"] = null;
+    // Most likely dimensions left out by mistake: it would silently be global (Python: policy_file).
+    if (Array.isArray(scope) && scope.length === 0) throw this.error([...here, "scope"], [], EMPTY_SCOPE);
+    if (scope === "global") fields["scope"] = null;
     let caps: Record<string, number> | undefined;
     if ("caps" in fields) {
       const raw = fields["caps"];

@@ -4,6 +4,7 @@
 // (Python: tests/test_approval.py, test_a_modern_client_*). Real clients and servers,
 // the modern one over the SDK's HTTP handler (in process, no socket).
 import assert from "node:assert/strict";
+import { randomBytes } from "node:crypto";
 import { describe, it } from "node:test";
 
 import { Client, InMemoryTransport as ClientMemoryTransport, StreamableHTTPClientTransport } from "@modelcontextprotocol/client";
@@ -23,7 +24,9 @@ import {
   parsePolicy,
   refusalText,
   type Backend,
+  type Context,
 } from "../src/index.js";
+import { openApproval } from "../src/approval.js";
 import { APPROVAL_REQUEST, approvalSeal, governTools } from "../src/integrations/sdk.js";
 import { APPROVAL_KEY } from "../src/keys.js";
 import { closer } from "./backends.js";
@@ -108,6 +111,11 @@ function poster(server: () => McpServer): (params?: Record<string, unknown>) => 
 
 const YES = { [APPROVAL_REQUEST]: { action: "accept", content: { value: true } } };
 
+/** The limit an opened state's approval text names for `caller`, else null. */
+function limitOf(text: string | null, caller: Context): string | null {
+  return text === null ? null : (openApproval(text, caller, Date.now() / 1000)?.limit ?? null);
+}
+
 describe("OnExceed.ASK on the 2026-07-28 protocol (SDK 2.x)", () => {
   it("a modern client is asked in the next round and admitted", async () => {
     const user = fresh("ana");
@@ -191,12 +199,62 @@ describe("OnExceed.ASK on the 2026-07-28 protocol (SDK 2.x)", () => {
         _meta: undefined,
       },
     );
-    // A state the server never sealed approves nothing: the client is asked (again).
+    // A state the server never sealed approves nothing: the answer gets the usual refusal.
     const forged = await post({ inputResponses: YES, requestState: "daily" });
-    assert.equal(forged["resultType"], "input_required");
+    assert.equal(forged["isError"], true, JSON.stringify(forged));
     // The sealed one, answered yes: admitted over the limit.
     const admitted = await post({ inputResponses: YES, requestState: state });
     assert.deepEqual(admitted["content"], [{ type: "text", text: "results" }]);
+  });
+
+  it("an approval is spent once, by its caller: reused or presented by another caller, the usual refusal", async () => {
+    const [ana, bob] = [fresh("ana"), fresh("bob")];
+    let user = ana;
+    const ledger = new MemoryLedger();
+    const gov = new Governor(parsePolicy(POLICY), new MemoryBackend(), { ledger });
+    const server = (): McpServer => {
+      const s = new McpServer({ name: "asking", version: "1.0.0" });
+      governTools(s, gov, { identify: () => context({ user }) });
+      s.registerTool("search", { description: "search" }, async () => ({ content: [{ type: "text", text: "results" }] }));
+      return s;
+    };
+    const post = poster(server);
+    assert.deepEqual((await post())["content"], RESULTS); // Ana's one call
+    user = bob;
+    assert.deepEqual((await post())["content"], RESULTS); // Bob's one call
+    user = ana;
+    const state = await questionState(post);
+    user = bob; // Bob presents Ana's approval: his own cap refuses
+    const stolen = await post({ inputResponses: YES, requestState: state });
+    assert.equal(stolen["isError"], true, JSON.stringify(stolen));
+    user = ana;
+    assert.deepEqual((await post({ inputResponses: YES, requestState: state }))["content"], RESULTS);
+    const again = await Promise.all([0, 1, 2].map(() => post({ inputResponses: YES, requestState: state })));
+    for (const refused of again) {
+      assert.equal(refused["isError"], true, JSON.stringify(refused));
+      assert.match((refused["content"] as Result["content"])[0]?.text ?? "", /^budget_exceeded:user\/day/);
+    }
+    assert.equal(await gov.usage("daily", context({ user: ana })), 2);
+    assert.equal(await gov.usage("daily", context({ user: bob })), 1);
+    const approved = ledger.entries.filter((e) => e.approved?.length);
+    assert.deepEqual(approved.map((e) => [e.type, e.approved, e.context.user]), [[EntryType.ADMITTED, ["daily"], ana]]);
+  });
+
+  it("the governor spends an approval with the admission, once, on Redis too", async () => {
+    for (const backend of [new MemoryBackend(), redisBackend()]) {
+      const user = fresh("ana");
+      const gov = new Governor(parsePolicy(POLICY), backend);
+      const ana = context({ user });
+      const until = Math.floor(Date.now() / 1000) + 60;
+      const approval = { limit: "daily", once: randomBytes(16).toString("hex"), until };
+      assert.equal((await gov.check(ana)).admitted, true);
+      assert.equal((await gov.check(ana, { approved: ["daily"], approval })).admitted, true);
+      const refused = await gov.check(ana, { approved: ["daily"], approval });
+      assert.deepEqual([refused.admitted, refused.limit, refused.status], [false, "daily", 429]);
+      const lapsed = { ...approval, once: randomBytes(16).toString("hex"), until: until - 61 };
+      assert.equal((await gov.check(ana, { approved: ["daily"], approval: lapsed })).admitted, false);
+      assert.equal(await gov.usage("daily", ana), 2);
+    }
   });
 
   it("a handshake-era SDK 2.x client is asked over its back-channel (ctx.mcpReq.elicitInput)", async () => {
@@ -275,7 +333,7 @@ describe("the default approval seal across replicas", () => {
     const stored = Buffer.from((await redis.get(APPROVAL_KEY)) ?? "", "hex");
     await redis.quit();
     const caller = context({ user, tool: "search" });
-    assert.equal(approvalSeal(stored).open(state, caller), "daily");
+    assert.equal(limitOf(approvalSeal(stored).open(state, caller), caller), "daily");
     assert.equal(approvalSeal().open(state, caller), null);
   });
 
@@ -295,12 +353,13 @@ describe("the default approval seal across replicas", () => {
     await postOther(); // and on the other Redis
     for (const state of [await questionState(postOther), await questionState(postKeyed)]) {
       const again = await postA({ inputResponses: YES, requestState: state });
-      assert.equal(again["resultType"], "input_required", "not admitted: asked again");
+      assert.equal(again["isError"], true, "not admitted: the usual refusal");
     }
     assert.equal(await a.gov.usage("daily", context({ user })), 1);
     // An explicit key wins over the shared one: what one keyed replica sealed, another opens.
     const state = await questionState(postKeyed);
-    assert.equal(approvalSeal("k".repeat(32)).open(state, context({ user, tool: "search" })), "daily");
+    const caller = context({ user, tool: "search" });
+    assert.equal(limitOf(approvalSeal("k".repeat(32)).open(state, caller), caller), "daily");
     assert.deepEqual((await postKeyedToo({ inputResponses: YES, requestState: state }))["content"], RESULTS);
   });
 
@@ -331,7 +390,8 @@ describe("the default approval seal across replicas", () => {
     await postA();
     await postB();
     const state = await questionState(postA);
-    assert.equal(approvalSeal().open(state, context({ user, tool: "search" })), "daily");
+    const caller = context({ user, tool: "search" });
+    assert.equal(limitOf(approvalSeal().open(state, caller), caller), "daily");
     assert.deepEqual((await postB({ inputResponses: YES, requestState: state }))["content"], RESULTS);
   });
 

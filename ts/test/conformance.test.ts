@@ -1,6 +1,7 @@
 // The TypeScript package checks itself against every conformance vector the
 // Python implementation generated: keys, buckets, expiries, escapes, money,
-// prices, script digests, the exact charge.lua calls, policy files, refusals.
+// prices, script digests, the exact charge.lua calls (and mcpbg_charge's arguments on
+// Postgres), policy files, refusals.
 import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
 import { copyFileSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
@@ -9,6 +10,7 @@ import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 import { describe, it } from "node:test";
 
+import { CHARGE_SQL, chargeParams } from "../src/backends/postgres.js";
 import { chargeCommand, chargeFrame } from "../src/backends/redis.js";
 import { Decision, refusalBody, refusalText } from "../src/decision.js";
 import { GovernorError, InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
@@ -135,7 +137,7 @@ describe("scripts", () => {
     }
   });
 
-  it("call charge.lua with exactly the KEYS and ARGV Python's RedisBackend sends", () => {
+  it("call charge.lua (and mcpbg_charge) with exactly the arguments Python's backends send", () => {
     const policies = VECTORS.policies.good;
     for (const c of VECTORS.charge as Json[]) {
       const policy = parsePolicy(policies[c.policy].toml);
@@ -162,7 +164,10 @@ describe("scripts", () => {
       const resp = (args: string[]): string =>
         `*${args.length}\r\n` + args.map((a) => `$${Buffer.byteLength(a)}\r\n${a}\r\n`).join("");
       assert.equal(chargeFrame(script("charge").sha, ops, options), resp(c.command), `${what}: framed`);
+      // The same charge on Postgres: mcpbg_charge's arguments as Python's PostgresBackend passes them.
+      assert.deepEqual(chargeParams(ops, options), c.sql, `${what}: postgres`);
     }
+    assert.equal(CHARGE_SQL, VECTORS.sql.charge, "the statement PostgresBackend runs");
   });
 });
 

@@ -4,7 +4,7 @@
 // Tests never flush: every test uses ids of its own. pytest also passes a broker
 // (MCPBG_TEST_KAFKA_BOOTSTRAP) and a private Redis (MCPBG_TEST_OWN_REDIS_URL) for the
 // test that flushes its scripts; run alone, the suite has no broker, and starts a
-// private redis-server when the PATH has one.
+// private redis-server when the PATH has one. Postgres: postgresUrl() below.
 import { randomBytes } from "node:crypto";
 import { createServer } from "node:net";
 
@@ -15,6 +15,27 @@ function setting(name: string): string | undefined {
 export const REDIS_URL = setting("MCPBG_TEST_REDIS_URL") ?? "redis://127.0.0.1:6379/13";
 export const KAFKA_BOOTSTRAP = setting("MCPBG_TEST_KAFKA_BOOTSTRAP");
 export const OWN_REDIS_URL = setting("MCPBG_TEST_OWN_REDIS_URL");
+
+/**
+ * The Postgres database the PostgresBackend tests use: MCPBG_TEST_POSTGRES_URL when
+ * pytest passes this run's scratch database (testing/postgres.py finds the server),
+ * else a database of this suite's own on the local server (trust auth, user
+ * postgres), created on first use. Tests never truncate: every test uses ids of its own.
+ */
+export async function postgresUrl(): Promise<string> {
+  const given = setting("MCPBG_TEST_POSTGRES_URL");
+  if (given !== undefined) return given;
+  const { default: pg } = await import("pg");
+  const admin = new pg.Client({ connectionString: "postgresql://postgres@127.0.0.1:5432/postgres" });
+  await admin.connect();
+  try {
+    const found = await admin.query("SELECT 1 FROM pg_database WHERE datname = 'mcpbg_ts_test'");
+    if (!found.rowCount) await admin.query("CREATE DATABASE mcpbg_ts_test");
+  } finally {
+    await admin.end();
+  }
+  return "postgresql://postgres@127.0.0.1:5432/mcpbg_ts_test";
+}
 
 /** A loopback port nothing listens on (yet). */
 export async function freePort(): Promise<number> {

@@ -9,6 +9,7 @@
  */
 import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 
+import type { Approval } from "../approval.js";
 import { contextKey, type Context } from "../context.js";
 import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
 import { LimitExceeded, InvalidInputError } from "../errors.js";
@@ -178,18 +179,20 @@ export function answeredYes(responses: unknown): boolean {
 }
 
 /**
- * Seals the refusing limit into the `requestState` a 2026-07-28 client echoes on
- * its retry, and opens it again: the state is the client's to hold, so it is
- * signed (HMAC-SHA256) and bound to the caller and the tool, and a client cannot
- * approve a question it was never asked (Python: FastMCP seals request_state).
+ * Seals the approval's text (approval.ts approvalText: the refusing limit, the
+ * caller, a one-time id, when it lapses) into the `requestState` a 2026-07-28
+ * client echoes on its retry, and opens it again: the state is the client's to
+ * hold, so it is signed (HMAC-SHA256) and bound to the caller and the tool, and
+ * a client cannot approve a question it was never asked (Python: FastMCP seals
+ * request_state). The one-time id is spent with the admission it allows.
  */
 export interface ApprovalSeal {
-  seal(limit: string, caller: Context): string | Promise<string>;
+  seal(text: string, caller: Context): string | Promise<string>;
   /**
-   * The limit `state` (what `ctx.mcpReq.requestState()` reads) was sealed with for
+   * The text `state` (what `ctx.mcpReq.requestState()` reads) was sealed with for
    * this caller and tool, else null. A server whose `requestState.verify` hook is
-   * the SDK's codec passes a seal of its own: `codec.mint({ limit })` to seal, and
-   * the verified payload's `limit` to open.
+   * the SDK's codec passes a seal of its own: `codec.mint({ text })` to seal, and
+   * the verified payload's `text` to open.
    */
   open(state: unknown, caller: Context): string | null | Promise<string | null>;
 }
@@ -306,7 +309,8 @@ export function approvalSeconds(timeout: unknown): number {
  * true admits the call over that limit (the ledger records the approval),
  * false refuses it as usual. A breaker never asks. `approved`: OnExceed.ASK
  * limits the user already let this call go over (an answer from an earlier
- * round, the 2026-07-28 protocol's `input_required`).
+ * round, the 2026-07-28 protocol's `input_required`), and `approval` that
+ * answer's one-time approval, spent with the admission (approval.ts).
  */
 export async function governedCall<R>(
   governor: Governor,
@@ -318,6 +322,7 @@ export async function governedCall<R>(
   ask: Ask | null = null,
   signal?: AbortSignal,
   approved: readonly string[] = [],
+  approval: Approval | null = null,
 ): Promise<R> {
   const caller = await governor.identified(ctx);
   const over = [...approved];
@@ -329,7 +334,7 @@ export async function governedCall<R>(
         if (!decision.admitted) return { refused: decision };
         return { result: await run(governor, caller, work, fixed, estimate, over) };
       },
-      { wait, approved: over, ...(signal !== undefined && { signal }) },
+      { wait, approved: over, approval, ...(signal !== undefined && { signal }) },
     );
     if ("result" in outcome) return outcome.result;
     const decision = outcome.refused;

@@ -29,6 +29,7 @@
  */
 import { ElicitResultSchema } from "@modelcontextprotocol/sdk/types.js";
 
+import { approvalText, openApproval, type Approval } from "../approval.js";
 import { context, type Context } from "../context.js";
 import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
@@ -106,7 +107,7 @@ function modern(extra: RequestExtra | undefined): boolean {
 
 /** Asking the user through the SDK's elicitation; false for no, no answer in time, or a client that cannot be asked. */
 function askVia(extra: RequestExtra | undefined, tool: string, timeout: number, caller: Context, seal: ApprovalSeal): Ask {
-  if (modern(extra)) return askInRound(extra as RequestExtra, tool, caller, seal);
+  if (modern(extra)) return askInRound(extra as RequestExtra, tool, caller, seal, timeout);
   return async (decision) => {
     const params = approvalRequest(decision, tool);
     const options = { timeout: timeout * 1000 };
@@ -130,16 +131,23 @@ function askVia(extra: RequestExtra | undefined, tool: string, timeout: number, 
  * question goes out as the call's result (throws AskInRound). A client that
  * declares no elicitation capability in the request is not asked.
  */
-function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: ApprovalSeal): Ask {
+function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: ApprovalSeal, ttl: number): Ask {
   return async (decision) => {
     const declared = extra.mcpReq?.envelope?.[ENVELOPE_CAPABILITIES];
     if (declared === null || typeof declared !== "object" || !("elicitation" in declared)) return false;
     const limit = decision.limit ?? "";
-    const responses = extra.mcpReq?.inputResponses;
-    if (responses !== undefined && (await opened(seal, extra.mcpReq?.requestState?.(), caller)) === limit) return answeredYes(responses);
+    const now = Date.now() / 1000;
+    if (extra.mcpReq?.inputResponses !== undefined) {
+      // An answer to our question about this limit was tried with the check (spent
+      // already, another caller's, lapsed or declined): the usual refusal, not a new
+      // question. An answer about another limit (approved over one, refused by the next) is.
+      const text = await opened(seal, extra.mcpReq.requestState?.(), caller);
+      const previous = text === null ? null : openApproval(text, caller, now);
+      if (previous === null || previous.limit === limit) return false;
+    }
     let state: string;
     try {
-      state = await seal.seal(limit, caller);
+      state = await seal.seal(approvalText(limit, caller, now, ttl), caller);
     } catch {
       return false; // no key to seal with (its Redis unreachable): a question no replica could open, so the normal refusal
     }
@@ -153,11 +161,14 @@ function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: Ap
  * fastmcp._approved_in_round). A limit no longer OnExceed.ASK (a policy replaced
  * since the question) is asked about again, or refuses.
  */
-async function approvedInRound(governor: Governor, extra: RequestExtra | undefined, caller: Context, seal: ApprovalSeal): Promise<string[]> {
-  if (!modern(extra) || extra?.mcpReq?.inputResponses === undefined) return [];
-  const limit = await opened(seal, extra.mcpReq.requestState?.(), caller);
-  if (limit === null || !governor.policy.has(limit) || governor.policy.get(limit).onExceed !== OnExceed.ASK) return [];
-  return answeredYes(extra.mcpReq.inputResponses) ? [limit] : [];
+async function approvedInRound(governor: Governor, extra: RequestExtra | undefined, caller: Context, seal: ApprovalSeal): Promise<Approval | null> {
+  if (!modern(extra) || extra?.mcpReq?.inputResponses === undefined) return null;
+  const text = await opened(seal, extra.mcpReq.requestState?.(), caller);
+  const approval = text === null ? null : openApproval(text, caller, Date.now() / 1000);
+  if (approval === null) return null; // another caller's, lapsed, or not ours: the usual check
+  const { limit } = approval;
+  if (!governor.policy.has(limit) || governor.policy.get(limit).onExceed !== OnExceed.ASK) return null;
+  return answeredYes(extra.mcpReq.inputResponses) ? approval : null;
 }
 
 /**
@@ -271,9 +282,10 @@ async function governedTool<E extends RequestExtra | undefined, R>(
 ): Promise<R | ReturnType<typeof refusalResult> | ApprovalQuestion> {
   try {
     const ctx = await caller(identify, extra, tool);
-    const approved = await approvedInRound(governor, extra, ctx, seal);
+    const approval = await approvedInRound(governor, extra, ctx, seal);
     const signal = extra?.signal ?? extra?.mcpReq?.signal;
-    return await governedCall(governor, ctx, work, price, estimate, wait, askVia(extra, tool, timeout, ctx, seal), signal, approved);
+    const ask = askVia(extra, tool, timeout, ctx, seal);
+    return await governedCall(governor, ctx, work, price, estimate, wait, ask, signal, approval ? [approval.limit] : [], approval);
   } catch (err) {
     if (err instanceof LimitExceeded) return refusalResult(err.decision);
     if (err instanceof AskInRound) return err.result; // a 2026-07-28 client: the question is the result

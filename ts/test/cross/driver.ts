@@ -2,7 +2,7 @@
 // cross-language tests, tests/test_typescript_cross.py): one JSON command per
 // stdin line, one JSON answer per stdout line.
 //
-//   tsx test/cross/driver.ts <policy.toml> <redis url>
+//   tsx test/cross/driver.ts <policy.toml> <redis or postgresql url>
 //   {"op": "check", "ctx": {"user": "u"}}            -> {"status": 200, "admitted": true}
 //   {"op": "checks", "n": 10, "spread_ms": 500, "ctx": {...}} -> {"statuses": [200, ...]}  (concurrently)
 //   {"op": "meter", "limit": "spend", "amount": 5, "ctx": {...}} -> {"total": 5}
@@ -20,17 +20,19 @@
 //       -> {"statuses": [200, 402, ...]}  (concurrently, each held hold_ms; estimates stand)
 import { createInterface } from "node:readline";
 
-import { LimitExceeded, Governor, RedisBackend, context, loadPolicyFile, type Context, type Decision } from "../../src/index.js";
+import { LimitExceeded, Governor, PostgresBackend, RedisBackend, context, loadPolicyFile, type Context, type Decision } from "../../src/index.js";
 import { setCap } from "../../src/admin.js";
 import { checkPlan } from "../../src/planning.js";
 
 const [policyFile, url] = process.argv.slice(2);
 if (policyFile === undefined || url === undefined) {
-  console.error("usage: driver.ts <policy.toml> <redis url>");
+  console.error("usage: driver.ts <policy.toml> <redis or postgresql url>");
   process.exit(2);
 }
 const policy = loadPolicyFile(policyFile);
-const governor = new Governor(policy, RedisBackend.fromUrl(url, { timeout: 5 }));
+// A postgresql:// URL: PostgresBackend with every setting at its default (tests/test_typescript_postgres.py).
+const backend = /^postgres(ql)?:/.test(url) ? PostgresBackend.fromUrl(url) : RedisBackend.fromUrl(url, { timeout: 5 });
+const governor = new Governor(policy, backend);
 
 /** Background checks (wait_check) by name, and the names admitted so far, in order. */
 const checks = new Map<string, Promise<Decision>>();
@@ -70,7 +72,7 @@ async function run(cmd: Command): Promise<unknown> {
   switch (cmd.op) {
     case "check": {
       const d = await governor.check(ctx);
-      return { status: d.status, admitted: d.admitted, reason: d.reason };
+      return { status: d.status, admitted: d.admitted, reason: d.reason, degraded: d.degraded };
     }
     case "checks": {
       // Started over spread_ms (0: all at once), to interleave with the other language's calls.
@@ -82,7 +84,7 @@ async function run(cmd: Command): Promise<unknown> {
           return governor.check(ctx);
         }),
       );
-      return { statuses: ds.map((d) => d.status) };
+      return { statuses: ds.map((d) => d.status), degraded: ds.filter((d) => d.degraded).length };
     }
     case "meter":
       return { total: (await governor.meter(cmd.limit ?? "", cmd.amount ?? 0, ctx)).total };

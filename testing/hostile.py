@@ -1,0 +1,178 @@
+"""The hostile ledger events of issue 39, built from what a real Governor appends.
+
+Each case is an honest ledger (two customers' spend, before and after) with
+the attacker's event(s) in the middle: schema-valid records, changed the way
+someone with write access to the ledger topic would change them. ``refused``
+says which of the attacker's records the projection must dead-letter (a first
+grant or meter of the largest amount is in range and applies; the next ones
+are not).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from mcp_budget_governor import (
+    Context,
+    Governor,
+    Limit,
+    MemoryBackend,
+    Policy,
+    Scope,
+    Unit,
+    Window,
+    usd,
+)
+from mcp_budget_governor.events import encode
+from mcp_budget_governor.ledger import LedgerEntry, new_id
+from mcp_budget_governor.money import MAX_AMOUNT
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+
+__all__ = ["CASES", "SOURCE", "Case", "build", "policy"]
+
+SOURCE = "/mcpbg/hostile"
+ALICE = Context(user="alice", tenant="acme")
+BOB = Context(user="bob", tenant="bystander")
+MALLORY = Context(user="mallory", tenant="acme")
+
+
+def policy() -> Policy:
+    return Policy.of(
+        Limit("calls", cap=1_000, window=Window.DAY, scope=Scope.USER),
+        Limit("spend", cap=usd(100), window=Window.DAY, scope=Scope.USER,
+              unit=Unit.USD_MICROS, gated=False),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Case:
+    """The attacker's records (``raw``) and which of them must be refused."""
+
+    name: str
+    raw: list[bytes]
+    refused: list[int]
+    reason: str
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    # json, not orjson: an attacker's numbers may not fit 64 bits
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _doc(entry: LedgerEntry) -> dict[str, Any]:
+    doc: dict[str, Any] = orjson.loads(encode(entry, SOURCE))
+    return doc
+
+
+def _again(doc: dict[str, Any]) -> bytes:
+    """The same record under a new id (a new event, as a producer would write it)."""
+    doc = dict(doc, id=new_id())
+    return _dumps(doc)
+
+
+async def build(case: str) -> tuple[list[bytes], Case]:
+    """The whole ledger of ``case``: honest records, the attack, honest records."""
+    ledger = MemoryLedger()
+    gov = Governor(policy(), MemoryBackend(), ledger=ledger)
+    await gov.meter("spend", 1_000, ALICE)
+    await gov.meter("spend", 2_000, BOB)
+    honest_before = [encode(e, SOURCE) for e in ledger.entries]
+    ledger.entries.clear()
+    attack = await CASES[case](gov, ledger)
+    await gov.meter("spend", 3_000, BOB)
+    await gov.meter("spend", 4_000, ALICE)
+    honest_after = [encode(e, SOURCE) for e in ledger.entries[-2:]]
+    return [*honest_before, *attack.raw, *honest_after], attack
+
+
+async def _cap_until(gov: Governor, ledger: MemoryLedger) -> Case:
+    await gov.set_cap("calls", 5, user="alice")
+    doc = _doc(ledger.entries[-1])
+    doc["data"]["change"]["until"] = 10**30
+    return Case("cap_set until=10**30", [_dumps(doc)], [0], "data.change.until")
+
+
+async def _grant(gov: Governor, ledger: MemoryLedger, **change: Any) -> dict[str, Any]:
+    await gov.grant("calls", 5, user="alice")
+    doc = _doc(ledger.entries[-1])
+    doc["data"]["change"].update(change)
+    return doc
+
+
+async def _grant_2_62(gov: Governor, ledger: MemoryLedger) -> Case:
+    doc = await _grant(gov, ledger, until=2**62)
+    return Case("granted until=2**62", [_dumps(doc)], [0], "data.change.until")
+
+
+async def _grant_10_12(gov: Governor, ledger: MemoryLedger) -> Case:
+    doc = await _grant(gov, ledger, until=10**12)
+    return Case("granted until=10**12", [_dumps(doc)], [0], "data.change.until")
+
+
+async def _grant_a_year(gov: Governor, ledger: MemoryLedger) -> Case:
+    """In range, but a year past its day counter's end: the TTL is tied to the bucket."""
+    doc = await _grant(gov, ledger)
+    doc["data"]["change"]["until"] += 365 * 86_400
+    return Case("granted until a year later", [_dumps(doc)], [0], "not its counter's expiry")
+
+
+async def _grants_past(gov: Governor, ledger: MemoryLedger) -> Case:
+    doc = await _grant(gov, ledger, amount=MAX_AMOUNT)
+    raw = [_again(doc), _again(doc), _again(doc)]
+    return Case("grants past the range", raw, [1, 2], "would leave the exact range")
+
+
+async def _other_user(gov: Governor, ledger: MemoryLedger) -> Case:
+    doc = await _grant(gov, ledger)
+    doc["data"]["context"]["user"] = "mallory"
+    return Case("change naming another user", [_dumps(doc)], [0], "not this event's")
+
+
+async def _negative_settled(gov: Governor, ledger: MemoryLedger) -> Case:
+    async with gov.reserved("spend", 5_000, MALLORY) as r:
+        r.actual = 1_000
+    reserved, settled = (_doc(e) for e in ledger.entries[-2:])
+    settled["data"]["charges"][0]["amount"] = -MAX_AMOUNT
+    raw = [_dumps(reserved), _dumps(settled)]
+    return Case("negative settled", raw, [1], "below zero")
+
+
+async def _negative_recovered(gov: Governor, ledger: MemoryLedger) -> Case:
+    await gov.meter("spend", 10, MALLORY)
+    doc = _doc(ledger.entries[-1])
+    doc["type"] = "mcpbg.recovered.v1"
+    doc["data"]["charges"][0]["amount"] = -MAX_AMOUNT
+    return Case("negative recovered", [_dumps(doc)], [0], "below zero")
+
+
+async def _meter_max(gov: Governor, ledger: MemoryLedger) -> Case:
+    await gov.meter("spend", 10, MALLORY)
+    doc = _doc(ledger.entries[-1])
+    doc["data"]["charges"][0]["amount"] = MAX_AMOUNT
+    raw = [_again(doc), _again(doc), _again(doc)]
+    return Case("three meter(MAX_AMOUNT)", raw, [1, 2], "would leave the exact range")
+
+
+CASES: dict[str, Callable[[Governor, MemoryLedger], Any]] = {
+    "cap_until": _cap_until,
+    "grant_2_62": _grant_2_62,
+    "grant_10_12": _grant_10_12,
+    "grant_a_year": _grant_a_year,
+    "grants_past": _grants_past,
+    "other_user": _other_user,
+    "negative_settled": _negative_settled,
+    "negative_recovered": _negative_recovered,
+    "meter_max": _meter_max,
+}
+
+
+def spend_key(ctx: Context, now: float | None = None) -> str:
+    """The key of ``ctx``'s spend counter today (UTC)."""
+    day = time.strftime("%Y%m%d", time.gmtime(time.time() if now is None else now))
+    return f"mcpbg:v1:spend:user={ctx.user}:{day}"
