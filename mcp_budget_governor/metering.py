@@ -82,9 +82,6 @@ class Metering(Generic[R]):
         limits (say a USD budget and a token quota) are charged by one event.
         Returns what :meth:`meter` returns, for the first named limit that applies.
         """
-        if self._keyed_only:
-            named = planning.named_limits(self.policy, limit)
-            planning.require_keyed(named, ctx or context or EMPTY)
         pairs, usage = planning.token_charges(
             self.policy,
             limit,
@@ -95,7 +92,10 @@ class Metering(Generic[R]):
             cache_read_tokens=cache_read_tokens,
             cache_write_tokens=cache_write_tokens,
         )
-        return await self._meter(pairs, ctx or context or EMPTY, usage)
+        who = ctx or context or EMPTY
+        if self._keyed_only:  # after the input is checked: the errors a Recorder raises first
+            planning.require_keyed([lim for lim, _ in pairs], who)
+        return await self._meter(pairs, who, usage)
 
     async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None

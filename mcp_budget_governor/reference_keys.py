@@ -11,10 +11,13 @@ reference's keys, so a migration can read what it counted
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from .context import Context
 from .errors import InvalidInputError
 from .windows import Window
 
@@ -84,3 +87,63 @@ def reference_key(limit: Any, scope_map: Mapping[Any, str], moment: datetime) ->
             )
         parts.append(f"{dim.value}={scope_map[dim]}")
     return f"{NAMESPACE}:{limit.name}:{':'.join(parts) or 'global'}:{bucket(limit.window, moment)}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceCounter:
+    """A counter of the reference's, read as ours: the ``limit`` of a policy, the
+    context its key names, and the instant its bucket starts (UTC)."""
+
+    key: str
+    limit: Any  # a Limit (limits imports keys, which imports this module)
+    ctx: Context
+    start: datetime
+
+
+def parse_reference_key(key: str, policy: Any) -> ReferenceCounter | None:
+    """The counter ``key`` names if it is a reference key of a limit of ``policy`` with
+    the same window and scope dimensions; None otherwise (ours, another limit's, a
+    window or scope that changed, a value that cannot be a context's).
+
+    >>> from mcp_budget_governor import Limit, Policy, Scope
+    >>> p = Policy.of(Limit("calls", cap=9, window=Window.DAY, scope=(Scope.USER, Scope.TOOL)))
+    >>> c = parse_reference_key("mcpbg:calls:tool=search:user=u:42:20260805", p)
+    >>> c.ctx.user, c.ctx.tool, c.start.isoformat()
+    ('u:42', 'search', '2026-08-05T00:00:00+00:00')
+    >>> parse_reference_key("mcpbg:v1:calls:user=u:20260805", p) is None
+    True
+    """
+    prefix = NAMESPACE + ":"
+    if not key.startswith(prefix) or key.startswith(prefix + "v1:"):
+        return None
+    name, _, rest = key[len(prefix) :].partition(":")
+    middle, _, stamp = rest.rpartition(":")
+    if name not in policy:
+        return None
+    limit = policy[name]
+    window = {8: Window.DAY, 10: Window.HOUR, 12: Window.MINUTE}.get(len(stamp))
+    if window is None or limit.window is not window or not stamp.isdigit():
+        return None
+    try:
+        start = datetime.strptime(stamp, _FORMATS[window]).replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    dims = {d.value for d in limit.dimensions}
+    values: dict[str, str] = {}
+    if not dims:
+        if middle != "global":
+            return None
+    else:
+        # "user=u:42:tool=search": a fragment starts where a dimension's name and "="
+        # follow a colon; anything else is part of the value before it.
+        names = "|".join(sorted(dims))
+        for found in re.finditer(rf"(?:^|:)({names})=(.*?)(?=:(?:{names})=|$)", middle):
+            values[found.group(1)] = found.group(2)
+        rebuilt = ":".join(f"{d}={v}" for d, v in values.items())  # in the key's order
+        if set(values) != dims or rebuilt != middle:
+            return None
+    try:
+        ctx = Context(**values)
+    except InvalidInputError:
+        return None
+    return ReferenceCounter(key, limit, ctx, start)

@@ -38,6 +38,7 @@ from mcp_budget_governor import (
     planning,
     usd,
 )
+from mcp_budget_governor.errors import MissingScopeError
 from mcp_budget_governor.events import MeteredEvent, encode, parse, to_entry
 from mcp_budget_governor.integrations.decorator import governed
 from mcp_budget_governor.ledger import EntryType, LedgerEntry
@@ -163,14 +164,19 @@ async def test_event_ids_are_unique_uuid7() -> None:
 
 
 async def test_a_context_without_the_scope_is_not_charged() -> None:
+    """A Recorder emits nothing for it (a tool wrapper's emit never fails the tool); a
+    Governor's meter() raises, as mcp-budget-governor 0.1.0's did (a cost counted nowhere
+    is a bug at the call site, not a silent zero)."""
     ledger = MemoryLedger()
     rec = Recorder(policy(), ledger, prices=PRICES)
-    gov = Governor(policy(), MemoryBackend(), ledger=MemoryLedger(), prices=PRICES)
+    gov_ledger = MemoryLedger()
+    gov = Governor(policy(), MemoryBackend(), ledger=gov_ledger, prices=PRICES)
     no_tenant = Context(user="u_42", tool="search")
-    got = await gov.meter("daily", 5, no_tenant)
-    assert await rec.meter("daily", 5, no_tenant) == got.charged == 0 and got.limit is None
+    with pytest.raises(MissingScopeError, match="does not carry tenant"):
+        await gov.meter("daily", 5, no_tenant)
+    assert await rec.meter("daily", 5, no_tenant) == 0
     assert await rec.meter_tokens("monthly", "m", input_tokens=9, output_tokens=9) == 0
-    assert ledger.entries == []
+    assert ledger.entries == [] and gov_ledger.entries == []
 
 
 async def test_emit_is_a_one_shot_recorder() -> None:

@@ -67,7 +67,7 @@ async def test_scopes_count_separately_and_missing_scope_is_skipped(backend: Bac
     for _ in range(3):
         assert (await gov.check(Context(tool="x"))).admitted
     assert await gov.usage("per_user_tool", Context(user="a", tool="x")) == 1
-    with pytest.raises(InvalidInputError, match="lacks tenant"):
+    with pytest.raises(InvalidInputError, match="does not carry tenant"):
         await gov.usage("per_tenant", Context(user="a"))
 
 

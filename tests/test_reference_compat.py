@@ -362,6 +362,7 @@ async def test_unknown_limits_and_missing_scopes(backend: Backend) -> None:
     assert "no limit named 'nope'" in str(unknown.value)
 
     nobody = Context()
+    gov.prices = PriceTable.of(m=(1, 1))
     for call in (
         gov.meter("user_spend", 100, nobody),
         gov.meter_tokens("user_spend", "m", input_tokens=1, ctx=nobody),
