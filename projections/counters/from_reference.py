@@ -84,7 +84,7 @@ async def move_reference_counters(
         if await client.type(key) not in (b"string", "string"):
             out.unknown += 1
             continue
-        raw = await client.get(key)
+        raw: Any = await client.get(key)
         try:
             amount = int(raw)
         except (TypeError, ValueError):
