@@ -17,6 +17,7 @@ files per partition per simulated hour (target <= 1), bytes per event. Both
 readers must agree on events and USD (else exit 1).
 
     .venv/bin/python -m benchmarks.bench_archive                   # 20,000 events, 250/s
+    .venv/bin/python -m benchmarks.bench_archive --real-time --rate 220   # issue 38 as filed
     .venv/bin/python -m benchmarks.bench_archive --events 1000000 --rate 3000   # heavy
 """
 
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -37,12 +40,30 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor.events import encode
+from mcp_budget_governor.ledger import (
+    EntryType,
+    LedgerEntry,
+    new_id,
+    partition_key,
+    partition_of,
+)
 from mcp_budget_governor.producers.kafka_ledger import KafkaLedger
+from mcp_budget_governor.producers.memory_ledger import MemoryLedger
+from mcp_budget_governor.projections.counters.memory import MemoryBackend
 from testing.bench import loadavg, progress, table
-from testing.stream_support import CLI, Worker, create_topic, watermarks, worker_argv, worker_env
+from testing.stream_support import (
+    CLI,
+    Worker,
+    create_topic,
+    tenants_per_partition,
+    watermarks,
+    worker_argv,
+    worker_env,
+)
 
 from .bench_worker import PARTITIONS, Services, policy
 
@@ -65,6 +86,7 @@ async def feed(
 ) -> None:
     """``args.events`` operations at ``args.rate`` per second; the clock moves with them."""
     rng = random.Random(38)
+    tenants = tenants_per_partition(PARTITIONS, 1, "t")  # every partition gets events
     start = clock[0]
     step = args.sim_hours * 3600 / args.events
     began = time.monotonic()
@@ -72,8 +94,9 @@ async def feed(
         due = began + i / args.rate
         if (wait := due - time.monotonic()) > 0:
             await asyncio.sleep(wait)
-        clock[0] = start + i * step
-        ctx = Context(user=f"u{rng.randrange(20)}", tenant=f"t{rng.randrange(6)}", tool="search")
+        clock[0] = time.time() if args.real_time else start + i * step
+        user = rng.randrange(20)  # 20 users, each in one tenant
+        ctx = Context(user=f"u{user}", tenant=tenants[user % PARTITIONS], tool="search")
         if i % 2:
             await gov.check(ctx)
         else:
@@ -84,15 +107,86 @@ async def feed(
             progress(f"  {i:,} events fed")
 
 
+async def hour_templates(begin: float, ops: int, seed: int) -> list[tuple[int, bytes, LedgerEntry]]:
+    """(partition, key, entry) of ``ops`` governed checks and costs within the hour at ``begin``."""
+    rng = random.Random(seed)
+    now = [begin]
+
+    def clock() -> float:
+        now[0] += 3000 / ops  # within the hour
+        return now[0]
+
+    ledger = MemoryLedger()
+    gov = Governor(policy(), MemoryBackend(clock=clock), ledger=ledger, clock=clock)
+    tenants = tenants_per_partition(PARTITIONS, 1, "t")
+    for _ in range(ops):
+        user = rng.randrange(20)
+        ctx = Context(user=f"u{user}", tenant=tenants[user % PARTITIONS], tool="search")
+        if rng.random() < 0.5:
+            await gov.check(ctx)
+        else:
+            await gov.meter("bw_spend", rng.randrange(1, 40_000), ctx)
+    await gov.aclose()
+    return [
+        (partition_of(key, PARTITIONS), key, e)
+        for e in ledger.entries
+        if e.type in (EntryType.ADMITTED, EntryType.METERED)
+        for key in [partition_key(e.context.tenant, e.context.user)]
+    ]
+
+
+async def direct_feed(
+    bootstrap: str, topic: str, start: float, args: argparse.Namespace, halfway: asyncio.Event
+) -> None:
+    """``--direct``: ledger events straight to the topic at ``args.rate`` per second.
+
+    Cloned, each with a fresh id, from governed runs of each simulated hour
+    (checks and metered costs; a clone keeps its template's time, which its
+    buckets must hold), keyed and partitioned as ``KafkaLedger`` sends them.
+    For runs the Governor cannot feed fast enough on this machine.
+    """
+    hours = max(1, math.ceil(args.sim_hours))
+    hourly = [await hour_templates(start + h * 3600, 400, h) for h in range(hours)]
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", enable_idempotence=False, linger_ms=5
+    )
+    await producer.start()
+    try:
+        began = time.monotonic()
+        pending: list[asyncio.Future[Any]] = []
+        for i in range(args.events):
+            if i % 200 == 0:
+                if (wait := began + i / args.rate - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)
+                if len(pending) > 5000:
+                    await asyncio.gather(*pending)
+                    pending.clear()
+            templates = hourly[i * hours // args.events]
+            partition, key, e = templates[i % len(templates)]
+            entry = dataclasses.replace(e, id=new_id())
+            pending.append(
+                await producer.send(
+                    topic, encode(entry, "/mcpbg/bench-archive"), key=key, partition=partition
+                )
+            )
+            if i == args.events // 2:
+                halfway.set()
+            if i and i % 100_000 == 0:
+                progress(f"  {i:,} events sent")
+        await asyncio.gather(*pending)
+    finally:
+        await producer.stop()
+
+
 def start(
-    svc: Services, url: str, topic: str, group: str, tmp: Path, name: str, age: float
+    svc: Services, url: str, topic: str, group: str, tmp: Path, name: str, age: float | None
 ) -> Worker:
     argv = worker_argv(
         topic, group,
         "--kafka-url", f"kafka://{svc.bootstrap}",
         "--redis-url", url,
         "--archive-dir", str(tmp / "archive"),
-        "--archive-segment-age", f"{age:g}",
+        *(() if age is None else ("--archive-segment-age", f"{age:g}")),
         "--progress-interval", "5",
         python=CLI,
     )  # fmt: skip
@@ -108,9 +202,10 @@ async def live_run(svc: Services, tmp: Path, args: argparse.Namespace) -> dict[s
 
     redis.Redis.from_url(url).flushdb()
     real_seconds = args.events / args.rate
-    age = real_seconds / args.sim_hours  # one simulated hour
+    # One simulated hour; --real-time: the default (an hour), events at the real time.
+    age = None if args.real_time else real_seconds / args.sim_hours
     midnight = datetime.now(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    day = midnight + timedelta(days=1)
+    day = midnight if args.real_time else midnight + timedelta(days=1)
     clock = [day.timestamp()]
     workers = [start(svc, url, topic, group, tmp, f"w{i}", age) for i in range(2)]
     backend = RedisBackend.from_url(url)
@@ -125,14 +220,21 @@ async def live_run(svc: Services, tmp: Path, args: argparse.Namespace) -> dict[s
             raise RuntimeError("the workers were not assigned every partition within 120 s")
         await asyncio.sleep(0.2)
     progress(f"feeding {args.events:,} events at {args.rate:,}/s ({real_seconds:.0f} s), "
-             f"segment age {age:.2f} s = 1 simulated hour")  # fmt: skip
-    task = asyncio.create_task(feed(gov, clock, args, halfway))
+             f"segment age {'default' if age is None else f'{age:.2f} s'}")  # fmt: skip
+    feed_started = time.monotonic()
+    task = asyncio.create_task(
+        direct_feed(svc.bootstrap, topic, clock[0], args, halfway)
+        if args.direct
+        else feed(gov, clock, args, halfway)
+    )
     await halfway.wait()
     for w in workers:
         w.kill()
     progress("  both workers SIGKILLed halfway; replaced")
     workers += [start(svc, url, topic, group, tmp, f"w{i}", age) for i in (2, 3)]
     await task
+    fed = time.monotonic() - feed_started
+    progress(f"  fed in {fed:.0f} s ({args.events / fed:,.0f} events/s)")
     assert await ledger.flush(60.0), "the ledger did not ship every event"
     await ledger.aclose()
     ends = await end_offsets(svc.bootstrap, topic)
@@ -147,7 +249,12 @@ async def live_run(svc: Services, tmp: Path, args: argparse.Namespace) -> dict[s
     for w in workers[2:]:
         w.terminate(120)
     await backend.aclose()
-    return {"day": day.date().isoformat(), "records": sum(ends.values()), "age": age}
+    return {
+        "day": day.date().isoformat(),
+        "records": sum(ends.values()),
+        "age": age,
+        "fed_seconds": fed,
+    }
 
 
 def one_file_copy(archive: Path, out: Path, day: str) -> None:
@@ -196,6 +303,17 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=20_000)
     parser.add_argument("--rate", type=int, default=250, help="events fed per second")
     parser.add_argument("--sim-hours", type=float, default=24.0)
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="send cloned events straight to the topic (no Governor): for --events 1000000",
+    )
+    parser.add_argument(
+        "--real-time",
+        action="store_true",
+        help="no time compression: events at the real time, default segment age (the issue's "
+        "20,000 events over ~90 s)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -213,7 +331,8 @@ def main() -> int:
             if reader_totals(one) != truth:
                 progress(f"FAIL: the archive and the one-file copy disagree: {truth}")
                 return 1
-            shapes = {"archive": shape(archive, args.sim_hours), "one": shape(one, args.sim_hours)}
+            hours = math.ceil(args.events / args.rate / 3600) if args.real_time else args.sim_hours
+            shapes = {"archive": shape(archive, hours), "one": shape(one, hours)}
             times: dict[str, dict[str, list[float]]] = {
                 label: {"costs": [], "focus": []} for label in shapes
             }
@@ -245,7 +364,7 @@ def report(
         [
             label,
             f"{shapes[label]['files']:,}",
-            f"{shapes[label]['files_per_partition_hour']:.2f}",
+            f"{shapes[label]['files_per_partition_hour']:.2f}" if label == "archive" else "-",
             f"{shapes[label]['bytes']:,}",
             f"{shapes[label]['bytes'] / events:.1f}",
             f"{med[label]['costs']:.2f}",
@@ -253,10 +372,11 @@ def report(
         ]
         for label in ("archive", "one")
     ]
+    span = "real time" if args.real_time else f"{args.sim_hours:g} simulated hours"
+    age = "default" if run["age"] is None else f"{run['age']:.2f} s"
     print(
-        f"\n{events:,} events ({run['records']:,} records), {args.sim_hours:g} simulated hours "
-        f"fed at {args.rate:,}/s, two workers SIGKILLed halfway and replaced; segment age "
-        f"{run['age']:.2f} s; load {loadavg()}"
+        f"\n{events:,} events ({run['records']:,} records) over {span}, fed at {args.rate:,}/s, "
+        f"two workers SIGKILLed halfway and replaced; segment age {age}; load {loadavg()}"
     )
     print(
         table(

@@ -19,6 +19,7 @@ files, refusals and the tool-price metadata of the integrations.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import importlib.util
@@ -44,7 +45,12 @@ from mcp_budget_governor import (  # noqa: E402
 from mcp_budget_governor.caps import Change  # noqa: E402
 from mcp_budget_governor.decision import Decision  # noqa: E402
 from mcp_budget_governor.integrations.fastmcp import tool_estimate, tool_price  # noqa: E402
-from mcp_budget_governor.integrations.flow import refusal_body, refusal_text  # noqa: E402
+from mcp_budget_governor.integrations.flow import (  # noqa: E402
+    REFUSAL_META_KEY,
+    refusal_body,
+    refusal_meta,
+    refusal_text,
+)
 from mcp_budget_governor.lua import SCRIPTS, script_layout, source  # noqa: E402
 from mcp_budget_governor.policy_file import PolicyFileError, loads  # noqa: E402
 
@@ -361,7 +367,52 @@ def sql_vectors() -> dict[str, str]:
         parts = text.split("%s")
         return "".join(p + (f"${i + 1}" if i < len(parts) - 1 else "") for i, p in enumerate(parts))
 
-    return {"charge": numbered(postgres._CHARGE)}
+    return {"charge": numbered(postgres._CHARGE), "charge_many": numbered(postgres._CHARGE_MANY)}
+
+
+def charge_many_vector() -> dict[str, Any]:
+    """Every charge case without leases as one coalesced check batch, in order, and the
+    first alone: the arguments of the mcpbg_charge_many calls PostgresBackend makes for
+    them (array literals, as it sends them), caught before they reach a server."""
+    from mcp_budget_governor.projections.counters import postgres
+
+    cases, checks = [], []
+    for i, case in enumerate(CHARGE_CASES):
+        if case.get("lease") or case.get("require_epoch"):
+            continue  # leases go to mcpbg_charge alone; the epoch flag is per batch
+        policy = loads(POLICIES[case["policy"]])
+        ctx = Context(**case["context"])
+        if case["call"] == "check":
+            ops = planning.check_plan(policy, ctx, NOW).ops
+        else:
+            pairs = planning.charge_pairs(policy, {case["limit"]: case["amount"]})
+            ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
+        ledger = bool(case.get("ledger"))
+        cases.append(i)
+        checks.append((EVENT_ID if ledger else "", "" if ledger else OP_ID, ops))
+
+    async def sent(batch: list[tuple[str, str, tuple[Any, ...]]]) -> list[Any]:
+        backend = postgres.PostgresBackend("postgresql://conformance@127.0.0.1:1/none")
+        caught: list[Any] = []
+
+        async def run(query: str, params: Any, **_: Any) -> list[tuple[list[int]]]:
+            caught.extend(params)
+            return [([0],) for _ in batch]
+
+        backend._run = run  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        await backend.charge_many([
+            postgres._Check(e, o, True, any(op.ref is not None for op in ops), ops,
+                            loop.create_future(), 0.0)
+            for e, o, ops in batch
+        ])  # fmt: skip
+        return caught
+
+    return {
+        "cases": cases,
+        "sql": asyncio.run(sent(checks)),
+        "sql_one": asyncio.run(sent(checks[:1])),
+    }
 
 
 # -- run-time changes -----------------------------------------------------------
@@ -405,6 +456,11 @@ CHANGE_CASES: list[dict[str, Any]] = [
      "scope": {"tenant": "a"}, "cap": 1, "until": NOW - 1},
     {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
      "scope": {"tenant": "a"}, "cap": 1, "reason": "x" * 1025},
+    # until past the bounds table's last time (9999-01-01): refused at the door.
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": 1, "until": 1e300},
+    {"policy": "caps_and_plans", "call": "set_cap", "limit": "tenant_spend",
+     "scope": {"tenant": "a"}, "cap": 1, "until": 253_402_300_799},
     {"policy": "caps_and_plans", "call": "assign_plan", "plan": "gold", "tenant": "a"},
     {"policy": "caps_and_plans", "call": "assign_plan", "plan": "pro", "tenant": "a",
      "user": "u"},
@@ -455,6 +511,36 @@ def change_vectors() -> list[dict[str, Any]]:
         out.append({**case, "now": NOW, "change": fields, "context": _context(ctx),
                     "command": command})  # fmt: skip
     return out
+
+
+# -- bounds -------------------------------------------------------------------
+
+#: Numbers in and out of each row of the bounds table (mcp_budget_governor/bounds.py).
+BOUND_CASES: list[tuple[str, Any]] = [
+    ("until", 10**30), ("until", 1e300), ("until", 0), ("until", 1), ("until", 253_370_764_800),
+    ("until", 253_370_764_801), ("until", 1.5), ("until", "5"), ("until", True),
+    ("cap", -1), ("cap", 0), ("cap", 2**53 - 1), ("cap", 2**53), ("grant", 0), ("grant", 1),
+    ("amount", -(2**53) + 1), ("amount", -(2**53)), ("time", -1), ("expire_at", 0),
+]  # fmt: skip
+
+
+def bounds_vectors() -> dict[str, Any]:
+    """The table (kind -> [low, high, note]), each case's problem (None: in range), and the
+    sum rule's answers; TypeScript declares the same table and is held to these."""
+    from mcp_budget_governor import bounds
+
+    table = {k: [b.low, b.high, b.note] for k, b in bounds.BOUNDS.items()}
+    cases = [
+        {"kind": kind, "value": value, "problem": bounds.problem(kind, value)}
+        for kind, value in BOUND_CASES
+    ]
+    sums = [
+        {"kind": kind, "total": total, "amount": amount,
+         "problem": bounds.sum_problem(kind, total, amount)}
+        for kind, total, amount in [("grant", 2**53 - 2, 1), ("grant", 2**53 - 1, 1),
+                                    ("committed", 5, -6), ("committed", 5, -5)]
+    ]  # fmt: skip
+    return {"table": table, "cases": cases, "sums": sums}
 
 
 # -- prices -------------------------------------------------------------------
@@ -566,6 +652,7 @@ def refusal_vectors() -> list[dict[str, Any]]:
                 "headers": d.headers,
                 "text": refusal_text(d),
                 "body": refusal_body(d),
+                "meta": {REFUSAL_META_KEY: refusal_meta(d)},
                 "error": d.refusal_type().__name__,
             }
         )
@@ -624,7 +711,9 @@ def vectors() -> dict[str, Any]:
     out["policies"] = policy_vectors()
     out["charge"] = charge_vectors()
     out["sql"] = sql_vectors()
+    out["charge_many"] = charge_many_vector()
     out["changes"] = change_vectors()
+    out["bounds"] = bounds_vectors()
     out["builtin_prices"] = price_vectors()
     out["usd_more"] = usd_vectors()
     out["refusals"] = refusal_vectors()

@@ -74,11 +74,12 @@ def _until(until: Any, now: float) -> int:
         moment = float(until)
     else:
         raise InvalidInputError("until", until, "expected a datetime or epoch seconds")
+    shown = until.isoformat() if isinstance(until, datetime) else until  # never a repr
     if not math.isfinite(moment) or moment <= now:
-        raise InvalidInputError("until", until, "must be in the future")
+        raise InvalidInputError("until", shown, "must be in the future")
     why = bounds.problem("until", math.ceil(moment))
     if why is not None:  # a time every zone, language and store can still show
-        raise InvalidInputError("until", until, why)
+        raise InvalidInputError("until", shown, why)
     return math.ceil(moment)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import secrets
 from typing import Any
@@ -95,7 +96,10 @@ def open_approval(state: Any, caller: Context, *, now: float) -> Approval | None
     return Approval(limit, once, until)
 
 
-def spend_op(approval: Approval) -> CounterOp:
+def spend_op(approval: Approval, lead: float = 0.0) -> CounterOp:
     """The marker the admission charges: cap 1, so it fits once; it lives until the
-    approval lapses (a spent approval cannot be used after that anyway)."""
-    return CounterOp(f"{SPENT_PREFIX}:{approval.once}", 1, 1, True, approval.until + 1)
+    approval lapses (a spent approval cannot be used after that anyway). ``lead``:
+    seconds the store's clock runs ahead of this one (a governor's simulated clock),
+    so the marker outlives the approval there too."""
+    expire_at = approval.until + 1 + math.ceil(max(lead, 0.0))
+    return CounterOp(f"{SPENT_PREFIX}:{approval.once}", 1, 1, True, expire_at)

@@ -113,6 +113,55 @@ def grant_problem(key: str, grant: int, amount: int) -> str | None:
     return None
 
 
+class SumCheck:
+    """The stores' sum rule (:func:`apply_problem`, :func:`grant_problem`) over a ledger
+    read from its start, for the readers that total it without a store (the ledger
+    view of ``mcpbg replay``, ``costs``, FOCUS): an event a store would refuse is
+    refused here too, so their totals are the counters'.
+
+    No in-flight part: the ledger alone is read.
+
+    >>> check = SumCheck()
+    >>> e = AppliedEvent(0, "a", 0.0, (AppliedCharge("k", MAX_COUNTER, 1),))
+    >>> check.refusal(e) is None
+    True
+    >>> check.refusal(AppliedEvent(1, "b", 0.0, (AppliedCharge("k", 1, 1),)))[:35]
+    'k: committed 9007199254740991 + 1 w'
+
+    """
+
+    def __init__(self) -> None:
+        self.committed: dict[str, int] = {}
+        self.grants: dict[str, int] = {}
+
+    def refusal(self, event: AppliedEvent) -> str | None:
+        """Why a store would refuse ``event`` after the events seen so far (None: it
+        applies, and is counted)."""
+        after = dict.fromkeys((c.key for c in event.charges), 0)
+        for charge in event.charges:
+            now = self.committed.get(charge.key, 0) + after[charge.key]
+            why = apply_problem(charge.key, now, 0, charge.amount)
+            if why is not None:
+                return why
+            after[charge.key] += charge.amount
+        grants: dict[str, int] = {}
+        for change in event.changes:
+            if change.kind.value not in ("granted", "reset"):
+                continue
+            was = grants.get(change.key, self.grants.get(change.key, 0))
+            if change.kind.value == "reset":
+                grants[change.key] = change.amount
+                continue
+            why = grant_problem(change.key, was, change.amount)
+            if why is not None:
+                return why
+            grants[change.key] = was + change.amount
+        for key, amount in after.items():
+            self.committed[key] = self.committed.get(key, 0) + amount
+        self.grants.update(grants)
+        return None
+
+
 _REFUSED = re.compile(r"mcpbg apply: refused event at offset (\d+): (.+)")
 
 

@@ -204,10 +204,18 @@ class Governor(Metering[MeterResult]):
         gated CALLS limits (spend and token limits are read, whatever it is).
         ``approved`` names ``OnExceed.ASK`` limits the user let this call go
         over: they count it without refusing, and the ledger records the approval.
+        A name given as an :class:`~mcp_budget_governor.approval.Approval` is
+        spent with the admission, in the same atomic charge: spent already, lapsed,
+        or with the counters unreachable, the call is checked as if unapproved.
         ``wait``: seconds a call refused by a full concurrency cap may wait for a
         slot, first come, first served across replicas (lua/lib.lua
         ``waiters_ahead``); past it, the refusal (429, retry hint). Use it through
         :meth:`admitted`, which gives the slot back.
+
+        Cancelled once its charge has been sent, the check still runs to its end
+        (ledger event appended), its leases are given back at once, and the
+        cancellation is raised; cancelled before (an anyio scope cancelled already),
+        nothing is sent.
         """
         decision, cancelled = await self._checked(ctx, amount, approved, wait)
         if cancelled is not None:  # the caller never gets the decision: its slot back now
@@ -1141,13 +1149,16 @@ _SPENT = Decision(admitted=False, reason="approval_spent")
 
 def _spending(plan: planning.Plan, approved: Sequence[str], now: float) -> planning.Plan | None:
     """``plan`` that also spends its one-time approvals (approval.spend_op), in the
-    same atomic charge, their markers last; None when one has lapsed."""
+    same atomic charge, their markers last; None when one has lapsed. ``now``: the
+    governor's clock, which the store's expiries follow."""
     spends = [a for a in approved if isinstance(a, Approval)]
     if not spends:
         return plan
-    if any(a.until <= now for a in spends):
+    wall = time.time()  # an approval lapses in real time, whatever the governor's clock
+    if any(a.until <= wall for a in spends):
         return None
-    return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a) for a in spends))
+    lead = now - wall
+    return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a, lead) for a in spends))
 
 
 def _names(approved: frozenset[str]) -> tuple[str, ...]:

@@ -54,6 +54,7 @@ _EMPTY_SCOPE = (
     'for everyone, or name the dimensions (scope = ["tenant"])'
 )
 
+
 class PolicyFileError(PolicyError):
     """A policy file is invalid; the message starts with ``<file>:<line>:``.
 
@@ -190,7 +191,9 @@ class _Builder:
         if not isinstance(entries, list):
             raise self.error(("limits",), entries, "expected an array of tables ([[limits]])")
         limits = [self.limit(i, entry) for i, entry in enumerate(entries)]
-        options = {k: v for k, v in doc.items() if k not in ("limits", "plans", "assign")}
+        # [gateway] is mcpbg proxy's table (gateway.py reads and checks it).
+        skip = ("limits", "plans", "assign", "gateway")
+        options = {k: v for k, v in doc.items() if k not in skip}
         by_name = {lim.name: lim for lim in limits}
         options["plans"] = self.plans(doc.get("plans", {}), by_name)
         assign = doc.get("assign", {})
@@ -218,6 +221,7 @@ class _Builder:
             *(n for n in named if n not in ("plans", "assignments")),
             "plans",
             "assign",
+            "gateway",
         )
 
     def plans(self, doc: Any, limits: Mapping[str, Limit]) -> list[Plan]:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
-from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.errors import EventRefusedError, GovernorError
 from mcp_budget_governor.events import MalformedEventError, changes_of, encode, parse
 from mcp_budget_governor.ledger import LedgerEntry
 
@@ -176,6 +176,7 @@ class FileProjector:
         self.partition_prefix = partition_prefix
         self.batch = batch
         self.malformed = 0
+        self.refused = 0
         self.applied = 0
         self._next: Position | None = None  # where the next catch_up reads from
         self._watermarks: dict[int, int] = {}  # per segment, from the backend at first sight
@@ -228,7 +229,28 @@ class FileProjector:
     ) -> int:
         # The cursor moves only after the backend took the batch: a failure
         # leaves it where it was, and the next call applies the batch again.
-        n = await self.backend.apply(self.partition(segment), events)
+        # An event the store refuses (a sum out of range: nothing of the batch was
+        # written) is logged, counted in ``refused`` and left out; the rest applies.
+        todo = list(events)
+        passed: dict[str, int] = {}  # once one is refused, the watermark passes it
+        while True:
+            try:
+                apply: Any = self.backend.apply  # ``through`` only once needed: any backend
+                n = int(await apply(self.partition(segment), todo, **passed))
+                break
+            except EventRefusedError as exc:
+                kept = [e for e in todo if e.offset != exc.offset]
+                if len(kept) == len(todo):  # pragma: no cover - not one of this batch's
+                    raise
+                log.warning(
+                    "%s: event at record %d refused, skipped: %s",
+                    self.log.path(segment),
+                    exc.offset,
+                    exc.reason,
+                )
+                self.refused += 1
+                todo = kept
+                passed = {"through": events[-1].offset}
         self._watermarks[segment] = events[-1].offset
         self._next = resume
         self.applied += n

@@ -142,6 +142,36 @@ class Report:
     money: tuple[str, ...] = ("usd_micros",)
 
 
+#: The temporary table :func:`read_once` fills.
+SNAPSHOT_TABLE = "_mcpbg_costs_snapshot"
+
+
+def read_once(con: duckdb.DuckDBPyConnection, flt: Filter) -> None:
+    """Read the ``costs`` rows of ``flt``'s time range once, and point ``costs`` at them.
+
+    ``mcpbg costs`` runs several reports; without this each one scans (and
+    deduplicates) the archive again, paying DuckDB's cost per file each
+    time. Afterwards they scan the temporary table, and agree with each other
+    even while a worker writes. Only the time range is applied here; each
+    report applies the rest of the filter. The first call on a connection
+    holds for it (its callers, ``mcpbg costs`` and ``GET /v1/costs``, open
+    one connection per filter).
+    """
+    where, params = Filter(flt.start, flt.end).where()
+    try:
+        done = con.execute(
+            "SELECT count(*) FROM duckdb_tables() WHERE table_name = ?", [SNAPSHOT_TABLE]
+        ).fetchall()
+        if done[0][0]:
+            return
+        con.execute(
+            f"CREATE TEMP TABLE {SNAPSHOT_TABLE} AS SELECT * FROM costs WHERE {where}", params
+        )
+        con.execute(f"CREATE OR REPLACE TEMP VIEW costs AS SELECT * FROM {SNAPSHOT_TABLE}")
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+
+
 def _run(con: duckdb.DuckDBPyConnection, sql: str, params: Sequence[Any]) -> list[list[Any]]:
     try:
         return [list(r) for r in con.execute(sql, list(params)).fetchall()]

@@ -50,7 +50,7 @@ from mcp_budget_governor.focus import (
 from mcp_budget_governor.focus_checks import check_columns, check_row
 from mcp_budget_governor.prices import PriceTable
 from mcp_budget_governor.producers.record_log import fsync_dir
-from mcp_budget_governor.projections.ledger_view import query_error
+from mcp_budget_governor.projections.ledger_view import LedgerError, query_error, require_events
 from mcp_budget_governor.projections.sql_quote import quote_ident as _ident
 from mcp_budget_governor.projections.sql_quote import quote_string as _quote
 
@@ -332,19 +332,10 @@ def focus_table(
 
 def _require_events(con: duckdb.DuckDBPyConnection, options: ExportOptions) -> None:
     """Raise :class:`ExportError` unless the ledger has some event (costed or not) in the period."""
-    lo, hi = options.start, options.end
-    (found,) = con.execute(
-        'SELECT count(*) FROM (SELECT 1 FROM ledger WHERE "time" >= ? AND "time" < ? LIMIT 1)',
-        [lo, hi],
-    ).fetchone() or (0,)
-    if found:
-        return
-    # From the dates the ledger holds (folder names), not its rows: a ledger
-    # opened for this period only (open_ledger's since/until) names the same span.
-    span = con.execute('SELECT min("date"), max("date") FROM ledger_dates').fetchone()
-    held = f"{span[0]:%Y-%m-%d} to {span[1]:%Y-%m-%d}" if span and span[0] else "nothing"
-    where = options.label or f"{lo:%Y-%m-%dT%H:%MZ} .. {hi:%Y-%m-%dT%H:%MZ}"
-    raise ExportError(f"{where}: the ledger has no event in this period (it holds {held})")
+    try:
+        require_events(con, options.start, options.end, options.label)
+    except LedgerError as exc:
+        raise ExportError(str(exc)) from None
 
 
 def _text_table(con: duckdb.DuckDBPyConnection) -> bool:

@@ -38,13 +38,16 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from mcp_budget_governor.caps import ChangeKind
+from mcp_budget_governor.counters import SumCheck
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import LedgerEvent, MalformedEventError, parse
 from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
 from mcp_budget_governor.producers.record_log import RecordLog
 from mcp_budget_governor.projections.sql_quote import quote_ident, quote_string
 from mcp_budget_governor.settings import SETTINGS
+from mcp_budget_governor.stream import dead_log
 from mcp_budget_governor.stream.archiver import CHARGE_COLUMNS, SCHEMA, ledger_table
+from mcp_budget_governor.stream.projector import to_applied
 
 __all__ = [
     "COLUMNS",
@@ -62,6 +65,7 @@ log = logging.getLogger(__name__)
 FILE_TOPIC = "file"
 _FILE_TABLE = "_mcpbg_file_ledger"
 _EMPTY_TABLE = "_mcpbg_no_archive_rows"
+_DEAD_TABLE = "_mcpbg_dead_letters"
 _DATES_TABLE = "_mcpbg_archive_dates"
 #: The archiver's hive folders (``stream/archiver.py``: ``date=<event time's UTC date>``).
 _DATE_FOLDER = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
@@ -112,6 +116,26 @@ _EVENT_COLUMNS = tuple(c for c in COLUMNS if c not in CHARGE_COLUMNS)
 
 class LedgerError(GovernorError):
     """The ledger cannot be read: no source, a missing folder, no data, a corrupt file."""
+
+
+def require_events(
+    con: duckdb.DuckDBPyConnection, lo: datetime, hi: datetime, label: str | None = None
+) -> None:
+    """Raise :class:`LedgerError` unless the ledger has some event (costed or not) in
+    ``[lo, hi)``: a period the ledger does not cover is a mistake (a typo'd month), not
+    an empty report. ``mcpbg costs`` and ``mcpbg export focus`` share this rule (exit 2)."""
+    (found,) = con.execute(
+        'SELECT count(*) FROM (SELECT 1 FROM ledger WHERE "time" >= ? AND "time" < ? LIMIT 1)',
+        [lo, hi],
+    ).fetchone() or (0,)
+    if found:
+        return
+    # From the dates the ledger holds (folder names), not its rows: a ledger
+    # opened for this period only (open_ledger's since/until) names the same span.
+    span = con.execute('SELECT min("date"), max("date") FROM ledger_dates').fetchone()
+    held = f"{span[0]:%Y-%m-%d} to {span[1]:%Y-%m-%d}" if span and span[0] else "nothing"
+    where = label or f"{lo:%Y-%m-%dT%H:%MZ} .. {hi:%Y-%m-%dT%H:%MZ}"
+    raise LedgerError(f"{where}: the ledger has no event in this period (it holds {held})")
 
 
 def archive_glob(archive_dir: str | os.PathLike[str]) -> str:
@@ -198,27 +222,47 @@ def query_error(exc: duckdb.Error) -> LedgerError:
 
 
 def _file_rows(
-    folder: Path, *, prefix: str = DEFAULT_PREFIX, partition_prefix: str = FILE_TOPIC
+    folder: Path,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    partition_prefix: str = FILE_TOPIC,
+    dead: list[tuple[str, int, str | None, str]] | None = None,
 ) -> pa.Table | None:
     """The file ledger's records as archive rows (plus ``partition_name``), or None if empty.
 
     Read as :class:`~mcp_budget_governor.producers.file_ledger.FileProjector`
     reads it: a segment is a partition (its first sequence number), a
     record's index in it is its offset; a malformed record is skipped with a
-    warning (the projector skips it too, so counters never held it).
+    warning (the projector skips it too, so counters never held it), and so is
+    an event a store would refuse (:class:`~mcp_budget_governor.counters.SumCheck`:
+    a sum past the exact range, a refund below zero). Each skipped record is
+    added to ``dead`` as ``(partition name, offset, event id, reason)``.
     """
     records = RecordLog(folder, prefix=prefix, writable=False)
     by_segment: dict[int, list[tuple[int, LedgerEvent]]] = {}
+    sums = SumCheck()
     for record in records.read():
         pos = record.position
         if record.error is not None:
             continue
+        name = f"{partition_prefix}:{records.path(pos.segment).name}"
         try:
             event = parse(record.data)
         except (MalformedEventError, ValueError) as exc:
+            reason = exc.reason if isinstance(exc, MalformedEventError) else str(exc)
             log.warning(
-                "%s: malformed record %d skipped: %s", records.path(pos.segment), pos.index, exc
+                "%s: malformed record %d skipped: %s", records.path(pos.segment), pos.index, reason
             )
+            if dead is not None:
+                dead.append((name, pos.index, None, reason))
+            continue
+        refused = sums.refusal(to_applied(event, pos.index))
+        if refused is not None:
+            log.warning(
+                "%s: record %d refused, skipped: %s", records.path(pos.segment), pos.index, refused
+            )
+            if dead is not None:
+                dead.append((name, pos.index, event.id, refused))
             continue
         by_segment.setdefault(pos.segment, []).append((pos.index, event))
     if not by_segment:
@@ -363,6 +407,8 @@ def open_ledger(
     ranged = since is not None or until is not None
     first, last = range_days(since, until)
     parts: list[str] = []
+    # (partition name, offset, event id, reason) of every record the projection refused
+    dead: list[tuple[str, int, str | None, str]] = []
     dates: list[str] = []
     db = duckdb.connect() if con is None else con
     db.execute("SET TimeZone = 'UTC'")
@@ -370,6 +416,7 @@ def open_ledger(
     if archive_dir is not None:
         folder = _folder(archive_dir, "archive folder")
         where.append(str(folder))
+        dead += dead_log.read(folder)
         relation, days, files = _archive_relation(folder, first, last, ranged)
         db.execute(f"CREATE OR REPLACE TEMP TABLE {_DATES_TABLE} (date DATE)")
         if days:
@@ -395,7 +442,7 @@ def open_ledger(
     if ledger_dir is not None:
         folder = _folder(ledger_dir, "file-ledger folder")
         where.append(str(folder))
-        table = _file_rows(folder, prefix=file_prefix)
+        table = _file_rows(folder, prefix=file_prefix, dead=dead)
         if table is not None:
             db.register(_FILE_TABLE, table)
             dates.append(f'SELECT DISTINCT CAST("time" AS DATE) AS date FROM {_FILE_TABLE}')
@@ -421,6 +468,23 @@ def open_ledger(
         + ")"
     )
     union = "\nUNION ALL BY NAME\n".join(parts) if len(parts) > 1 else parts[0]
+    db.register(
+        _DEAD_TABLE,
+        pa.table(
+            {
+                "partition_name": pa.array([d[0] for d in dead], pa.string()),
+                "offset": pa.array([d[1] for d in dead], pa.int64()),
+                "id": pa.array([d[2] for d in dead], pa.string()),
+                "reason": pa.array([d[3] for d in dead], pa.string()),
+            }
+        ),
+    )
+    db.execute(f"CREATE OR REPLACE TEMP VIEW dead_letters AS SELECT * FROM {_DEAD_TABLE}")
+    if dead:  # records the projection refused were archived before it saw them: left out
+        union = (
+            f"SELECT * FROM ({union}) AS l ANTI JOIN {_DEAD_TABLE} AS d "
+            'ON l.partition_name = d.partition_name AND l."offset" = d."offset"'
+        )
     db.execute(f"CREATE OR REPLACE TEMP VIEW ledger_raw AS {union}")
     db.execute(
         """

@@ -282,15 +282,23 @@ def write_atomically(
     compression: str = COMPRESSION,
     *,
     step: Callable[[str], None] | None = None,
+    key_value: dict[bytes, bytes] | None = None,
 ) -> Path:
     """Write ``table`` to ``folder/name``: a hidden temporary file, fsync, rename, fsync folder.
 
     A reader sees the old file or the new one, never half of one; on an
     exception the temporary file is removed. ``step("written")`` is called
     between the fsync and the rename (compaction's crash tests stop there).
+    ``key_value``: file metadata to add (not to the schema, which pyarrow
+    would store a second time in its serialized Arrow schema).
     """
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression=compression)
+    if key_value:
+        with pq.ParquetWriter(sink, table.schema, compression=compression) as writer:
+            writer.write_table(table)
+            writer.add_key_value_metadata(key_value)
+    else:
+        pq.write_table(table, sink, compression=compression)
     data = memoryview(sink.getvalue())
     final = folder / name
     temp = folder / f".{name}.{_temp_tag()}{TEMP_SUFFIX}"

@@ -21,6 +21,7 @@ Segment(topic='mcpbg.ledger', partition=3, first=5, last=10, compacted=False)
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -28,8 +29,10 @@ import re
 import signal
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa  # type: ignore[import-untyped]
@@ -132,11 +135,25 @@ def _mtime(path: Path) -> float:
         return time.time()
 
 
-def scan(directory: str | os.PathLike[str], topic: str | None = None) -> list[Group]:
-    """Every (date folder, topic, partition) of an archive with its segments, sorted."""
+def scan(
+    directory: str | os.PathLike[str],
+    topic: str | None = None,
+    *,
+    folders: Iterable[str] | None = None,
+) -> list[Group]:
+    """Every (date folder, topic, partition) of an archive with its segments, sorted.
+
+    ``folders``: only the folders of these names.
+    """
     groups: dict[tuple[Path, str, int], Group] = {}
     root = Path(directory)
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else ():
+    if not root.is_dir():
+        return []
+    if folders is None:
+        listed = sorted(p for p in root.iterdir() if p.is_dir())
+    else:
+        listed = [root / name for name in sorted(folders) if (root / name).is_dir()]
+    for folder in listed:
         for path in sorted(folder.iterdir()):
             seg = parse_segment(path)
             if seg is None or (topic is not None and seg.topic != topic):
@@ -149,37 +166,87 @@ def scan(directory: str | os.PathLike[str], topic: str | None = None) -> list[Gr
     return [groups[k] for k in sorted(groups, key=lambda k: (str(k[0]), k[1], k[2]))]
 
 
+def encode_sources(names: list[str]) -> bytes:
+    """A manifest as stored: the JSON list of names, zlib-compressed, base64.
+
+    Compressed because an hour of one-per-batch segments is a thousand names
+    or more, and every reader reads the footer: names that differ only in
+    their offsets compress about twenty-fold.
+    """
+    return base64.b64encode(zlib.compress(json.dumps(names).encode(), 9))
+
+
 def sources_of(path: Path) -> list[str]:
     """The names a compacted segment's manifest lists ([] for a segment without one)."""
     meta = pq.read_metadata(path).metadata or {}
     raw = meta.get(SOURCES_KEY)
-    return [] if raw is None else [str(n) for n in json.loads(raw)]
+    if raw is None:
+        return []
+    text = raw if raw.startswith(b"[") else zlib.decompress(base64.b64decode(raw))
+    return [str(n) for n in json.loads(text)]
 
 
 def finish(group: Group, *, step: Callable[[str], None] | None = None) -> int:
-    """Delete the small segments a compacted one of ``group`` already holds; returns how many.
+    """Delete the segments a compacted one of ``group`` already holds; returns how many.
 
     What a compaction stopped between its rename and its last delete left
-    behind. Updates ``group.small``.
+    behind: small segments, or compacted ones a day's merge holds. Only what
+    a *root* holds (a compacted segment no other one names) is deleted,
+    through the manifests, so a file is never deleted on the word of a file
+    that is deleted too. Updates ``group.small`` and ``group.compacted``.
     """
-    if not group.small or not group.compacted:
+    if not group.compacted:
         return 0
-    held: set[str] = set()
+    manifests: dict[str, list[str]] = {}
     for path in group.compacted:
         with contextlib.suppress(FileNotFoundError):
-            held.update(sources_of(path))
-    gone = [p for p in group.small if p.name in held]
+            manifests[path.name] = [n for n in sources_of(path) if n != path.name]
+    named = {n for names in manifests.values() for n in names}
+    todo = [name for name in manifests if name not in named]
+    held: set[str] = set()
+    while todo:
+        for name in manifests.get(todo.pop(), ()):
+            if name not in held:
+                held.add(name)
+                todo.append(name)
+    gone = [p for p in group.small + group.compacted if p.name in held]
     _delete(gone, group.folder, step)
     group.small = [p for p in group.small if p.name not in held]
+    group.compacted = [p for p in group.compacted if p.name not in held]
     return len(gone)
+
+
+def closed(folder: Path, now: float, after: float) -> bool:
+    """Whether ``folder`` (``date=YYYY-MM-DD``) is a day that ended ``after`` seconds ago."""
+    try:
+        day = datetime.strptime(folder.name, "date=%Y-%m-%d").replace(tzinfo=UTC)
+    except ValueError:
+        return False
+    return day.timestamp() + 86_400 + after <= now
+
+
+def plan_day(group: Group, max_bytes: int) -> list[list[Path]]:
+    """A closed day's compacted segments of ``group`` in runs of ``max_bytes`` (offset order);
+    only runs of two or more (one file per partition per day, or per ``max_bytes``)."""
+    runs: list[list[Path]] = []
+    run: list[Path] = []
+    size = 0
+    for path in sorted(group.compacted, key=_first_offset):
+        run.append(path)
+        size += _size(path)
+        if size >= max_bytes:
+            runs.append(run)
+            run, size = [], 0
+    if run:
+        runs.append(run)
+    return [r for r in runs if len(r) > 1]
 
 
 def plan(group: Group, max_bytes: int) -> list[list[Path]]:
     """``group``'s small segments in runs of about ``max_bytes`` each (offset order).
 
-    A run holding one segment is left alone unless it is the only one: a
-    single small segment is rewritten too (it gains the compacted name, so
-    the folder shows at a glance what is done).
+    A lone small segment is a run too: rewritten, it gains the compacted name,
+    so a folder shows at a glance what is done.
     """
     runs: list[list[Path]] = []
     run: list[Path] = []
@@ -224,20 +291,26 @@ def compact(
     final = group.folder / compacted_name(group.topic, group.partition, first, last)
     names = sorted({p.name for p in sources})
     reads = list(sources)
-    if final.exists():  # compacted before from other copies of these offsets: keep its rows
+    if final.exists() and final not in sources:  # compacted before: keep its rows
         names = sorted(set(names) | set(sources_of(final)))
         reads.append(final)
+    names = [n for n in names if n != final.name]
     table = _merged(reads)
     step("read")
-    meta = dict(table.schema.metadata or {})
-    meta[SOURCES_KEY] = json.dumps(names).encode()
     write_atomically(
-        group.folder, final.name, table.replace_schema_metadata(meta), compression, step=step
+        group.folder,
+        final.name,
+        table,
+        compression,
+        step=step,
+        key_value={SOURCES_KEY: encode_sources(names)},
     )
     step("renamed")
     if delete:
-        _delete(sources, group.folder, step)
-    group.small = [p for p in group.small if p not in set(sources)]
+        _delete([p for p in sources if p != final], group.folder, step)
+    merged = set(sources)
+    group.small = [p for p in group.small if p not in merged]
+    group.compacted = [p for p in group.compacted if p not in merged or p == final]
     if final not in group.compacted:
         group.compacted.append(final)
     return final
@@ -309,6 +382,12 @@ def stale_temp_files(directory: Path) -> Iterator[Path]:
     return directory.glob(f"*/.*{TEMP_SUFFIX}")
 
 
+#: The date folders (the newest) a worker's start looks at for what a killed one left.
+START_DAYS = 2
+
+#: Seconds after a failed compaction (a full disk...) before the worker tries again.
+RETRY_AFTER = 60.0
+
 #: Seconds the worker keeps a compacted segment's sources before deleting them: a query
 #: that listed them just before the rename can still read them (readers count rows once).
 DELETE_GRACE = 60.0
@@ -353,11 +432,16 @@ class Compactor:
         self._pending: dict[tuple[Path, int], _Pending] = {}
         self._doomed: list[tuple[float, Path, list[Path]]] = []
         self._step = kill_hook()
+        # Date folders written to: each gets its day's merge once the day is over.
+        self._folders: set[Path] = set()
         self.compacted = 0
 
-    def start(self) -> None:
-        """Finish what a killed process left undone and note the small segments found."""
-        for group in scan(self.directory, self.topic):
+    def start(self, *, days: int = START_DAYS) -> None:
+        """Finish what a killed process left undone in the last ``days`` date folders and
+        note their small segments (older ones are ``mcpbg archive compact``'s)."""
+        recent = sorted(p.name for p in self.directory.glob("date=*") if p.is_dir())[-days:]
+        for group in scan(self.directory, self.topic, folders=recent):
+            self._folders.add(group.folder)
             finish(group)
             for path in group.small:
                 self._note(group.folder, group.partition, _size(path), _mtime(path))
@@ -399,8 +483,16 @@ class Compactor:
             for key in due:
                 del self._pending[key]
         written = 0
-        for folder, partition in due:
-            written += self._compact_folder(folder, partition, now)
+        for n, (folder, partition) in enumerate(due):
+            self._folders.add(folder)
+            try:
+                written += self._compact_folder(folder, partition, now)
+            except BaseException:  # a full disk, say: those not done are tried in a minute
+                retry = now - self.max_age + min(RETRY_AFTER, self.max_age)
+                for key in due[n:]:
+                    self._note(*key, 0, retry)
+                raise
+        written += self._merge_days(now)
         self.delete_expired(now=now, everything=everything)
         self.compacted += written
         return written
@@ -415,12 +507,31 @@ class Compactor:
         finish(group)
         written = 0
         for run in plan(group, self.max_bytes):
-            try:
-                compact(group, run, compression=self.compression, step=self._step, delete=False)
-            except FileNotFoundError:  # another worker compacted these meanwhile
+            written += self._merge(group, run, now)
+        return written
+
+    def _merge(self, group: Group, run: list[Path], now: float) -> int:
+        """Compact ``run``; its sources are deleted after the grace. 1 if written, else 0."""
+        try:
+            final = compact(group, run, compression=self.compression, step=self._step, delete=False)
+        except FileNotFoundError:  # another worker compacted these meanwhile
+            return 0
+        self._doomed.append((now + self.grace, group.folder, [p for p in run if p != final]))
+        return 1
+
+    def _merge_days(self, now: float) -> int:
+        """One file per partition for each date folder whose day ended ``max_age`` ago."""
+        written = 0
+        for folder in sorted(self._folders):
+            if not closed(folder, now, self.max_age) or any(
+                f == folder for _, f, _ in self._doomed
+            ):  # open, or sources in their grace still there: later
                 continue
-            self._doomed.append((now + self.grace, folder, run))
-            written += 1
+            self._folders.discard(folder)
+            for group in scan(self.directory, self.topic, folders=[folder.name]):
+                finish(group)
+                for run in plan_day(group, self.max_bytes):
+                    written += self._merge(group, run, now)
         return written
 
     def delete_expired(self, *, now: float | None = None, everything: bool = False) -> None:
@@ -456,6 +567,8 @@ def compact_archive(
     topic: str | None = None,
     dry_run: bool = False,
     older_than: float = 3600.0,
+    day_after: float = 3600.0,
+    now: float | None = None,
     progress: Callable[[int, int], None] | None = None,
     compression: str = COMPRESSION,
 ) -> Summary:
@@ -464,7 +577,9 @@ def compact_archive(
     Idempotent and resumable: each step is safe to stop after, and a second
     run first finishes what a stopped one left (sources still on disk next
     to the compacted file that holds them, temporary files). ``progress`` is
-    called with (source files done, source files to do).
+    called with (source files done, source files to do). Then each day that
+    ended ``day_after`` seconds ago gets its compacted segments merged: one
+    file per partition per day (or per ``max_bytes``).
     """
     from .archiver import remove_stale_temp_files
 
@@ -485,7 +600,9 @@ def compact_archive(
         else:
             summary.finished += finish(group)
         work += [(group, run) for run in plan(group, max_bytes)]
-    summary.runs = len(work)
+    now = time.time() if now is None else now
+    days = [g for g in groups if closed(g.folder, now, day_after)]
+    summary.runs = len(work) + sum(len(plan_day(g, max_bytes)) for g in days if not g.small)
     total = sum(len(run) for _, run in work)
     done = 0
     if progress is not None:
@@ -496,9 +613,21 @@ def compact_archive(
         done += len(run)
         if progress is not None:
             progress(done, total)
+    if not dry_run:
+        day_work = [(g, run) for g in days for run in plan_day(g, max_bytes)]
+        summary.runs = len(work) + len(day_work)
+        total += sum(len(run) for _, run in day_work)
+        for group, run in day_work:
+            compact(group, run, compression=compression)
+            done += len(run)
+            if progress is not None:
+                progress(done, total)
     for group in groups:
         if dry_run:
-            summary.files_after += len(group.compacted) + len(plan(group, max_bytes))
+            after = len(group.compacted) + len(plan(group, max_bytes))
+            if group in days:  # about: one per partition-day, unless past max_bytes
+                after = min(after, 1)
+            summary.files_after += after
         else:
             summary.files_after += len(group.small) + len(group.compacted)
             summary.bytes_after += sum(_size(p) for p in group.small + group.compacted)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import orjson
 from aiokafka.errors import KafkaError
 
 from mcp_budget_governor.errors import EpochMissingError
@@ -33,7 +34,7 @@ from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.projections.counters.cluster import SLOTS, ClusterBackend
 from mcp_budget_governor.projections.counters.redis import RedisBackend
 
-from . import metrics
+from . import dead_log, metrics
 from .alerts import (
     AlertEvaluator,
     AlertSink,
@@ -279,7 +280,12 @@ class Projection:
                 # these events again, so they reach the archive here.
                 archive = self._archive_batch if self.config.archive_dir else None
                 await rebuild(
-                    target, self.config.bootstrap, self.config.topic, batch=batch, archive=archive
+                    target,
+                    self.config.bootstrap,
+                    self.config.topic,
+                    batch=batch,
+                    archive=archive,
+                    dead=self._rebuild_dead,
                 )
 
             def failed(exc: Exception, number: int, delay: float) -> None:  # Kafka/Redis away
@@ -369,6 +375,11 @@ class Projection:
             except Exception as exc:  # the next start finishes it
                 log.warning("archive: compaction at stop failed (%s: %s)", type(exc).__name__, exc)
 
+    async def _rebuild_dead(
+        self, partition: int, offset: int, raw: bytes | None, reason: str
+    ) -> None:
+        await self.send_dead_letter(DeadLetter(self.config.topic, partition, offset, reason, raw))
+
     async def send_dead_letter(self, letter: DeadLetter) -> None:
         """Produce one poison record to ``<topic>.dlq`` and wait for the broker's ack."""
         log.warning(
@@ -379,6 +390,18 @@ class Projection:
             letter.reason,
             self.config.dlq_topic,
         )
+        if self.config.archive_dir:
+            # The archive holds the batch already (it is written before the apply):
+            # its readers must know the record was not applied.
+            await asyncio.to_thread(
+                dead_log.append,
+                self.config.archive_dir,
+                letter.topic,
+                letter.partition,
+                letter.offset,
+                _event_id(letter.raw),
+                letter.reason,
+            )
         assert self._send is not None
         await self._send(
             self.config.dlq_topic,
@@ -424,3 +447,13 @@ class Projection:
             0 if p is None else p.dead,
             "; ".join(parts) or "no partitions assigned",
         )
+
+
+def _event_id(raw: bytes | None) -> str | None:
+    """The ``id`` a poison record claims, if it has one (for the dead-letter log)."""
+    try:
+        doc = orjson.loads(raw or b"")
+    except orjson.JSONDecodeError:
+        return None
+    value = doc.get("id") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) else None

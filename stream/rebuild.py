@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mcp_budget_governor.counters import AppliedEvent, Backend
-from mcp_budget_governor.errors import GovernorError
+from mcp_budget_governor.errors import EventRefusedError, GovernorError
 from mcp_budget_governor.events import LedgerEvent
 from mcp_budget_governor.ledger import new_id
 
@@ -43,6 +43,8 @@ class EpochBackend(Backend, Protocol):
 
 #: Where a rebuild hands each batch for the archive: ``(partition, [(offset, event)])``.
 Archive = Callable[[int, Sequence[tuple[int, LedgerEvent]]], Awaitable[None]]
+#: The worker's dead letters: ``(partition, offset, raw record, reason)``.
+Dead = Callable[[int, int, bytes | None, str], Awaitable[None]]
 
 
 class RebuildIncompleteError(GovernorError):
@@ -69,6 +71,7 @@ async def rebuild(
     idle_timeout: float = 5.0,
     dry_run: bool = False,
     archive: Archive | None = None,
+    dead: Dead | None = None,
     **client_options: Any,
 ) -> RebuildResult:
     """Apply every retained event of ``topic`` to ``backend``, then set the epoch marker.
@@ -79,6 +82,11 @@ async def rebuild(
     ``archive(partition, [(offset, event), ...])``: the worker's archive, given
     each batch before it is applied (the live projection's order: an event is
     never applied unarchived).
+
+    ``dead(partition, offset, raw, reason)``: the worker's dead letters, given
+    every record that is not an event and every event the store refuses (a sum
+    out of range: the store wrote nothing of it, the rest of the batch applies),
+    since the live projection resumes past them.
 
     Raises :class:`RebuildIncompleteError` (leaving the marker unset) when the
     read stopped without reaching every partition's highwater mark.
@@ -94,13 +102,38 @@ async def rebuild(
         if events:
             if archive is not None:
                 await archive(partition, parsed[partition])
-            applied += await backend.apply(f"{topic}:{partition}", events)
+            last, through = events[-1].offset, -1
+            while True:
+                try:
+                    applied += await backend.apply(f"{topic}:{partition}", events, through=through)
+                    break
+                except EventRefusedError as exc:
+                    refused = next((e for e in events if e.offset == exc.offset), None)
+                    if refused is None:  # pragma: no cover - not one of this batch's
+                        raise
+                    events.remove(refused)
+                    through = last  # the watermark passes it with the rest
+                    raw = next(
+                        (ev.model_dump_json().encode() for o, ev in parsed[partition]
+                         if o == exc.offset),
+                        None,
+                    )  # fmt: skip
+                    log.warning(
+                        "rebuild: %s p%d offset %d refused: %s", topic, partition, exc.offset,
+                        exc.reason,
+                    )  # fmt: skip
+                    if dead is not None:
+                        await dead(partition, exc.offset, raw, exc.reason)
             events.clear()
             parsed[partition] = []
 
+    skipped: list[tuple[int, int, bytes | None, str]] = []
+
     def skip(partition: int, offset: int, raw: bytes | None, reason: str) -> None:
-        # Dead-lettered when first projected; the live projection re-reads it.
+        # The live projection resumes past it: a dead letter now, or never.
         log.debug("rebuild: %s p%d offset %d skipped: %s", topic, partition, offset, reason)
+        if dead is not None:
+            skipped.append((partition, offset, raw, reason))
 
     announce = log.debug if dry_run else log.warning
     if not dry_run:
@@ -110,14 +143,18 @@ async def rebuild(
     ) as reader:
         async for record in reader:
             read += 1
+            while skipped:
+                await dead(*skipped.pop(0))  # type: ignore[misc]
             events = pending[record.partition]
             events.append(to_applied(record.event, record.offset))
-            if archive is not None:
+            if archive is not None or dead is not None:
                 parsed[record.partition].append((record.offset, record.event))
             if len(events) >= batch:
                 await flush(record.partition)
         for partition in list(pending):
             await flush(partition)
+        while skipped:
+            await dead(*skipped.pop(0))  # type: ignore[misc]
         if not reader.caught_up:
             raise RebuildIncompleteError(
                 f"rebuild of {topic}: the end of every partition was not confirmed; "

@@ -73,15 +73,24 @@ def tsx() -> list[str]:
 
 
 def typescript_postgres_bench(
-    url: str, *, calls: int = 2000, rounds: int = 5, durable: bool = True
+    url: str,
+    *,
+    calls: int = 2000,
+    rounds: int = 5,
+    durable: bool = True,
+    callers: int = 0,
+    seconds: float = 3.0,
 ) -> dict[str, Any]:
     """Serial ``check()`` of the TypeScript governor on Postgres (``ts/bench/postgres.ts``,
     3 limits, defaults but ``durable``), for ``benchmarks/bench_postgres.py``: its JSON
-    line, medians in microseconds (``check_us``, ``select1_us``) and their ``ratio``."""
+    line, medians in microseconds (``check_us``, ``select1_us``) and their ``ratio``;
+    with ``callers``, also checks/s and ``SELECT 1``/s at that many concurrent callers
+    (``concurrent_ratio``, ``degraded``)."""
     prepare_driver()
     done = subprocess.run(
         [*tsx(), "bench/postgres.ts", "--postgres", url, "--calls", str(calls),
-         "--rounds", str(rounds), "--durable", "true" if durable else "false"],
+         "--rounds", str(rounds), "--durable", "true" if durable else "false",
+         "--callers", str(callers), "--seconds", str(seconds)],
         cwd=TS_DIR, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:

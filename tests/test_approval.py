@@ -9,6 +9,7 @@ client that cannot elicit, it is refused as usual. A breaker never asks.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from typing import Any
 
@@ -240,19 +241,23 @@ async def test_an_approval_is_spent_once_and_only_by_its_caller(backend: Backend
     ]
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis", "postgres", "cluster"], indirect=True)
 async def test_the_governor_spends_an_approval_with_the_admission(backend: Backend) -> None:
+    """Concurrent uses of one approval too: one admission (on a cluster the marker's
+    slot refuses, and the other slots' charges are taken back)."""
     gov, ledger, _ = governed(backend)
-    assert (await gov.check(ANA)).admitted
-    approval = Approval("daily", "ab" * 16, int(NOW) + 60)
-    assert (await gov.check(ANA, approved=[approval])).admitted
-    refused = await gov.check(ANA, approved=[approval])
+    ana = Context(user=f"ana-{secrets.token_hex(4)}")  # the cluster is never wiped
+    assert (await gov.check(ana)).admitted
+    approval = Approval("daily", secrets.token_hex(16), int(NOW) + 60)
+    outcomes = await asyncio.gather(*(gov.check(ana, approved=[approval]) for _ in range(4)))
+    assert sorted(d.admitted for d in outcomes) == [False, False, False, True]
+    refused = await gov.check(ana, approved=[approval])
     assert not refused.admitted and refused.limit == "daily" and refused.status == 429
-    lapsed = Approval("daily", "cd" * 16, int(NOW))
-    assert not (await gov.check(ANA, approved=[lapsed])).admitted
-    assert await gov.usage("daily", ANA) == 2
-    assert [e.type for e in ledger.entries] == [
-        EntryType.ADMITTED, EntryType.ADMITTED, EntryType.REJECTED, EntryType.REJECTED
-    ]  # fmt: skip
+    lapsed = Approval("daily", secrets.token_hex(16), int(NOW))
+    assert not (await gov.check(ana, approved=[lapsed])).admitted
+    assert await gov.usage("daily", ana) == 2
+    assert [e.type for e in ledger.entries].count(EntryType.ADMITTED) == 2
+    assert [e.approved for e in ledger.entries if e.approved] == [("daily",)]
 
 
 def test_an_approval_state_opens_for_its_caller_only_before_it_lapses() -> None:
@@ -264,3 +269,17 @@ def test_an_approval_state_opens_for_its_caller_only_before_it_lapses() -> None:
     assert open_approval(state, ANA, now=NOW + 60) is None
     for other in ["daily", None, "[", '["mcpbg2"]', '["mcpbg2","daily","x","y",1]']:
         assert open_approval(other, ANA, now=NOW) is None
+
+
+async def test_an_approval_is_not_spent_where_it_cannot_be_counted() -> None:
+    """Counters unreachable: the approval cannot be marked spent, so it admits
+    nothing; the call is checked as if unapproved (here the limit's local fallback)."""
+    from mcp_budget_governor import RedisBackend
+
+    down = RedisBackend.from_url("redis://127.0.0.1:1/0", timeout=0.2)
+    gov, _, _ = governed(down)
+    assert (await gov.check(ANA)).admitted  # fail-open: the local fallback counts it
+    approval = Approval("daily", secrets.token_hex(16), int(time.time()) + 60)
+    refused = await gov.check(ANA, approved=[approval])
+    assert not refused.admitted and refused.degraded and refused.limit == "daily"
+    await down.aclose()

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 
 from mcp_budget_governor.events import LedgerEvent
@@ -258,3 +259,175 @@ def test_the_command_in_process(
     assert "archive_segment_mb" in capsys.readouterr().err
     assert main(["archive", "compact", "--archive-dir", str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_temporary_files_of_dead_writers_go_at_start(tmp_path: Path) -> None:
+    from mcp_budget_governor.stream import archiver as archiver_module
+
+    archiver = Archiver(tmp_path, topic=TOPIC)
+    folder = tmp_path / "date=2025-11-29"
+    folder.mkdir()
+    host = archiver_module._HOST
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    gone = folder / f".x.parquet.{dead}@{host}.0123abcd{TEMP_SUFFIX}"
+    alive = folder / f".y.parquet.{os.getppid()}@{host}.0123abcd{TEMP_SUFFIX}"
+    elsewhere = folder / f".z.parquet.{dead}@another-host.0123abcd{TEMP_SUFFIX}"
+    mine_before = folder / f".w.parquet.{os.getpid()}@{host}.0123abcd{TEMP_SUFFIX}"
+    for path in (gone, alive, elsewhere, mine_before):
+        path.write_bytes(b"half")
+    old = archiver_module._STARTED - 10
+    os.utime(mine_before, (old, old))  # a reused pid: written before this process started
+    assert archiver.remove_stale_temp_files() == 2
+    assert sorted(p.name for p in folder.iterdir()) == sorted([alive.name, elsewhere.name])
+
+
+def test_a_failed_compaction_is_tried_again_later(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mcp_budget_governor.stream import compaction
+
+    archive = tmp_path / "archive"
+    archiver = Archiver(archive, topic=TOPIC)
+    compactor = Compactor(archive, TOPIC, max_bytes=1, max_age=3600)
+    compactor.noted(archiver.write_batch(0, consumed[:3]))
+
+    def full(*args: Any, **kwargs: Any) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compaction, "compact", full)
+    with pytest.raises(OSError, match="No space"):
+        compactor.run_due()
+    now = time.time()
+    assert not compactor.due(now) and compactor.due(now + compaction.RETRY_AFTER + 1)
+    monkeypatch.undo()
+    assert compactor.run_due(now=now + compaction.RETRY_AFTER + 1) == 1
+
+
+def test_a_worker_start_looks_at_the_newest_days_only(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    archive = tmp_path / "archive"
+    small_archive(archive, consumed)  # two date folders
+    compactor = Compactor(archive, TOPIC, max_bytes=1, max_age=3600)
+    compactor.start(days=1)
+    compactor.run_due(everything=True)
+    first, last = sorted(p for p in archive.iterdir())
+    assert all(p.name.endswith(".compact.parquet") for p in last.iterdir())
+    assert not any(p.name.endswith(".compact.parquet") for p in first.iterdir())
+
+
+def hourly_archive(folder: Path, records: list[tuple[int, LedgerEvent]]) -> None:
+    """Small segments compacted in runs of ~20 kB: several compacted files per partition-day,
+    as a worker leaves a day of hourly rolls."""
+    small_archive(folder, records)
+    compact_archive(folder, max_bytes=20_000, day_after=float("inf"))
+    assert len(segments(folder)) > partition_days(folder)
+
+
+def test_a_closed_day_is_merged_to_one_file_per_partition(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    archive = tmp_path / "archive"
+    hourly_archive(archive, consumed)
+    before = answers(archive, tmp_path)
+    # Not yet: the days ended less than day_after ago.
+    not_yet = compact_archive(archive, max_bytes=64_000_000, day_after=10**10)
+    assert not_yet.runs == 0
+    summary = compact_archive(archive, max_bytes=64_000_000)
+    assert summary.runs == len(segments(archive)) == partition_days(archive) == 3
+    assert answers(archive, tmp_path) == before
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_kill_9_of_a_day_merge_at_each_step(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]], step: str
+) -> None:
+    archive = tmp_path / "archive"
+    hourly_archive(archive, consumed)
+    before = answers(archive, tmp_path)
+    killed = run_compact(archive, step)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert answers(archive, tmp_path) == before
+    finished = run_compact(archive)
+    assert finished.returncode == 0, finished.stderr
+    assert answers(archive, tmp_path) == before
+    assert len(segments(archive)) == partition_days(archive) == 3
+
+
+def test_the_worker_merges_a_closed_day(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    archive = tmp_path / "archive"
+    hourly_archive(archive, consumed)
+    before = answers(archive, tmp_path)
+    compactor = Compactor(archive, TOPIC, max_bytes=64_000_000, max_age=3600)
+    compactor.start()
+    compactor.run_due(everything=True)
+    assert len(segments(archive)) == partition_days(archive) == 3
+    assert answers(archive, tmp_path) == before
+
+
+def test_finish_never_deletes_on_the_word_of_a_deleted_file(tmp_path: Path) -> None:
+    """Two compacted files naming each other (names reused): neither is deleted."""
+    import json as json_module
+
+    import pyarrow.parquet as pq
+
+    from mcp_budget_governor.stream.compaction import Group, compacted_name, finish
+
+    folder = tmp_path / "date=2025-11-29"
+    folder.mkdir()
+    a, b = (folder / compacted_name(TOPIC, 0, i, i + 9) for i in (0, 10))
+    for path, other in ((a, b), (b, a)):
+        table = pa.table({"x": [1]}).replace_schema_metadata(
+            {SOURCES_KEY: json_module.dumps([other.name]).encode()}
+        )
+        pq.write_table(table, path)
+    group = Group(folder, TOPIC, 0, [], [a, b])
+    assert finish(group) == 0 and a.exists() and b.exists()
+
+
+def test_the_manifest_keeps_the_footer_small(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    """A thousand sources' names, compressed, stored once (not again in the Arrow schema)."""
+    import pyarrow.parquet as pq
+
+    archive = tmp_path / "archive"
+    archiver = Archiver(archive, topic=TOPIC)
+    one = consumed[:1]
+    for offset in range(1000):  # one event per batch, as a quiet worker writes them
+        archiver.write_batch(0, [(offset, one[0][1])])
+    compact_archive(archive, max_bytes=64_000_000)
+    (merged,) = segments(archive)
+    assert len(sources_of(merged)) == 1000
+    meta = pq.read_metadata(merged)
+    assert meta.serialized_size < 20_000, meta.serialized_size
+    assert SOURCES_KEY not in (pq.read_schema(merged).metadata or {})
+
+
+def test_costs_reports_read_the_archive_once_and_agree(
+    tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
+) -> None:
+    from mcp_budget_governor.cli.costs import costs_reports
+    from mcp_budget_governor.projections.costs import Filter, read_once, spend
+
+    archive = tmp_path / "archive"
+    small_archive(archive, consumed)
+    start = datetime.fromtimestamp(MIDNIGHT, UTC)  # the events after midnight only
+    end = datetime.fromtimestamp(MIDNIGHT + 3600, UTC)
+    flt = Filter(start, end, tenant="acme")
+    fresh = open_ledger(archive_dir=archive)
+    want = spend(fresh, ["user"], flt).rows
+    fresh.close()
+    con = open_ledger(archive_dir=archive)
+    try:
+        first = [r.rows for r in costs_reports(con, flt)]
+        read_once(con, flt)  # again on the same connection: kept, not read anew
+        assert [r.rows for r in costs_reports(con, flt)] == first
+        assert spend(con, ["user"], flt).rows == want
+        ((snapshot,),) = con.sql("SELECT count(*) FROM _mcpbg_costs_snapshot").fetchall()
+        assert 0 < snapshot < len(consumed)  # the time range only
+    finally:
+        con.close()

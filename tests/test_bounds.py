@@ -11,6 +11,8 @@ take a counter's spend below zero.
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -180,3 +182,64 @@ async def test_a_grant_past_the_exact_range_is_refused_at_the_door() -> None:
     with pytest.raises(InvalidInputError):
         await gov.grant("calls", 1, user="alice")
     assert (await gov.status(ALICE))["calls"]["remaining"] == MAX_AMOUNT
+
+
+async def test_1030_grants_of_the_largest_amount_agree_on_every_backend(
+    redis_url: str, postgres_url: str
+) -> None:
+    """Each grant past the exact range is refused with one line; after every step the
+    memory, Redis and Postgres backends report the same remaining room."""
+    from mcp_budget_governor import Limit, Policy, PostgresBackend, RedisBackend, Scope, Window
+
+    pg = PostgresBackend.from_url(postgres_url, timeout=5.0)
+    await pg.migrate()
+    backends = [MemoryBackend(), RedisBackend.from_url(redis_url, timeout=5.0), pg]
+    zero = Policy.of(Limit("calls", cap=0, window=Window.DAY, scope=Scope.USER))
+    govs = [Governor(zero, b) for b in backends]
+    user = f"u{id(govs)}"
+    ctx = Context(user=user)
+    refusals: set[str] = set()
+    try:
+        for step in range(1_030):
+            outcomes = []
+            for gov in govs:
+                try:
+                    await gov.grant("calls", MAX_AMOUNT, user=user)
+                    outcomes.append("granted")
+                except InvalidInputError as exc:
+                    refusals.add(str(exc))  # one line: compared whole below
+                    outcomes.append("refused")
+                if step % 100 == 99:
+                    await gov.check(ctx)  # some spend between the grants
+            assert outcomes == ["granted" if step == 0 else "refused"] * 3, (step, outcomes)
+            rows = [(await gov.status(ctx))["calls"] for gov in govs]
+            for row in rows:
+                row.pop("resets_in")  # read a moment apart
+            assert rows[0] == rows[1] == rows[2], (step, rows)
+            assert rows[0]["cap"] == MAX_AMOUNT
+            assert rows[0]["remaining"] == MAX_AMOUNT - (step + 1) // 100
+    finally:
+        for gov in govs:
+            await gov.aclose()
+    assert refusals == {
+        f"amount: the counter's cap and grants ({MAX_AMOUNT}) plus this one would leave the "
+        f"exact range (at most {MAX_AMOUNT}) (got {MAX_AMOUNT})"
+    }
+
+
+async def test_a_store_refuses_grants_past_the_range_whole(backend: Backend) -> None:
+    """The stores' own check, behind the door: a change batch that would take a grant past
+    2**53 writes nothing of itself."""
+    from mcp_budget_governor.caps import Change, ChangeKind
+    from mcp_budget_governor.windows import Window, bucket_for
+
+    bucket = bucket_for(Window.DAY, time.time())
+    key = f"mcpbg:v1:calls:user=grantee:{bucket.label}"
+    grant = Change(ChangeKind.GRANTED, "calls", key, "", MAX_AMOUNT, bucket.expire_at(0))
+    writer: Any = backend.change  # type: ignore[attr-defined]
+    await writer([grant])
+    with pytest.raises(ValueError, match="would leave the exact range") as info:
+        await writer([replace(grant, amount=1, key=key.replace("grantee", "other")), grant])
+    assert "\n" not in str(info.value)
+    assert (await backend.state(key)).grant == MAX_AMOUNT
+    assert (await backend.state(key.replace("grantee", "other"))).grant == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -212,4 +213,6 @@ def test_from_the_demos_printed_link_to_a_dashboard_of_its_spend(
             "Chart.getChart(document.getElementById('spend')).data.datasets.map(d => d.label)"
         )
         assert {"acme", "globex"} <= set(tenants)
+        top = page.locator("#top").inner_text()  # counts with thousands separators
+        assert re.search(r"\b\d{1,3}(,\d{3})+\b", top) and not re.search(r"(?<![.\d])\d{4,}", top)
         page.screenshot(path=str(artifacts() / "demo-dashboard.png"), full_page=True)

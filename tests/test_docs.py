@@ -203,3 +203,48 @@ def test_every_typescript_block_runs(
     finally:
         script.unlink()
     assert done.returncode == 0, f"{where}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def test_the_policy_reference_table_is_one_table_of_every_key_and_value() -> None:
+    """One table (a blank line once split it in two), every key the loader accepts, and
+    every ``on_exceed`` value (``ask`` was missing)."""
+    from mcp_budget_governor.limits import OnExceed
+    from mcp_budget_governor.policy_file import LIMIT_KEYS
+
+    text = (DOCS / "policies.md").read_text()
+    start = text.index("| key | where | value | default |")
+    table = text[start:].split("\n\n")[0].splitlines()
+    keys = {row.split("|")[1].strip().strip("`") for row in table[2:]}
+    top = {"timezone", "anonymous", "[plans.<name>]", "[assign]"}
+    assert keys == set(LIMIT_KEYS) | top
+    on_exceed = next(row for row in table if row.startswith("| `on_exceed`"))
+    assert all(f"`{v.value}`" in on_exceed for v in OnExceed), on_exceed
+
+
+SHELL_FENCE = re.compile(r"^```(?:sh|bash|console)\n(.*?)^```", re.M | re.S)
+IMPORTED = re.compile(r"\bfrom ([\w.]+) import ([\w, ]+)|\bimport ([\w.]+)")
+
+
+def test_the_python_a_shell_snippet_imports_exists() -> None:
+    """``python -c "..."`` in a shell block imports what the repository has (the FOCUS
+    validator snippet imported from tests/ what lives in testing/)."""
+    import importlib
+
+    for page in PAGES:
+        for block in SHELL_FENCE.findall(page.read_text()):
+            for code in re.findall(r'python -c "(.*?)"', block, re.S):
+                for module, names, plain in IMPORTED.findall(code):
+                    found = importlib.import_module(module or plain)
+                    for name in filter(None, (n.strip() for n in names.split(","))):
+                        assert hasattr(found, name), f"{page.name}: {module}.{name}"
+
+
+def test_the_install_page_lists_every_extra() -> None:
+    """Each extra of pyproject.toml has its install line (``[fastmcp]`` was missing)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    page = (DOCS / "install.md").read_text()
+    listed = {e for group in re.findall(r'"\.\[([\w,-]+)\]"', page) for e in group.split(",")}
+    assert set(extras) - {"dev", "bench-clients"} - listed == set()

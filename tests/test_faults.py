@@ -284,3 +284,26 @@ async def test_an_outage_charge_past_the_exact_range_is_dropped_not_stuck(
         await gov.meter("tenant_spend", 1, acme)
     assert (info.value.limit, info.value.amount) == ("tenant_spend", 1)
     await gov.aclose()
+
+
+async def test_a_full_connection_pool_is_busy_not_down(redis_url: str) -> None:
+    """Busy is not down on Redis too. Only the pool path (``coalesce=False``, one
+    connection: non-default on purpose, the coalesced default has no pool queue) can
+    wait for a connection; past the wait the check is refused as busy, 503, with no
+    fail mode (the OPEN limit would otherwise admit from the replica's counter)."""
+    backend = RedisBackend.from_url(redis_url, coalesce=False, max_connections=1)
+    gov = Governor(policy(), backend, retry_interval=RETRY)
+    alice = Context(user=f"busy-{time.time_ns()}", tenant="acme")
+    assert (await gov.check(alice)).admitted
+    held = await backend.client.connection_pool.get_connection()  # the only connection
+    try:
+        d = await gov.check(alice)
+    finally:
+        await backend.client.connection_pool.release(held)
+    assert (d.admitted, d.status, d.degraded, d.reason) == (
+        False, 503, False, "budget_unavailable:redis busy",
+    )  # fmt: skip
+    assert not gov.degraded
+    assert (await gov.check(alice)).admitted
+    assert await gov.usage("per_user", alice) == 2
+    await gov.aclose()

@@ -303,6 +303,12 @@ async def test_a_failing_cost_callback_charges_the_fixed_price(
     ):
         r = await c.get("/hello", headers=U1)
         assert (r.status_code, r.text) == (200, "hello")
+        # Metered after the response is sent (the callback's error logged first): the
+        # client may read before the server has charged, so it reads until it has.
+        for _ in range(100):
+            if await usage("user_spend", Context(user="u_1")) == FIXED["user_spend"]:
+                break
+            await asyncio.sleep(0.01)
         assert await usage("user_spend", Context(user="u_1")) == FIXED["user_spend"]
     assert "tool '/hello': its cost callback failed" in caplog.text
 

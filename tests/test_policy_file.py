@@ -19,6 +19,7 @@ from mcp_budget_governor import (
     InvalidInputError,
     Limit,
     OnExceed,
+    Plan,
     Policy,
     PolicyError,
     Scope,
@@ -62,6 +63,14 @@ EXAMPLE_POLICY = Policy.of(
         alert_at=(80,),
     ),
     Limit(
+        "tenant_spend",
+        cap=usd(25),
+        unit=Unit.USD_MICROS,
+        window=Window.DAY,
+        scope=Scope.TENANT,
+        caps={"acme": usd(100)},
+    ),
+    Limit(
         "global_spend",
         cap=usd(25),
         unit=Unit.USD_MICROS,
@@ -78,6 +87,8 @@ EXAMPLE_POLICY = Policy.of(
         scope=Scope.TENANT,
         on_exceed=OnExceed.ALERT,
     ),
+    plans=[Plan("pro", caps={"tenant_spend": usd(250), "burst": 90})],
+    assignments={"beta": "pro"},
     timezone="Europe/Paris",
     anonymous=Anonymous.REFUSE,
 )

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import random
 import subprocess
@@ -437,3 +438,92 @@ async def test_a_lock_queue_is_busy_not_down(postgres_url: str) -> None:
     assert (await gov.check(alice)).admitted  # the lock is free again
     assert await gov.usage("per_user", alice) == 2
     await gov.aclose()
+
+
+async def test_checks_queued_in_the_process_past_queue_timeout_are_refused_as_busy(
+    postgres_url: str,
+) -> None:
+    """The in-process queue has its bound too. One connection and a short queue bound
+    (non-default, so the queue fills at once and the test is quick; the default is the
+    lock test's above): with the only call stuck behind a held lock, the checks queued
+    behind it are refused as busy after ``queue_timeout``, never sent, never degraded."""
+    backend = PostgresBackend.from_url(postgres_url, max_connections=1, queue_timeout=0.3)
+    gov = Governor(policy(), backend)
+    alice = Context(user="alice", tenant="acme")
+    assert (await gov.check(alice)).admitted
+    holder = await psycopg.AsyncConnection.connect(postgres_url, autocommit=True)
+    async with holder, holder.transaction():
+        await holder.execute("SELECT pg_advisory_xact_lock(1835233380, 0)")
+        started = time.monotonic()
+        first = asyncio.ensure_future(gov.check(alice))  # sent: waits for the lock
+        await asyncio.sleep(0.05)
+        queued = await asyncio.gather(*(gov.check(alice) for _ in range(5)))
+        waited = time.monotonic() - started
+    assert {(d.admitted, d.status, d.degraded) for d in queued} == {(False, 503, False)}
+    assert waited < 1.5  # refused at the queue bound, not at the server's 2 s
+    d = await first  # sent before: the lock came free within its bound, Postgres decided
+    assert (d.admitted, d.degraded) == (True, False)
+    assert await gov.usage("per_user", alice) == 2
+    await gov.aclose()
+
+
+async def test_a_server_that_refuses_connections_is_down_not_busy() -> None:
+    """Nothing listens on the port: the fail modes decide (CLOSED 503 degraded, OPEN
+    admitted from the replica's counter), never a busy refusal."""
+    from testing.services import free_port
+
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    gov = Governor(policy(), PostgresBackend.from_url(url), retry_interval=RETRY)
+    d = await gov.check(Context(user="alice", tenant="acme"))
+    assert (d.admitted, d.status, d.degraded, d.limit) == (False, 503, True, "tenant_spend")
+    d = await gov.check(Context(user="alice"))
+    assert (d.admitted, d.degraded) == (True, True)
+    await gov.aclose()
+
+
+async def test_the_startup_log_says_how_many_replicas_the_server_allows(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mcp_budget_governor.projections.counters.postgres")
+    with psycopg.connect(postgres_url) as conn:
+        row = conn.execute(
+            "SELECT current_setting('max_connections')::int, "
+            "current_setting('superuser_reserved_connections')::int"
+        ).fetchone()
+    assert row is not None
+    backend = PostgresBackend.from_url(postgres_url)
+    await backend.migrate()
+    await backend.aclose()
+    fit = (row[0] - row[1]) // 5
+    assert f"max_connections={row[0]} ({row[1]} reserved)" in caplog.text
+    assert f"a pool of 5 per replica lets {fit} replicas share it" in caplog.text
+
+
+async def test_a_batch_whose_first_counter_is_not_written_keeps_expiries_in_step(
+    postgres_url: str,
+) -> None:
+    """sql/0007: a check whose first op charges nothing, and a coalesced call whose
+    first check is refused, write each counter with its own expiry (0005 shifted the
+    expiries and the call failed)."""
+    from mcp_budget_governor.counters import CounterOp
+
+    backend = PostgresBackend.from_url(postgres_url)
+    end = time.time() + 3600
+    tag = uuid.uuid4().hex[:8]
+    a, b, c, d = (f"mcpbg:v1:t{tag}:user={u}:1" for u in "abcd")
+    assert (
+        await backend.charge([CounterOp(a, 0, 10, True, end), CounterOp(b, 1, 10, True, end)])
+    ).admitted
+    # Three at once: the first goes alone, the other two in one call, the refused first.
+    first, refused, admitted = await asyncio.gather(
+        backend.charge([CounterOp(c, 1, 10, True, end)]),
+        backend.charge([CounterOp(a, 1, 0, True, end)]),
+        backend.charge([CounterOp(d, 2, 10, True, end + 60)]),
+    )
+    assert (first.admitted, refused.admitted, admitted.admitted) == (True, False, True)
+    assert await backend.usage([a, b, c, d]) == [0, 1, 1, 2]
+    rows = dict(await backend._rows(
+        "SELECT key, expire_at FROM mcpbg_counter WHERE key = ANY(%s)", ([b, c, d],)
+    ))  # fmt: skip
+    assert rows == {b: pytest.approx(end), c: pytest.approx(end), d: pytest.approx(end + 60)}
+    await backend.aclose()

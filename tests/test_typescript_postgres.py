@@ -150,3 +150,7 @@ def test_the_benchmark_hook_reads_the_typescript_figures(
         assert (out["bench"], out["durable"], out["calls"]) == ("ts_postgres_check", durable, 20)
         assert out["check_us"] > 0 and out["select1_us"] > 0
         assert out["ratio"] == pytest.approx(out["check_us"] / out["select1_us"], rel=0.01)
+        assert "concurrent_ratio" not in out
+    out = typescript_postgres_bench(postgres_url, calls=10, rounds=1, callers=8, seconds=0.3)
+    assert out["callers"] == 8 and out["degraded"] == 0
+    assert out["concurrent_checks_per_s"] > 0 and out["concurrent_select1_per_s"] > 0

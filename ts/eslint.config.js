@@ -3,7 +3,7 @@ import js from "@eslint/js";
 import tseslint from "typescript-eslint";
 
 export default tseslint.config(
-  { ignores: ["dist/", "lua/", "data/", "node_modules/"] },
+  { ignores: ["dist/", "lua/", "data/", "node_modules/", ".examples/"] },
   js.configs.recommended,
   ...tseslint.configs.recommended,
   {

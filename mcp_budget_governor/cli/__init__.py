@@ -30,6 +30,7 @@ COMMANDS: tuple[str, ...] = (
     "caps",
     "costs",
     "serve",
+    "proxy",
     "sql",
     "export",
     "reconcile",

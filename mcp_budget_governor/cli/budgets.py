@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..numbers import whole_argument
 from .counters_args import add_counters_options
-from .ledger_args import add_ledger_options, add_option, open_ledger_from, required, setting
+from .ledger_args import (
+    add_ledger_options,
+    add_option,
+    open_ledger_from,
+    policy_spec,
+    setting,
+)
 
 if TYPE_CHECKING:
     from ..counters import Backend
@@ -41,7 +47,15 @@ def register(sub: Any) -> None:
         "reservations on those counters and each session root's forks, read from the "
         "ledger. Exit code 1 when any row is exceeded.",
     )
-    add_option(p, "policy", "the policy: a .toml file or package.module:attribute")
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["list"],
+        help="list: the same table (`mcpbg budgets list`, as the gateways spell it)",
+    )
+    add_option(
+        p, "policy", "the policy: a .toml file or package.module:attribute (default ./policy.toml)"
+    )
     add_counters_options(p)
     add_ledger_options(p)  # open reservations and session forks are only in the ledger
     for scope in _SCOPES:
@@ -71,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api:
         return _run_api(args)
     # The policy first: a bad policy file is the error to see.
-    policy = load_policy(required(args, "policy", "a .toml file or module:attribute"))
+    policy = load_policy(policy_spec(args))
     store, url = counters_store(args)
     max_keys = DEFAULT_MAX_KEYS if args.max_keys is None else args.max_keys
     if max_keys < 1:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time as _time
 from datetime import UTC, date, datetime, time
 from typing import TYPE_CHECKING, Any
 
 from .counters_args import add_counters_options
-from .ledger_args import DEFAULT_TOPIC, add_option, required, setting
+from .ledger_args import DEFAULT_TOPIC, add_option, policy_spec, setting
 
 if TYPE_CHECKING:
     from ..governor import Governor
@@ -143,14 +144,17 @@ def _until(policy: Policy, text: str | None) -> datetime | None:
     try:
         # Every ISO date form (2030-01-01, 20300101, 2030-W01, 2030-W01-1): its start
         # where the policy's days start, whichever form it is written in.
-        return datetime.combine(date.fromisoformat(text), time(), tzinfo=policy.tz)
+        moment = datetime.combine(date.fromisoformat(text), time(), tzinfo=policy.tz)
     except ValueError:
-        pass
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError:
-        raise InvalidInputError("--until", text, "expected an ISO date or time") from None
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+        try:
+            moment = datetime.fromisoformat(text)
+        except ValueError:
+            raise InvalidInputError("--until", text, "expected an ISO date or time") from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+    if moment.timestamp() <= _time.time():  # named as typed, before anything is read
+        raise InvalidInputError("--until", text, f"must be in the future ({moment.isoformat()})")
+    return moment
 
 
 def _actor(args: argparse.Namespace) -> str:
@@ -198,7 +202,7 @@ async def _governor(args: argparse.Namespace, policy: Policy) -> Governor:
 def _policy(args: argparse.Namespace) -> Policy:
     from ..policy_file import load_policy
 
-    return load_policy(required(args, "policy", "a .toml file or module:attribute"))
+    return load_policy(policy_spec(args))
 
 
 def _run(args: argparse.Namespace, make: Any) -> int:

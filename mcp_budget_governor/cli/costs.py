@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from datetime import UTC, datetime
+from typing import Any
 
 from ..numbers import whole_argument
 from .ledger_args import add_ledger_options, add_option, open_ledger_from, setting
-
-if TYPE_CHECKING:
-    from datetime import datetime
 
 _DEFAULT_VIEWS = ("tenant", "user", "tool", "model", "day")
 _JSON_ONLY = ("cache_read_tokens", "cache_write_tokens")
@@ -48,7 +46,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--by",
         help="group by these, comma-separated: user, tenant, tool, model, agent, day, hour, "
-        "month, type",
+        "week (ISO, 2026-W48), month, type",
     )
     p.add_argument("--top", type=whole_argument(), help="keep the first N rows of each table")
     p.add_argument("--json", action="store_true", help="print JSON (usd as exact decimals)")
@@ -88,6 +86,17 @@ def run(args: argparse.Namespace) -> int:
     # A period or --from/--to reads only those days' archive folders.
     con = open_ledger_from(args, since=start, until=end)
     try:
+        if start is not None or end is not None:  # the rule of mcpbg export focus: exit 2
+            from ..projections.ledger_view import require_events
+
+            lo = start or datetime(1970, 1, 1, tzinfo=UTC)
+            hi = end or datetime(9999, 12, 31, tzinfo=UTC)
+            given = [
+                f"--{o} {v}"
+                for o, v in (("period", args.period), ("from", args.start), ("to", args.end))
+                if v is not None
+            ]
+            require_events(con, lo, hi, " ".join(given))
         by = [b.strip() for b in args.by.split(",") if b.strip()] if args.by else None
         reports = costs_reports(con, flt, by=by, top=args.top, policy=policy)
     finally:
@@ -117,11 +126,15 @@ def costs_reports(
     grouping; else a session's split (``flt.session``); else the summary views."""
     from ..projections.costs import (
         breaker_trips,
+        read_once,
         session_budget,
         session_split,
         spend,
         summary,
     )
+
+    if not by:  # several reports: the archive is read once for all of them
+        read_once(con, flt)
 
     if flt.session is not None and not by:
         reports = [

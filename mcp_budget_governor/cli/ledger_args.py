@@ -11,6 +11,7 @@ default from there.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mcp_budget_governor.ledger import DEFAULT_TOPIC as DEFAULT_TOPIC  # the one default
@@ -59,6 +60,29 @@ def required(args: argparse.Namespace, name: str, what: str) -> str:
         s = SETTINGS[name]
         raise InvalidInputError(s.option, None, f"required: {what} (or set {s.env})")
     return value
+
+
+#: The policy a command reads when neither --policy nor MCPBG_POLICY names one.
+DEFAULT_POLICY_FILE = "policy.toml"
+
+
+def policy_spec(args: argparse.Namespace) -> str:
+    """The policy to load: ``--policy``, else ``MCPBG_POLICY``, else ``./policy.toml``
+    when there is one; a one-line error naming all three otherwise."""
+    from ..errors import InvalidInputError
+
+    value = setting(args, "policy")
+    if value:
+        return str(value)
+    if Path(DEFAULT_POLICY_FILE).is_file():
+        return DEFAULT_POLICY_FILE
+    s = SETTINGS["policy"]
+    raise InvalidInputError(
+        s.option,
+        None,
+        f"required: a .toml file or module:attribute (or set {s.env}, or put a "
+        f"{DEFAULT_POLICY_FILE} in the current folder)",
+    )
 
 
 def open_ledger_from(

@@ -94,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
     recovered = 0
     try:
         result = reconcile(con, client, fix=args.fix, older_than=older_than)
+        # The records the projection refused (dead letters): never counted, never billed.
+        dead = con.execute(
+            'SELECT partition_name, "offset", id, reason FROM dead_letters ORDER BY 1, 2'
+        ).fetchall()
         if args.fix and result.orphans:
             recovered, unfixable = _settle(args, result.orphans, limit_meta(con))
     finally:
@@ -130,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
                         "stale_in_flight": d.stale,
                     }
                     for d in result.drifts
+                ],
+                "dead_letters": [
+                    {"partition": p, "offset": o, "id": i, "reason": r} for p, o, i, r in dead
                 ],
                 "run_time_fixed": result.changes_fixed,
                 "run_time_unreadable": result.changes_unreadable,
@@ -174,6 +181,14 @@ def run(args: argparse.Namespace) -> int:
             )
         _print_changes(args, result, store)
         _print_orphans(args, result, recovered, unfixable, older_than)
+        if dead:
+            print_table(
+                f"dead letters: {len(dead):,} records the projection refused (not counted, "
+                "not billed)",
+                ["partition", "offset", "event id", "reason"],
+                [[p, o, i or "-", r] for p, o, i, r in dead[: args.show]],
+                numeric=["offset"],
+            )
     return 1 if result.drifts or result.change_drifts or result.orphans else 0
 
 

@@ -161,6 +161,14 @@ def _report(result: Any, show: int) -> None:
             ],
             numeric=["before", "after"],
         )
+    refused = getattr(result, "refused", [])
+    if refused:
+        print_table(
+            f"{len(refused):,} records refused (dead letters: not replayed, not billed)",
+            ["partition", "offset", "event id", "reason"],
+            [[p, o, i or "-", r] for p, o, i, r in refused[: max(show, 1)]],
+            numeric=["offset"],
+        )
     if getattr(result, "replayed_changes", 0):
         console().print(
             f"{result.replayed_changes:,} run-time changes (caps, plans, grants, resets) "

@@ -75,9 +75,10 @@ async def budgets(console: Console, governor: Governor, result: DemoResult, now:
             [
                 agent.user,
                 agent.tenant,
-                admitted,
-                sum(refused.values()),
-                ", ".join(f"{r.split(':', 1)[1]} x{n}" for r, n in sorted(refused.items())) or "-",
+                f"{admitted:,}",
+                f"{sum(refused.values()):,}",
+                ", ".join(f"{r.split(':', 1)[1]} x{n:,}" for r, n in sorted(refused.items()))
+                or "-",
                 format_dollars(spent),
             ]
         )
@@ -151,7 +152,7 @@ def costs(console: Console, options: DemoOptions, out: Path) -> None:
     )
     total = sum(n for _, n in kinds)
     console.print(
-        f"Ledger: {total} events, " + ", ".join(f"{n} {kind}" for kind, n in kinds) + " "
+        f"Ledger: {total:,} events, " + ", ".join(f"{n:,} {kind}" for kind, n in kinds) + " "
         f"(each cost is one event charging {', '.join(SPEND_LIMITS)})"
     )
 
@@ -174,7 +175,7 @@ def write_focus(console: Console, options: DemoOptions, out: Path, now: float) -
     finally:
         con.close()
     console.print(
-        f"\nFOCUS 1.2 cost and usage file: {path} ({result.rows} rows, "
+        f"\nFOCUS 1.2 cost and usage file: {path} ({result.rows:,} rows, "
         f"{format_dollars(result.billed_micros)} billed)"
     )
     return path
@@ -237,4 +238,6 @@ def closing(console: Console, result: DemoResult, out: Path, *, serving: bool = 
     if serving:
         console.print("The console on the demo's data starts now:")
     else:
-        console.print("See it in the console (the dashboard, on this data): mcpbg demo --serve")
+        console.print(
+            "Next, the dashboard on this data: scripts/demo --serve (installed: mcpbg demo --serve)"
+        )

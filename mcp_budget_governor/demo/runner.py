@@ -365,8 +365,8 @@ async def _simulate(
                     task,
                     advance=1,
                     clock=scenario.clock_label(second + 1),
-                    stats=f"{result.calls} calls, {admitted} admitted, "
-                    f"{result.calls - admitted} refused, {format_dollars(spent)} spent",
+                    stats=f"{result.calls:,} calls, {admitted:,} admitted, "
+                    f"{result.calls - admitted:,} refused, {format_dollars(spent)} spent",
                 )
 
 
@@ -407,7 +407,7 @@ def _react(
         )
     first = (agent.user, refusal.reason) not in told
     told.add((agent.user, refusal.reason))
-    hint = f", retry in {refusal.retry_after} s" if refusal.retry_after is not None else ""
+    hint = f", retry in {refusal.retry_after:,} s" if refusal.retry_after is not None else ""
     if agent.polite:
         if refusal.retry_after is not None and not breaker and refusal.status != 402:
             state.wait_until = clock.now + refusal.retry_after
@@ -447,9 +447,10 @@ async def _project(
         count, applied = await _project_topic(options, out, backend, ledger, topic)
         how = f"(read back from Kafka topic {topic}, archived as Parquet in {out / 'archive'})"
     left = await _in_flight(backend)
-    state = "nothing left in flight" if left == 0 else f"{left} still in flight"
+    state = "nothing left in flight" if left == 0 else f"{left:,} still in flight"
     console.print(
-        f"\nProjection: {applied} of {count} ledger events applied to the counters {how}; {state}."
+        f"\nProjection: {applied:,} of {count:,} ledger events applied to the counters {how}; "
+        f"{state}."
     )
     return count
 

@@ -18,10 +18,14 @@ Per ``tools/call``:
 2. A caller without a user id meets the policy's ``anonymous`` rule
    (:class:`~mcp_budget_governor.Anonymous`): refused by default when a limit
    counts per user, or counted in one anonymous bucket. Never unlimited.
-3. The governor checks; a refusal raises :class:`BudgetToolError` (a FastMCP
-   ``ToolError``), which the agent reads as the tool's error text: the reason
-   ``budget_exceeded:<scope>/<window>``, the limit, the status and when to
-   retry (``retry_after`` seconds / ``resets_at``), or that retrying is futile.
+3. The governor checks; a refusal is the tool's error result (``isError``),
+   whose text the agent reads: the reason ``budget_exceeded:<scope>/<window>``,
+   the limit, the status and when to retry (``retry_after`` seconds /
+   ``resets_at``), or that retrying is futile. A program reads the same as data
+   in the result's ``_meta`` under ``"dev.mcpbg/refusal"``
+   (:func:`~mcp_budget_governor.integrations.flow.refusal_meta`). With
+   ``rate_limit_error=True``, a refusal that waiting fixes (429) is instead
+   the JSON-RPC error of MCP's rate-limit proposal (code -32023, SEP-3304).
 4. The tool runs; then its cost is metered (see
    :func:`~mcp_budget_governor.integrations.flow.governed_call` for what a
    failing call is charged, the same rules as ``@governed``).
@@ -87,14 +91,20 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
-import anyio
-import mcp_types as mt
-from fastmcp.exceptions import ToolError
-from fastmcp.server.dependencies import get_access_token
-from fastmcp.server.elicitation import AcceptedElicitation
-from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
-from fastmcp.tools.base import InputRequiredToolResult, ToolResult
-from mcp.server.request_state import RequestStateSecurity
+from mcp_budget_governor.integrations import extra_missing
+
+try:
+    import anyio
+    import mcp_types as mt
+    from fastmcp.exceptions import ToolError
+    from fastmcp.server.dependencies import get_access_token
+    from fastmcp.server.elicitation import AcceptedElicitation
+    from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+    from fastmcp.tools.base import InputRequiredToolResult, ToolResult
+    from mcp.server.request_state import RequestStateSecurity
+    from mcp.shared.exceptions import MCPError
+except ModuleNotFoundError as exc:  # installed without the [fastmcp] extra
+    raise extra_missing("fastmcp", exc) from exc
 
 from mcp_budget_governor.approval import approval_state, open_approval
 from mcp_budget_governor.context import EMPTY, Context
@@ -107,10 +117,13 @@ from mcp_budget_governor.errors import (
 )
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
+    REFUSAL_META_KEY,
     Charges,
     fixed_charges,
     governed_call,
     identify_with,
+    rate_limited_error,
+    refusal_meta,
     refusal_text,
     user_of_token,
 )
@@ -158,7 +171,9 @@ def _cost_of(cost_of: Callable[[ToolResult], int | None], limit: str) -> Cost:
 class BudgetToolError(ToolError):
     """A tool call the budget refused; the message is :func:`refusal_text`.
 
-    ``decision`` holds the refusal (status, limit, retry_after, resets_at).
+    ``decision`` holds the refusal (status, limit, retry_after, resets_at). The
+    middleware returns a refusal as an error result with its ``_meta`` instead;
+    this error is kept for tools that raise a refusal themselves.
     """
 
     def __init__(self, decision: Decision) -> None:
@@ -185,6 +200,9 @@ class BudgetMiddleware(Middleware):
     - mcp-budget-governor 0.1.0's spellings: ``cost_of`` (of the result; None
       charges nothing) with ``meter_limit``; ``raise_tool_error=False`` raises the
       refusal itself (a :class:`LimitExceeded`) instead of a ``ToolError``.
+    - ``rate_limit_error``: answer a 429 refusal with the JSON-RPC error of MCP's
+      rate-limit proposal (-32023, SEP-3304, a draft) instead of an error result,
+      for clients that follow it. Off by default.
     """
 
     def __init__(
@@ -196,6 +214,7 @@ class BudgetMiddleware(Middleware):
         approval_timeout: float = 120.0,
         session_root: SessionRoot | None = None,
         wait: float = 0,
+        rate_limit_error: bool = False,
         *,
         cost_of: Callable[[ToolResult], int | None] | None = None,
         meter_limit: str | None = None,
@@ -203,6 +222,7 @@ class BudgetMiddleware(Middleware):
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
+        self.rate_limit_error = bool(rate_limit_error)
         if cost_of is not None or meter_limit is not None:
             if cost_of is None or meter_limit is None:
                 raise ValueError("BudgetMiddleware: give meter_limit= and cost_of= together")
@@ -232,7 +252,7 @@ class BudgetMiddleware(Middleware):
         context: MiddlewareContext[mt.CallToolRequestParams],
         call_next: CallNext[mt.CallToolRequestParams, ToolResult],
     ) -> ToolResult:
-        """Check, run the tool, meter; a refusal raises :class:`BudgetToolError`."""
+        """Check, run the tool, meter; a refusal is an error result (module docstring)."""
         name = context.message.name
         ctx = (await self._caller(context)).with_tool(name)
         try:
@@ -262,13 +282,27 @@ class BudgetMiddleware(Middleware):
                 approved=self._approved_in_round(context, ctx),
             )
         except LimitExceeded as exc:
-            raise self._as_client_error(exc) from None
+            if not self.raise_tool_error:
+                raise
+            return self._refused(exc.decision)
         except _AskInRound as ask:  # a 2026-07-28 client: the question is the result
             return InputRequiredToolResult(ask.result)
 
+    def _refused(self, decision: Decision) -> ToolResult:
+        """A refusal's error result: its text, and its data in ``_meta``; or, opted in,
+        the JSON-RPC error of MCP's rate-limit proposal."""
+        error = rate_limited_error(decision) if self.rate_limit_error else None
+        if error is not None:
+            raise MCPError(error["code"], error["message"], error["data"])
+        return ToolResult(
+            content=[mt.TextContent(type="text", text=refusal_text(decision))],
+            meta={REFUSAL_META_KEY: refusal_meta(decision)},
+            is_error=True,
+        )
+
     def _as_client_error(self, exc: LimitExceeded) -> Exception:
-        """What a refusal raises to FastMCP: a :class:`BudgetToolError` (the agent
-        reads its text), or the refusal itself with ``raise_tool_error=False``."""
+        """A refusal as an exception: a :class:`BudgetToolError` (the agent reads its
+        text), or the refusal itself with ``raise_tool_error=False``."""
         return BudgetToolError(exc.decision) if self.raise_tool_error else exc
 
     async def _ask(

@@ -68,12 +68,16 @@ from mcp_budget_governor.producers.emit import Recorder
 from mcp_budget_governor.shielding import finished, to_the_end
 
 __all__ = [
+    "RATE_LIMITED",
+    "REFUSAL_META_KEY",
     "Charges",
     "fixed_charges",
     "governed_call",
     "governed_context",
     "identify_with",
+    "rate_limited_error",
     "refusal_body",
+    "refusal_meta",
     "refusal_text",
     "user_of_token",
 ]
@@ -346,6 +350,49 @@ def user_of_token(token: Any) -> str | None:
         return subject
     client_id = getattr(token, "client_id", None)
     return client_id if isinstance(client_id, str) and client_id else None
+
+
+REFUSAL_META_KEY = "dev.mcpbg/refusal"
+"""The key of a refused tool result's ``_meta`` that holds :func:`refusal_meta`."""
+
+RATE_LIMITED = -32023
+"""The JSON-RPC error code of MCP's rate-limit proposal (SEP-3304, a draft: opt-in)."""
+
+
+def refusal_meta(decision: Decision) -> dict[str, Any]:
+    """A refusal as data a program reads beside the text, in a tool result's ``_meta``
+    under :data:`REFUSAL_META_KEY`: ``status``, ``error`` and ``reason``, the ``limit``
+    with its ``scope`` and ``window`` (None when the refusal names none), ``retry_after``
+    (seconds; None: waiting will not help) and ``resets_at`` (ISO 8601 UTC, or None)."""
+    error, _, where = decision.reason.partition(":")
+    scope, _, window = where.partition("/")
+    return {
+        "status": decision.status,
+        "error": error,
+        "reason": decision.reason,
+        "limit": decision.limit,
+        "scope": scope or None,
+        "window": window or None,
+        "retry_after": decision.retry_after,
+        "resets_at": _iso(decision),
+    }
+
+
+def rate_limited_error(decision: Decision) -> dict[str, Any] | None:
+    """The JSON-RPC error (``code``, ``message``, ``data``) MCP's rate-limit proposal
+    defines for a refusal that waiting fixes (status 429 with ``retry_after``), for
+    servers that opt in; None for any other refusal, which stays a tool result.
+    ``data`` holds the proposal's ``retryAfterMs`` and :func:`refusal_meta`."""
+    if decision.status != 429 or decision.retry_after is None:
+        return None
+    return {
+        "code": RATE_LIMITED,
+        "message": refusal_text(decision),
+        "data": {
+            "retryAfterMs": decision.retry_after * 1000,
+            REFUSAL_META_KEY: refusal_meta(decision),
+        },
+    }
 
 
 def refusal_body(decision: Decision) -> dict[str, Any]:

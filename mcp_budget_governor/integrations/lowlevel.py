@@ -17,7 +17,11 @@ async) names the caller (default: the authenticated access token's subject,
 else its client id), the tool's name becomes ``Context.tool``, the policy's
 ``anonymous`` rule applies to a caller without a user id, a refusal comes back
 as an error result (``is_error=True``) whose text is
-:func:`~mcp_budget_governor.integrations.flow.refusal_text`, and
+:func:`~mcp_budget_governor.integrations.flow.refusal_text`, with the same as
+data in ``_meta["dev.mcpbg/refusal"]``
+(:func:`~mcp_budget_governor.integrations.flow.refusal_meta`; or, with
+``rate_limit_error=True``, a 429 is the JSON-RPC error -32023 of MCP's
+rate-limit proposal, SEP-3304), and
 ``cost(params, result) -> {limit: amount} | None`` is metered after the
 handler returns; ``fixed`` (``{limit: amount}``) is charged when ``cost`` gives
 nothing or fails, and when the handler raises or is cancelled (a client's
@@ -30,18 +34,27 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
-import mcp_types as mt
-from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp_budget_governor.integrations import extra_missing
+
+try:
+    import mcp_types as mt
+    from mcp.server.auth.middleware.auth_context import get_access_token
+    from mcp.shared.exceptions import MCPError
+except ModuleNotFoundError as exc:  # installed without the [fastmcp] extra (the MCP SDK)
+    raise extra_missing("lowlevel", exc) from exc
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.errors import LimitExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
+    REFUSAL_META_KEY,
     Charges,
     fixed_charges,
     governed_call,
     identify_with,
+    rate_limited_error,
     refusal_body,
+    refusal_meta,
     refusal_text,
     user_of_token,
 )
@@ -65,6 +78,7 @@ def governed_call_tool(
     identify: Identify | None = None,
     cost: Cost | None = None,
     fixed: Charges | None = None,
+    rate_limit_error: bool = False,
 ) -> Handler:
     """Wrap a low-level ``on_call_tool`` handler: check, run it, meter ``cost`` (else ``fixed``)."""
     if not isinstance(governor, Governor):
@@ -86,10 +100,14 @@ def governed_call_tool(
                 governor, who, lambda: handler(ctx, params), fixed=price, priced=priced
             )
         except LimitExceeded as exc:
+            error = rate_limited_error(exc.decision) if rate_limit_error else None
+            if error is not None:
+                raise MCPError(error["code"], error["message"], error["data"]) from None
             return mt.CallToolResult(
                 content=[mt.TextContent(type="text", text=refusal_text(exc.decision))],
                 structured_content={"mcpbg": refusal_body(exc.decision)},
                 is_error=True,
+                _meta={REFUSAL_META_KEY: refusal_meta(exc.decision)},
             )
 
     return on_call_tool

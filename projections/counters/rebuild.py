@@ -158,6 +158,9 @@ class RebuildReport:
     epoch: str | None = None
     #: Run-time changes (caps, plans, grants, resets) restored from the ledger, in order.
     replayed_changes: int = 0
+    #: Records the projection refused (the ledger view's ``dead_letters``: a malformed
+    #: record, a sum out of range): ``(partition, offset, event id, reason)``, not replayed.
+    refused: list[tuple[str, int, str | None, str]] = field(default_factory=list)
     #: Run-time changes in archive segments written before the ``change`` column
     #: (they keep no ``data.change``): ``--source kafka`` applies them.
     unreplayed_changes: int = 0
@@ -282,6 +285,12 @@ def _ledger_marks(
             ).fetchall()
         )
         ((events,),) = con.execute("SELECT count(DISTINCT id) FROM ledger_raw").fetchall()
+        result.refused = [
+            (str(p), int(o), i, str(r))
+            for p, o, i, r in con.execute(
+                'SELECT partition_name, "offset", id, reason FROM dead_letters ORDER BY 1, 2'
+            ).fetchall()
+        ]
         run_time = _run_time_changes(con)
     except duckdb.Error as exc:
         raise query_error(exc) from None

@@ -24,7 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from mcp_budget_governor.backends.base import KeyValueOps
-from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, why_token
+from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, ChangeKind, why_token
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
     AppliedEvent,
@@ -35,6 +35,7 @@ from mcp_budget_governor.counters import (
     refused_event,
 )
 from mcp_budget_governor.errors import (
+    BackendBusyError,
     BackendUnavailableError,
     EpochMissingError,
     InvalidInputError,
@@ -64,6 +65,25 @@ _UNAVAILABLE = (
 )
 
 DEFAULT_TIMEOUT = 0.25
+
+
+def redis_failure(exc: BaseException) -> BackendBusyError | BackendUnavailableError:
+    """Busy is not down: a pool with no free connection within its wait (``coalesce=False``;
+    the coalesced default has no pool queue) and a server at its ``maxclients`` are
+    overload, refused as busy; every other error of ``_UNAVAILABLE`` is unreachable.
+
+    >>> redis_failure(redis_errors.ConnectionError("No connection available."))
+    BackendBusyError('redis busy: No connection available.')
+    >>> str(redis_failure(redis_errors.ConnectionError("Connection refused")))
+    'redis unreachable: Connection refused'
+    """
+    if isinstance(exc, redis_errors.MaxConnectionsError | redis_errors.MaxClientsReachedError) or (
+        isinstance(exc, redis_errors.ConnectionError) and str(exc) == "No connection available."
+    ):
+        return BackendBusyError("redis", str(exc))
+    return BackendUnavailableError.redis(exc)
+
+
 _ADMITTED = ChargeResult(-1, ())
 
 
@@ -144,6 +164,10 @@ def _position(keys: list[str], index: dict[str, int], key: str) -> int:
     return pos
 
 
+#: The changes that add room to a counter: their sums are checked exactly (apply.lua).
+_ROOM_KINDS = frozenset({ChangeKind.GRANTED, ChangeKind.RESET})
+
+
 def apply_args(
     partition: str,
     events: Sequence[AppliedEvent],
@@ -166,6 +190,10 @@ def apply_args(
     # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
     tokens: list[str] = []
     days: dict[float, str] = {}  # UTC day -> "<seen-set position> <its expire_at>"
+    # What spares apply.lua its exact check (surely_fits): per counter the sum of the
+    # batch's amounts, unless a refund or a grant needs that check anyway.
+    sums: dict[int, int] = {}
+    doubt = False
 
     for event in events:
         event_id = event.event_id
@@ -181,7 +209,13 @@ def apply_args(
         for charge in event.charges:
             pos = index.get(charge.key) or _position(counters, index, charge.key)
             tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
+            if charge.amount < 0:
+                doubt = True
+            else:
+                sums[pos] = sums.get(pos, 0) + charge.amount
         changes = event.changes
+        if any(c.kind in _ROOM_KINDS for c in changes):
+            doubt = True
         tokens.append(str(len(changes)))
         for c in changes:
             pos = _position(counters, index, c.key)
@@ -197,6 +231,7 @@ def apply_args(
         " ".join(tokens),
         len(seen_sets),
         through,
+        "1" if doubt else " ".join(["0", *(f"{p} {t}" for p, t in sums.items())]),
         now_ms,
     ]
     return keys, args
@@ -379,7 +414,7 @@ class RedisBackend(KeyValueOps):
             except redis_errors.NoScriptError:
                 return await self._command("EVAL", script.script, *args)
         except _UNAVAILABLE as exc:
-            raise BackendUnavailableError.redis(exc) from exc
+            raise redis_failure(exc) from exc
 
     async def _run(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return await self._eval(script, [len(keys), *keys, *args])

@@ -6,16 +6,21 @@
 // this and reads the one JSON line it prints on stdout.
 //
 //   npx tsx bench/postgres.ts --postgres URL [--calls N] [--rounds R] [--durable false]
+//                             [--callers 64 --seconds 3]
 //   -> {"bench": "ts_postgres_check", "durable": true, "calls": 2000, "check_us": ...,
 //       "select1_us": ..., "ratio": ...}    (medians in microseconds; ratio = check / SELECT 1)
 //
-// Default database: MCPBG_TEST_POSTGRES_URL, else the TypeScript suite's own
-// (test/services.ts). Counters are named per run (their keys end within the month).
+// --callers N adds N concurrent callers for --seconds each: checks/s (coalesced) and
+// SELECT 1/s through the same pool, their ratio, and how many checks the fail mode
+// decided ("concurrent_checks_per_s", "concurrent_select1_per_s", "concurrent_ratio",
+// "degraded").
+//
+// The database: --postgres, else MCPBG_TEST_POSTGRES_URL. Counters are named per run
+// (their keys end within the month).
 import { randomBytes } from "node:crypto";
 import { parseArgs } from "node:util";
 
 import { Governor, Limit, MAX_AMOUNT, Policy, PostgresBackend, Scope, Window, context } from "../src/index.js";
-import { postgresUrl } from "../test/services.js";
 
 const { values } = parseArgs({
   options: {
@@ -24,9 +29,15 @@ const { values } = parseArgs({
     rounds: { type: "string", default: "5" },
     chunk: { type: "string", default: "50" },
     durable: { type: "string", default: "true" },
+    callers: { type: "string", default: "0" },
+    seconds: { type: "string", default: "3" },
   },
 });
-const url = values.postgres ?? (await postgresUrl());
+const url = values.postgres ?? process.env["MCPBG_TEST_POSTGRES_URL"]?.trim();
+if (!url) {
+  console.error("bench/postgres.ts: name the database with --postgres URL (or MCPBG_TEST_POSTGRES_URL)");
+  process.exit(2);
+}
 const calls = Number(values.calls);
 const rounds = Number(values.rounds);
 const chunk = Number(values.chunk);
@@ -79,6 +90,40 @@ for (let r = 0; r < rounds; r++) {
     }
   }
 }
+const concurrent: Record<string, number> = {};
+const callers = Number(values.callers);
+if (callers > 0) {
+  const ms = Number(values.seconds) * 1000;
+  let checks = 0;
+  let degraded = 0;
+  let selects = 0;
+  let end = performance.now() + ms;
+  await Promise.all(
+    Array.from({ length: callers }, async (_, i) => {
+      while (performance.now() < end) {
+        const d = await governor.check(ctxs[i % ctxs.length] ?? null);
+        checks++;
+        if (d.degraded) degraded++;
+      }
+    }),
+  );
+  end = performance.now() + ms;
+  await Promise.all(
+    Array.from({ length: callers }, async () => {
+      while (performance.now() < end) {
+        await select1();
+        selects++;
+      }
+    }),
+  );
+  Object.assign(concurrent, {
+    callers,
+    concurrent_checks_per_s: Math.round(checks / (ms / 1000)),
+    concurrent_select1_per_s: Math.round(selects / (ms / 1000)),
+    concurrent_ratio: Math.round((checks / selects) * 1000) / 1000,
+    degraded,
+  });
+}
 await governor.close();
 const checkUs = median(checkNs) / 1000;
 const select1Us = median(baseNs) / 1000;
@@ -90,5 +135,6 @@ console.log(
     check_us: Math.round(checkUs * 10) / 10,
     select1_us: Math.round(select1Us * 10) / 10,
     ratio: Math.round((checkUs / select1Us) * 1000) / 1000,
+    ...concurrent,
   }),
 );

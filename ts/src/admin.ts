@@ -8,6 +8,7 @@
  * await setCap(governor, "burst", 60, { user: "u_42" }, { reason: "trial" });
  */
 import { RedisBackend } from "./backends/redis.js";
+import { problem } from "./bounds.js";
 import { context, type Context, type ScopeName } from "./context.js";
 import { GovernorError, InvalidInputError, PolicyError } from "./errors.js";
 import type { Governor } from "./governor.js";
@@ -65,6 +66,9 @@ function untilOf(until: unknown, now: number): number {
   else if (typeof until === "number") moment = until;
   else throw new InvalidInputError("until", until, "expected a Date or epoch seconds");
   if (!Number.isFinite(moment) || moment <= now) throw new InvalidInputError("until", until, "must be in the future");
+  // A time every zone, language and store can still show (bounds.ts).
+  const why = problem("until", Math.ceil(moment));
+  if (why !== null) throw new InvalidInputError("until", until, why);
   return Math.ceil(moment);
 }
 

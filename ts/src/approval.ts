@@ -51,7 +51,12 @@ export function openApproval(text: unknown, caller: Context, now: number): Appro
   return { limit, once, until };
 }
 
-/** The marker an admission spends: cap 1, so it fits once; it lives until the approval lapses. */
-export function spendOp(approval: Approval): CounterOp {
-  return { key: `${SPENT_PREFIX}:${approval.once}`, amount: 1, cap: 1, enforce: true, expireAt: approval.until + 1, ref: null };
+/**
+ * The marker an admission spends: cap 1, so it fits once; it lives until the
+ * approval lapses. `lead`: seconds the store's clock runs ahead of the real one
+ * (a governor's simulated clock), so the marker outlives the approval there too.
+ */
+export function spendOp(approval: Approval, lead = 0): CounterOp {
+  const expireAt = approval.until + 1 + Math.ceil(Math.max(lead, 0));
+  return { key: `${SPENT_PREFIX}:${approval.once}`, amount: 1, cap: 1, enforce: true, expireAt, ref: null };
 }

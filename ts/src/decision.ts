@@ -147,6 +147,51 @@ export function refusalText(d: Decision): string {
   return `${facts.join(" ")}. ${advice(d, resets)}`;
 }
 
+/** The key of a refused tool result's `_meta` that holds refusalMeta (Python: REFUSAL_META_KEY). */
+export const REFUSAL_META_KEY = "dev.mcpbg/refusal";
+
+/** The JSON-RPC error code of MCP's rate-limit proposal (SEP-3304, a draft: opt-in). */
+export const RATE_LIMITED = -32023;
+
+/**
+ * A refusal as data a program reads beside the text (Python: refusal_meta):
+ * status, error, reason, the limit with its scope and window (null when the
+ * refusal names none), retry_after (seconds; null: waiting will not help) and
+ * resets_at (ISO 8601 UTC, or null).
+ */
+export function refusalMeta(d: Decision): Record<string, unknown> {
+  const colon = d.reason.indexOf(":");
+  const error = colon < 0 ? d.reason : d.reason.slice(0, colon);
+  const where = colon < 0 ? "" : d.reason.slice(colon + 1);
+  const slash = where.indexOf("/");
+  const scope = slash < 0 ? where : where.slice(0, slash);
+  const window = slash < 0 ? "" : where.slice(slash + 1);
+  return {
+    status: d.status,
+    error,
+    reason: d.reason,
+    limit: d.limit,
+    scope: scope === "" ? null : scope,
+    window: window === "" ? null : window,
+    retry_after: d.retryAfter,
+    resets_at: isoSeconds(d.resetsAt),
+  };
+}
+
+/**
+ * The JSON-RPC error MCP's rate-limit proposal defines for a refusal that waiting
+ * fixes (status 429 with retry_after), for servers that opt in; null for any
+ * other refusal (Python: rate_limited_error).
+ */
+export function rateLimitedError(d: Decision): { code: number; message: string; data: Record<string, unknown> } | null {
+  if (d.status !== 429 || d.retryAfter === null) return null;
+  return {
+    code: RATE_LIMITED,
+    message: refusalText(d),
+    data: { retryAfterMs: d.retryAfter * 1000, [REFUSAL_META_KEY]: refusalMeta(d) },
+  };
+}
+
 /** A refusal as JSON-ready fields (the `mcpbg` structured content of an error result). */
 export function refusalBody(d: Decision): Record<string, unknown> {
   return {

@@ -842,11 +842,16 @@ function entry(
  * cannot be spent: the counters unreachable); nothing was charged. */
 const SPENT = new Decision({ admitted: false, reason: "approval_spent" });
 
-/** `plan` that also spends `approval` (approval.ts spendOp) in the same atomic charge, its marker last; null when it has lapsed. */
+/**
+ * `plan` that also spends `approval` (approval.ts spendOp) in the same atomic
+ * charge, its marker last; null when it has lapsed (in real time, whatever the
+ * governor's clock `now`, which the store's expiries follow).
+ */
 function spending(plan: Plan, approval: Approval | null, now: number): Plan | null {
   if (approval === null) return plan;
-  if (approval.until <= now) return null;
-  return { ...plan, ops: [...plan.ops, spendOp(approval)] };
+  const wall = Date.now() / 1000;
+  if (approval.until <= wall) return null;
+  return { ...plan, ops: [...plan.ops, spendOp(approval, now - wall)] };
 }
 
 export { makeContext as context };

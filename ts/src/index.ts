@@ -12,7 +12,18 @@
  * (await governor.check(context({ user: "u_42" }))).raiseForStatus();
  */
 export { Governor, MAX_WAIT, Reservation, Reservations, type CheckOptions, type GovernorOptions } from "./governor.js";
-export { Decision, ADMITTED, refusalText, refusalBody, type MeterResult, type Lease } from "./decision.js";
+export {
+  Decision,
+  ADMITTED,
+  RATE_LIMITED,
+  REFUSAL_META_KEY,
+  rateLimitedError,
+  refusalText,
+  refusalBody,
+  refusalMeta,
+  type MeterResult,
+  type Lease,
+} from "./decision.js";
 export { Policy, Limit, Plan, FailMode, OnExceed, Anonymous, type LimitOptions, type PolicyOptions } from "./policy.js";
 export { parsePolicy, loadPolicyFile } from "./policyFile.js";
 export { Scope, context, EMPTY, type Context, type ScopeName } from "./context.js";

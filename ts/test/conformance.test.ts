@@ -10,9 +10,9 @@ import { join } from "node:path";
 import { pathToFileURL } from "node:url";
 import { describe, it } from "node:test";
 
-import { CHARGE_SQL, chargeParams } from "../src/backends/postgres.js";
+import { CHARGE_MANY_SQL, CHARGE_SQL, chargeManyParams, chargeParams, type BatchedCheck } from "../src/backends/postgres.js";
 import { chargeCommand, chargeFrame } from "../src/backends/redis.js";
-import { Decision, refusalBody, refusalText } from "../src/decision.js";
+import { Decision, REFUSAL_META_KEY, refusalBody, refusalMeta, refusalText } from "../src/decision.js";
 import { GovernorError, InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
 import { KeyBuilder, SEPARATORS } from "../src/keys.js";
 import { usd } from "../src/money.js";
@@ -139,7 +139,8 @@ describe("scripts", () => {
 
   it("call charge.lua (and mcpbg_charge) with exactly the arguments Python's backends send", () => {
     const policies = VECTORS.policies.good;
-    for (const c of VECTORS.charge as Json[]) {
+    const batch: BatchedCheck[] = [];
+    for (const [i, c] of (VECTORS.charge as Json[]).entries()) {
       const policy = parsePolicy(policies[c.policy].toml);
       const ctx = ctxOf(c.context);
       let ops: readonly planning.CounterOp[];
@@ -166,8 +167,17 @@ describe("scripts", () => {
       assert.equal(chargeFrame(script("charge").sha, ops, options), resp(c.command), `${what}: framed`);
       // The same charge on Postgres: mcpbg_charge's arguments as Python's PostgresBackend passes them.
       assert.deepEqual(chargeParams(ops, options), c.sql, `${what}: postgres`);
+      if ((VECTORS.charge_many.cases as number[]).includes(i)) batch.push({ ops, eventId: options.eventId, opId: options.opId, wantUsed: true });
     }
     assert.equal(CHARGE_SQL, VECTORS.sql.charge, "the statement PostgresBackend runs");
+    // The coalesced form: those checks as one mcpbg_charge_many batch, in order, and the
+    // first alone. Python sends array literals, node-postgres makes its own from arrays:
+    // each argument is compared as the values Postgres reads.
+    assert.equal(batch.length, VECTORS.charge_many.cases.length);
+    const read = (args: unknown[]): unknown[] => args.map((a) => (typeof a === "string" && a.startsWith("{") ? arrayLiteral(a) : a));
+    assert.deepEqual(chargeManyParams(batch, false), read(VECTORS.charge_many.sql), "mcpbg_charge_many");
+    assert.deepEqual(chargeManyParams(batch.slice(0, 1), false), read(VECTORS.charge_many.sql_one), "mcpbg_charge_many, one check");
+    assert.equal(CHARGE_MANY_SQL, VECTORS.sql.charge_many);
   });
 });
 
@@ -228,6 +238,7 @@ describe("refusals", () => {
       });
       assert.equal(refusalText(d), r.text, r.name);
       assert.deepEqual(refusalBody(d), r.body, r.name);
+      assert.deepEqual({ [REFUSAL_META_KEY]: refusalMeta(d) }, r.meta, r.name);
       assert.deepEqual(d.headers, r.headers, r.name);
       assert.equal(d.refusalType().name, r.error, r.name);
     }
@@ -265,3 +276,25 @@ describe("tool prices (_meta.mcpbg)", () => {
     }
   });
 });
+
+/** The values of a one-dimensional Postgres array literal ("{...}"): quoted elements
+ * (backslash escapes) as strings, NULL as null, t/f as booleans, others as numbers. */
+function arrayLiteral(text: string): unknown[] {
+  const out: unknown[] = [];
+  const body = text.slice(1, -1);
+  let i = 0;
+  while (i < body.length) {
+    if (body[i] === '"') {
+      let value = "";
+      for (i++; body[i] !== '"'; i++) value += body[i] === "\\" ? (body[++i] ?? "") : body[i];
+      out.push(value);
+      i += 2; // the closing quote and the comma
+    } else {
+      const end = body.indexOf(",", i) < 0 ? body.length : body.indexOf(",", i);
+      const token = body.slice(i, end);
+      out.push(token === "NULL" ? null : token === "t" ? true : token === "f" ? false : Number(token));
+      i = end + 1;
+    }
+  }
+  return out;
+}

@@ -12,7 +12,7 @@ import { CallToolRequestSchema, ListToolsRequestSchema } from "@modelcontextprot
 import { FastMCP } from "fastmcp";
 import { z } from "zod";
 
-import { Governor, MemoryBackend, context, parsePolicy, refusalText, type Context } from "../src/index.js";
+import { Governor, MemoryBackend, REFUSAL_META_KEY, context, parsePolicy, refusalText, type Context } from "../src/index.js";
 import { governFastMCP } from "../src/integrations/fastmcp.js";
 import { governTools, governedCallTool } from "../src/integrations/sdk.js";
 import { frozenClock } from "./services.js";
@@ -184,6 +184,10 @@ describe("fastmcp", () => {
     const d = await governor.check(context({ user: "fast2", tool: "ping" }));
     assert.equal(r.isError, true);
     assert.equal(r.content[0]?.text?.split(". ")[0]?.replace(/retry_after=\d+s/, ""), refusalText(d).split(". ")[0]?.replace(/retry_after=\d+s/, ""));
+    // The refusal as data beside the text, as Python's FastMCP middleware gives it.
+    const meta = (r as Result & { _meta?: Record<string, Json> })._meta?.[REFUSAL_META_KEY];
+    assert.deepEqual([meta?.status, meta?.limit, meta?.scope, meta?.window], [429, "burst", "user", "minute"]);
+    assert.ok(meta?.retry_after >= 1 && typeof meta?.resets_at === "string");
     await client.close();
   });
 });

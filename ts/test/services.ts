@@ -1,6 +1,7 @@
 // The services the TypeScript suite talks to, found as the Python fixtures find them:
-// MCPBG_TEST_REDIS_URL when pytest (tests/test_typescript.py) passes its own,
-// else the local Redis on 127.0.0.1:6379 with a database of this suite's own (13).
+// MCPBG_TEST_REDIS_URL, which pytest (tests/test_typescript.py) passes, or else
+// `npm test` (scripts/test-services.mjs) sets to a private redis-server it starts;
+// never the shared Redis on 6379.
 // Tests never flush: every test uses ids of its own. pytest also passes a broker
 // (MCPBG_TEST_KAFKA_BOOTSTRAP) and a private Redis (MCPBG_TEST_OWN_REDIS_URL) for the
 // test that flushes its scripts; run alone, the suite has no broker, and starts a
@@ -12,7 +13,11 @@ function setting(name: string): string | undefined {
   return process.env[name]?.trim() || undefined;
 }
 
-export const REDIS_URL = setting("MCPBG_TEST_REDIS_URL") ?? "redis://127.0.0.1:6379/13";
+export const REDIS_URL =
+  setting("MCPBG_TEST_REDIS_URL") ??
+  (() => {
+    throw new Error("MCPBG_TEST_REDIS_URL is not set: run the suite with `npm test`, which starts a private Redis");
+  })();
 export const KAFKA_BOOTSTRAP = setting("MCPBG_TEST_KAFKA_BOOTSTRAP");
 export const OWN_REDIS_URL = setting("MCPBG_TEST_OWN_REDIS_URL");
 

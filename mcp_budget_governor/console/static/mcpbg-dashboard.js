@@ -5,6 +5,7 @@ const $ = (id) => document.getElementById(id);
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) =>
   ({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"})[c]);
 const usd = (m) => "$" + (m / 1e6).toFixed(2);
+const count = (n) => Number(n).toLocaleString("en-US");  // 1,868, as the CLI prints counts
 const amount = (v, unit) => unit === "usd_micros" ? usd(v) : String(v);
 let spendChart = null, reasonChart = null;
 function tableOf(headers, rows, numeric) {
@@ -43,7 +44,7 @@ function draw(d) {
   spendChart = mcpbgSpendChart($("spend"), d.series, d.caps, d.trip, false, spendChart);
   reasonChart = mcpbgReasonChart($("reasons"), d.reasons, reasonChart);
   $("top").innerHTML = tableOf(["user", "tenant", "calls", "refused", "spent"],
-    d.top.map((r) => [esc(r.user), esc(r.tenant), r.calls, r.rejected, esc("$" + r.usd)]),
+    d.top.map((r) => [esc(r.user), esc(r.tenant), count(r.calls), count(r.rejected), esc("$" + r.usd)]),
     ["calls", "refused", "spent"]);
   $("refusals").innerHTML = tableOf(["time", "tenant", "user", "tool", "reason"],
     d.refusals.map((r) => [esc(r.time), esc(r.tenant), esc(r.user), esc(r.tool),

@@ -1,9 +1,10 @@
 /**
  * Postgres counters, driven only through the functions in the repository's `sql/`
- * (Python: projections/counters/postgres.py). A charge is one `mcpbg_charge` call
- * with exactly the arguments Python's PostgresBackend passes (the conformance
- * vectors hold the two together), so Node and Python replicas on one database
- * share every counter. The migrations are the same files, applied on first use
+ * (Python: projections/counters/postgres.py). Checks are coalesced into
+ * `mcpbg_charge_many` calls (see charge()), charges with leases are one
+ * `mcpbg_charge` call, each with exactly the arguments Python's PostgresBackend
+ * passes (the conformance vectors hold the two together), so Node and Python
+ * replicas on one database share every counter. The migrations are the same files, applied on first use
  * under the same advisory lock into the same `mcpbg_migrations` table, each once,
  * whichever language comes first.
  *
@@ -55,6 +56,14 @@ export const DEFAULT_ANSWER_GRACE = 1;
 export const CHARGE_SQL =
   "SELECT mcpbg_charge($1, $2, $3, $4, $5::text[], $6::bigint[], $7::bigint[], $8::boolean[], $9::float8[], " +
   "$10, $11::boolean[], $12::text[], $13::text[], $14::bigint[], $15::text[], $16::text[], $17::text[], $18, $19, $20)";
+
+/** Coalesced checks (sql/0005_charge_many.sql): Python's statement, placeholders numbered. */
+export const CHARGE_MANY_SQL =
+  "SELECT * FROM mcpbg_charge_many($1, $2::text[], $3::text[], $4::boolean[], $5::boolean[], $6::int[], " +
+  "$7::text[], $8::bigint[], $9::bigint[], $10::boolean[], $11::float8[], $12::boolean[], $13::text[], " +
+  "$14::text[], $15::bigint[], $16::text[], $17::text[], $18::text[])";
+/** The most checks one coalesced call carries (Python's MAX_BATCH); the rest go in the next. */
+export const MAX_BATCH = 256;
 
 /** The advisory lock migrations take (Python's _MIGRATION_LOCK; another class than the counters'). */
 const MIGRATION_LOCK = 1835233379;
@@ -115,6 +124,47 @@ export function chargeParams(
   ];
 }
 
+/** One check of a coalesced call: what mcpbg_charge_many takes for it. */
+export interface BatchedCheck {
+  readonly ops: readonly CounterOp[];
+  readonly eventId: string | null;
+  readonly opId: string | null;
+  readonly wantUsed: boolean;
+}
+
+/** The arguments of one `mcpbg_charge_many` call (Python: PostgresBackend.charge_many). */
+export function chargeManyParams(checks: readonly BatchedCheck[], requireEpoch: boolean): unknown[] {
+  const ops = checks.flatMap((c) => c.ops);
+  const refs = ops.map((op) => op.ref);
+  return [
+    requireEpoch,
+    checks.map((c) => c.eventId ?? ""),
+    checks.map((c) => (c.eventId === null ? (c.opId ?? "") : "")),
+    checks.map((c) => c.wantUsed),
+    checks.map((c) => c.ops.some((op) => op.ref !== null)),
+    checks.map((c) => c.ops.length),
+    ops.map((op) => op.key),
+    ops.map((op) => op.amount),
+    ops.map((op) => op.cap),
+    ops.map((op) => op.enforce),
+    ops.map((op) => op.expireAt),
+    refs.map((r) => r !== null),
+    refs.map((r) => (r === null ? PLANS_KEY : r.capsKey)),
+    refs.map((r) => (r === null ? "" : r.field)),
+    refs.map((r) => (r === null ? null : r.valueCap)),
+    refs.map((r) => (r === null ? "" : r.planFields.join(","))),
+    refs.map((r) => (r === null ? "" : r.planCaps.map(([name, cap]) => `${name} ${cap}`).join(" "))),
+    refs.map((r) => (r === null ? "" : (r.filePlan ?? ""))),
+  ];
+}
+
+/** A check waiting for the next coalesced call. */
+interface Waiting extends BatchedCheck {
+  readonly since: number;
+  readonly resolve: (reply: number[]) => void;
+  readonly reject: (err: unknown) => void;
+}
+
 /** `url` without its credentials (Python: urls.redact). */
 export function redact(url: string): string {
   const at = url.indexOf("://");
@@ -141,6 +191,24 @@ export function classify(err: unknown, serverSeen: boolean): "busy" | "down" | n
 
 function firstLine(err: Error): string {
   return (err.message.trim().split("\n")[0] ?? "") || err.name;
+}
+
+/** A charge's reply (mcpbg_charge's, or one check's of mcpbg_charge_many) as a ChargeResult. */
+function decode(ops: readonly CounterOp[], reply: readonly number[]): ChargeResult {
+  const head = reply[0] ?? 0;
+  if (head === 0 && reply.length === 1) return ADMITTED_RESULT;
+  if (head === -2) {
+    const op = ops[(reply[1] ?? 0) - 1];
+    const limit = op?.key.split(":")[2] ?? "";
+    throw new CounterOverflowError(limit, op?.amount ?? 0, op?.key ?? "", MAX_AMOUNT);
+  }
+  if (head < 0) throw new BackendUnavailableError("postgres counters not complete (no epoch): rebuilding");
+  const n = ops.length;
+  const values = reply.slice(1);
+  if (values.length === 2 * n && ops.some((op) => op.ref !== null)) {
+    return { refused: head - 1, used: values.slice(0, n), caps: values.slice(n) };
+  }
+  return { refused: head - 1, used: values, caps: [] };
 }
 
 /** The migrations `sql/` ships, oldest first (Python: mcp_budget_governor.sql.migrations). */
@@ -186,6 +254,15 @@ export class PostgresBackend implements Backend {
   private migrated: Promise<void> | null = null;
   /** Whether the server answered last time it was asked (a full pool's wait is then busy). */
   private serverSeen = true;
+  /** Calls in flight at most (the pool's size) and how long a check may wait for one. */
+  readonly maxConnections: number;
+  readonly queueTimeout: number;
+  // The coalescer (Python: postgres._Coalescer): checks arriving while calls are in
+  // flight wait here, in order, and go together in the next call.
+  private readonly waiting: Waiting[] = [];
+  private inFlight = 0;
+  private scheduled = false;
+  private watch: NodeJS.Timeout | null = null;
 
   constructor(
     readonly pool: pg.Pool,
@@ -195,6 +272,8 @@ export class PostgresBackend implements Backend {
     this.requireEpoch = options.requireEpoch ?? false;
     this.timeout = options.timeout ?? DEFAULT_TIMEOUT;
     this.durable = options.durable ?? true;
+    this.maxConnections = pool.options.max ?? options.maxConnections ?? DEFAULT_MAX_CONNECTIONS;
+    this.queueTimeout = options.queueTimeout ?? DEFAULT_QUEUE_TIMEOUT;
     // An idle connection the server dropped: the pool discards it; the next call reports.
     pool.on("error", () => undefined);
     // A connection that dies while checked out fails its query (reported by the call);
@@ -330,24 +409,91 @@ export class PostgresBackend implements Backend {
     client.release();
   }
 
+  /**
+   * A charge with leases (concurrency caps, wait tickets) is one mcpbg_charge call of
+   * its own; every other goes through the coalescer: alone when nothing is in flight,
+   * else with the checks that arrived meanwhile, in one mcpbg_charge_many call (one
+   * transaction; each decided in arrival order, seeing the ones before it).
+   */
   async charge(ops: readonly CounterOp[], options: ChargeOptions = {}): Promise<ChargeResult> {
-    const params = chargeParams(ops, { ...options, requireEpoch: this.requireEpoch });
-    // Named: parsed and planned once per connection.
-    const reply = ((await this.value(CHARGE_SQL, params, "mcpbg_charge")) as (string | number)[]).map(Number);
-    const head = reply[0] ?? 0;
-    if (head === 0 && reply.length === 1) return ADMITTED_RESULT;
-    if (head === -2) {
-      const op = ops[(reply[1] ?? 0) - 1];
-      const limit = op?.key.split(":")[2] ?? "";
-      throw new CounterOverflowError(limit, op?.amount ?? 0, op?.key ?? "", MAX_AMOUNT);
+    let reply: number[];
+    if (ops.some((op) => op.key.startsWith(LEASE_PREFIX))) {
+      const params = chargeParams(ops, { ...options, requireEpoch: this.requireEpoch });
+      // Named: parsed and planned once per connection.
+      reply = ((await this.value(CHARGE_SQL, params, "mcpbg_charge")) as (string | number)[]).map(Number);
+    } else {
+      reply = await this.coalesced({ ops, eventId: options.eventId ?? null, opId: options.opId ?? null, wantUsed: options.wantUsed ?? true });
     }
-    if (head < 0) throw new BackendUnavailableError("postgres counters not complete (no epoch): rebuilding");
-    const n = ops.length;
-    const values = reply.slice(1);
-    if (values.length === 2 * n && ops.some((op) => op.ref !== null)) {
-      return { refused: head - 1, used: values.slice(0, n), caps: values.slice(n) };
+    return decode(ops, reply);
+  }
+
+  /** One mcpbg_charge_many call: each check's reply, in order. */
+  async chargeMany(checks: readonly BatchedCheck[]): Promise<number[][]> {
+    const result = await this.query(CHARGE_MANY_SQL, chargeManyParams(checks, this.requireEpoch), "mcpbg_charge_many");
+    return result.rows.map((row: Record<string, unknown>) => (Object.values(row)[0] as (string | number)[]).map(Number));
+  }
+
+  private coalesced(check: BatchedCheck): Promise<number[]> {
+    if (!this.inFlight && !this.waiting.length) {
+      this.inFlight++; // alone: sent at once
+      return this.chargeMany([check])
+        .then((replies) => replies[0] ?? [])
+        .finally(() => {
+          this.inFlight--;
+          this.kick();
+        });
     }
-    return { refused: head - 1, used: values, caps: [] };
+    return new Promise<number[]>((resolve, reject) => {
+      this.waiting.push({ ...check, since: performance.now(), resolve, reject });
+      this.kick();
+    });
+  }
+
+  private kick(): void {
+    if (!this.waiting.length) return;
+    if (!this.scheduled && this.inFlight < this.maxConnections) {
+      this.scheduled = true;
+      setImmediate(() => this.flush()); // after this turn: its checks go together
+    } else this.expireLater();
+  }
+
+  private flush(): void {
+    this.scheduled = false;
+    while (this.waiting.length && this.inFlight < this.maxConnections) {
+      this.inFlight++;
+      void this.send(this.waiting.splice(0, MAX_BATCH));
+    }
+    this.expireLater();
+  }
+
+  private async send(batch: Waiting[]): Promise<void> {
+    try {
+      const replies = await this.chargeMany(batch);
+      batch.forEach((c, i) => c.resolve(replies[i] ?? []));
+    } catch (err) {
+      for (const c of batch) c.reject(err);
+    } finally {
+      this.inFlight--;
+      this.kick();
+    }
+  }
+
+  private expireLater(): void {
+    if (this.waiting.length && this.watch === null) {
+      this.watch = setTimeout(() => this.expire(), 100);
+      this.watch.unref();
+    }
+  }
+
+  /** Refuse as busy the checks that waited past queueTimeout (never sent: nothing charged). */
+  private expire(): void {
+    this.watch = null;
+    const end = performance.now() - this.queueTimeout * 1000;
+    while ((this.waiting[0]?.since ?? Infinity) <= end) {
+      const c = this.waiting.shift();
+      c?.reject(new BackendBusyError("postgres", `${this.maxConnections} calls in flight for ${this.queueTimeout}s; this check was not sent`));
+    }
+    this.expireLater();
   }
 
   async usage(keys: readonly string[]): Promise<number[]> {

@@ -11,7 +11,7 @@ import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 
 import type { Approval } from "../approval.js";
 import { contextKey, type Context } from "../context.js";
-import { EXCEEDED, refusalBody, refusalText, type Decision } from "../decision.js";
+import { EXCEEDED, REFUSAL_META_KEY, refusalBody, refusalMeta, refusalText, type Decision } from "../decision.js";
 import { LimitExceeded, InvalidInputError } from "../errors.js";
 import type { Governor, Reservations } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
@@ -87,16 +87,21 @@ export function toolPrices(
 /** How an integration names its caller; null/undefined: nobody (the policy's `anonymous` rule). */
 export type Identify<E> = (extra: E) => Context | null | undefined | Promise<Context | null | undefined>;
 
-/** The error result of a refused call: the refusal text, and its fields under `mcpbg`. */
+/**
+ * The error result of a refused call: the refusal text, its fields under `mcpbg`,
+ * and the refusal as data in `_meta` (refusalMeta, under REFUSAL_META_KEY).
+ */
 export function refusalResult(decision: Decision): {
   content: { type: "text"; text: string }[];
   structuredContent: Record<string, unknown>;
   isError: true;
+  _meta: Record<string, unknown>;
 } {
   return {
     content: [{ type: "text", text: refusalText(decision) }],
     structuredContent: { [META_KEY]: refusalBody(decision) },
     isError: true,
+    _meta: { [REFUSAL_META_KEY]: refusalMeta(decision) },
   };
 }
 
@@ -326,13 +331,15 @@ export async function governedCall<R>(
 ): Promise<R> {
   const caller = await governor.identified(ctx);
   const over = [...approved];
+  // Cancelled before its check: nothing reached the counters, nothing to pay.
+  if (signal?.aborted) throw signal.reason;
   for (;;) {
     // admitted() hands back the decision, refused or not; a refused one holds no lease.
     const outcome = await governor.admitted(
       caller,
       async (decision): Promise<{ refused: Decision } | { result: R }> => {
         if (!decision.admitted) return { refused: decision };
-        return { result: await run(governor, caller, work, fixed, estimate, over) };
+        return { result: await run(governor, caller, work, fixed, estimate, over, signal) };
       },
       { wait, approved: over, approval, ...(signal !== undefined && { signal }) },
     );
@@ -344,7 +351,13 @@ export async function governedCall<R>(
   }
 }
 
-/** The admitted part of governedCall: reserve the estimates (one charge), run, charge. */
+/**
+ * The admitted part of governedCall: reserve the estimates (one charge), run, charge.
+ * An admission always runs to its end (nothing interrupts a promise); a call whose
+ * signal aborted meanwhile does not start its work and pays as one cancelled while
+ * it ran (its fixed price, its reservation kept or settled to it), its slot given
+ * back by admitted() at once (Python: governed_call).
+ */
 async function run<R>(
   governor: Governor,
   caller: Context,
@@ -352,6 +365,7 @@ async function run<R>(
   fixed: Charges | null,
   estimate: Charges | null,
   approved: readonly string[],
+  signal?: AbortSignal,
 ): Promise<R> {
   // An approved call goes over that limit: holding an estimate there would refuse it again.
   const wanted = Object.entries(estimate ?? {}).filter(([limit, amount]) => amount !== 0 && !approved.includes(limit));
@@ -371,6 +385,7 @@ async function run<R>(
   };
   let result: R;
   try {
+    if (signal?.aborted) throw signal.reason; // cancelled during the admission
     result = await work();
   } catch (err) {
     await charge();

@@ -3,8 +3,9 @@
  * is checked before it runs and metered after, with the tool's name as
  * `Context.tool`, the caller from `identify` (default: the session's
  * `authenticate` result when it has a `user`/`id`), the tool's `_meta.mcpbg`
- * price, and a refusal thrown as fastmcp's `UserError` carrying the Python
- * middleware's refusal text (the client gets an error result with that text).
+ * price, and a refusal returned as an error result carrying the Python
+ * middleware's refusal text, and the refusal as data in its `_meta`
+ * (`"dev.mcpbg/refusal"`, refusalMeta).
  * A limit with `onExceed: OnExceed.ASK` that refuses a call asks the client's
  * user through `context.elicit` (MCP elicitation) whether this one call may go
  * over it; declined, unanswered (`approvalTimeout`) or a client that cannot
@@ -30,6 +31,7 @@ import {
   approvalRequest,
   approvalSeconds,
   governedCall,
+  refusalResult,
   toolPrices,
   type Ask,
   type Identify,
@@ -82,7 +84,10 @@ interface FastMCPLike {
   addTool(tool: never): void;
 }
 
-/** The refusal as fastmcp's error: its text is the Python middleware's refusal text. */
+/**
+ * The refusal as fastmcp's error, its text the Python middleware's refusal text; kept
+ * for code that throws it itself (a governed tool returns the refusal as a result).
+ */
 export class BudgetToolError extends UserError {
   constructor(readonly refusal: LimitExceeded) {
     super(refusalText(refusal.decision), { mcpbg: { status: refusal.decision.status, reason: refusal.decision.reason } });
@@ -103,7 +108,12 @@ export function governTool<T extends ToolLike>(governor: Governor, tool: T, opti
         const caller = context({ ...(found ?? {}), tool: tool.name });
         return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait, askVia(ctx, tool.name, timeout), ctx?.signal);
       } catch (err) {
-        if (err instanceof LimitExceeded) throw new BudgetToolError(err);
+        if (err instanceof LimitExceeded) {
+          // The error result Python's middleware gives: the refusal text, and the
+          // refusal as data in _meta (REFUSAL_META_KEY).
+          const { content, isError, _meta } = refusalResult(err.decision);
+          return { content, isError, _meta };
+        }
         throw err;
       }
     },

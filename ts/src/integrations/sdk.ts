@@ -27,10 +27,11 @@
  * `requestState`) and is admitted over that limit when it retries the call with
  * the answer accepted, as Python's FastMCP middleware does.
  */
-import { ElicitResultSchema } from "@modelcontextprotocol/sdk/types.js";
+import { ElicitResultSchema, McpError } from "@modelcontextprotocol/sdk/types.js";
 
 import { approvalText, openApproval, type Approval } from "../approval.js";
 import { context, type Context } from "../context.js";
+import { rateLimitedError } from "../decision.js";
 import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
 import { OnExceed } from "../policy.js";
@@ -94,6 +95,14 @@ export interface GovernOptions<E = RequestExtra> {
    * backend, a random key of this process. `approvalSeal(sharedKey)` overrides it.
    */
   approvalSeal?: ApprovalSeal;
+  /**
+   * Answer a refusal that waiting fixes (429) with the JSON-RPC error of MCP's
+   * rate-limit proposal (code -32023, SEP-3304, a draft) instead of an error
+   * result, for clients that follow it. Off by default (Python: rate_limit_error).
+   * Honoured by governedCallTool (the low-level Server): McpServer turns whatever a
+   * tool handler throws into an error result, so under governTools a 429 stays one.
+   */
+  rateLimitError?: boolean;
 }
 
 const ENVELOPE_VERSION = "io.modelcontextprotocol/protocolVersion";
@@ -126,10 +135,12 @@ function askVia(extra: RequestExtra | undefined, tool: string, timeout: number, 
 
 /**
  * The approval of a 2026-07-28 client (SEP-2322 multi round trip; Python:
- * fastmcp._answered_in_round): on the retry that answers our question about this
- * very limit, true for an accepted yes and false otherwise; asked nothing yet, the
- * question goes out as the call's result (throws AskInRound). A client that
- * declares no elicitation capability in the request is not asked.
+ * fastmcp._answered_in_round): a retry that answered our question about this
+ * limit was checked with its approval (approvedInRound), so still refused it gets
+ * the usual refusal; asked nothing yet, the question goes out as the call's result
+ * (throws AskInRound), its state the sealed approvalText (the limit, the caller, a
+ * one-time id, `ttl` seconds to answer). A client that declares no elicitation
+ * capability in the request is not asked.
  */
 function askInRound(extra: RequestExtra, tool: string, caller: Context, seal: ApprovalSeal, ttl: number): Ask {
   return async (decision) => {
@@ -215,7 +226,7 @@ export function governHandler<H extends Handler>(
   const wrapped = async (...args: unknown[]): Promise<unknown> => {
     const extra = args[args.length - 1] as RequestExtra;
     const work = async (): Promise<unknown> => (handler as unknown as (...a: unknown[]) => unknown)(...args);
-    return governedTool(governor, tool, options.identify, extra, work, price, estimate, wait, timeout, seal);
+    return governedTool(governor, tool, options.identify, extra, work, price, estimate, wait, timeout, seal, options.rateLimitError === true);
   };
   return wrapped as unknown as H;
 }
@@ -263,7 +274,7 @@ export function governedCallTool<Req extends CallToolRequest, E extends RequestE
   return async (request, extra) => {
     const tool = request.params.name;
     const { price, estimate } = toolPrices(governor.policy, tool, options.meta?.(tool));
-    return governedTool(governor, tool, options.identify, extra, () => handler(request, extra), price, estimate, wait, timeout, seal);
+    return governedTool(governor, tool, options.identify, extra, () => handler(request, extra), price, estimate, wait, timeout, seal, options.rateLimitError === true);
   };
 }
 
@@ -279,6 +290,7 @@ async function governedTool<E extends RequestExtra | undefined, R>(
   wait: number,
   timeout: number,
   seal: ApprovalSeal,
+  rateLimitError = false,
 ): Promise<R | ReturnType<typeof refusalResult> | ApprovalQuestion> {
   try {
     const ctx = await caller(identify, extra, tool);
@@ -287,7 +299,11 @@ async function governedTool<E extends RequestExtra | undefined, R>(
     const ask = askVia(extra, tool, timeout, ctx, seal);
     return await governedCall(governor, ctx, work, price, estimate, wait, ask, signal, approval ? [approval.limit] : [], approval);
   } catch (err) {
-    if (err instanceof LimitExceeded) return refusalResult(err.decision);
+    if (err instanceof LimitExceeded) {
+      const error = rateLimitError ? rateLimitedError(err.decision) : null;
+      if (error !== null) throw new McpError(error.code, error.message, error.data);
+      return refusalResult(err.decision);
+    }
     if (err instanceof AskInRound) return err.result; // a 2026-07-28 client: the question is the result
     throw err;
   }

@@ -1,0 +1,195 @@
+"""Each hostile event of issue 39, end to end, on Redis and on Postgres (one test each):
+written to the Kafka topic and projected by the worker, and written to a file
+ledger and rebuilt by ``mcpbg replay``. The event is dead-lettered with its
+reason (the ``.dlq`` topic; the ledger view's ``dead_letters`` for a replay),
+every other event of the partition is applied, and the counters, ``costs`` and
+the FOCUS file agree, none of them negative.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from mcp_budget_governor.cli import main as cli
+from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX
+from mcp_budget_governor.producers.record_log import RecordLog
+from mcp_budget_governor.projections.ledger_view import open_ledger
+from mcp_budget_governor.stream.projector import DeadLetter
+from testing.hostile import ALICE, BOB, CASES, MALLORY, build, spend_key
+from testing.services import KafkaService
+from testing.stores import backend_for, is_postgres, store_args, wipe
+from testing.stream_support import create_topic, kafka, names
+
+worker_module = pytest.importorskip("mcp_budget_governor.stream.worker")
+__all__ = ["kafka", "names"]  # fixtures, used by name
+ATTACK_AT = 2  # the attack follows two honest records
+
+
+async def _fresh(url: str) -> None:
+    """The store empty (and on Postgres migrated)."""
+    wipe(url)
+    if is_postgres(url):
+        backend = backend_for(url)
+        await backend.migrate()
+        await backend.aclose()
+
+
+async def _counters(url: str) -> dict[str, tuple[int, int]]:
+    backend = backend_for(url)
+    try:
+        out = {}
+        for ctx in (ALICE, BOB, MALLORY):
+            state = await backend.state(spend_key(ctx))
+            out[ctx.user or ""] = (state.committed, state.in_flight)
+        return out
+    finally:
+        await backend.aclose()
+
+
+def _costs(con: Any) -> dict[str, int]:
+    rows = con.execute('SELECT "user", sum(usd_micros) FROM costs GROUP BY 1').fetchall()
+    return {str(u): int(t) for u, t in rows}
+
+
+def _focus(folder: Path, source: list[str]) -> list[int]:
+    """The BilledCost of every row of a FOCUS export of today, in micros."""
+    out = folder / "focus.csv"
+    day = datetime.now(UTC).date()
+    span = ("--from", day.isoformat(), "--to", (day + timedelta(days=1)).isoformat())
+    assert cli(["export", "focus", *span, *source, "--out", str(out), "--quiet"]) == 0
+    with out.open() as fh:
+        return [round(float(row["BilledCost"]) * 1_000_000) for row in csv.DictReader(fh)]
+
+
+def _assert_agree(counters: dict[str, tuple[int, int]], costs: dict[str, int]) -> None:
+    # Every honest event applied: the bystander's and alice's spend, before and after.
+    assert counters["bob"] == (5_000, 0) and counters["alice"] == (5_000, 0), counters
+    for user, (committed, in_flight) in counters.items():
+        assert committed >= 0 and in_flight == 0, (user, committed)
+        assert costs.get(user, 0) == committed, (user, costs, counters)
+    assert all(total >= 0 for total in costs.values()), costs
+
+
+@contextlib.asynccontextmanager
+async def serving(config: Any) -> AsyncIterator[None]:
+    assert await worker_module.prepare_topics(config) >= 1
+    worker = worker_module.ProjectionWorker(config)
+    task = asyncio.create_task(worker.serve())
+    try:
+        yield
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def _dead_letters(kafka: KafkaService, topic: str, count: int) -> list[DeadLetter]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka.bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    out: list[DeadLetter] = []
+    try:
+        parts = consumer.partitions_for_topic(topic) or {0}
+        consumer.assign([TopicPartition(topic, p) for p in sorted(parts)])
+        deadline = time.monotonic() + 20
+        while len(out) < count and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=300)).values():
+                out += [DeadLetter.from_json(m.value or b"") for m in messages]
+        for messages in (await consumer.getmany(timeout_ms=500)).values():  # and no more
+            out += [DeadLetter.from_json(m.value or b"") for m in messages]
+    finally:
+        await consumer.stop()
+    return out
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["rebuild", "live"])
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_the_worker_dead_letters_the_hostile_event_and_applies_the_partition(
+    case: str, live: bool, store_url: str, kafka: KafkaService, names: Any, tmp_path: Path
+) -> None:
+    """``rebuild``: the worker starts on an empty store and rebuilds it from the topic
+    (stream/rebuild.py); ``live``: the store is complete, the live projection applies."""
+    await _fresh(store_url)
+    if live:
+        ready = backend_for(store_url)
+        await ready.mark_ready("test")
+        await ready.aclose()
+    records, attack = await build(case)
+    await create_topic(kafka.bootstrap, names.topic, 1)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap, enable_idempotence=False)
+    await producer.start()
+    try:
+        for raw in records:
+            await producer.send_and_wait(names.topic, raw, key=b"k", partition=0)
+    finally:
+        await producer.stop()
+    archive = tmp_path / "archive"
+    store = {"postgres_url": store_url} if is_postgres(store_url) else {"redis_url": store_url}
+    config = worker_module.WorkerConfig(
+        kafka.bootstrap,
+        topic=names.topic,
+        group=names.group,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=500,
+        archive_dir=str(archive),
+        **store,
+    )
+    backend = backend_for(store_url)
+    try:
+        async with serving(config):
+            deadline = time.monotonic() + 60
+            while await backend.watermark(f"{names.topic}:0") < len(records) - 1:
+                assert time.monotonic() < deadline, "the worker did not reach the partition's end"
+                await asyncio.sleep(0.2)
+    finally:
+        await backend.aclose()
+    refused = [ATTACK_AT + i for i in attack.refused]
+    letters = await _dead_letters(kafka, f"{names.topic}.dlq", len(refused))
+    assert sorted(d.offset for d in letters) == refused, [d.reason for d in letters]
+    assert all(attack.reason in d.reason for d in letters), [d.reason for d in letters]
+    con = open_ledger(archive_dir=archive)
+    try:
+        costs = _costs(con)
+        dead = con.execute('SELECT "offset", reason FROM dead_letters ORDER BY 1').fetchall()
+    finally:
+        con.close()
+    assert [o for o, _ in dead] == refused
+    _assert_agree(await _counters(store_url), costs)
+    assert min(_focus(tmp_path, ["--archive-dir", str(archive)]), default=0) >= 0
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_replay_of_a_file_ledger_follows_the_same_rule(
+    case: str, store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await _fresh(store_url)
+    records, attack = await build(case)
+    folder = tmp_path / "ledger"
+    log = RecordLog(folder, prefix=DEFAULT_PREFIX)
+    log.append(records)
+    log.close()
+    code = await asyncio.to_thread(
+        cli, ["replay", "--source", "file", "--ledger-dir", str(folder), *store_args(store_url)]
+    )
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    refused = [ATTACK_AT + i for i in attack.refused]
+    assert f"{len(refused)} records refused" in out.out, out.out
+    con = open_ledger(ledger_dir=folder)
+    try:
+        costs = _costs(con)
+        dead = con.execute('SELECT "offset", reason FROM dead_letters ORDER BY 1').fetchall()
+    finally:
+        con.close()
+    assert [o for o, _ in dead] == refused
+    assert all(attack.reason in r for _, r in dead), dead
+    _assert_agree(await _counters(store_url), costs)
+    assert min(_focus(tmp_path, ["--ledger-dir", str(folder)]), default=0) >= 0
