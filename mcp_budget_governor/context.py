@@ -30,6 +30,9 @@ class Context:
     session: str | None = None
     agent: str | None = None
     session_root: str | None = None
+    #: The call's tool and arguments hashed (:func:`~.repeats.call_hash`); set by
+    #: the integrations only when a limit counts per ``Scope.CALL``.
+    call: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -65,7 +68,7 @@ class Context:
         """
         from .scopes import Scope  # scopes imports this module
 
-        return {s: v for s in Scope if (v := getattr(self, s.value)) is not None}
+        return {s: v for s in Scope if (v := getattr(self, s.value, None)) is not None}
 
     def satisfies(self, limit: Any) -> bool:
         """Whether this context names every scope dimension of ``limit`` (so it counts)."""

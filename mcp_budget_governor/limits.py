@@ -12,6 +12,7 @@ mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must be non-negative
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -98,6 +99,8 @@ class Limit:
     #: name every part: ``"tenant=acme,user=u_42"``); the others get ``anchor_day``.
     anchors: Mapping[str, int] = field(default_factory=dict)
     caps: Any = None
+    #: The tools it applies to, by name or glob (``("brave_*", "fetch")``); () all.
+    tools: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         name = self.name
@@ -157,6 +160,10 @@ class Limit:
         from .caps import parse_caps  # caps imports this module's NAME_PATTERN
 
         set_(self, "caps", parse_caps(dims, self.caps, f"{where}.caps"))
+        tools = (self.tools,) if isinstance(self.tools, str) else self.tools
+        if not isinstance(tools, tuple | list) or not all(isinstance(t, str) and t for t in tools):
+            raise PolicyError(f"{where}.tools", self.tools, 'expected tool names or globs: ["a_*"]')
+        set_(self, "tools", tuple(tools))
         if self.breaker and self.on_exceed is OnExceed.ASK:
             # A tripped breaker protects everyone: nobody may wave it through.
             raise PolicyError(
@@ -191,6 +198,16 @@ class Limit:
         {'tenant=acme': 9}
         """
         return dict(self.caps)
+
+    def applies_to(self, tool: str | None) -> bool:
+        """Whether this limit counts a call to ``tool`` (its :attr:`tools`, by name or glob).
+
+        >>> Limit("r", cap=3, window=Window.MINUTE, tools=("brave_*",)).applies_to("brave_web")
+        True
+        """
+        if not self.tools:
+            return True
+        return tool is not None and any(fnmatch.fnmatchcase(tool, t) for t in self.tools)
 
     @property
     def dimensions(self) -> Dimensions:

@@ -83,6 +83,8 @@ def slot(
 
     With ``policy``, the slot carries what the backend needs to resolve the
     counter's effective cap (:func:`cap_ref`)."""
+    if limit.tools and not limit.applies_to(ctx.tool):
+        return None
     dims = limit.dimensions
     values = scope_values(dims, ctx)
     if values is None:

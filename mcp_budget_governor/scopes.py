@@ -17,6 +17,9 @@ class Scope(StrEnum):
     AGENT = "agent"
     SESSION = "session"
     TOOL = "tool"
+    #: The call itself: its tool and arguments hashed (:func:`~.repeats.call_hash`),
+    #: for a loop guard, a cap on identical calls.
+    CALL = "call"
     #: No dimension: one counter for everyone (``scope=Scope.GLOBAL`` is leaving it out).
     GLOBAL = nonmember(())
 

@@ -123,6 +123,7 @@ def test_every_limit_field_can_be_written_in_a_file() -> None:
         on_exceed = "alert"
         alert_at = [90, 10, 50]
         caps = { "tenant=acme,tool=search" = 9 }
+        tools = ["search", "brave_*"]
     """
     policy = loads(textwrap.dedent(text))
     expected = Limit(
@@ -141,6 +142,7 @@ def test_every_limit_field_can_be_written_in_a_file() -> None:
         on_exceed=OnExceed.ALERT,
         alert_at=(10, 50, 90),
         caps={"tenant=acme,tool=search": 9},
+        tools=("search", "brave_*"),
     )
     assert policy.limits == (expected,)
     defaults = Limit("x", cap=1, window=Window.DAY)

@@ -131,6 +131,7 @@ from mcp_budget_governor.keys import APPROVAL_KEY
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import Unit, check_amount, usd
 from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.repeats import with_call
 from mcp_budget_governor.urls import CLUSTER_SCHEME, check_redis_url, redact
 
 __all__ = [
@@ -254,7 +255,12 @@ class BudgetMiddleware(Middleware):
     ) -> ToolResult:
         """Check, run the tool, meter; a refusal is an error result (module docstring)."""
         name = context.message.name
-        ctx = (await self._caller(context)).with_tool(name)
+        ctx = with_call(
+            self.governor.policy,
+            (await self._caller(context)).with_tool(name),
+            name,
+            context.message.arguments,
+        )
         try:
             fixed, estimate = await self._meta_price(context, name)
         except InvalidInputError as exc:

@@ -22,6 +22,7 @@
 import { UserError } from "fastmcp";
 
 import { context, type Context } from "../context.js";
+import { withCall } from "../repeats.js";
 import { refusalText } from "../decision.js";
 import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
@@ -105,7 +106,7 @@ export function governTool<T extends ToolLike>(governor: Governor, tool: T, opti
     execute: async (args: unknown, ctx: ToolContext) => {
       try {
         const found = options.identify !== undefined ? await options.identify(ctx) : callerOf(ctx);
-        const caller = context({ ...(found ?? {}), tool: tool.name });
+        const caller = withCall(governor.policy, context({ ...(found ?? {}), tool: tool.name }), tool.name, args);
         return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait, askVia(ctx, tool.name, timeout), ctx?.signal);
       } catch (err) {
         if (err instanceof LimitExceeded) {
