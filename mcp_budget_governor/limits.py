@@ -7,7 +7,7 @@
 >>> Limit("spend", cap=-1, window=Window.DAY)
 Traceback (most recent call last):
 ...
-mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must not be negative (got -1)
+mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must be non-negative (got -1)
 """
 
 from __future__ import annotations
@@ -108,14 +108,15 @@ class Limit:
             raise PolicyError(
                 "Limit.name",
                 name,
-                "expected 1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit",
+                ("must be non-empty: " if name == "" else "") + "expected 1-64 characters "
+                "from A-Z a-z 0-9 _ . -, starting with a letter or digit",
             )
         where = f"Limit({name!r})"
         cap = self.cap
         if isinstance(cap, bool) or not isinstance(cap, int):
             raise PolicyError(f"{where}.cap", cap, "expected an integer (use usd() for dollars)")
         if cap < 0:
-            raise PolicyError(f"{where}.cap", cap, "must not be negative")
+            raise PolicyError(f"{where}.cap", cap, "must be non-negative")
         if cap > MAX_AMOUNT:
             raise PolicyError(f"{where}.cap", cap, f"exceeds the largest amount ({MAX_AMOUNT})")
         set_ = object.__setattr__
@@ -213,6 +214,16 @@ class Limit:
         """The scope as a normalised tuple of dimensions (() is global)."""
         dims: Dimensions = self.scope
         return dims
+
+    @property
+    def scopes(self) -> Dimensions:
+        """:attr:`dimensions`, as mcp-budget-governor 0.1.0 named them."""
+        return self.dimensions
+
+    @property
+    def requires_context(self) -> bool:
+        """Whether a context must name something for this limit to count (not global)."""
+        return bool(self.scope)
 
     @property
     def scope_label(self) -> str:

@@ -506,7 +506,7 @@ def test_mcpbg_budgets_malformed_policy_exit_code_in_a_real_process(tmp_path: Pa
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr == (
-        f"mcpbg budgets: {path}:5: limits[0].cap: must not be negative (got -5)\n"
+        f"mcpbg budgets: {path}:5: limits[0].cap: must be non-negative (got -5)\n"
     )
 
 

@@ -4,7 +4,7 @@
 MCP hook all run a call through :func:`governed_call`, so what a refused, a
 failed, a cancelled or a completed call is charged is decided in one place:
 
-- the call is checked first; a refusal raises :class:`BudgetExceeded` and the
+- the call is checked first; a refusal raises :class:`LimitExceeded` and the
   work never runs (a refused call is charged nothing, and the ledger records
   the rejection). Integrations that identify their callers pass what
   ``identify`` produced through :meth:`Governor.identified` before (an

@@ -23,6 +23,7 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from mcp_budget_governor.backends.base import KeyValueOps
 from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, ChangeKind, why_token
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
@@ -236,8 +237,14 @@ def apply_args(
     return keys, args
 
 
-class RedisBackend:
+class RedisBackend(KeyValueOps):
     """Counters in Redis, shared by every replica.
+
+    ``RedisBackend(client)`` borrows ``client`` (a redis-py asyncio client, say one
+    whose pool the application shares): closing the backend leaves it open
+    unless ``owns_client=True``. :meth:`from_url` makes a client it owns. It
+    also answers the calls of mcp-budget-governor 0.1.0's backends
+    (``backends.base``) on the same counters.
 
     >>> backend = RedisBackend.from_url("redis://localhost:6379/0")  # doctest: +SKIP
     """
@@ -252,8 +259,10 @@ class RedisBackend:
         timeout: float = DEFAULT_TIMEOUT,
         resolved_caps: bool = False,
         epoch_key: Callable[[str], str] | None = None,
+        owns_client: bool = False,
     ) -> None:
         self.client = client
+        self._owns_client = owns_client
         # epoch_key: the epoch marker a charge checks, given its first counter's key
         # (Redis Cluster: the marker of that counter's slot, cluster.py); else EPOCH_KEY.
         self._epoch_key = epoch_key
@@ -337,11 +346,46 @@ class RedisBackend:
         )
         return cls(
             aioredis.Redis(connection_pool=pool),
+            owns_client=True,
             require_epoch=require_epoch,
             coalesce=coalesce,
             timeout=timeout,
             clock=clock,
         )
+
+    @property
+    def _client(self) -> aioredis.Redis:
+        """:attr:`client`, as mcp-budget-governor 0.1.0 named it."""
+        return self.client
+
+    def _kv_now(self) -> float:
+        return self.clock()
+
+    async def _kv_expire(self, key: str, ttl: int) -> None:
+        # charge.lua sets a counter's expiry when it creates it; a key that lost it
+        # (PERSIST, a failover) gets one back here, as the reference's scripts did.
+        try:
+            await self._command("EXPIRE", key, ttl, "NX")
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+
+    async def _kv_release(self, key: str, amount: int) -> None:
+        # Never below zero: give back at most the total read. A counter that expires
+        # in between is created by the charge with EXPIREAT 0, i.e. deleted at once.
+        (total,) = await self.usage([key])
+        give = min(max(amount, 0), total)
+        if give > 0:
+            await self.charge([CounterOp(key, -give, 0, False, 0)], want_used=False)
+
+    async def peek(self, key: str) -> int:
+        """The total of ``key``; 0 when missing or not a counter (a stray write)."""
+        try:
+            (total,) = await self.usage([key])
+        except redis_errors.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            return 0
+        return total
 
     def _now_ms(self) -> str:
         """The caller's clock as the scripts take it: epoch milliseconds."""
@@ -618,8 +662,15 @@ class RedisBackend:
             return []
         return [int(v) for v in await self._run(self._lease, keys, (*args, self._now_ms()))]
 
-    async def release(self, keys: Sequence[str], lease: str) -> int:
-        """Give lease ``lease`` back on every set in ``keys`` (one round trip); how many held it."""
+    async def release(self, keys: Sequence[str] | str, lease: str | int) -> int:
+        """Give lease ``lease`` back on every set in ``keys`` (one round trip); how many held it.
+
+        ``release(key, amount)`` (one key, an amount): mcp-budget-governor 0.1.0's
+        give-back, never below zero nor creating the key; returns 0."""
+        if isinstance(keys, str):
+            await self._kv_release(keys, int(lease))
+            return 0
+        assert isinstance(lease, str)
         return sum(await self._leases(keys, "r", lease))
 
     async def renew(self, keys: Sequence[str], lease: str, ttl: float) -> int:
@@ -821,5 +872,7 @@ class RedisBackend:
             self._pipe_now.close()
             self._pipe_now = None
         # The pool was passed in (from_url), so Redis.aclose alone would leave its
-        # connections open (ResourceWarning: unclosed Connection).
-        await self.client.aclose(close_connection_pool=True)
+        # connections open (ResourceWarning: unclosed Connection). A borrowed
+        # client is its owner's to close.
+        if self._owns_client:
+            await self.client.aclose(close_connection_pool=True)

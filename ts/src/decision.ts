@@ -66,13 +66,13 @@ export class Decision {
   }
 
   /** The error class a refusal with this decision raises. */
-  refusalType(): typeof BudgetExceeded {
+  refusalType(): typeof LimitExceeded {
     if (this.reason.startsWith(EXCEEDED)) return this.status === 503 ? BudgetExceeded : LimitExceeded;
     if (this.reason.startsWith(UNAVAILABLE) || this.reason === LEDGER_UNAVAILABLE) return BudgetUnavailable;
-    return BudgetExceeded;
+    return LimitExceeded;
   }
 
-  /** Throw the refusal (a BudgetExceeded) if refused; return this otherwise. */
+  /** Throw the refusal (a LimitExceeded; BudgetExceeded for a breaker) if refused; return this otherwise. */
   raiseForStatus(): this {
     if (!this.admitted) {
       const Type = this.refusalType();

@@ -8,7 +8,7 @@
  * );
  * policy.get("burst").cap  // 30
  */
-import { BudgetExceeded, PolicyError } from "./errors.js";
+import { LimitExceeded, PolicyError } from "./errors.js";
 import { ANONYMOUS_USER, normalizeScope, type Context, type ScopeName } from "./context.js";
 import { capsKey, escape, scopeSegment } from "./keys.js";
 import { MAX_AMOUNT, Unit } from "./money.js";
@@ -136,7 +136,7 @@ export class Limit {
     if (typeof cap !== "number" || !Number.isInteger(cap)) {
       throw new PolicyError(`${where}.cap`, cap, "expected an integer (use usd() for dollars)");
     }
-    if (cap < 0) throw new PolicyError(`${where}.cap`, cap, "must not be negative");
+    if (cap < 0) throw new PolicyError(`${where}.cap`, cap, "must be non-negative");
     if (cap > MAX_AMOUNT) throw new PolicyError(`${where}.cap`, cap, `exceeds the largest amount (${MAX_AMOUNT})`);
     this.cap = cap;
     this.unit = enumValue(Unit, options.unit ?? Unit.CALLS, `${where}.unit`, "Unit");
@@ -442,7 +442,7 @@ export class Policy implements Iterable<Limit> {
     if (this.anonymous === Anonymous.SHARED) {
       return ctx.user === ANONYMOUS_USER ? ctx : Object.freeze({ ...ctx, user: ANONYMOUS_USER });
     }
-    throw new BudgetExceeded(
+    throw new LimitExceeded(
       new Decision({ admitted: false, limit: this.perUser[0]?.name ?? null, status: 403, reason: "caller_unidentified" }),
     );
   }

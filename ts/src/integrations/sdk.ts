@@ -33,7 +33,7 @@ import { approvalText, openApproval, type Approval } from "../approval.js";
 import { withCall } from "../repeats.js";
 import { context, type Context } from "../context.js";
 import { rateLimitedError } from "../decision.js";
-import { BudgetExceeded } from "../errors.js";
+import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
 import { OnExceed } from "../policy.js";
 import {
@@ -303,7 +303,7 @@ async function governedTool<E extends RequestExtra | undefined, R>(
     const ask = askVia(extra, tool, timeout, ctx, seal);
     return await governedCall(governor, ctx, work, price, estimate, wait, ask, signal, approval ? [approval.limit] : [], approval);
   } catch (err) {
-    if (err instanceof BudgetExceeded) {
+    if (err instanceof LimitExceeded) {
       const error = rateLimitError ? rateLimitedError(err.decision) : null;
       if (error !== null) throw new McpError(error.code, error.message, error.data);
       return refusalResult(err.decision);
