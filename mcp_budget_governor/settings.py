@@ -154,6 +154,11 @@ def _webhook(value: Any) -> None:
         check_http_url(value)
 
 
+def _flag(value: Any) -> None:
+    if value not in (0, 1):
+        raise InvalidInputError("", value, "expected 0 or 1")
+
+
 def _webhook_secret(value: Any) -> None:
     if value != "" and len(value) < 16:  # empty: unsigned
         raise InvalidInputError("", "…", "expected at least 16 characters")
@@ -257,6 +262,14 @@ SETTINGS: Mapping[str, Setting] = {
             "",
             "http(s) URL each alert is POSTed to (CloudEvent JSON)",
             _webhook,
+        ),
+        Setting(
+            "alert_forecast",
+            int,
+            0,
+            "1: also alert, once per period, a counter projected to reach its cap before "
+            "its period ends (limits with alert_at levels)",
+            _flag,
         ),
         Setting("user", str, "", "mcpbg proxy over stdio: the local user (else the login name)"),
         Setting(

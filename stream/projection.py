@@ -132,6 +132,7 @@ class Projection:
                     else MemoryDeduper()  # per worker: a level may fire once per worker
                 ),
                 sinks=self._alert_sinks(),
+                forecast=bool(config.alert_forecast),
             )
 
     async def aclose(self) -> None:
