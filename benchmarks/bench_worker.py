@@ -49,10 +49,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from mcp_budget_governor import (
     MAX_AMOUNT,
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
+    LimitExceeded,
     Policy,
     RedisBackend,
     Scope,
@@ -139,7 +139,7 @@ async def template_entries(ops: int, seed: int = 7) -> list[LedgerEntry]:
         elif op < 0.85:
             await gov.meter("bw_spend", rng.randrange(1, 40_000), ctx)
         else:
-            with contextlib.suppress(BudgetExceeded):
+            with contextlib.suppress(LimitExceeded):
                 async with gov.reserved("bw_spend", 25_000, ctx) as r:
                     r.actual = rng.randrange(0, 50_000)
     await gov.aclose()

@@ -53,6 +53,7 @@ from mcp_budget_governor.integrations.flow import (  # noqa: E402
 )
 from mcp_budget_governor.lua import SCRIPTS, script_layout, source  # noqa: E402
 from mcp_budget_governor.policy_file import PolicyFileError, loads  # noqa: E402
+from mcp_budget_governor.repeats import call_hash, canonical_json  # noqa: E402
 
 #: A fixed instant for the script calls: 2026-11-30T19:14:37Z.
 NOW = 1_796_066_077.0
@@ -80,6 +81,7 @@ def _context(ctx: Context) -> dict[str, str | None]:
         "session": ctx.session,
         "agent": ctx.agent,
         "session_root": ctx.session_root,
+        "call": ctx.call,
     }
 
 
@@ -100,6 +102,7 @@ def _limit(lim: Any) -> dict[str, Any]:
         "anchor_day": lim.anchor_day,
         "anchors": dict(lim.anchors),
         "caps": dict(lim.caps) if lim.caps else {},
+        "tools": list(lim.tools),
     }
 
 
@@ -239,6 +242,15 @@ cap = 100
 window = "session"
 scope = "agent"
 """,
+    # The loop guard (repeats.py): identical calls per session and minute, some tools only.
+    "repeats": """
+[[limits]]
+name = "repeats"
+cap = 3
+window = "minute"
+scope = ["session", "call"]
+tools = ["search", "brave_*"]
+""",
 }
 
 BAD_POLICIES: dict[str, str] = {
@@ -308,6 +320,10 @@ CHARGE_CASES: list[dict[str, Any]] = [
     {"policy": "concurrency", "context": {"user": "u_42"}, "call": "check", "lease": True,
      "ticket": "0190f5a2-7e3b-7c1d-9f00-0000000000dd/1500"},
     {"policy": "session", "context": {"agent": "coder", "session": "s-1"}, "call": "check"},
+    {"policy": "repeats", "context": {"session": "s-1", "tool": "brave_web",
+                                      "call": "0123456789abcdef0123456789abcdef"}, "call": "check"},
+    {"policy": "repeats", "context": {"session": "s-1", "tool": "fetch",
+                                      "call": "0123456789abcdef0123456789abcdef"}, "call": "check"},
 ]  # fmt: skip
 OP_ID = "0190f5a2-7e3b-7c1d-9f00-0000000000aa"
 EVENT_ID = "0190f5a2-7e3b-7c1d-9f00-0000000000bb"
@@ -632,6 +648,11 @@ def refusal_vectors() -> list[dict[str, Any]]:
         decisions.append((f"refused:{lim.name}", planning.refused(s, NOW)))
         if lim.name == "burst":
             decisions.append(("unavailable:burst", planning.unavailable(s, 1.0)))
+    repeats = loads(POLICIES["repeats"])
+    looping = Context(session="s-1", tool="search", call=call_hash("search", {"q": "mcp"}))
+    s = planning.slot(repeats["repeats"], looping, NOW, repeats.tz, 1, enforce=True)
+    assert s is not None
+    decisions.append(("refused:repeats", planning.refused(s, NOW)))
     decisions.append(("ledger_full", planning.ledger_full(1.0)))
     decisions.append(
         (
@@ -695,6 +716,27 @@ def tool_meta_vectors() -> list[dict[str, Any]]:
     return out
 
 
+def call_hash_vectors() -> list[dict[str, Any]]:
+    """The loop guard's hash of a call (repeats.py): tool, arguments, canonical JSON, hash."""
+    cases: list[tuple[str, Any]] = [
+        ("search", {"q": "mcp"}),
+        ("search", {"n": 3, "q": "mcp"}),
+        ("search", {"q": "mcp", "n": 3.0}),
+        ("search", None),
+        ("search", {}),
+        ("fetch", {"url": "https://example.com/?a=1&b=2", "headers": {"Accept": "*/*"}}),
+        ("t", {"nested": [1, 2.5, -0.25, True, False, None, [], {}], "é": "漢🙂", "a\u0000": ""}),
+        ("t", {"b": 1, "a": 2, "B": 3, "_": 4, "ä": 5, "🙂": 6, "\uff21": 7}),
+        ("t", {"big": 9007199254740991, "neg": -42, "small": 0.001, "exp": 1.5e300}),
+        ("t", {"quote": 'say "hi"\n\ttab\\', "ctl": "\u0001\u001f\u007f"}),
+    ]
+    return [
+        {"tool": t, "arguments": a, "canonical": canonical_json({} if a is None else a),
+         "hash": call_hash(t, a)}
+        for t, a in cases
+    ]  # fmt: skip
+
+
 def vectors() -> dict[str, Any]:
     out = golden()
     # "scripts" (golden) holds each script's SHA1, as EVALSHA runs it: its prelude (the
@@ -718,6 +760,7 @@ def vectors() -> dict[str, Any]:
     out["usd_more"] = usd_vectors()
     out["refusals"] = refusal_vectors()
     out["tool_meta"] = tool_meta_vectors()
+    out["call_hash"] = call_hash_vectors()
     return out
 
 

@@ -22,7 +22,8 @@
 -- ARGV[6]    the batch's last offset: the watermark reaches it even when the
 --            records after the last event were dead letters (-1: none), so a
 --            restart does not read, and dead-letter, them again
--- ARGV[7]    the caller's clock, epoch ms (lib.lua caller_ms): a charge whose
+-- ARGV[7]    what spares most batches the exact check of their sums (surely_fits)
+-- ARGV[8]    the caller's clock, epoch ms (lib.lua caller_ms): a charge whose
 --            counter expired before it is dropped
 --
 -- Two guards make delivery at-least-once yet counting exactly-once:
@@ -66,69 +67,109 @@ local now = math.floor(caller_ms() / 1000)
 -- exact range, a refund never takes a counter's spend below zero, a counter's
 -- grants stay within the exact range. The first event that fails refuses the
 -- batch, naming its offset; the client dead-letters it and applies the rest.
+--
+-- The exact check reads every counter, in-flight entry and seen set the batch
+-- touches; ARGV[7] lets most batches skip it: "0" when the batch holds no
+-- refund and no grant, then per counter its position and the sum of the
+-- batch's amounts on it. Those sums are bounds (a redelivery is counted too),
+-- so when every committed part plus its sum stays in range, nothing can fail.
 local MAX_EXACT = 9007199254740991
-do
-  local c_of, f_of, g_of, ids = {}, {}, {}, {}
-  local mark = wm
-  local check = string.gmatch(ARGV[4], '%S+')
-  local function refuse(offset, why)
-    return redis.error_reply('mcpbg apply: refused event at offset ' .. offset .. ': ' .. why)
+local function surely_fits()
+  local it = string.gmatch(ARGV[7], '%S+')
+  if it() ~= '0' then return false end
+  while true do
+    local pos = it()
+    if not pos then return true end
+    local sum = tonumber(it())
+    local c = tonumber(redis.call('HGET', KEYS[counters + tonumber(pos)], 'c') or '0')
+    if not (c + sum <= MAX_EXACT) then return false end
   end
+end
+
+-- (offset, reason) of the first event refused, or nil.
+local function refusal()
+  local c_of, f_of, g_of, ids, moved = {}, {}, {}, {}, {}
+  local mark = wm
+  local token = string.gmatch(ARGV[4], '%S+')
   for _ = 1, tonumber(ARGV[2]) do
-    local offset_raw = check()
+    local offset_raw = token()
     local offset = tonumber(offset_raw)
-    local event_id = check()
-    local seen = KEYS[2 + tonumber(check())]
-    check()
+    local event_id = token()
+    local seen = KEYS[2 + tonumber(token())]
+    token()
     local fresh = offset > mark
     if fresh then
       mark = offset
       fresh = not ids[event_id] and redis.call('SISMEMBER', seen, event_id) == 0
       ids[event_id] = true
     end
-    for _ = 1, tonumber(check()) do
-      local key_pos, amount, expire_at = check(), check(), check()
+    for _ = 1, tonumber(token()) do
+      local key_pos, amount, expire_at = token(), token(), token()
       if fresh then
         local key = KEYS[counters + tonumber(key_pos)]
         if c_of[key] == nil then
           local v = redis.call('HMGET', key, 'c', 'f')
           c_of[key], f_of[key] = tonumber(v[1] or '0'), tonumber(v[2] or '0')
         end
-        local pending = redis.call('HGET', key, 'e:' .. event_id)
-        if pending then f_of[key] = f_of[key] - tonumber(pending) end
+        local a = tonumber(amount)
+        if a < 0 then
+          -- Only a refund needs the in-flight part: without the entries the batch moves
+          -- before it (read now, once) and without its own.
+          local before = moved[key]
+          if before then
+            for _, id in ipairs(before) do
+              local p = redis.call('HGET', key, 'e:' .. id)
+              if p then f_of[key] = f_of[key] - tonumber(p) end
+            end
+            moved[key] = nil
+          end
+          local pending = redis.call('HGET', key, 'e:' .. event_id)
+          if pending then f_of[key] = f_of[key] - tonumber(pending) end
+        else
+          local ids_of = moved[key]
+          if not ids_of then ids_of = {}; moved[key] = ids_of end
+          ids_of[#ids_of + 1] = event_id
+        end
         if tonumber(expire_at) > now then
-          local a = tonumber(amount)
           local c = c_of[key] + a
           if not (c >= -MAX_EXACT and c <= MAX_EXACT) then
-            return refuse(offset_raw, key .. ': committed ' .. string.format('%.0f', c_of[key])
-              .. ' + ' .. amount .. ' would leave the exact range (at most 9007199254740991)')
+            return offset_raw, key .. ': committed ' .. string.format('%.0f', c_of[key])
+              .. ' + ' .. amount .. ' would leave the exact range (at most 9007199254740991)'
           end
           if a < 0 and c + f_of[key] < 0 then
-            return refuse(offset_raw, key .. ': ' .. amount .. ' would take its spend ('
-              .. string.format('%.0f', c_of[key] + f_of[key]) .. ') below zero')
+            return offset_raw, key .. ': ' .. amount .. ' would take its spend ('
+              .. string.format('%.0f', c_of[key] + f_of[key]) .. ') below zero'
           end
           c_of[key] = c
         end
       end
     end
-    for _ = 1, tonumber(check()) do
-      local pos, kind, _, amount, untl = check(), check(), check(), check(), check()
-      check()
-      check()
+    for _ = 1, tonumber(token()) do
+      local pos, kind, _, amount, untl = token(), token(), token(), token(), token()
+      token()
+      token()
       if fresh and (kind == 'granted' or kind == 'reset') and tonumber(untl) > now then
         local key = KEYS[counters + tonumber(pos)]
         if g_of[key] == nil then g_of[key] = tonumber(redis.call('HGET', key, 'g') or '0') end
         local g = tonumber(amount)
         if kind == 'granted' then
           if not (g_of[key] + g <= MAX_EXACT) then
-            return refuse(offset_raw, key .. ': grant ' .. string.format('%.0f', g_of[key])
-              .. ' + ' .. amount .. ' would leave the exact range (at most 9007199254740991)')
+            return offset_raw, key .. ': grant ' .. string.format('%.0f', g_of[key])
+              .. ' + ' .. amount .. ' would leave the exact range (at most 9007199254740991)'
           end
           g = g_of[key] + g
         end
         g_of[key] = g
       end
     end
+  end
+  return nil
+end
+
+if not surely_fits() then
+  local offset, why = refusal()
+  if offset then
+    return redis.error_reply('mcpbg apply: refused event at offset ' .. offset .. ': ' .. why)
   end
 end
 local token = string.gmatch(ARGV[4], '%S+')

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .backends.base import AccumulateResult, ConsumeResult
 from .caps import Plan
 from .context import ANONYMOUS_USER, Context
-from .counters import Backend, ChargeResult
+from .counters import Backend
 from .decision import Decision, Lease, MeterResult
 from .errors import (
     BackendBusyError,
@@ -52,10 +53,6 @@ if TYPE_CHECKING:
 
     __version__: str
 
-# Result types under the names mcp-budget-governor 0.1.0 gave its backend's
-# answers: a gated consume is our atomic charge, an ungated add a meter.
-ConsumeResult = ChargeResult
-AccumulateResult = MeterResult
 
 __all__ = [
     "ANONYMOUS_USER",

@@ -30,6 +30,9 @@ class Context:
     session: str | None = None
     agent: str | None = None
     session_root: str | None = None
+    #: The call's tool and arguments hashed (:func:`~.repeats.call_hash`); set by
+    #: the integrations only when a limit counts per ``Scope.CALL``.
+    call: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -56,6 +59,22 @@ class Context:
     def session_key(self) -> str | None:
         """The session whose budget this caller spends: its root, else the session itself."""
         return self.session if self.session_root is None else self.session_root
+
+    def as_scope_map(self) -> dict[Any, str]:
+        """The values this context names, by :class:`Scope` (the unknown ones left out).
+
+        >>> Context(user="u").as_scope_map()
+        {<Scope.USER: 'user'>: 'u'}
+        """
+        from .scopes import Scope  # scopes imports this module
+
+        return {s: v for s in Scope if (v := getattr(self, s.value, None)) is not None}
+
+    def satisfies(self, limit: Any) -> bool:
+        """Whether this context names every scope dimension of ``limit`` (so it counts)."""
+        from .scopes import scope_values
+
+        return scope_values(limit.dimensions, self) is not None
 
     def with_tool(self, tool: str | None) -> Context:
         """The same caller, using another tool."""

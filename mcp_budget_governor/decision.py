@@ -22,6 +22,18 @@ def _no_headroom() -> Mapping[str, int]:
     return _NO_HEADROOM
 
 
+class LimitName(str):
+    """A refusing limit's name (a plain ``str`` in every way), whose ``name`` is
+    itself: mcp-budget-governor 0.1.0's decisions held the ``Limit``, and code
+    written for it reads ``decision.limit.name``."""
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return str(self)
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """The slots an admitted call holds on concurrency caps: lease ``id`` in each
@@ -69,26 +81,27 @@ class Decision:
         """``admitted``, under the name mcp-budget-governor 0.1.0 used."""
         return self.admitted
 
-    def refusal_type(self) -> type[BudgetExceeded]:
+    def refusal_type(self) -> type[LimitExceeded]:
         """The exception class a refusal with this decision raises.
 
-        A refusal by a limit's counter is a quota refusal
-        (:class:`LimitExceeded`) unless its status is 503, which sheds
-        everyone (a breaker); unreachable fail-closed counters or ledger raise
-        :class:`BudgetUnavailable`; anything else (an unnamed caller, 403)
-        plain :class:`BudgetExceeded`.
+        Every one is a :class:`LimitExceeded`. A refusal by a limit's counter
+        with status 503 sheds everyone (a breaker): :class:`BudgetExceeded`;
+        unreachable fail-closed counters or ledger: :class:`BudgetUnavailable`;
+        anything else (a quota, a spend limit, an unnamed caller) plain
+        :class:`LimitExceeded`.
         """
         reason = self.reason
         if reason.startswith(EXCEEDED):
             return BudgetExceeded if self.status == 503 else LimitExceeded
         if reason.startswith(UNAVAILABLE) or reason == LEDGER_UNAVAILABLE:
             return BudgetUnavailable
-        return BudgetExceeded
+        return LimitExceeded
 
     def raise_for_status(self) -> Decision:
-        """Raise :class:`BudgetExceeded` if refused; return self otherwise."""
+        """Raise :class:`LimitExceeded` (the class :meth:`refusal_type` names) if
+        refused; return self otherwise."""
         if not self.admitted:
-            raise BudgetExceeded(self)
+            raise LimitExceeded(self)
         return self
 
     def __bool__(self) -> bool:

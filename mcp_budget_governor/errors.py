@@ -64,6 +64,20 @@ class PolicyError(InvalidInputError):
     """A policy or limit definition is invalid."""
 
 
+class UnknownLimitError(PolicyError, KeyError):
+    """A name given for a limit is not one of the policy's: a :class:`PolicyError`,
+    and a ``KeyError`` as a lookup by name."""
+
+    __str__ = Exception.__str__  # the message, not KeyError's repr of it
+
+
+class MissingScopeError(InvalidInputError, KeyError):
+    """A context lacks a value of the scope a named limit counts per: the counter to
+    charge or read cannot be named. Also a ``KeyError``."""
+
+    __str__ = Exception.__str__
+
+
 class UnknownModelError(GovernorError, LookupError):
     """No price is known for a model: pricing it at zero would disable the budget."""
 
@@ -80,7 +94,27 @@ class BackendUnavailableError(GovernorError, ConnectionError):
     """The shared counter store could not be reached within the timeout.
 
     :meth:`redis` builds it with the one wording of "Redis unreachable".
+    ``BackendUnavailable(limit_name, cause)`` (the reference package's form)
+    names the fail-closed limit that could not be read and keeps the ``cause``;
+    both are None on the one-message form.
+
+    >>> e = BackendUnavailableError("spend", ConnectionError("down"))
+    >>> e.limit_name, str(e)
+    ('spend', "limit 'spend' fails closed and its counters cannot be reached: down")
     """
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        self.cause = cause
+        self._limit: str | None = None
+        if cause is not None:
+            self._limit = message
+            message = f"limit {message!r} fails closed and its counters cannot be reached: {cause}"
+        super().__init__(message)
+
+    @property
+    def limit_name(self) -> str | None:
+        """The fail-closed limit that could not be read (None: not said)."""
+        return self._limit
 
     @classmethod
     def redis(cls, cause: BaseException, url: str | None = None) -> BackendUnavailableError:
@@ -152,25 +186,67 @@ class EventRefusedError(GovernorError, ValueError):
         super().__init__(f"event at offset {offset} refused: {reason}")
 
 
-class BudgetExceeded(GovernorError):
+#: The prefix of a refusal's RFC 9457 (7807) problem ``type``, then its kind
+#: (``limit-exceeded``, ``budget-exceeded``, ``budget-unavailable``). An identifier, not a
+#: page: the reserved ``.invalid`` domain (RFC 2606) resolves nowhere, so no client
+#: follows it; the kinds are described in docs/migrating.md.
+PROBLEM_TYPES = "https://mcp-budget-governor.invalid/problems/"
+
+
+class LimitExceeded(GovernorError):
     """A call was refused; ``decision`` says by which limit and until when.
 
-    ``BudgetExceeded(decision)`` builds the subclass the decision calls for
-    (:meth:`Decision.refusal_type`), wherever a refusal is raised:
-    :class:`LimitExceeded` for a caller over its quota (429, 402),
-    :class:`BudgetUnavailable` when fail-closed counters or the ledger cannot
-    be reached, this class itself for a tripped breaker (503) or an unnamed
-    caller (403). ``except BudgetExceeded`` catches every refusal.
+    Every refusal is one, so ``except LimitExceeded`` catches them all (as in
+    mcp-budget-governor 0.1.0); the subclasses say why the service, not the
+    caller, is the cause: :class:`BudgetExceeded` (a tripped breaker, 503) and
+    :class:`BudgetUnavailable` (fail-closed counters or the ledger unreachable,
+    503). Plain ``LimitExceeded``: a caller over its quota (429) or spend limit
+    (402), or a caller the policy refuses unnamed (403).
+
+    ``LimitExceeded(decision)`` builds the class the decision calls for
+    (:meth:`Decision.refusal_type`). The reference package's form,
+    ``LimitExceeded(limit_name, retry_after=..., message=, total=, cap=)``,
+    builds the refusal of a limit by hand (429; 503 for ``BudgetExceeded``).
     """
 
-    def __new__(cls, decision: Decision) -> BudgetExceeded:
-        if cls is BudgetExceeded:
-            cls = decision.refusal_type()
-        return super().__new__(cls, decision.reason)
+    status: int = 429
+    title: str = "Limit exceeded"
+    slug: str = "limit-exceeded"
 
-    def __init__(self, decision: Decision) -> None:
+    def __new__(cls, decision: Any, *args: Any, **kwargs: Any) -> LimitExceeded:
+        if cls is LimitExceeded and not isinstance(decision, str):
+            cls = decision.refusal_type()
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        decision: Decision | str,
+        *,
+        retry_after: int | None = None,
+        message: str | None = None,
+        total: int | None = None,
+        cap: int | None = None,
+    ) -> None:
+        self.total = total
+        self.cap = cap
+        if isinstance(decision, str):
+            from .decision import EXCEEDED, Decision
+
+            decision = Decision(
+                admitted=False,
+                limit=decision,
+                status=self.status,
+                retry_after=retry_after,
+                reason=f"{EXCEEDED}:{decision}",
+            )
+            if message is None:
+                message = self._default_message(decision.limit or "", retry_after)
         self.decision = decision
-        super().__init__(decision.reason)
+        super().__init__(decision.reason if message is None else message)
+
+    def _default_message(self, limit: str, retry_after: int | None) -> str:
+        wait = "" if retry_after is None else f"; retry in {retry_after}s"
+        return f"limit {limit!r} exceeded{wait}"
 
     @property
     def status_code(self) -> int:
@@ -187,18 +263,52 @@ class BudgetExceeded(GovernorError):
         """Seconds until retrying can succeed; None on a 402 (``decision.retry_after``)."""
         return self.decision.retry_after
 
+    def to_problem_detail(self, instance: str | None = None) -> dict[str, Any]:
+        """The refusal as an RFC 9457 (7807) problem object of plain JSON types.
 
-class LimitExceeded(BudgetExceeded):
-    """A caller is over its own quota or spend limit (429, 402): the service is fine."""
+        >>> LimitExceeded("calls", retry_after=30).to_problem_detail("/t")["instance"]
+        '/t'
+        """
+        out: dict[str, Any] = {
+            "type": PROBLEM_TYPES + self.slug,
+            "title": self.title,
+            "status": self.status_code,
+            "detail": str(self),
+            "limit": self.limit_name,
+            "retry_after": self.retry_after,
+        }
+        for name, value in (("total", self.total), ("cap", self.cap), ("instance", instance)):
+            if value is not None:
+                out[name] = value
+        return out
 
 
-class BudgetUnavailable(BudgetExceeded, BackendUnavailableError):
+class BudgetExceeded(LimitExceeded):
+    """A tripped breaker sheds every caller (503): the service is the cause, not you.
+
+    ``except BudgetExceeded`` catches only these (after it, ``except
+    LimitExceeded`` the caller's own refusals)."""
+
+    status = 503
+    title = "Budget exceeded"
+    slug = "budget-exceeded"
+
+    def _default_message(self, limit: str, retry_after: int | None) -> str:
+        wait = "" if retry_after is None else f"; retry in {retry_after}s"
+        return f"service temporarily unavailable: budget {limit!r} is spent{wait}"
+
+
+class BudgetUnavailable(LimitExceeded, BackendUnavailableError):
     """Refused because a fail-closed limit's counters (or the ledger) cannot be
     reached (503, retry soon); also a :class:`BackendUnavailableError`."""
 
+    status = 503
+    title = "Budget unavailable"
+    slug = "budget-unavailable"
+
 
 # The names of mcp-budget-governor 0.1.0 (the reference package), on our classes;
-# README "Migrating from mcp-budget-governor 0.1.0" lists where they differ.
+# docs/migrating.md lists where they differ.
 BudgetGovernorError = GovernorError
 BackendUnavailable = BackendUnavailableError
 UnknownModel = UnknownModelError

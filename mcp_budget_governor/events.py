@@ -87,6 +87,9 @@ class EventContext(_Model):
     #: The session a forked ``session`` descends from (its budget's key); absent
     #: when the session is its own root.
     session_root: str | None = None
+    #: The hash of the call's tool and arguments (a loop guard's counter); absent
+    #: when no limit counts identical calls.
+    call: str | None = None
 
     @model_validator(mode="after")
     def _root_has_fork(self) -> EventContext:
@@ -392,6 +395,8 @@ def _make_context_json(ctx: Context) -> tuple[orjson.Fragment, str | None]:
     }
     if ctx.session_root is not None:  # written only when set: older events read the same
         fields["session_root"] = ctx.session_root
+    if ctx.call is not None:  # likewise
+        fields["call"] = ctx.call
     return orjson.Fragment(orjson.dumps(fields)), _subject(ctx)
 
 

@@ -125,9 +125,12 @@ class GatewayConfig:
         return None if self.default is None else dict(self.default)
 
     def local_user(self, environ: Mapping[str, str]) -> str | None:
-        """The stdio caller: ``user``, else ``MCPBG_USER``, else the login name."""
-        if self.user or environ.get("MCPBG_USER"):
-            return self.user or environ.get("MCPBG_USER")
+        """The stdio caller: ``user``, else the ``user`` setting, else the login name."""
+        from .settings import SETTINGS
+
+        named = self.user or environ.get(SETTINGS["user"].env)
+        if named:
+            return named
         try:
             return getpass.getuser()  # LOGNAME, USER, ... else the password database
         except (OSError, KeyError):  # pragma: no cover - a uid without a name

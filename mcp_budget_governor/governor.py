@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -28,6 +29,7 @@ from typing import Any
 
 from . import admin, bounds, planning
 from .approval import Approval, spend_op
+from .backends.base import adapted, epoch_clock
 from .caps import Change
 from .context import EMPTY, Context, cacheable
 from .counters import Backend, ChargeResult, CounterOp, fits
@@ -35,10 +37,10 @@ from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
     BackendBusyError,
     BackendUnavailableError,
-    BudgetExceeded,
     CounterOverflowError,
     GovernorError,
     InvalidInputError,
+    LimitExceeded,
 )
 from .holds import Admission, Reservation
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
@@ -71,7 +73,16 @@ class Governor(Metering[MeterResult]):
     - ``observer``: told every decision (:mod:`.observe`: refusal logs;
       ``integrations.otel.Telemetry``: OpenTelemetry metrics and spans). None
       (the default) costs one ``is not None`` test per check.
+    - ``clock``: epoch seconds, or an aware ``datetime`` (mcp-budget-governor
+      0.1.0's clocks); a :class:`MemoryBackend` made without a clock follows it.
+    - ``local_fallback=False``: no limit keeps a process-local counter while the
+      backend is down (as if every ``Limit`` said so): fail-open limits admit.
+    - ``backend`` may also be one written to mcp-budget-governor 0.1.0's protocol
+      (``consume``/``accumulate``/``release``/``peek``/``close``): it is driven
+      through ``backends.base.KeyValueAdapter``, without a ledger.
     """
+
+    _keyed_only = True
 
     def __init__(
         self,
@@ -80,14 +91,23 @@ class Governor(Metering[MeterResult]):
         *,
         ledger: Ledger | None = None,
         prices: PriceTable | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], Any] | None = time.time,
         retry_interval: float = 1.0,
         max_pending: int = 100_000,
         lease_ttl: float = 30.0,
         observer: Observer | None = None,
+        local_fallback: bool = True,
     ) -> None:
         if not isinstance(policy, Policy):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
+        if clock is not time.time:
+            clock = epoch_clock(clock)  # None, or a datetime clock: epoch seconds
+            adopt = getattr(backend, "adopt_clock", None)
+            if adopt is not None:
+                adopt(clock)
+        backend = adapted(backend, clock)
+        self._local_fallback = local_fallback
+        policy = self._fallback_policy(policy)
         if (
             isinstance(lease_ttl, bool)
             or not isinstance(lease_ttl, int | float)
@@ -142,9 +162,20 @@ class Governor(Metering[MeterResult]):
         """
         if not isinstance(policy, Policy):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
-        old, self.policy = self.policy, policy
+        old, self.policy = self.policy, self._fallback_policy(policy)
         self._plans.clear()  # plans hold limits and caps of the old policy
         return old
+
+    def _fallback_policy(self, policy: Policy) -> Policy:
+        """``policy`` with ``local_fallback=False`` on every limit when the governor says so."""
+        if self._local_fallback or not any(lim.local_fallback for lim in policy.limits):
+            return policy
+        limits = []
+        for lim in policy.limits:  # validated already: copied, not built again
+            lim = copy.copy(lim)
+            object.__setattr__(lim, "local_fallback", False)
+            limits.append(lim)
+        return dataclasses.replace(policy, limits=tuple(limits))
 
     @property
     def degraded(self) -> bool:
@@ -369,7 +400,7 @@ class Governor(Metering[MeterResult]):
         """
         try:
             return self.policy.identified(ctx)
-        except BudgetExceeded as exc:
+        except LimitExceeded as exc:
             if self.ledger is not None:
                 d = exc.decision
                 await self._append(
@@ -382,18 +413,20 @@ class Governor(Metering[MeterResult]):
         """Reserve ``estimate`` on ``limit`` for the duration of a block; settle on exit.
 
         ``async with gov.reserved("spend", usd(0.05), ctx) as r: ... r.actual = cost``.
-        Entering raises :class:`BudgetExceeded` when the estimate does not fit.
+        Entering raises :class:`LimitExceeded` when the estimate does not fit.
         """
+        lim = planning.metered_limit(self.policy, limit)
+        planning.require_keyed((lim,), ctx or EMPTY)  # a hold on no counter holds nothing
         return Reservation(
             self,
-            planning.metered_limit(self.policy, limit),
+            lim,
             check_amount(estimate, "estimate"),
             ctx or EMPTY,
         )
 
     async def reserve(self, limit: str, estimate: int, ctx: Context | None = None) -> Reservation:
         """Hold ``estimate`` on ``limit`` until :meth:`settle`: :meth:`reserved` without
-        the block. Raises :class:`BudgetExceeded` when the estimate does not fit."""
+        the block. Raises :class:`LimitExceeded` when the estimate does not fit."""
         reservation = self.reserved(limit, estimate, ctx)
         await reservation.__aenter__()
         return reservation
@@ -468,8 +501,8 @@ class Governor(Metering[MeterResult]):
             lim, ctx, self._clock(), self.policy.tz, 0, enforce=False, policy=self.policy
         )
         if s is None:
-            missing = [d.value for d in lim.dimensions if getattr(ctx, d.value) is None]
-            raise InvalidInputError("ctx", ctx, f"lacks {'+'.join(missing)} for limit {limit!r}")
+            planning.require_keyed((lim,), ctx)
+        assert s is not None
         return s
 
     async def _read(self, slots: Sequence[Slot]) -> list[tuple[int | None, int]]:
@@ -844,7 +877,12 @@ class Governor(Metering[MeterResult]):
 
     def _mark_down(self) -> None:
         if not self._down_until:
-            log.warning("budget counters unreachable: applying each limit's fail mode")
+            # The event names of mcp-budget-governor 0.1.0's log records.
+            event = "degraded" if self._local_fallback else "unavailable"
+            log.warning(
+                "budget counters unreachable: applying each limit's fail mode",
+                extra={"event": f"governor.backend_{event}"},
+            )
         self._down_until = self._clock() + self._retry_interval
         self._marks += 1
 
@@ -928,7 +966,13 @@ class Governor(Metering[MeterResult]):
         before, degraded, cap = await self._record(
             slots, ctx, EntryType.METERED, usage, now, want_used=True
         )
-        return planning.metered(slots[0], before, degraded=degraded, cap=cap)
+        result = planning.metered(slots[0], before, degraded=degraded, cap=cap)
+        if result.crossed and slots[0].limit.breaker:
+            log.warning(
+                "breaker %r tripped: %d of %d", result.limit, result.total,
+                slots[0].limit.cap, extra={"event": "governor.breaker_tripped"},
+            )  # fmt: skip
+        return result
 
     async def _record(
         self,

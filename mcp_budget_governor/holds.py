@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NoReturn
 from . import planning
 from .context import Context
 from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
-from .errors import BudgetExceeded
+from .errors import LimitExceeded
 from .ledger import EntryType
 from .limits import Limit
 from .money import check_amount
@@ -170,7 +170,7 @@ class Reservation:
         if cancelled is not None:  # the caller never holds it: released at once
             await _given_back(self, cancelled)
         if not self.decision.admitted:
-            raise BudgetExceeded(self.decision)
+            raise LimitExceeded(self.decision)
         return self
 
     async def __aexit__(
@@ -213,7 +213,7 @@ class Reservations:
     """Estimates held on several limits at once, for one call's hard caps.
 
     Entering reserves every estimate in one charge, all or nothing, as one
-    ``reserved`` event (raising :class:`BudgetExceeded` when one does not fit:
+    ``reserved`` event (raising :class:`LimitExceeded` when one does not fit:
     nothing is held then, so two calls near their caps cannot each hold part
     and refuse the other). ``actual[limit]`` is what the call cost on that
     limit (a limit left out keeps its estimate); exiting settles every limit
@@ -259,7 +259,7 @@ class Reservations:
         if cancelled is not None:  # the caller never holds them: released at once
             await _given_back(self, cancelled)
         if not self.decision.admitted:
-            raise BudgetExceeded(self.decision)
+            raise LimitExceeded(self.decision)
         return self
 
     async def __aexit__(

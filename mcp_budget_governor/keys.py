@@ -21,10 +21,21 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from .limits import NAME_PATTERN
 from .memo import BytesCache, text_bytes
+from .reference_keys import (  # mcp-budget-governor 0.1.0's keys functions, here too
+    MIN_TTL_SECONDS as MIN_TTL_SECONDS,
+)
+from .reference_keys import NAMESPACE as NAMESPACE
+from .reference_keys import bucket as bucket
+from .reference_keys import now_utc as now_utc
+from .reference_keys import reference_key
+from .reference_keys import retry_after_seconds as retry_after_seconds
+from .reference_keys import ttl_seconds as ttl_seconds
+from .reference_keys import window_end as window_end
 from .scopes import Dimensions, Scope
 from .windows import SESSION_BUCKET
 
@@ -102,12 +113,17 @@ def scope_segment(dims: Dimensions, values: tuple[str, ...]) -> str:
     return ",".join(f"{d.value}={escape(v)}" for d, v in zip(dims, values, strict=True))
 
 
-def counter_key(limit: str, scope: str, bucket: str) -> str:
+def counter_key(limit: Any, scope: Any, bucket: Any) -> str:
     """The Redis key of one counter.
 
     >>> counter_key("burst", "user=u_42", "20261129T1914")
     'mcpbg:v1:burst:user=u_42:20261129T1914'
+
+    ``counter_key(limit, scope_map, moment)`` (a :class:`Limit`, Scope -> value, a
+    datetime) is mcp-budget-governor 0.1.0's key (:func:`reference_key`).
     """
+    if limit.__class__ is not str:
+        return reference_key(limit, scope, bucket)
     return f"{PREFIX}:{limit}:{scope}:{bucket}"
 
 

@@ -7,11 +7,12 @@
 >>> Limit("spend", cap=-1, window=Window.DAY)
 Traceback (most recent call last):
 ...
-mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must not be negative (got -1)
+mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must be non-negative (got -1)
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -98,6 +99,8 @@ class Limit:
     #: name every part: ``"tenant=acme,user=u_42"``); the others get ``anchor_day``.
     anchors: Mapping[str, int] = field(default_factory=dict)
     caps: Any = None
+    #: The tools it applies to, by name or glob (``("brave_*", "fetch")``); () all.
+    tools: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         name = self.name
@@ -105,14 +108,15 @@ class Limit:
             raise PolicyError(
                 "Limit.name",
                 name,
-                "expected 1-64 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit",
+                ("must be non-empty: " if name == "" else "") + "expected 1-64 characters "
+                "from A-Z a-z 0-9 _ . -, starting with a letter or digit",
             )
         where = f"Limit({name!r})"
         cap = self.cap
         if isinstance(cap, bool) or not isinstance(cap, int):
             raise PolicyError(f"{where}.cap", cap, "expected an integer (use usd() for dollars)")
         if cap < 0:
-            raise PolicyError(f"{where}.cap", cap, "must not be negative")
+            raise PolicyError(f"{where}.cap", cap, "must be non-negative")
         if cap > MAX_AMOUNT:
             raise PolicyError(f"{where}.cap", cap, f"exceeds the largest amount ({MAX_AMOUNT})")
         set_ = object.__setattr__
@@ -156,6 +160,10 @@ class Limit:
         from .caps import parse_caps  # caps imports this module's NAME_PATTERN
 
         set_(self, "caps", parse_caps(dims, self.caps, f"{where}.caps"))
+        tools = (self.tools,) if isinstance(self.tools, str) else self.tools
+        if not isinstance(tools, tuple | list) or not all(isinstance(t, str) and t for t in tools):
+            raise PolicyError(f"{where}.tools", self.tools, 'expected tool names or globs: ["a_*"]')
+        set_(self, "tools", tuple(tools))
         if self.breaker and self.on_exceed is OnExceed.ASK:
             # A tripped breaker protects everyone: nobody may wave it through.
             raise PolicyError(
@@ -191,11 +199,31 @@ class Limit:
         """
         return dict(self.caps)
 
+    def applies_to(self, tool: str | None) -> bool:
+        """Whether this limit counts a call to ``tool`` (its :attr:`tools`, by name or glob).
+
+        >>> Limit("r", cap=3, window=Window.MINUTE, tools=("brave_*",)).applies_to("brave_web")
+        True
+        """
+        if not self.tools:
+            return True
+        return tool is not None and any(fnmatch.fnmatchcase(tool, t) for t in self.tools)
+
     @property
     def dimensions(self) -> Dimensions:
         """The scope as a normalised tuple of dimensions (() is global)."""
         dims: Dimensions = self.scope
         return dims
+
+    @property
+    def scopes(self) -> Dimensions:
+        """:attr:`dimensions`, as mcp-budget-governor 0.1.0 named them."""
+        return self.dimensions
+
+    @property
+    def requires_context(self) -> bool:
+        """Whether a context must name something for this limit to count (not global)."""
+        return bool(self.scope)
 
     @property
     def scope_label(self) -> str:

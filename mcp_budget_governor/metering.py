@@ -32,6 +32,9 @@ class Metering(Generic[R]):
 
     policy: Policy
     prices: PriceTable | None
+    #: A Governor's ``meter``/``meter_tokens`` raise :class:`MissingScopeError` when the
+    #: context keys none of the named limits (a cost counted nowhere); a Recorder emits.
+    _keyed_only = False
 
     async def meter(self, limit: str | Sequence[str], amount: int, ctx: Context | None = None) -> R:
         """Record what a completed call cost on ``limit``; always charged, even past the cap.
@@ -39,12 +42,14 @@ class Metering(Generic[R]):
         ``limit`` may name several limits (``("user_spend", "global_spend")``):
         one ledger event then charges each of them (one round trip on a Governor), so the
         cost is one cost in every spend query. A Governor returns a
-        :class:`MeterResult` for the first named limit that applies (``charged``
-        is 0 when the context lacks the scope of every named limit); a Recorder
-        returns the amount charged.
+        :class:`MeterResult` for the first named limit that applies, and raises
+        :class:`MissingScopeError` (a ``KeyError``) when the context lacks the
+        scope of every named limit; a Recorder returns the amount charged.
         """
         limits = planning.named_limits(self.policy, limit)
         amount = check_amount(amount, "amount")
+        if self._keyed_only:
+            planning.require_keyed(limits, ctx or EMPTY)
         return await self._meter([(lim, amount) for lim in limits], ctx or EMPTY, None)
 
     async def meter_charges(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
@@ -61,13 +66,15 @@ class Metering(Generic[R]):
         limit: str | Sequence[str],
         model: str,
         *,
-        input_tokens: int,
-        output_tokens: int,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
         cache_read_tokens: int = 0,
         cache_write_tokens: int = 0,
         ctx: Context | None = None,
+        context: Context | None = None,
     ) -> R:
-        """Meter a model call by its token usage.
+        """Meter a model call by its token usage (``context``: ``ctx``, under the name
+        mcp-budget-governor 0.1.0 gave it).
 
         On a USD limit the cost comes from the price table (an unknown model
         raises :class:`UnknownModelError`); on a TOKENS limit the tokens are
@@ -85,7 +92,10 @@ class Metering(Generic[R]):
             cache_read_tokens=cache_read_tokens,
             cache_write_tokens=cache_write_tokens,
         )
-        return await self._meter(pairs, ctx or EMPTY, usage)
+        who = ctx or context or EMPTY
+        if self._keyed_only:  # after the input is checked: the errors a Recorder raises first
+            planning.require_keyed([lim for lim, _ in pairs], who)
+        return await self._meter(pairs, who, usage)
 
     async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None

@@ -20,10 +20,11 @@ from .decision import (
     LEDGER_UNAVAILABLE,
     UNAVAILABLE,
     Decision,
+    LimitName,
     MeterResult,
     at,
 )
-from .errors import GovernorError, InvalidInputError
+from .errors import GovernorError, InvalidInputError, MissingScopeError
 from .keys import counter_key, escape, lease_key, scope_segment
 from .ledger import LedgerCharge, TokenUsage
 from .limits import Limit, OnExceed
@@ -82,6 +83,8 @@ def slot(
 
     With ``policy``, the slot carries what the backend needs to resolve the
     counter's effective cap (:func:`cap_ref`)."""
+    if limit.tools and not limit.applies_to(ctx.tool):
+        return None
     dims = limit.dimensions
     values = scope_values(dims, ctx)
     if values is None:
@@ -130,6 +133,19 @@ def named_limits(policy: Policy, limit: str | Sequence[str]) -> tuple[Limit, ...
     if len(set(names)) != len(names):
         raise InvalidInputError("limit", limit, "names a limit twice")
     return tuple(metered_limit(policy, name) for name in names)
+
+
+def require_keyed(limits: Sequence[Limit], ctx: Context) -> None:
+    """Raise :class:`MissingScopeError` when ``ctx`` lacks a scope value of every one of
+    ``limits``: a meter or a reservation naming them would count nothing anywhere."""
+    for lim in limits:
+        if scope_values(lim.dimensions, ctx) is not None:
+            return
+    lim = limits[0]
+    missing = [d.value for d in lim.dimensions if scope_values((d,), ctx) is None]
+    raise MissingScopeError(
+        "ctx", ctx, f"does not carry {'+'.join(missing)}, which limit {lim.name!r} counts per"
+    )
 
 
 def metered_limit(policy: Policy, name: str) -> Limit:
@@ -338,7 +354,7 @@ def refused(
     left = 1 if s.limit.concurrent else s.bucket.seconds_left(now)
     return Decision(
         admitted=False,
-        limit=s.limit.name,
+        limit=LimitName(s.limit.name),
         status=status,
         retry_after=None if status == 402 else left,
         resets_at=at(s.bucket.end),
@@ -352,7 +368,7 @@ def unavailable(s: Slot, retry_after: float) -> Decision:
     """A fail-closed limit whose counters cannot be reached: 503, try again soon."""
     return Decision(
         admitted=False,
-        limit=s.limit.name,
+        limit=LimitName(s.limit.name),
         status=503,
         retry_after=max(1, math.ceil(retry_after)),
         resets_at=None,

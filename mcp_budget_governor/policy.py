@@ -11,7 +11,7 @@
 >>> Policy.of(Limit("a", cap=1, window=Window.DAY), Limit("a", cap=2, window=Window.DAY))
 Traceback (most recent call last):
 ...
-mcp_budget_governor.errors.PolicyError: Policy.limits[1].name: duplicate limit name (got 'a')
+mcp_budget_governor.errors.PolicyError: Policy.limits[1].name: duplicate limit names (got 'a')
 """
 
 from __future__ import annotations
@@ -27,10 +27,16 @@ from typing import Any
 from .caps import Plan, assignment_field
 from .context import ANONYMOUS_USER, Context
 from .decision import Decision
-from .errors import BudgetExceeded, PolicyError
-from .limits import Limit, _enum
+from .errors import LimitExceeded, PolicyError, UnknownLimitError
+from .limits import FailMode, Limit, OnExceed, _enum
+from .money import Unit, usd
 from .scopes import Scope
-from .windows import zone
+from .windows import Window, zone
+
+# What mcp-budget-governor 0.1.0 imported from its ``policy`` module, here too.
+__all__ = [
+    "Anonymous", "FailMode", "Limit", "OnExceed", "Policy", "Scope", "Unit", "Window", "usd",
+]  # fmt: skip
 
 
 class Anonymous(StrEnum):
@@ -68,7 +74,7 @@ class Policy:
     100
     """
 
-    limits: tuple[Limit, ...]
+    limits: tuple[Limit, ...] = ()
     timezone: str | None = None
     anonymous: Anonymous = Anonymous.REFUSE
     plans: Any = ()
@@ -83,7 +89,9 @@ class Policy:
             if not isinstance(limit, Limit):
                 raise PolicyError(f"Policy.limits[{i}]", limit, "expected a Limit")
             if limit.name in seen:
-                raise PolicyError(f"Policy.limits[{i}].name", limit.name, "duplicate limit name")
+                raise PolicyError(
+                    f"Policy.limits[{i}].name", limit.name, "duplicate limit names"
+                )
             seen.add(limit.name)
         object.__setattr__(self, "limits", tuple(limits))
         object.__setattr__(self, "_by_name", {lim.name: lim for lim in limits})
@@ -141,7 +149,7 @@ class Policy:
         Integrations call this with what their ``identify`` produced. A caller
         with a user id (not ``""``), or any caller when no limit counts per
         user, comes back unchanged. Otherwise ``SHARED`` returns it with the
-        anonymous user id and ``REFUSE`` raises :class:`BudgetExceeded`
+        anonymous user id and ``REFUSE`` raises :class:`LimitExceeded`
         (status 403, reason ``caller_unidentified``, naming a per-user limit).
 
         >>> from mcp_budget_governor import Limit, Scope, Window
@@ -151,7 +159,7 @@ class Policy:
         >>> Policy.of(burst).identified(Context(tool="search"))
         Traceback (most recent call last):
         ...
-        mcp_budget_governor.errors.BudgetExceeded: caller_unidentified
+        mcp_budget_governor.errors.LimitExceeded: caller_unidentified
         """
         per_user: tuple[Limit, ...] = self.__dict__["_per_user"]
         if ctx.user or not per_user:
@@ -160,7 +168,7 @@ class Policy:
             return (
                 ctx if ctx.user == ANONYMOUS_USER else dataclasses.replace(ctx, user=ANONYMOUS_USER)
             )
-        raise BudgetExceeded(
+        raise LimitExceeded(
             Decision(
                 admitted=False, limit=per_user[0].name, status=403, reason="caller_unidentified"
             )
@@ -177,9 +185,23 @@ class Policy:
         try:
             return by_name[name]
         except KeyError:
-            raise PolicyError(
-                "limit", name, f"no such limit (known: {', '.join(by_name)})"
+            raise UnknownLimitError(
+                "limit",
+                name,
+                f"no such limit (known: {', '.join(by_name)}); there is no limit named {name!r}",
             ) from None
+
+    def get(self, name: str) -> Limit:
+        """``policy[name]``, as mcp-budget-governor 0.1.0 spelled it."""
+        return self[name]
+
+    def gated_limits(self) -> tuple[Limit, ...]:
+        """The limits ``check()`` charges or reads (``gated=True``), in order."""
+        return tuple(lim for lim in self.limits if lim.gated)
+
+    def breakers(self) -> tuple[Limit, ...]:
+        """The breaker limits, in order."""
+        return tuple(lim for lim in self.limits if lim.breaker)
 
     def __contains__(self, name: Any) -> bool:
         return name in self.__dict__["_by_name"]

@@ -19,7 +19,7 @@ worker's), and runs as an asyncio task with a SIGHUP handler.
 >>> _ = path.write_text('[[limits]]\\nname = "calls"\\ncap = -1\\nwindow = "day"\\n')
 >>> outcome = watcher.check(force=True)  # logged as an error; the old policy stays
 >>> outcome.reloaded, gov.policy["calls"].cap, str(outcome.error).split(": ")[1:3]
-(False, 9, ['limits[0].cap', 'must not be negative (got -1)'])
+(False, 9, ['limits[0].cap', 'must be non-negative (got -1)'])
 """
 
 from __future__ import annotations

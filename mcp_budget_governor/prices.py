@@ -123,6 +123,11 @@ class ModelPrice:
         _check_prices(self)
         object.__setattr__(self, "tiers", _check_tiers(self.tiers))
 
+    @classmethod
+    def from_dollars(cls, input_per_mtok: PriceInput, output_per_mtok: PriceInput) -> ModelPrice:
+        """``ModelPrice(input, output)``: this class takes USD per million tokens already."""
+        return cls(input_per_mtok, output_per_mtok)  # type: ignore[arg-type]
+
     def rates_for(self, prompt_tokens: int) -> ModelPrice | PriceTier:
         """The rates billed when the prompt (cache tokens included) has ``prompt_tokens`` tokens.
 
@@ -277,6 +282,30 @@ class PriceTable:
         if key is None:
             raise UnknownModelError(model, known=len(self))
         return self._prices[key]
+
+    # -- the spellings of mcp-budget-governor 0.1.0 --------------------------
+
+    @classmethod
+    def of(cls, **models: tuple[PriceInput, PriceInput]) -> PriceTable:
+        """A table from ``model=(input, output)`` USD per million tokens.
+
+        >>> PriceTable.of(demo=(5, 25)).cost("demo", output_tokens=1_000)
+        25000
+        """
+        return cls({name: ModelPrice(i, o) for name, (i, o) in models.items()})  # type: ignore[arg-type]
+
+    def cost(self, model: str, *, input_tokens: int = 0, output_tokens: int = 0) -> int:
+        """:meth:`cost_micros` with every count defaulting to zero."""
+        return self.cost_micros(model, input_tokens=input_tokens, output_tokens=output_tokens)
+
+    def price_for(self, model: str) -> ModelPrice:
+        """:meth:`price_of`, as mcp-budget-governor 0.1.0 named it."""
+        return self.price_of(model)
+
+    @property
+    def prices(self) -> dict[str, ModelPrice]:
+        """Every model's price, by model id (a copy)."""
+        return dict(self._prices)
 
     def cost_micros(
         self,

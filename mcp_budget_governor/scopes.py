@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import StrEnum, nonmember
 from typing import Any
 
 from .context import Context
@@ -17,6 +17,11 @@ class Scope(StrEnum):
     AGENT = "agent"
     SESSION = "session"
     TOOL = "tool"
+    #: The call itself: its tool and arguments hashed (:func:`~.repeats.call_hash`),
+    #: for a loop guard, a cap on identical calls.
+    CALL = "call"
+    #: No dimension: one counter for everyone (``scope=Scope.GLOBAL`` is leaving it out).
+    GLOBAL = nonmember(())
 
 
 _ORDER = {s: i for i, s in enumerate(Scope)}
@@ -30,13 +35,15 @@ def normalize_scope(scope: Any, field: str) -> Dimensions:
 
     ``(USER, TOOL)`` and ``(TOOL, USER)`` are the same scope and share counters.
     """
-    if scope is None:
+    if scope is None or scope == ():
         return ()
     items = [scope] if isinstance(scope, Scope | str) else scope
     if not isinstance(items, tuple | list | frozenset | set):
         raise PolicyError(field, scope, "expected a Scope or a tuple of Scopes")
     dims: list[Scope] = []
     for item in items:
+        if item == ():  # Scope.GLOBAL beside a dimension adds nothing
+            continue
         if isinstance(item, Scope):
             dims.append(item)
             continue

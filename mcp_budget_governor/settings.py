@@ -154,6 +154,16 @@ def _webhook(value: Any) -> None:
         check_http_url(value)
 
 
+def _flag(value: Any) -> None:
+    if value not in (0, 1):
+        raise InvalidInputError("", value, "expected 0 or 1")
+
+
+def _webhook_secret(value: Any) -> None:
+    if value != "" and len(value) < 16:  # empty: unsigned
+        raise InvalidInputError("", "…", "expected at least 16 characters")
+
+
 def _redis_url(value: Any) -> None:
     check_redis_url(value)  # names --redis-url; resolve names the setting instead
 
@@ -252,6 +262,22 @@ SETTINGS: Mapping[str, Setting] = {
             "",
             "http(s) URL each alert is POSTed to (CloudEvent JSON)",
             _webhook,
+        ),
+        Setting(
+            "alert_forecast",
+            int,
+            0,
+            "1: also alert, once per period, a counter projected to reach its cap before "
+            "its period ends (limits with alert_at levels)",
+            _flag,
+        ),
+        Setting("user", str, "", "mcpbg proxy over stdio: the local user (else the login name)"),
+        Setting(
+            "alert_webhook_secret",
+            str,
+            "",
+            "the key that signs each webhook (HMAC-SHA256, docs/alerts.md), 16 characters or more",
+            _webhook_secret,
         ),
         Setting("alert_topic", str, "mcpbg.alerts", "Kafka topic for alerts, '' for none"),
         Setting(

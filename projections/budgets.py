@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from mcp_budget_governor.caps import Effective, effective
 from mcp_budget_governor.context import Context
 from mcp_budget_governor.counters import Backend, fits
+from mcp_budget_governor.forecast import exhausts_at
 from mcp_budget_governor.keys import WILDCARD, key_pattern, parse_key, parse_lease_key
 from mcp_budget_governor.limits import Limit
 from mcp_budget_governor.money import Unit, format_dollars
@@ -100,7 +101,21 @@ class BudgetRow:
         """The limit is spent: the next check it gates is refused (``counters.fits``)."""
         return not fits(self.spent, 0, self.cap + self.grant)
 
-    def as_json(self, tz: tzinfo = UTC) -> dict[str, Any]:
+    def exhausts_at(self, now: float) -> float | None:
+        """When the cap (with its grant) is reached at this period's rate (``forecast``)."""
+        if self.bucket is LEASE_BUCKET:
+            return None
+        total = self.cap + self.grant
+        return exhausts_at(self.spent, total, self.bucket.start, self.bucket.end, now)
+
+    def forecast(self, now: float) -> str:
+        """The table's cell: the projected time when before the period's end, else ``-``."""
+        at = self.exhausts_at(now)
+        if at is None or self.bucket.end is None or at >= self.bucket.end:
+            return "-"
+        return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+    def as_json(self, tz: tzinfo = UTC, now: float | None = None) -> dict[str, Any]:
         """The row for machines: amounts as integers in the limit's unit."""
         values = {
             d.value: (None if h else v)
@@ -127,6 +142,15 @@ class BudgetRow:
             "grant": self.grant,
             "remaining": self.remaining,
             "exceeded": self.exceeded,
+            **self._forecast_json(time.time() if now is None else now),
+        }
+
+    def _forecast_json(self, now: float) -> dict[str, Any]:
+        at = self.exhausts_at(now)
+        end = self.bucket.end
+        return {
+            "projected_exhaust_at": _iso(at),
+            "projected_before_end": at is not None and end is not None and at < end,
         }
 
 
@@ -155,7 +179,7 @@ class BudgetReport:
     def as_json(self) -> dict[str, Any]:
         rows = []
         for row in self.rows:
-            item = row.as_json(self.tz)
+            item = row.as_json(self.tz, self.at)
             root = session_root(row)
             if root is not None:
                 item["session_root"] = root
@@ -468,6 +492,7 @@ HEADERS = (
     "source",
     "remaining",
     "exceeded",
+    "forecast",
 )
 NUMERIC = ("spent", "limit", "remaining")
 
@@ -487,6 +512,7 @@ def table_rows(report: BudgetReport) -> list[tuple[str, ...]]:
             + (f" + grant {format_amount(row.limit.unit, row.grant)}" if row.grant else ""),
             format_amount(row.limit.unit, row.remaining),
             "yes" if row.exceeded else "no",
+            row.forecast(report.at),
         )
         for row in report.rows
     ]

@@ -50,6 +50,8 @@ class WorkerConfig:
     policy: str = _default("policy")
     policy_poll: float = _default("policy_poll")
     alert_webhook: str = _default("alert_webhook")
+    alert_webhook_secret: str = _default("alert_webhook_secret")
+    alert_forecast: int = _default("alert_forecast")
     alert_topic: str = _default("alert_topic")
     alert_keep: int = _default("alert_keep")
     archive_dir: str = _default("archive_dir")

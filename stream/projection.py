@@ -33,6 +33,7 @@ from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.projections.counters.cluster import SLOTS, ClusterBackend
 from mcp_budget_governor.projections.counters.redis import RedisBackend
+from mcp_budget_governor.settings import SETTINGS
 
 from . import dead_log, metrics
 from .alerts import (
@@ -131,6 +132,7 @@ class Projection:
                     else MemoryDeduper()  # per worker: a level may fire once per worker
                 ),
                 sinks=self._alert_sinks(),
+                forecast=bool(config.alert_forecast),
             )
 
     async def aclose(self) -> None:
@@ -300,7 +302,11 @@ class Projection:
     def _alert_sinks(self) -> list[AlertSink]:
         sinks: list[AlertSink] = [LogSink()]
         if self.config.alert_webhook:
-            sinks.append(WebhookSink(self.config.alert_webhook))
+            secret = self.config.alert_webhook_secret or None
+            if secret is None:
+                variable = SETTINGS["alert_webhook_secret"].env
+                log.warning("alerts: the webhook is not signed: set %s", variable)
+            sinks.append(WebhookSink(self.config.alert_webhook, secret=secret))
         if self.config.alert_topic:
             sinks.append(TopicSink(self._produce_alert, self.config.alert_topic))
         if self.config.alert_keep and isinstance(self._backend, RedisBackend):

@@ -243,3 +243,60 @@ async def test_a_store_refuses_grants_past_the_range_whole(backend: Backend) -> 
     assert "\n" not in str(info.value)
     assert (await backend.state(key)).grant == MAX_AMOUNT
     assert (await backend.state(key.replace("grantee", "other"))).grant == 0
+
+
+class _Picky(MemoryBackend):
+    """A store that fails (writing nothing) on any batch holding one offset, naming no event:
+    the projector must find that event by applying one at a time."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.bad = bad
+
+    async def apply(self, partition: str, events: Any, **options: Any) -> int:
+        if any(e.offset == self.bad for e in events):
+            raise ValueError("numeric value out of range\nDETAIL: a second line")
+        return await super().apply(partition, events, **options)
+
+
+async def test_an_error_naming_no_event_is_narrowed_down_to_its_event() -> None:
+    records, attack = await build("meter_max")
+    honest = [r for r in records if r not in attack.raw]  # alice, bob, bob, alice
+    letters: list[DeadLetter] = []
+    backend = _Picky(1)  # bob's first spend
+    projector = Projector(backend, TOPIC, dlq=letters.append)
+    result = await projector.apply_batch(0, list(enumerate(honest)))
+    reason = "ValueError: numeric value out of range"  # its first line
+    assert [(d.offset, d.reason) for d in letters] == [(1, reason)]
+    assert (result.dead, await projector.watermark(0)) == (1, len(honest) - 1)
+    assert await _spend(backend, BOB) == (3_000, 0)
+    assert await _spend(backend, ALICE) == (5_000, 0)
+
+
+async def test_an_unreachable_store_is_retried_never_dead_lettered() -> None:
+    class Down(MemoryBackend):
+        async def apply(self, partition: str, events: Any, **options: Any) -> int:
+            raise ConnectionError("refused")
+
+    records, _ = await build("negative_recovered")
+    letters: list[DeadLetter] = []
+    projector = Projector(Down(), TOPIC, dlq=letters.append)
+    with pytest.raises(ConnectionError):
+        await projector.apply_batch(0, list(enumerate(records)))
+    assert letters == []
+
+
+async def test_the_file_projector_skips_a_refused_event_and_goes_on(tmp_path: Any) -> None:
+    from mcp_budget_governor.producers.file_ledger import DEFAULT_PREFIX, FileProjector
+    from mcp_budget_governor.producers.record_log import RecordLog
+
+    records, attack = await build("meter_max")
+    log = RecordLog(tmp_path, prefix=DEFAULT_PREFIX)
+    log.append(records)
+    log.close()
+    backend = MemoryBackend()
+    projector = FileProjector(tmp_path, backend)
+    await projector.catch_up()
+    assert projector.refused == len(attack.refused)
+    assert await _spend(backend, BOB) == (5_000, 0)
+    assert await _spend(backend, MALLORY) == (MAX_AMOUNT, 0)

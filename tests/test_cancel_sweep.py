@@ -175,7 +175,8 @@ async def test_cancels_at_every_instant_pay_once_and_free_the_slot(
     # reached the counters (no event), and calls admitted, then cancelled.
     admitted_then_cancelled = set(admitted) & set(cancelled)
     assert len(admitted_then_cancelled) >= 10, (len(admitted), len(cancelled))
-    assert set(cancelled) - set(kinds), (len(kinds), len(cancelled))
+    if caller == "python":  # a TypeScript call is sent before its abort timer can fire
+        assert set(cancelled) - set(kinds), (len(kinds), len(cancelled))
 
     # Projected, nothing stays in flight, and reconcile finds no orphan and no drift.
     backend = backend_for(near_store)

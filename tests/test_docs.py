@@ -109,7 +109,10 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     """A broken link, a missing page or an unresolved API reference fails the build."""
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     nav_pages = re.findall(r":\s*([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
@@ -146,9 +149,7 @@ def services(request: pytest.FixtureRequest, redis_url: str) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize(
-    "example", [ex for ex in PYTHON if not _illustrative(ex.prefix)], ids=str
-)
+@pytest.mark.parametrize("example", [ex for ex in PYTHON if not _illustrative(ex.prefix)], ids=str)
 def test_every_python_block_runs(
     example: CodeExample,
     eval_example: EvalExample,

@@ -20,12 +20,12 @@ import pytest
 from mcp_budget_governor import (
     MAX_AMOUNT,
     Backend,
-    BudgetExceeded,
     Context,
     Governor,
     GovernorError,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     MeterResult,
     Policy,
@@ -38,6 +38,7 @@ from mcp_budget_governor import (
     planning,
     usd,
 )
+from mcp_budget_governor.errors import MissingScopeError
 from mcp_budget_governor.events import MeteredEvent, encode, parse, to_entry
 from mcp_budget_governor.integrations.decorator import governed
 from mcp_budget_governor.ledger import EntryType, LedgerEntry
@@ -163,14 +164,19 @@ async def test_event_ids_are_unique_uuid7() -> None:
 
 
 async def test_a_context_without_the_scope_is_not_charged() -> None:
+    """A Recorder emits nothing for it (a tool wrapper's emit never fails the tool); a
+    Governor's meter() raises, as mcp-budget-governor 0.1.0's did (a cost counted nowhere
+    is a bug at the call site, not a silent zero)."""
     ledger = MemoryLedger()
     rec = Recorder(policy(), ledger, prices=PRICES)
-    gov = Governor(policy(), MemoryBackend(), ledger=MemoryLedger(), prices=PRICES)
+    gov_ledger = MemoryLedger()
+    gov = Governor(policy(), MemoryBackend(), ledger=gov_ledger, prices=PRICES)
     no_tenant = Context(user="u_42", tool="search")
-    got = await gov.meter("daily", 5, no_tenant)
-    assert await rec.meter("daily", 5, no_tenant) == got.charged == 0 and got.limit is None
+    with pytest.raises(MissingScopeError, match="does not carry tenant"):
+        await gov.meter("daily", 5, no_tenant)
+    assert await rec.meter("daily", 5, no_tenant) == 0
     assert await rec.meter_tokens("monthly", "m", input_tokens=9, output_tokens=9) == 0
-    assert ledger.entries == []
+    assert ledger.entries == [] and gov_ledger.entries == []
 
 
 async def test_emit_is_a_one_shot_recorder() -> None:
@@ -312,7 +318,7 @@ async def test_governed_checks_runs_and_meters(backend: Backend) -> None:
 
     assert await search("a", user="u1") == "A"
     assert await search("b", user="u1") == "B"
-    with pytest.raises(BudgetExceeded) as refused:
+    with pytest.raises(LimitExceeded) as refused:
         await search("c", user="u1")  # burst: 2 a minute per user
     assert (refused.value.decision.status, refused.value.decision.limit) == (429, "burst")
     assert ran == ["a", "b"]  # the refused call never ran...
@@ -350,7 +356,7 @@ async def test_cost_callable_receives_the_result_and_a_breaker_sheds_the_next_ca
     await model_call(usd("1.5"), user="u2")  # crosses the cap: completes and is charged
     assert len(seen) == 2 and all(s is r for s, r in zip(seen, results, strict=True))
     assert await gov.usage("spend") == usd(3)
-    with pytest.raises(BudgetExceeded) as shed:
+    with pytest.raises(LimitExceeded) as shed:
         await model_call(1, user="u3")
     assert (shed.value.decision.status, shed.value.decision.limit) == (503, "spend")
     assert len(results) == 2
@@ -364,7 +370,7 @@ async def test_a_governor_without_limit_only_checks() -> None:
         return "pong"
 
     assert [await ping(), await ping()] == ["pong", "pong"]
-    with pytest.raises(BudgetExceeded):
+    with pytest.raises(LimitExceeded):
         await ping()
     assert await gov.usage("spend") == 0
 

@@ -14,10 +14,10 @@ import pytest
 
 from mcp_budget_governor import (
     Backend,
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     Policy,
     Scope,
@@ -64,7 +64,7 @@ async def workload(gov: Governor, n: int, seed: int) -> dict[str, int]:
                         r.actual = rng.randrange(0, 40_000)
                         done["settled"] += 1
                 done["reserved"] += 1
-            except BudgetExceeded:
+            except LimitExceeded:
                 done["rejected"] += 1
     return done
 

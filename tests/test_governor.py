@@ -9,11 +9,11 @@ import pytest
 
 from mcp_budget_governor import (
     Backend,
-    BudgetExceeded,
     Context,
     Governor,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     OnExceed,
     Policy,
     PolicyError,
@@ -47,7 +47,7 @@ async def test_admits_up_to_cap_then_refuses_with_429(backend: Backend) -> None:
     assert refusal.retry_after is not None and 1 <= refusal.retry_after <= 60
     assert refusal.headers == {"Retry-After": str(refusal.retry_after)}
     assert await gov.usage("burst", U42) == 3
-    with pytest.raises(BudgetExceeded) as info:
+    with pytest.raises(LimitExceeded) as info:
         refusal.raise_for_status()
     assert info.value.decision is refusal
     assert results[0].raise_for_status() is results[0]
@@ -67,7 +67,7 @@ async def test_scopes_count_separately_and_missing_scope_is_skipped(backend: Bac
     for _ in range(3):
         assert (await gov.check(Context(tool="x"))).admitted
     assert await gov.usage("per_user_tool", Context(user="a", tool="x")) == 1
-    with pytest.raises(InvalidInputError, match="lacks tenant"):
+    with pytest.raises(InvalidInputError, match="does not carry tenant"):
         await gov.usage("per_tenant", Context(user="a"))
 
 
@@ -202,7 +202,7 @@ async def test_reserve_settle_release(backend: Backend) -> None:
     assert await gov.usage("spend") == usd(0.1)
     # a reservation that does not fit is refused and charges nothing
     async with gov.reserved("spend", usd(0.8)):
-        with pytest.raises(BudgetExceeded) as info:
+        with pytest.raises(LimitExceeded) as info:
             async with gov.reserved("spend", usd(0.2)):
                 pytest.fail("entered a reservation past the cap")
         assert info.value.decision.status == 402

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from mcp_budget_governor import (
     ANONYMOUS_USER,
     Anonymous,
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     Policy,
     PolicyError,
@@ -55,7 +55,7 @@ def test_default_is_refuse_and_the_value_is_validated() -> None:
 @pytest.mark.parametrize("user", [None, ""])
 def test_refuse_raises_a_403_naming_the_per_user_limit(user: str | None) -> None:
     policy = Policy.of(PER_TOOL, BURST)
-    with pytest.raises(BudgetExceeded) as exc:
+    with pytest.raises(LimitExceeded) as exc:
         policy.identified(Context(user=user, tool="search"))
     d = exc.value.decision
     assert (d.admitted, d.status, d.limit, d.reason) == (False, 403, "burst", "caller_unidentified")
@@ -119,7 +119,7 @@ async def test_a_refused_unnamed_caller_is_a_rejection_in_the_ledger() -> None:
 
     ledger = MemoryLedger()
     gov = Governor(Policy.of(BURST, PER_TOOL), MemoryBackend(), ledger=ledger)
-    with pytest.raises(BudgetExceeded) as refused:
+    with pytest.raises(LimitExceeded) as refused:
         await gov.identified(Context(tool="search"))
     assert refused.value.decision.status == 403
     (entry,) = ledger.entries

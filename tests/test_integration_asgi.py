@@ -27,11 +27,11 @@ from starlette.routing import Route
 from mcp_budget_governor import (
     ANONYMOUS_USER,
     Anonymous,
-    BudgetExceeded,
     Context,
     Governor,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     Policy,
     RedisBackend,
@@ -157,13 +157,16 @@ async def test_429_with_retry_after_and_a_json_body_then_metering(
         assert r.status_code == 429
         left = int(r.headers["retry-after"])
         assert 1 <= left <= 60
-        assert r.headers["content-type"] == "application/json"
+        assert r.headers["content-type"] == "application/problem+json"  # RFC 9457
         body = r.json()
         assert body["error"] == "budget_exceeded"
         assert body["reason"] == "budget_exceeded:user/minute"
         assert (body["limit"], body["status"], body["retry_after"]) == ("burst", 429, left)
         assert body["resets_at"].endswith("Z")
         assert body["message"].startswith("budget_exceeded:user/minute limit=burst status=429 ")
+        assert (body["title"], body["instance"]) == ("Limit exceeded", "/hello")
+        assert body["type"].endswith("/problems/limit-exceeded")
+        assert body["detail"] == body["reason"]
         me = Context(user="u_1")
         assert await usage("burst", me) == 2
         assert await usage("user_spend", me) == 2 * usd("0.01")  # the 429 was not charged
@@ -331,7 +334,7 @@ async def test_a_refusal_a_bare_asgi_app_raises_is_answered_the_same_way() -> No
     )
 
     async def bare(scope: Any, receive: Any, send: Any) -> None:
-        raise BudgetExceeded(decision)  # e.g. a @governed function it awaited
+        raise LimitExceeded(decision)  # e.g. a @governed function it awaited
 
     gov = Governor(policy(), MemoryBackend(), clock=lambda: NOW)
     app = BudgetASGIMiddleware(bare, gov, identify=identify)

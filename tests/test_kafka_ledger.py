@@ -42,10 +42,10 @@ import redis as redis_sync
 from aiokafka import AIOKafkaProducer
 
 from mcp_budget_governor import (
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     Policy,
     RedisBackend,
@@ -172,7 +172,7 @@ async def one_op(gov: Governor, rng: random.Random, tally: Counter[str]) -> None
                     if kind < 0.9:
                         r.actual = rng.randrange(0, 40_000)
                     tally["settled"] += 1  # a standing estimate is settled by a zero delta
-        except BudgetExceeded:
+        except LimitExceeded:
             tally["rejected"] += 1
 
 
@@ -967,7 +967,7 @@ async def test_full_outbox_drops_refusals_of_unidentified_callers(
     refused = 0
     with caplog.at_level(logging.WARNING, logger="mcp_budget_governor.producers.kafka_ledger"):
         for i in range(200):
-            with pytest.raises(BudgetExceeded, match="caller_unidentified"):
+            with pytest.raises(LimitExceeded, match="caller_unidentified"):
                 await gov.identified(Context(tool=f"t{i}"))
             refused += 1
     assert ledger.outbox.pending_bytes <= limit

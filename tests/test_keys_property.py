@@ -9,6 +9,7 @@ carry them): ``Context`` refuses them, and the strategies here leave them out.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import string
@@ -134,7 +135,9 @@ def test_lone_surrogates_are_refused_at_the_context(value: str) -> None:
 
 
 def contexts_over(values: st.SearchStrategy[str]) -> st.SearchStrategy[Context]:
-    return st.builds(Context, user=values, tenant=values, tool=values, session=values, agent=values)
+    return st.builds(
+        Context, user=values, tenant=values, tool=values, session=values, agent=values, call=values
+    )
 
 
 def key_of(name: str, dims: tuple[Scope, ...], window: Window, ctx: Context) -> str:
@@ -187,7 +190,7 @@ windows = st.sampled_from(Window)
 def context_pairs(draw: st.DrawFn) -> tuple[Context, Context]:
     """A context and a second one equal to it, or differing in chosen, adversarial ways."""
     a = draw(contexts_over(hostile))
-    fields = ["user", "tenant", "tool", "session", "agent"]
+    fields = ["user", "tenant", "tool", "session", "agent", "call"]
     b = dict(zip(fields, (getattr(a, f) for f in fields), strict=True))
     how = draw(st.sampled_from(("same", "change", "move_separator", "swap", "all")))
     if how == "change":
@@ -250,6 +253,9 @@ def test_every_scope_combination_separates_naive_collisions(dims: tuple[Scope, .
         Context(user="%3A", tenant="t", tool="c", session="s", agent="g"),
         Context(user=":", tenant="t", tool="c", session="s", agent="g"),
     }
+    # The loop guard's dimension (Scope.CALL) takes the user's value: as hostile, and a
+    # collision candidate with every other field.
+    variants = {dataclasses.replace(c, call=c.user) for c in variants}
     by_identity: dict[tuple, str] = {}
     for ctx in variants:
         key = key_of("l", dims, Window.DAY, ctx)

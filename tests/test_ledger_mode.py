@@ -9,10 +9,10 @@ from collections import defaultdict
 
 from mcp_budget_governor import (
     Backend,
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
+    LimitExceeded,
     Policy,
     Scope,
     Unit,
@@ -50,7 +50,7 @@ async def mixed_run(gov: Governor, n: int, seed: int = 7) -> dict[str, int]:
                 async with gov.reserved("spend", 20_000, ctx) as r:
                     r.actual = rng.randrange(0, 40_000)
                 done["reserved"] += 1
-            except BudgetExceeded:
+            except LimitExceeded:
                 done["rejected"] += 1
     return done
 

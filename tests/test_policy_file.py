@@ -123,6 +123,7 @@ def test_every_limit_field_can_be_written_in_a_file() -> None:
         on_exceed = "alert"
         alert_at = [90, 10, 50]
         caps = { "tenant=acme,tool=search" = 9 }
+        tools = ["search", "brave_*"]
     """
     policy = loads(textwrap.dedent(text))
     expected = Limit(
@@ -141,6 +142,7 @@ def test_every_limit_field_can_be_written_in_a_file() -> None:
         on_exceed=OnExceed.ALERT,
         alert_at=(10, 50, 90),
         caps={"tenant=acme,tool=search": 9},
+        tools=("search", "brave_*"),
     )
     assert policy.limits == (expected,)
     defaults = Limit("x", cap=1, window=Window.DAY)
@@ -504,7 +506,7 @@ def test_mcpbg_budgets_malformed_policy_exit_code_in_a_real_process(tmp_path: Pa
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr == (
-        f"mcpbg budgets: {path}:5: limits[0].cap: must not be negative (got -5)\n"
+        f"mcpbg budgets: {path}:5: limits[0].cap: must be non-negative (got -5)\n"
     )
 
 

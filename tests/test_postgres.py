@@ -497,3 +497,33 @@ async def test_the_startup_log_says_how_many_replicas_the_server_allows(
     fit = (row[0] - row[1]) // 5
     assert f"max_connections={row[0]} ({row[1]} reserved)" in caplog.text
     assert f"a pool of 5 per replica lets {fit} replicas share it" in caplog.text
+
+
+async def test_a_batch_whose_first_counter_is_not_written_keeps_expiries_in_step(
+    postgres_url: str,
+) -> None:
+    """sql/0007: a check whose first op charges nothing, and a coalesced call whose
+    first check is refused, write each counter with its own expiry (0005 shifted the
+    expiries and the call failed)."""
+    from mcp_budget_governor.counters import CounterOp
+
+    backend = PostgresBackend.from_url(postgres_url)
+    end = time.time() + 3600
+    tag = uuid.uuid4().hex[:8]
+    a, b, c, d = (f"mcpbg:v1:t{tag}:user={u}:1" for u in "abcd")
+    assert (
+        await backend.charge([CounterOp(a, 0, 10, True, end), CounterOp(b, 1, 10, True, end)])
+    ).admitted
+    # Three at once: the first goes alone, the other two in one call, the refused first.
+    first, refused, admitted = await asyncio.gather(
+        backend.charge([CounterOp(c, 1, 10, True, end)]),
+        backend.charge([CounterOp(a, 1, 0, True, end)]),
+        backend.charge([CounterOp(d, 2, 10, True, end + 60)]),
+    )
+    assert (first.admitted, refused.admitted, admitted.admitted) == (True, False, True)
+    assert await backend.usage([a, b, c, d]) == [0, 1, 1, 2]
+    rows = dict(await backend._rows(
+        "SELECT key, expire_at FROM mcpbg_counter WHERE key = ANY(%s)", ([b, c, d],)
+    ))  # fmt: skip
+    assert rows == {b: pytest.approx(end), c: pytest.approx(end), d: pytest.approx(end + 60)}
+    await backend.aclose()

@@ -48,7 +48,12 @@ from mcp_budget_governor import (
     __version__,
     usd,
 )
-from mcp_budget_governor.errors import BudgetUnavailable, InvalidInputError, PolicyError
+from mcp_budget_governor.errors import (
+    BudgetUnavailable,
+    InvalidInputError,
+    MissingScopeError,
+    PolicyError,
+)
 from testing.buckets import room
 from testing.services import free_port
 
@@ -205,8 +210,13 @@ def test_every_public_name_of_the_reference_package_is_importable() -> None:
     assert missing == []
     assert set(REFERENCE_ALL) - {"RedisBackend"} <= set(mcp_budget_governor.__all__)
     assert isinstance(__version__, str) and __version__[0].isdigit()
-    assert AccumulateResult is MeterResult
-    assert ConsumeResult is mcp_budget_governor.ChargeResult
+    from mcp_budget_governor.backends import base, memory, redis
+    from mcp_budget_governor.pricing import BUILTIN_AS_OF as as_of
+
+    # The reference's module paths name our classes, never a copy.
+    assert memory.MemoryBackend is MemoryBackend and redis.RedisBackend is RedisBackend
+    assert (base.ConsumeResult, base.AccumulateResult) == (ConsumeResult, AccumulateResult)
+    assert as_of == BUILTIN_AS_OF
     assert issubclass(RedisBackend, object) and isinstance(MemoryBackend(), Backend)
     assert Decision(admitted=True).allowed and not Decision(admitted=False).allowed
 
@@ -256,40 +266,58 @@ def quota_and_breaker(backend: Backend) -> Governor:
     )
 
 
-async def test_limit_exceeded_is_a_budget_exceeded_and_a_breaker_raises_budget_exceeded(
+async def test_except_limit_exceeded_catches_every_refusal_budget_exceeded_the_breakers(
     backend: Backend,
 ) -> None:
-    """1. The hierarchy is turned over: LimitExceeded (quota) < BudgetExceeded (every refusal)."""
-    assert issubclass(LimitExceeded, BudgetExceeded)
-    assert not issubclass(BudgetExceeded, LimitExceeded)
+    """1. The reference's hierarchy: BudgetExceeded (a breaker, 503) is a LimitExceeded,
+    the base of every refusal; a quota refusal is not a BudgetExceeded."""
+    assert issubclass(BudgetExceeded, LimitExceeded)
+    assert not issubclass(LimitExceeded, BudgetExceeded)
+    assert issubclass(BudgetUnavailable, LimitExceeded)
+    assert not issubclass(BudgetUnavailable, BudgetExceeded)
     gov = quota_and_breaker(backend)
     u1, u2 = Context(user="u1"), Context(user="u2")
     assert (await gov.check(u1)).allowed
+    refusals: list[LimitExceeded] = []
     with pytest.raises(LimitExceeded) as quota:
         (await gov.check(u1)).raise_for_status()
-    assert quota.value.status_code == 429
+    refusals.append(quota.value)
+    assert type(quota.value) is LimitExceeded and quota.value.status_code == 429
+    with pytest.raises(LimitExceeded) as unnamed:  # a per-user limit, nobody named: 403
+        await gov.identified(Context(tool="search"))
+    refusals.append(unnamed.value)
+    assert unnamed.value.status_code == 403
 
     await gov.meter("global_spend", usd(5))
     with pytest.raises(BudgetExceeded) as breaker:
         (await gov.check(u2)).raise_for_status()
-    # Not a LimitExceeded: `except LimitExceeded` misses it.
-    assert type(breaker.value) is BudgetExceeded
-    assert breaker.value.status_code == 503
+    refusals.append(breaker.value)
+    assert type(breaker.value) is BudgetExceeded and breaker.value.status_code == 503
     with pytest.raises(BudgetExceeded) as reserve:
         await gov.reserve("global_spend", 1, u2)
+    refusals.append(reserve.value)
     assert type(reserve.value) is BudgetExceeded
     # Whichever raise site builds the refusal, the decision picks the class.
-    assert type(BudgetExceeded(quota.value.decision)) is LimitExceeded
-    # A handler chain in the reference's order answers 503 to a quota refusal.
-    try:
-        raise quota.value
-    except BudgetExceeded:
-        answered = "503"
-    except LimitExceeded:  # pragma: no cover - unreachable, which is the point
-        answered = "429"
-    assert answered == "503"
-    assert quota.value.decision.status == 429
-    assert not hasattr(quota.value, "to_problem_detail") and not hasattr(quota.value, "cap")
+    assert type(LimitExceeded(quota.value.decision)) is LimitExceeded
+    assert type(LimitExceeded(breaker.value.decision)) is BudgetExceeded
+
+    def answer(exc: Exception) -> str:
+        # A handler chain in the reference's order: the breaker first, then the rest.
+        try:
+            raise exc
+        except BudgetExceeded:
+            return "503 breaker"
+        except LimitExceeded as other:
+            return str(other.status_code)
+
+    assert [answer(e) for e in refusals] == ["429", "403", "503 breaker", "503 breaker"]
+    # The reference's constructors, and its problem documents (RFC 9457).
+    by_hand = BudgetExceeded("global_spend", retry_after=30, total=6, cap=5)
+    assert by_hand.status_code == 503 and by_hand.retry_after == 30
+    detail = by_hand.to_problem_detail("/tools/x")
+    assert detail["type"].endswith("budget-exceeded") and detail["cap"] == 5
+    assert detail["instance"] == "/tools/x" and detail["status"] == 503
+    assert LimitExceeded("calls", retry_after=1).to_problem_detail()["title"] == "Limit exceeded"
 
 
 async def test_unreachable_fail_closed_counters_refuse_with_a_decision_not_an_exception() -> None:
@@ -304,7 +332,8 @@ async def test_unreachable_fail_closed_counters_refuse_with_a_decision_not_an_ex
     assert not decision.allowed and decision.status == 503 and decision.degraded
     with pytest.raises(BackendUnavailable) as exc:
         decision.raise_for_status()
-    assert isinstance(exc.value, BudgetExceeded) and isinstance(exc.value, BudgetUnavailable)
+    assert isinstance(exc.value, LimitExceeded) and isinstance(exc.value, BudgetUnavailable)
+    assert not isinstance(exc.value, BudgetExceeded)  # not the breaker's
     assert exc.value.limit_name == "spend" and exc.value.retry_after is not None
     # The read-only calls raise, as the reference's do for a fail-closed limit.
     with pytest.raises(BackendUnavailable):
@@ -323,25 +352,34 @@ async def test_budget_governor_error_is_also_the_base_of_input_errors(backend: B
 
 
 async def test_unknown_limits_and_missing_scopes(backend: Backend) -> None:
-    """4. An unknown limit raises PolicyError (a ValueError, not a KeyError); a context
-    lacking a limit's scope is skipped by meter() and reserve(), refused by is_tripped()."""
+    """4. An unknown limit raises PolicyError (a ValueError, and a KeyError); a context
+    lacking the scope of the limit meter(), reserve(), is_tripped() or usage() names
+    raises MissingScopeError (an InvalidInputError, and a KeyError); check() skips it."""
     gov = quota_and_breaker(backend)
     with pytest.raises(PolicyError, match="no such limit") as unknown:
         await gov.meter("nope", 1)
-    assert isinstance(unknown.value, ValueError) and not isinstance(unknown.value, KeyError)
+    assert isinstance(unknown.value, ValueError) and isinstance(unknown.value, KeyError)
+    assert "no limit named 'nope'" in str(unknown.value)
 
     nobody = Context()
-    got = await gov.meter("user_spend", 100, nobody)
-    assert (got.charged, got.limit, got.total) == (0, None, 0)
-    r = await gov.reserve("user_spend", 100, nobody)
-    assert await gov.settle(r, 50) == MeterResult(within=True, total=0, crossed=False)
-    with pytest.raises(InvalidInputError, match="lacks user"):
-        await gov.is_tripped("user_spend", nobody)
-    with pytest.raises(InvalidInputError, match="lacks user"):
-        await gov.usage("user_spend", nobody)
+    gov.prices = PriceTable.of(m=(1, 1))
+    for call in (
+        gov.meter("user_spend", 100, nobody),
+        gov.meter_tokens("user_spend", "m", input_tokens=1, ctx=nobody),
+        gov.reserve("user_spend", 100, nobody),
+        gov.is_tripped("user_spend", nobody),
+        gov.usage("user_spend", nobody),
+    ):
+        with pytest.raises(MissingScopeError, match="does not carry user") as missing:
+            await call
+        assert isinstance(missing.value, KeyError) and isinstance(missing.value, ValueError)
+    # Several names: charged where the context keys one, the others skipped.
+    got = await gov.meter(("user_spend", "global_spend"), 100, nobody)
+    assert (got.charged, got.limit) == (100, "global_spend")
+    assert (await gov.check(nobody)).allowed
     assert await gov.status(nobody) == {
         "global_spend": {
-            "total": 0, "cap": usd(5), "remaining": usd(5), "exceeded": False,
+            "total": 100, "cap": usd(5), "remaining": usd(5) - 100, "exceeded": False,
             "resets_in": (await gov.status(nobody))["global_spend"]["resets_in"],
         }
     }  # fmt: skip
@@ -474,18 +512,22 @@ async def test_the_context_parameter_is_named_ctx(backend: Backend) -> None:
         await gov.check(context=u1)  # type: ignore[call-arg]
 
 
-def test_no_scope_global_and_governor_options() -> None:
-    """14. A global limit has no scope (no Scope.GLOBAL); local_fallback is per Limit;
-    clock returns epoch seconds."""
-    assert not hasattr(Scope, "GLOBAL")
-    assert Limit("spend", cap=1, window=Window.DAY).scope == ()
-    assert Limit("spend", cap=1, window=Window.DAY, local_fallback=False).local_fallback is False
+def test_scope_global_and_governor_options() -> None:
+    """14. Scope.GLOBAL is leaving the scope out; Governor(local_fallback=False) turns off
+    every limit's local counter; a clock may return an aware datetime."""
+    assert Limit("spend", cap=1, window=Window.DAY).scope is Scope.GLOBAL
+    assert Limit("s", cap=1, window=Window.DAY, scope=(Scope.GLOBAL, Scope.USER)).scopes == (
+        Scope.USER,
+    )
+    assert Scope.GLOBAL not in list(Scope)
     policy = Policy.of(Limit("calls", cap=1, window=Window.DAY))
-    with pytest.raises(TypeError):
-        Governor(policy, local_fallback=False)  # type: ignore[call-arg]
-    memory = MemoryBackend(clock=lambda: 1764442477.0)
-    gov = Governor(policy, memory, clock=lambda: 1764442477.0)  # 2025-11-29T18:54:37Z
+    gov = Governor(policy, local_fallback=False)
+    assert gov.policy["calls"].local_fallback is False and policy["calls"].local_fallback
+    memory = MemoryBackend()
+    moment = datetime(2025, 11, 29, 18, 54, 37, tzinfo=UTC)
+    gov = Governor(policy, memory, clock=lambda: moment)
     asyncio.run(gov.check())
+    # The backend follows the governor's clock: the past day's counter is live.
     assert memory.keys() == ["mcpbg:v1:calls:global:20251129"]
 
 
@@ -494,17 +536,27 @@ async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_use
 ) -> None:
     """15. The middlewares pass callers through Governor.identified: with a per-user limit,
     a caller without a user id is refused (403) unless Policy(anonymous="shared");
-    check() itself still skips the limits the context cannot key."""
+    check() itself still skips the limits the context cannot key. @governed takes the
+    reference's identify=/cost_of=/meter_limit= as well as context=/cost=/limit=."""
     gov = quota_and_breaker(backend)
-    with pytest.raises(BudgetExceeded) as exc:
+    with pytest.raises(LimitExceeded) as exc:
         await gov.identified(Context(tool="search"))
-    assert exc.value.status_code == 403 and type(exc.value) is BudgetExceeded
+    assert exc.value.status_code == 403 and type(exc.value) is LimitExceeded
     assert (await gov.check(Context(tool="search"))).allowed
 
     from mcp_budget_governor.integrations.decorator import governed
 
-    with pytest.raises(TypeError):
-        governed(gov, meter_limit="user_spend", cost_of=len)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="together"):
+        governed(gov, meter_limit="user_spend")
+
+    @governed(
+        gov, meter_limit="user_spend", cost_of=lambda r: None, identify=lambda u: Context(user=u)
+    )
+    async def free(user: str) -> str:
+        return "nothing to pay"
+
+    assert await free("u_8") == "nothing to pay"
+    assert await gov.usage("user_spend", Context(user="u_8")) == 0  # None charges nothing
 
     @governed(gov, limit="user_spend", cost=len, context=lambda args, kwargs: Context(user=args[0]))
     async def search(user: str) -> str:
@@ -515,12 +567,15 @@ async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_use
 
 
 def test_model_prices_are_dollars_per_million_tokens() -> None:
-    """16. ModelPrice takes USD per million tokens (the reference: micros); the cost is
-    cost_micros(), the lookup price_of()."""
+    """16. ModelPrice takes USD per million tokens (the reference: micros), so does
+    ModelPrice.from_dollars; PriceTable.of/cost/price_for/prices as in the reference."""
     table = PriceTable({"m": ModelPrice(5, 25)})
     assert table.cost_micros("m", input_tokens=1_000_000, output_tokens=0) == usd(5)
     assert table.price_of("m").output_per_mtok == 25
-    assert not hasattr(table, "cost") and not hasattr(table, "price_for")
+    assert ModelPrice.from_dollars(5, 25) == ModelPrice(5, 25)
+    by_of = PriceTable.of(m=(5, 25))
+    assert by_of.cost("m", output_tokens=1_000_000) == usd(25) and by_of.cost("m") == 0
+    assert by_of.price_for("m") == table.price_of("m") and list(by_of.prices) == ["m"]
 
 
 def test_builtin_as_of_is_the_date_of_the_builtin_prices() -> None:
@@ -532,21 +587,60 @@ def test_builtin_as_of_is_the_date_of_the_builtin_prices() -> None:
     assert PriceTable().as_of is None
 
 
-def test_backends_follow_this_packages_contract() -> None:
-    """18. A backend written for the reference (consume/accumulate/release/peek/close) is
-    not a Backend; ConsumeResult and AccumulateResult name ChargeResult and MeterResult."""
+async def test_a_backend_written_to_the_reference_protocol_serves_our_governor() -> None:
+    """18. A backend of the reference's protocol (consume/accumulate/release/peek/close) is
+    adapted, not ours; ConsumeResult and AccumulateResult are the reference's results.
+    500 concurrent checks against a cap of 50 admit exactly 50 on a dict of its own."""
 
-    class ReferenceStyle:
-        async def consume(self, key: str, amount: int, cap: int, ttl: int) -> Any: ...
-        async def accumulate(self, key: str, amount: int, cap: int, ttl: int) -> Any: ...
-        async def release(self, key: str, amount: int) -> None: ...
-        async def peek(self, key: str) -> int: ...
-        async def close(self) -> None: ...
+    class DictBackend:
+        def __init__(self) -> None:
+            self.values: dict[str, int] = {}
+            self.closed = False
 
-    assert not isinstance(ReferenceStyle(), Backend)
-    assert isinstance(MemoryBackend(), Backend)
-    assert ConsumeResult(-1, (3,)).admitted
-    assert AccumulateResult(within=True, total=3, crossed=False).charged == 0
+        async def consume(self, key: str, amount: int, cap: int, ttl: int) -> ConsumeResult:
+            await asyncio.sleep(0)  # a store's round trip: callers interleave here
+            total = self.values.get(key, 0)
+            if total + amount > cap:
+                return ConsumeResult(allowed=False, total=total, remaining=max(cap - total, 0))
+            self.values[key] = total + amount
+            return ConsumeResult(allowed=True, total=total + amount, remaining=cap - total - amount)
+
+        async def accumulate(self, key: str, amount: int, cap: int, ttl: int) -> AccumulateResult:
+            before = self.values.get(key, 0)
+            self.values[key] = before + amount
+            total = before + amount
+            return AccumulateResult(within=total <= cap, total=total, crossed=before <= cap < total)
+
+        async def release(self, key: str, amount: int) -> None:
+            if key in self.values:
+                self.values[key] = max(self.values[key] - amount, 0)
+
+        async def peek(self, key: str) -> int:
+            return self.values.get(key, 0)
+
+        async def close(self) -> None:
+            self.closed = True
+
+    mine = DictBackend()
+    assert not isinstance(mine, Backend)
+    gov = Governor(
+        Policy.of(
+            Limit("per_user", cap=1_000, window=Window.DAY, scope=Scope.USER),
+            Limit("calls", cap=50, window=Window.DAY),
+            Limit("spend", cap=usd(1), window=Window.DAY, unit=Unit.USD_MICROS, gated=False),
+        ),
+        mine,
+    )
+    decisions = await asyncio.gather(*(gov.check(Context(user=f"u{i % 7}")) for i in range(500)))
+    assert sum(d.allowed for d in decisions) == 50
+    (calls_key,) = [k for k in mine.values if ":calls:" in k]
+    assert mine.values[calls_key] == 50
+    # The refused checks gave back what they took on the per-user limit first.
+    assert sum(v for k, v in mine.values.items() if ":per_user:" in k) == 50
+    assert (await gov.meter("spend", usd(0.4))).total == usd(0.4)
+    assert (await gov.status())["spend"]["total"] == usd(0.4)
+    await gov.close()
+    assert mine.closed
 
 
 # -- status() is read only -----------------------------------------------------

@@ -26,11 +26,11 @@ import pytest
 
 from mcp_budget_governor import (
     MAX_AMOUNT,
-    BudgetExceeded,
     Context,
     Governor,
     InvalidInputError,
     Limit,
+    LimitExceeded,
     MemoryBackend,
     OnExceed,
     Policy,
@@ -108,7 +108,7 @@ async def workload(clock: Clock, rounds: int = 6) -> list[LedgerEntry]:
         r.actual = 20_000
     async with gov.reserved("spend", 30_000, Context(user="u9")) as r:
         r.release()
-    with contextlib.suppress(BudgetExceeded):
+    with contextlib.suppress(LimitExceeded):
         async with gov.reserved("spend", usd(5), Context(user="u9")):
             pytest.fail("a reservation past the cap was admitted")
     await gov.aclose()

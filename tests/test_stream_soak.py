@@ -42,10 +42,10 @@ from pathlib import Path
 import pytest
 
 from mcp_budget_governor import (
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
+    LimitExceeded,
     Policy,
     PriceTable,
     RedisBackend,
@@ -202,7 +202,7 @@ async def produce(gov: Governor, prod: Production, seed: int) -> None:
                     else:
                         r.actual = rng.randrange(0, 60_000)
                         prod.ops["settled"] += 1
-            except BudgetExceeded:
+            except LimitExceeded:
                 prod.claimed -= 1  # refused: one event (rejected), not two
                 prod.ops["reservation refused"] += 1
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import redis
 
-from mcp_budget_governor import BudgetExceeded, Context, Governor, RedisBackend
+from mcp_budget_governor import Context, Governor, LimitExceeded, RedisBackend
 from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.integrations.fastmcp import shared_request_state
 from mcp_budget_governor.keys import APPROVAL_KEY
@@ -358,7 +358,7 @@ async def test_hard_caps_on_two_limits_hold_all_or_nothing_across_languages(
             try:
                 async with Reservations(gov, {"hold_tenant": 10, "hold_user": 10}, Context(**ctx)):
                     await asyncio.sleep(0.2)
-            except BudgetExceeded as exc:
+            except LimitExceeded as exc:
                 return exc.decision.status
             return 200
 

@@ -133,6 +133,14 @@ def _with_ledger(args: argparse.Namespace, report: BudgetReport) -> BudgetReport
         con.close()
 
 
+def _forecast_cell(row: dict[str, Any]) -> str:
+    """The forecast column of an API row (``projections.budgets.BudgetRow.forecast``)."""
+    at = row.get("projected_exhaust_at")
+    if not at or not row.get("projected_before_end"):
+        return "-"
+    return f"{at[:10]} {at[11:16]} UTC"
+
+
 def _run_api(args: argparse.Namespace) -> int:
     """The same rows from ``GET /v1/budgets`` (the server runs :func:`budget_report`)."""
     from ..money import Unit
@@ -169,6 +177,7 @@ def _run_api(args: argparse.Namespace) -> int:
                     r["limit_source"] + grant,
                     format_amount(unit, r["remaining"]),
                     "yes" if r["exceeded"] else "no",
+                    _forecast_cell(r),
                 )
             )
         print_table(

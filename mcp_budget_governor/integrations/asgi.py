@@ -12,7 +12,9 @@ Per HTTP request (``lifespan`` and ``websocket`` pass through untouched):
 
 1. ``route(scope)`` names the request; the name becomes ``Context.tool``
    (``Scope.TOOL``). It defaults to the path; return None to let a request
-   through ungoverned (health checks, metrics).
+   through ungoverned. Paths in ``exempt_paths`` (by default the usual health
+   checks, :data:`HEALTH_PATHS`) always pass ungoverned: a liveness probe must
+   not fail because a user spent a quota.
 2. ``identify(scope)`` (sync or async) returns the caller's
    :class:`~mcp_budget_governor.Context`, or None when it cannot tell; by
    default the authenticated user an authentication middleware put in
@@ -21,8 +23,10 @@ Per HTTP request (``lifespan`` and ``websocket`` pass through untouched):
    ``anonymous`` rule: refused (403) or counted in the anonymous bucket.
 3. A refusal is answered without calling the app: status 429 (quota), 402
    (spend), 503 (breaker, or counters unreachable) or 403 (unidentified), a
-   ``Retry-After`` header when waiting can help, and a JSON body naming the
-   reason, the limit and the hint (``retry_after``, ``resets_at``, ``message``).
+   ``Retry-After`` header when waiting can help, and an RFC 9457 problem
+   (``application/problem+json``: ``type``, ``title``, ``status``, ``detail``,
+   ``instance``, the path) naming the reason, the limit and the hint
+   (``retry_after``, ``resets_at``, ``message``).
 4. Otherwise the app answers, and after its response is sent,
    ``cost(scope, status)`` (sync or async, ``{limit: amount}`` or None) is
    metered; None, or a callback that fails, charges ``fixed`` instead.
@@ -32,7 +36,7 @@ Per HTTP request (``lifespan`` and ``websocket`` pass through untouched):
    rules of :func:`~mcp_budget_governor.integrations.flow.governed_call`).
    Without ``fixed``, such a request pays its admission only.
 
-A :class:`~mcp_budget_governor.BudgetExceeded` that a bare ASGI app raises
+A :class:`~mcp_budget_governor.LimitExceeded` that a bare ASGI app raises
 before starting its response is answered the same way (frameworks such as
 Starlette answer an exception with a 500 themselves, before it gets here).
 """
@@ -40,12 +44,12 @@ Starlette answer an exception with a 500 themselves, before it gets here).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from typing import Any, TypeAlias
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
-from mcp_budget_governor.errors import BudgetExceeded
+from mcp_budget_governor.errors import LimitExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     Charges,
@@ -56,7 +60,10 @@ from mcp_budget_governor.integrations.flow import (
     user_of_token,
 )
 
-__all__ = ["BudgetASGIMiddleware", "refusal_response"]
+__all__ = ["HEALTH_PATHS", "BudgetASGIMiddleware", "refusal_response"]
+
+#: Paths that pass ungoverned unless ``exempt_paths`` says otherwise.
+HEALTH_PATHS = frozenset({"/health", "/healthz", "/livez", "/readyz"})
 
 Scope_: TypeAlias = MutableMapping[str, Any]
 Message: TypeAlias = MutableMapping[str, Any]
@@ -89,9 +96,13 @@ class BudgetASGIMiddleware:
         route: Route | None = None,
         cost: Cost | None = None,
         fixed: Charges | None = None,
+        exempt_paths: Collection[str] = HEALTH_PATHS,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetASGIMiddleware needs a Governor, not {type(governor).__name__}")
+        if isinstance(exempt_paths, str):
+            raise TypeError("BudgetASGIMiddleware: exempt_paths= is a collection of paths")
+        self.exempt_paths = frozenset(exempt_paths)
         self.fixed = fixed_charges(governor, fixed)
         for name, fn in (("identify", identify), ("route", route), ("cost", cost)):
             if fn is not None and not callable(fn):
@@ -103,7 +114,7 @@ class BudgetASGIMiddleware:
         self.cost = cost
 
     async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.exempt_paths:
             await self.app(scope, receive, send)
             return
         name = self.route(scope) if self.route is not None else scope.get("path")
@@ -132,10 +143,10 @@ class BudgetASGIMiddleware:
             ctx = (await self._caller(scope)).with_tool(name)
             ctx = await self.governor.identified(ctx)
             await governed_call(self.governor, ctx, respond, fixed=self.fixed, priced=priced)
-        except BudgetExceeded as exc:
+        except LimitExceeded as exc:
             if status:
                 raise  # the app already answered: too late to refuse
-            await refusal_response(exc.decision)(scope, receive, send)
+            await refusal_response(exc.decision, scope.get("path"))(scope, receive, send)
 
     async def _caller(self, scope: Scope_) -> Context:
         if self.identify is not None:
@@ -152,11 +163,13 @@ def _scope_user(scope: Scope_) -> Context:
     return Context(user=name) if isinstance(name, str) and name else EMPTY
 
 
-def refusal_response(decision: Decision) -> ASGIApp:
-    """An ASGI app answering one refusal: its status, ``Retry-After`` and a JSON body."""
-    body = json.dumps(refusal_body(decision)).encode()
+def refusal_response(decision: Decision, instance: str | None = None) -> ASGIApp:
+    """An ASGI app answering one refusal: its status, ``Retry-After`` and an RFC 9457
+    problem body (``instance``: the request's path)."""
+    problem = LimitExceeded(decision).to_problem_detail(instance)
+    body = json.dumps({**problem, **refusal_body(decision)}).encode()
     headers: list[tuple[bytes, bytes]] = [
-        (b"content-type", b"application/json"),
+        (b"content-type", b"application/problem+json"),
         (b"content-length", str(len(body)).encode()),
     ]
     headers += [(k.lower().encode(), v.encode()) for k, v in decision.headers.items()]

@@ -1,7 +1,7 @@
 """``@governed``: check before an async tool function, meter after it.
 
 With a :class:`~mcp_budget_governor.Governor`, each call is checked first: a
-refusal raises :class:`~mcp_budget_governor.BudgetExceeded` and the function
+refusal raises :class:`~mcp_budget_governor.LimitExceeded` and the function
 never runs (a refused call is charged nothing). An admitted call runs, then
 ``cost`` is metered on ``limit``, even past the cap (the call that crosses the
 line completes; a breaker sheds the next one).
@@ -36,7 +36,7 @@ decorated (budget checks await the counters; run blocking work inside an
 
 >>> import asyncio
 >>> from mcp_budget_governor import (
-...     BudgetExceeded, Governor, Limit, MemoryBackend, Policy, Unit, Window, usd)
+...     LimitExceeded, Governor, Limit, MemoryBackend, Policy, Unit, Window, usd)
 >>> gov = Governor(Policy.of(
 ...     Limit("calls", cap=2, window=Window.MINUTE),
 ...     Limit("spend", cap=usd(10), window=Window.DAY, unit=Unit.USD_MICROS, gated=False),
@@ -48,7 +48,7 @@ decorated (budget checks await the counters; run blocking work inside an
 ...     out = [await search("a"), await search("b")]
 ...     try:
 ...         await search("c")
-...     except BudgetExceeded as exc:
+...     except LimitExceeded as exc:
 ...         out.append(exc.decision.status)
 ...     return out, await gov.usage("spend")
 >>> asyncio.run(three_searches())
@@ -84,6 +84,9 @@ def governed(
     cost: int | Callable[[Any], int] | None = None,
     tool: str | None = None,
     context: Context | ContextFactory | None = None,
+    identify: Callable[..., Context] | None = None,
+    cost_of: Callable[[Any], int | None] | None = None,
+    meter_limit: str | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Coroutine[Any, Any, R]]]:
     """Govern an async function: check before it (Governor only), meter ``cost`` after it.
 
@@ -98,6 +101,10 @@ def governed(
     Misuse (unknown limit, a cost without a limit, a sync function) fails when
     decorating, not on the first call. See the module docstring for what a
     failing call is charged.
+
+    mcp-budget-governor 0.1.0's spellings work too: ``identify`` (called with
+    the function's own arguments, returns the :class:`Context`), and
+    ``cost_of`` (of the result; None charges nothing) with ``meter_limit``.
 
     >>> import asyncio
     >>> from mcp_budget_governor import Context, Limit, Policy, Scope, Window
@@ -116,6 +123,17 @@ def governed(
     """
     if not isinstance(governor, Governor | Recorder):
         raise TypeError(f"governed() needs a Governor or a Recorder, not {type(governor).__name__}")
+    if cost_of is not None or meter_limit is not None:
+        if cost_of is None or meter_limit is None:
+            raise ValueError("governed(): give meter_limit= and cost_of= together")
+        if limit is not None or cost is not None:
+            raise TypeError("governed(): give limit= and cost=, or meter_limit= and cost_of=")
+        limit, cost = meter_limit, _or_nothing(cost_of)
+    if identify is not None:
+        if context is not None:
+            raise TypeError("governed(): give context= or identify=, not both")
+        who = identify
+        context = lambda args, kwargs: who(*args, **kwargs)  # noqa: E731
     if (limit is None) != (cost is None):
         raise TypeError("governed(): give limit= and cost= together (what to charge, and where)")
     if limit is None and isinstance(governor, Recorder):
@@ -138,7 +156,8 @@ def governed(
         price_of = cost
 
         def priced(result: Any) -> dict[str, int]:
-            return {limit: price_of(result)}
+            amount = price_of(result)
+            return {} if amount is _NOTHING else {limit: amount}
 
     def decorate(fn: Callable[P, Awaitable[R]]) -> Callable[P, Coroutine[Any, Any, R]]:
         if not _is_async(fn):
@@ -173,6 +192,19 @@ def governed(
         return wrapper
 
     return decorate
+
+
+_NOTHING: Any = object()
+
+
+def _or_nothing(cost_of: Callable[[Any], int | None]) -> Callable[[Any], int]:
+    """``cost_of`` with None (the reference's "charge nothing") as :data:`_NOTHING`."""
+
+    def cost(result: Any) -> int:
+        amount = cost_of(result)
+        return _NOTHING if amount is None else amount
+
+    return cost
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

@@ -111,9 +111,9 @@ from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import Decision
 from mcp_budget_governor.errors import (
     BackendUnavailableError,
-    BudgetExceeded,
     GovernorError,
     InvalidInputError,
+    LimitExceeded,
 )
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
@@ -131,6 +131,7 @@ from mcp_budget_governor.keys import APPROVAL_KEY
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import Unit, check_amount, usd
 from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.repeats import with_call
 from mcp_budget_governor.urls import CLUSTER_SCHEME, check_redis_url, redact
 
 __all__ = [
@@ -156,6 +157,16 @@ SessionRoot: TypeAlias = Callable[[str], str | Awaitable[str | None] | None]
 Cost: TypeAlias = Callable[
     [MiddlewareContext[Any], ToolResult], Charges | Awaitable[Charges | None] | None
 ]
+
+
+def _cost_of(cost_of: Callable[[ToolResult], int | None], limit: str) -> Cost:
+    """mcp-budget-governor 0.1.0's ``cost_of`` + ``meter_limit`` as a ``cost=``."""
+
+    def cost(context: MiddlewareContext[Any], result: ToolResult) -> Charges | None:
+        amount = cost_of(result)
+        return None if amount is None else {limit: amount}
+
+    return cost
 
 
 class BudgetToolError(ToolError):
@@ -187,6 +198,9 @@ class BudgetMiddleware(Middleware):
       approval (MCP elicitation); unanswered, the call is refused as usual.
     - ``wait``: seconds a call refused by a full concurrency cap waits for a slot
       (first come, first served across replicas); past it, the refusal.
+    - mcp-budget-governor 0.1.0's spellings: ``cost_of`` (of the result; None
+      charges nothing) with ``meter_limit``; ``raise_tool_error=False`` raises the
+      refusal itself (a :class:`LimitExceeded`) instead of a ``ToolError``.
     - ``rate_limit_error``: answer a 429 refusal with the JSON-RPC error of MCP's
       rate-limit proposal (-32023, SEP-3304, a draft) instead of an error result,
       for clients that follow it. Off by default.
@@ -202,10 +216,22 @@ class BudgetMiddleware(Middleware):
         session_root: SessionRoot | None = None,
         wait: float = 0,
         rate_limit_error: bool = False,
+        *,
+        cost_of: Callable[[ToolResult], int | None] | None = None,
+        meter_limit: str | None = None,
+        raise_tool_error: bool = True,
     ) -> None:
         if not isinstance(governor, Governor):
             raise TypeError(f"BudgetMiddleware needs a Governor, not {type(governor).__name__}")
         self.rate_limit_error = bool(rate_limit_error)
+        if cost_of is not None or meter_limit is not None:
+            if cost_of is None or meter_limit is None:
+                raise ValueError("BudgetMiddleware: give meter_limit= and cost_of= together")
+            if cost is not None:
+                raise TypeError("BudgetMiddleware: give cost=, or meter_limit= and cost_of=")
+            governor.policy[meter_limit]  # an unknown limit raises PolicyError now
+            cost = _cost_of(cost_of, meter_limit)
+        self.raise_tool_error = raise_tool_error
         if identify is not None and not callable(identify):
             raise TypeError("BudgetMiddleware: identify= must be callable (context -> Context)")
         if cost is not None and not callable(cost):
@@ -229,7 +255,12 @@ class BudgetMiddleware(Middleware):
     ) -> ToolResult:
         """Check, run the tool, meter; a refusal is an error result (module docstring)."""
         name = context.message.name
-        ctx = (await self._caller(context)).with_tool(name)
+        ctx = with_call(
+            self.governor.policy,
+            (await self._caller(context)).with_tool(name),
+            name,
+            context.message.arguments,
+        )
         try:
             fixed, estimate = await self._meta_price(context, name)
         except InvalidInputError as exc:
@@ -256,7 +287,9 @@ class BudgetMiddleware(Middleware):
                 wait=self.wait,
                 approved=self._approved_in_round(context, ctx),
             )
-        except BudgetExceeded as exc:
+        except LimitExceeded as exc:
+            if not self.raise_tool_error:
+                raise
             return self._refused(exc.decision)
         except _AskInRound as ask:  # a 2026-07-28 client: the question is the result
             return InputRequiredToolResult(ask.result)
@@ -272,6 +305,11 @@ class BudgetMiddleware(Middleware):
             meta={REFUSAL_META_KEY: refusal_meta(decision)},
             is_error=True,
         )
+
+    def _as_client_error(self, exc: LimitExceeded) -> Exception:
+        """A refusal as an exception: a :class:`BudgetToolError` (the agent reads its
+        text), or the refusal itself with ``raise_tool_error=False``."""
+        return BudgetToolError(exc.decision) if self.raise_tool_error else exc
 
     async def _ask(
         self, context: MiddlewareContext[Any], decision: Decision, caller: Context

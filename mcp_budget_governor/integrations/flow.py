@@ -4,7 +4,7 @@
 MCP hook all run a call through :func:`governed_call`, so what a refused, a
 failed, a cancelled or a completed call is charged is decided in one place:
 
-- the call is checked first; a refusal raises :class:`BudgetExceeded` and the
+- the call is checked first; a refusal raises :class:`LimitExceeded` and the
   work never runs (a refused call is charged nothing, and the ledger records
   the rejection). Integrations that identify their callers pass what
   ``identify`` produced through :meth:`Governor.identified` before (an
@@ -65,6 +65,7 @@ from mcp_budget_governor.holds import Admission, Reservations
 from mcp_budget_governor.limits import OnExceed
 from mcp_budget_governor.money import check_amount
 from mcp_budget_governor.producers.emit import Recorder
+from mcp_budget_governor.repeats import is_repeat
 from mcp_budget_governor.shielding import finished, to_the_end
 
 __all__ = [
@@ -427,8 +428,19 @@ def refusal_text(decision: Decision) -> str:
     return f"{' '.join(facts)}. {_advice(decision, resets)}"
 
 
+#: What a loop guard's refusal tells the agent (mcp_budget_governor.repeats).
+REPEAT_ADVICE = (
+    "You are repeating yourself: this exact call (the same tool with the same "
+    "arguments) was already made as many times as {what} allows{until}. Calling it "
+    "again will not give a different answer; change your approach (other arguments, "
+    "another tool) or report to the user."
+)
+
+
 def _advice(d: Decision, resets: str | None) -> str:
     what = f"limit {d.limit!r}" if d.limit is not None else "the budget governor"
+    if is_repeat(d.reason):
+        return REPEAT_ADVICE.format(what=what, until=f" until {resets}" if resets else "")
     if d.status == 403:
         return (
             f"Refused: {what} counts per user and this caller could not be identified. "

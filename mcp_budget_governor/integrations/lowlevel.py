@@ -44,7 +44,7 @@ except ModuleNotFoundError as exc:  # installed without the [fastmcp] extra (the
     raise extra_missing("lowlevel", exc) from exc
 
 from mcp_budget_governor.context import EMPTY, Context
-from mcp_budget_governor.errors import BudgetExceeded
+from mcp_budget_governor.errors import LimitExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.integrations.flow import (
     REFUSAL_META_KEY,
@@ -99,7 +99,7 @@ def governed_call_tool(
             return await governed_call(
                 governor, who, lambda: handler(ctx, params), fixed=price, priced=priced
             )
-        except BudgetExceeded as exc:
+        except LimitExceeded as exc:
             error = rate_limited_error(exc.decision) if rate_limit_error else None
             if error is not None:
                 raise MCPError(error["code"], error["message"], error["data"]) from None

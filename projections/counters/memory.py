@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from mcp_budget_governor.backends.base import KeyValueOps
 from mcp_budget_governor.caps import Change, ChangeKind, Effective, effective, why_token
 from mcp_budget_governor.counters import (
     AppliedEvent,
@@ -50,8 +51,13 @@ class _Counter:
     grant: int = 0
 
 
-class MemoryBackend:
+class MemoryBackend(KeyValueOps):
     """In-process counters with expiry, for a single replica or tests.
+
+    ``clock`` (epoch seconds): a backend made without one follows the clock of
+    the :class:`Governor` it is given to (``adopt_clock``), so the windows the
+    governor picks and the expiries they carry agree. It also answers the
+    calls of mcp-budget-governor 0.1.0's backends (``backends.base``).
 
     >>> import asyncio
     >>> from mcp_budget_governor import Governor, Limit, Policy, Window
@@ -60,8 +66,9 @@ class MemoryBackend:
     [True, False]
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
+        self._clock = time.time if clock is None else clock
+        self._own_clock = clock is not None
         self._counters: dict[str, _Counter] = {}
         self._watermarks: dict[str, int] = {}
         # day -> (applied event ids, expire_at): the seen-id sets of apply.lua
@@ -83,6 +90,22 @@ class MemoryBackend:
         # lease set key -> waiting ticket -> (arrival, deadline): lib.lua's queues,
         # in arrival order (dicts keep insertion order)
         self._queues: dict[str, dict[str, tuple[float, float]]] = {}
+
+    def _now(self) -> float:
+        return self._clock()
+
+    def _kv_now(self) -> float:
+        return self._now()
+
+    def adopt_clock(self, clock: Callable[[], float]) -> None:
+        """Use ``clock`` from now on, unless this backend was made with its own."""
+        if not self._own_clock:
+            self._clock = clock
+
+    async def _kv_release(self, key: str, amount: int) -> None:
+        counter = self._get(key, self._now())
+        if counter is not None:  # in one step: nothing else runs in between
+            counter.committed -= min(max(amount, 0), max(counter.committed, 0))
 
     def _live(self, key: str, now: float) -> dict[str, float]:
         """The live leases of a set, the expired ones dropped (lib.lua live_leases)."""
@@ -161,7 +184,7 @@ class MemoryBackend:
         lease_ttl: float = 0.0,
         ticket: str | None = None,
     ) -> ChargeResult:
-        now = self._clock()
+        now = self._now()
         self._evict(now)
         if op_id is not None and event_id is None:
             if self._ops.get(op_id, now) > now:
@@ -260,7 +283,7 @@ class MemoryBackend:
 
     async def change(self, changes: Sequence[Change]) -> None:
         """Apply run-time changes directly (no ledger), all in one step."""
-        self.change_at(changes, self._clock())
+        self.change_at(changes, self._now())
 
     def change_at(self, changes: Sequence[Change], now: float) -> None:
         """:meth:`change` at clock ``now`` (epoch seconds), synchronously: what
@@ -317,16 +340,23 @@ class MemoryBackend:
 
     async def grants_of(self, keys: Sequence[str]) -> list[int]:
         """Each counter's grant (0 when none)."""
-        now = self._clock()
+        now = self._now()
         return [0 if (c := self._get(k, now)) is None else c.grant for k in keys]
 
     async def grant_reason(self, key: str) -> str:
         """The why token (``caps.why_token``) of the counter's last grant or reset."""
         return self._why.get((key, ""), "-")
 
-    async def release(self, keys: Sequence[str], lease: str) -> int:
-        """Give lease ``lease`` back on every set in ``keys``; how many held it."""
-        now = self._clock()
+    async def release(self, keys: Sequence[str] | str, lease: str | int) -> int:
+        """Give lease ``lease`` back on every set in ``keys``; how many held it.
+
+        ``release(key, amount)`` (one key, an amount): mcp-budget-governor 0.1.0's
+        give-back, never below zero nor creating the key; returns 0."""
+        if isinstance(keys, str):
+            await self._kv_release(keys, int(lease))
+            return 0
+        assert isinstance(lease, str)
+        now = self._now()
         found = 0
         for key in keys:
             held = self._live(key, now)
@@ -338,7 +368,7 @@ class MemoryBackend:
 
     async def renew(self, keys: Sequence[str], lease: str, ttl: float) -> int:
         """Extend lease ``lease`` to now + ``ttl`` where it is still alive; how many."""
-        now = self._clock()
+        now = self._now()
         renewed = 0
         for key in keys:
             held = self._live(key, now)
@@ -353,16 +383,16 @@ class MemoryBackend:
 
     async def in_progress(self, keys: Sequence[str]) -> list[int]:
         """How many live leases each set holds (calls in progress)."""
-        now = self._clock()
+        now = self._now()
         return [len(self._live(key, now)) for key in keys]
 
     async def lease_keys(self, limit: int) -> list[str]:
         """Up to ``limit`` lease sets holding a live lease, sorted."""
-        now = self._clock()
+        now = self._now()
         return sorted(k for k in list(self._leases) if self._live(k, now))[: max(limit, 0)]
 
     async def usage(self, keys: Sequence[str]) -> list[int]:
-        now = self._clock()
+        now = self._now()
         return [self._used(key, now) for key in keys]
 
     async def apply(
@@ -375,7 +405,7 @@ class MemoryBackend:
     ) -> int:
         if require_epoch and self._epoch is None:
             raise EpochMissingError("the counters were reset (no epoch marker): rebuild first")
-        now = self._clock()
+        now = self._now()
         self._evict(now)
         mark = self._watermarks.get(partition, -1)
         refused = self._refusal(events, mark, now)
@@ -450,7 +480,7 @@ class MemoryBackend:
         return True
 
     async def state(self, key: str) -> CounterState:
-        counter = self._get(key, self._clock())
+        counter = self._get(key, self._now())
         if counter is None:
             return CounterState(0, 0, {})
         return CounterState(
@@ -463,7 +493,7 @@ class MemoryBackend:
 
     def keys(self) -> list[str]:
         """Every live counter key (for reports and tests)."""
-        now = self._clock()
+        now = self._now()
         return [k for k in list(self._counters) if self._get(k, now) is not None]
 
     async def counter_keys(self, limit: int, *, match: str | None = None) -> list[str]:
@@ -483,4 +513,7 @@ class MemoryBackend:
         self._epoch = epoch
 
     async def aclose(self) -> None:
-        return None
+        """Drop every counter (nothing outlives an in-process store once closed)."""
+        self._counters.clear()
+        self._leases.clear()
+        self._queues.clear()

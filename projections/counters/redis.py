@@ -23,7 +23,8 @@ from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, why_token
+from mcp_budget_governor.backends.base import KeyValueOps
+from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, ChangeKind, why_token
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
     AppliedEvent,
@@ -163,6 +164,10 @@ def _position(keys: list[str], index: dict[str, int], key: str) -> int:
     return pos
 
 
+#: The changes that add room to a counter: their sums are checked exactly (apply.lua).
+_ROOM_KINDS = frozenset({ChangeKind.GRANTED, ChangeKind.RESET})
+
+
 def apply_args(
     partition: str,
     events: Sequence[AppliedEvent],
@@ -185,6 +190,10 @@ def apply_args(
     # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
     tokens: list[str] = []
     days: dict[float, str] = {}  # UTC day -> "<seen-set position> <its expire_at>"
+    # What spares apply.lua its exact check (surely_fits): per counter the sum of the
+    # batch's amounts, unless a refund or a grant needs that check anyway.
+    sums: dict[int, int] = {}
+    doubt = False
 
     for event in events:
         event_id = event.event_id
@@ -200,7 +209,13 @@ def apply_args(
         for charge in event.charges:
             pos = index.get(charge.key) or _position(counters, index, charge.key)
             tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
+            if charge.amount < 0:
+                doubt = True
+            else:
+                sums[pos] = sums.get(pos, 0) + charge.amount
         changes = event.changes
+        if any(c.kind in _ROOM_KINDS for c in changes):
+            doubt = True
         tokens.append(str(len(changes)))
         for c in changes:
             pos = _position(counters, index, c.key)
@@ -216,13 +231,20 @@ def apply_args(
         " ".join(tokens),
         len(seen_sets),
         through,
+        "1" if doubt else " ".join(["0", *(f"{p} {t}" for p, t in sums.items())]),
         now_ms,
     ]
     return keys, args
 
 
-class RedisBackend:
+class RedisBackend(KeyValueOps):
     """Counters in Redis, shared by every replica.
+
+    ``RedisBackend(client)`` borrows ``client`` (a redis-py asyncio client, say one
+    whose pool the application shares): closing the backend leaves it open
+    unless ``owns_client=True``. :meth:`from_url` makes a client it owns. It
+    also answers the calls of mcp-budget-governor 0.1.0's backends
+    (``backends.base``) on the same counters.
 
     >>> backend = RedisBackend.from_url("redis://localhost:6379/0")  # doctest: +SKIP
     """
@@ -237,8 +259,10 @@ class RedisBackend:
         timeout: float = DEFAULT_TIMEOUT,
         resolved_caps: bool = False,
         epoch_key: Callable[[str], str] | None = None,
+        owns_client: bool = False,
     ) -> None:
         self.client = client
+        self._owns_client = owns_client
         # epoch_key: the epoch marker a charge checks, given its first counter's key
         # (Redis Cluster: the marker of that counter's slot, cluster.py); else EPOCH_KEY.
         self._epoch_key = epoch_key
@@ -322,11 +346,46 @@ class RedisBackend:
         )
         return cls(
             aioredis.Redis(connection_pool=pool),
+            owns_client=True,
             require_epoch=require_epoch,
             coalesce=coalesce,
             timeout=timeout,
             clock=clock,
         )
+
+    @property
+    def _client(self) -> aioredis.Redis:
+        """:attr:`client`, as mcp-budget-governor 0.1.0 named it."""
+        return self.client
+
+    def _kv_now(self) -> float:
+        return self.clock()
+
+    async def _kv_expire(self, key: str, ttl: int) -> None:
+        # charge.lua sets a counter's expiry when it creates it; a key that lost it
+        # (PERSIST, a failover) gets one back here, as the reference's scripts did.
+        try:
+            await self._command("EXPIRE", key, ttl, "NX")
+        except _UNAVAILABLE as exc:
+            raise BackendUnavailableError.redis(exc) from exc
+
+    async def _kv_release(self, key: str, amount: int) -> None:
+        # Never below zero: give back at most the total read. A counter that expires
+        # in between is created by the charge with EXPIREAT 0, i.e. deleted at once.
+        (total,) = await self.usage([key])
+        give = min(max(amount, 0), total)
+        if give > 0:
+            await self.charge([CounterOp(key, -give, 0, False, 0)], want_used=False)
+
+    async def peek(self, key: str) -> int:
+        """The total of ``key``; 0 when missing or not a counter (a stray write)."""
+        try:
+            (total,) = await self.usage([key])
+        except redis_errors.ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            return 0
+        return total
 
     def _now_ms(self) -> str:
         """The caller's clock as the scripts take it: epoch milliseconds."""
@@ -603,8 +662,15 @@ class RedisBackend:
             return []
         return [int(v) for v in await self._run(self._lease, keys, (*args, self._now_ms()))]
 
-    async def release(self, keys: Sequence[str], lease: str) -> int:
-        """Give lease ``lease`` back on every set in ``keys`` (one round trip); how many held it."""
+    async def release(self, keys: Sequence[str] | str, lease: str | int) -> int:
+        """Give lease ``lease`` back on every set in ``keys`` (one round trip); how many held it.
+
+        ``release(key, amount)`` (one key, an amount): mcp-budget-governor 0.1.0's
+        give-back, never below zero nor creating the key; returns 0."""
+        if isinstance(keys, str):
+            await self._kv_release(keys, int(lease))
+            return 0
+        assert isinstance(lease, str)
         return sum(await self._leases(keys, "r", lease))
 
     async def renew(self, keys: Sequence[str], lease: str, ttl: float) -> int:
@@ -806,5 +872,7 @@ class RedisBackend:
             self._pipe_now.close()
             self._pipe_now = None
         # The pool was passed in (from_url), so Redis.aclose alone would leave its
-        # connections open (ResourceWarning: unclosed Connection).
-        await self.client.aclose(close_connection_pool=True)
+        # connections open (ResourceWarning: unclosed Connection). A borrowed
+        # client is its owner's to close.
+        if self._owns_client:
+            await self.client.aclose(close_connection_pool=True)

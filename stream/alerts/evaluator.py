@@ -9,13 +9,15 @@ from typing import Protocol
 
 from mcp_budget_governor.counters import Backend
 from mcp_budget_governor.errors import BackendUnavailableError
+from mcp_budget_governor.forecast import projected_before_end
 from mcp_budget_governor.keys import parse_key
 from mcp_budget_governor.limits import Limit, OnExceed
 from mcp_budget_governor.policy import Policy
+from mcp_budget_governor.windows import bucket_of
 
 from .dedupe import Deduper, Mark
 from .event import Alert
-from .levels import alert_levels, crossed, marker_key
+from .levels import FORECAST, AlertKind, alert_levels, crossed, marker_key
 from .sinks import AlertDispatcher, AlertSink
 
 log = logging.getLogger(__package__)  # the package's one logger: ...stream.alerts
@@ -70,7 +72,11 @@ class AlertEvaluator:
         clock: Callable[[], float] = time.time,
         queue_size: int = 10_000,
         remember: int = 100_000,
+        forecast: bool = False,
     ) -> None:
+        #: Also alert, once per period, a counter projected to reach its cap before
+        #: its period ends (``forecast.py``), for the limits that have alert levels.
+        self.forecast = forecast
         self.policy = policy
         self.backend = backend
         self.dedupe = dedupe
@@ -117,28 +123,18 @@ class AlertEvaluator:
         candidates: list[Alert] = []
         for key, used in zip(keys, totals, strict=True):
             limit, bucket, _ = targets[key]
+            if self.forecast and self._projected(limit, bucket, used, now):
+                remembered = self._known.get(marker_key(key, FORECAST))
+                if remembered is None or remembered <= now:
+                    percent = max(1, min(1000, used * 100 // max(limit.cap, 1)))
+                    candidates.append(self._alert(FORECAST, limit, key, bucket, percent, used, now))
             for level, kind in levels[limit.name]:
                 if not crossed(used, limit.cap, level):
                     break
                 remembered = self._known.get(marker_key(key, level))
                 if remembered is not None and remembered > now:
                     continue
-                candidates.append(
-                    Alert(
-                        kind,
-                        limit.name,
-                        _scope_of(key, limit.name),
-                        key,
-                        bucket,
-                        limit.window,
-                        level,
-                        used,
-                        limit.cap,
-                        limit.unit,
-                        limit.on_exceed is OnExceed.ALERT,
-                        now,
-                    )
-                )
+                candidates.append(self._alert(kind, limit, key, bucket, level, used, now))
         if not candidates:
             return []
         marks = [Mark(a.marker, targets[a.key][2]) for a in candidates]
@@ -153,6 +149,27 @@ class AlertEvaluator:
         self.fired += len(fired)
         self.dispatcher.publish(fired)
         return fired
+
+    @staticmethod
+    def _alert(
+        kind: AlertKind, limit: Limit, key: str, bucket: str, level: int, used: int, now: float
+    ) -> Alert:
+        shadow = limit.on_exceed is OnExceed.ALERT
+        scope = _scope_of(key, limit.name)
+        return Alert(
+            kind, limit.name, scope, key, bucket, limit.window, level, used, limit.cap,
+            limit.unit, shadow, now,
+        )  # fmt: skip
+
+    @staticmethod
+    def _projected(limit: Limit, label: str, used: int, now: float) -> bool:
+        """Whether the counter is on course to reach its cap before its period ends."""
+        if limit.window is None or used >= limit.cap:
+            return False  # a concurrency cap has no period; a spent one has its 100 % alert
+        period = bucket_of(limit.window, label)
+        return period is not None and projected_before_end(
+            used, limit.cap, period.start, period.end, now
+        )
 
     def replace_policy(self, policy: Policy) -> None:
         """Compare the counters with ``policy`` from the next evaluation on (a reload).

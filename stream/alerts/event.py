@@ -15,7 +15,7 @@ from mcp_budget_governor.keys import PREFIX
 from mcp_budget_governor.money import Unit
 from mcp_budget_governor.windows import Window
 
-from .levels import AlertKind, marker_key
+from .levels import FORECAST, AlertKind, marker_key
 
 #: The CloudEvents ``type`` of an alert.
 ALERT_TYPE = "mcpbg.alert.v1"
@@ -30,7 +30,9 @@ class Alert:
     """One crossing of one level by one counter.
 
     - ``kind``: ``threshold`` (an ``alert_at`` level, or the 100 % of a shadow
-      limit) or ``breaker`` (a breaker limit reached its cap).
+      limit), ``breaker`` (a breaker limit reached its cap) or ``forecast`` (at
+      this period's rate the counter is projected to reach its cap before the
+      period ends; ``level`` is the percentage used so far; once per period).
     - ``limit``, ``scope`` (the key's scope segment, ``user=alice`` or
       ``global``), ``key`` (the counter), ``bucket`` and ``window``: which
       counter; ``level``: the percentage crossed.
@@ -56,7 +58,7 @@ class Alert:
     @property
     def marker(self) -> str:
         """The store key that makes this alert fire once (see :func:`marker_key`)."""
-        return marker_key(self.key, self.level)
+        return marker_key(self.key, FORECAST if self.kind == FORECAST else self.level)
 
     @property
     def id(self) -> str:
@@ -111,7 +113,7 @@ class _Model(BaseModel):
 class AlertData(_Model):
     """The ``data`` of an ``mcpbg.alert.v1`` event."""
 
-    kind: Literal["threshold", "breaker"]
+    kind: Literal["threshold", "breaker", "forecast"]
     limit: LimitName
     scope: Annotated[str, StringConstraints(min_length=1)]
     key: Annotated[str, StringConstraints(pattern=f"^{PREFIX}:")]

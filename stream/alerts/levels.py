@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 from mcp_budget_governor.keys import PREFIX
 from mcp_budget_governor.limits import Limit, OnExceed
@@ -10,10 +10,13 @@ from mcp_budget_governor.limits import Limit, OnExceed
 #: Prefix of the fired-level markers (``<prefix>:<limit>:<scope>:<bucket>:<level>``).
 ALERTED_PREFIX = f"{PREFIX}:_alerted"
 
-AlertKind = Literal["threshold", "breaker"]
+AlertKind = Literal["threshold", "breaker", "forecast"]
+
+#: The marker suffix of the forecast alert: once per counter (limit, scope, period).
+FORECAST: Final = "forecast"
 
 
-def marker_key(counter_key: str, level: int) -> str:
+def marker_key(counter_key: str, level: int | str) -> str:
     """The store key recording that ``level`` fired for ``counter_key``.
 
     >>> marker_key("mcpbg:v1:spend:user=alice:20261129", 80)

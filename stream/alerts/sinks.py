@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from mcp_budget_governor.errors import GovernorError, InvalidInputError
 from mcp_budget_governor.events import rfc3339
 from mcp_budget_governor.urls import check_http_url
+from mcp_budget_governor.webhooks import sign
 
 from .event import Alert
 
@@ -242,6 +243,9 @@ class WebhookSink:
     - ``backoff``: seconds before the first retry, doubled each time, at most
       ``max_backoff``.
     - ``headers``: extra request headers (an ``Authorization``, say).
+    - ``secret``: signs every attempt (``X-Mcpbg-Timestamp`` and
+      ``X-Mcpbg-Signature``, :mod:`mcp_budget_governor.webhooks`), so a receiver
+      can refuse a forged, altered or replayed request.
 
     After the last attempt :meth:`send` raises :class:`AlertDeliveryError`
     (which the dispatcher logs). One send therefore lasts at most about
@@ -260,8 +264,12 @@ class WebhookSink:
         backoff: float = 0.5,
         max_backoff: float = 10.0,
         headers: dict[str, str] | None = None,
+        secret: str | None = None,
     ) -> None:
         parts = urlsplit(check_http_url(url))
+        if secret is not None and (not isinstance(secret, str) or len(secret) < 16):
+            raise InvalidInputError("secret", "…", "expected at least 16 characters")
+        self.secret = secret
         if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout > 0):
             raise InvalidInputError("timeout", timeout, "expected seconds > 0")
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
@@ -304,10 +312,13 @@ class WebhookSink:
         problem = "not attempted"
         for attempt in range(1, attempts + 1):
             try:
+                headers = self.headers
+                if self.secret is not None:  # signed per attempt: a retry is not stale
+                    headers = {**headers, **sign(self.secret, body)}
                 async with session.post(
                     self.url,
                     data=body,
-                    headers=self.headers,
+                    headers=headers,
                     timeout=timeout,
                     allow_redirects=False,
                 ) as response:

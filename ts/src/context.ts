@@ -14,11 +14,13 @@ export const Scope = {
   AGENT: "agent",
   SESSION: "session",
   TOOL: "tool",
+  /** The call itself, its tool and arguments hashed (repeats.ts): a loop guard. */
+  CALL: "call",
 } as const;
 export type ScopeName = (typeof Scope)[keyof typeof Scope];
 
 /** The canonical order of dimensions in a key (Python's Scope enum order). */
-export const SCOPE_ORDER: readonly ScopeName[] = ["tenant", "user", "agent", "session", "tool"];
+export const SCOPE_ORDER: readonly ScopeName[] = ["tenant", "user", "agent", "session", "tool", "call"];
 
 /** The caller's identity along every scope dimension; any may be unknown. */
 export interface Context {
@@ -29,9 +31,11 @@ export interface Context {
   readonly agent?: string | null;
   /** The session a forked `session` descends from: session budgets count on the root. */
   readonly sessionRoot?: string | null;
+  /** The call's tool and arguments hashed (`callHash`), set only when a limit counts per call. */
+  readonly call?: string | null;
 }
 
-const FIELDS = ["user", "tenant", "tool", "session", "agent", "sessionRoot"] as const;
+const FIELDS = ["user", "tenant", "tool", "session", "agent", "sessionRoot", "call"] as const;
 const PY_NAMES: Record<(typeof FIELDS)[number], string> = {
   user: "user",
   tenant: "tenant",
@@ -39,6 +43,7 @@ const PY_NAMES: Record<(typeof FIELDS)[number], string> = {
   session: "session",
   agent: "agent",
   sessionRoot: "session_root",
+  call: "call",
 };
 
 /** The caller nobody named. */
@@ -97,7 +102,7 @@ export function normalizeScope(scope: unknown, field: string): ScopeName[] {
   for (const item of items) {
     const name = item;
     if (typeof name !== "string" || !SCOPE_ORDER.includes(name as ScopeName)) {
-      throw new PolicyError(field, item, "not a Scope (one of TENANT, USER, AGENT, SESSION, TOOL)");
+      throw new PolicyError(field, item, "not a Scope (one of TENANT, USER, AGENT, SESSION, TOOL, CALL)");
     }
     dims.push(name as ScopeName);
   }
@@ -116,5 +121,5 @@ export function cacheable(ctx: Context): boolean {
 export function contextKey(ctx: Context): string {
   // \u0000 never ends a field and \u0001 marks a missing one: distinct contexts, distinct keys.
   const f = (v: string | null | undefined): string => (v == null ? "\u0001" : v.replaceAll("\u0000", "\u0000\u0000")) + "\u0000|";
-  return f(ctx.user) + f(ctx.tenant) + f(ctx.tool) + f(ctx.session) + f(ctx.agent) + f(ctx.sessionRoot);
+  return f(ctx.user) + f(ctx.tenant) + f(ctx.tool) + f(ctx.session) + f(ctx.agent) + f(ctx.sessionRoot) + f(ctx.call);
 }

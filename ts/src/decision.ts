@@ -6,6 +6,7 @@
  * d.raiseForStatus();  // throws LimitExceeded (status 429, Retry-After) when refused
  */
 import { BudgetExceeded, BudgetUnavailable, LimitExceeded } from "./errors.js";
+import { isRepeat } from "./repeats.js";
 
 /** Reason prefixes: a limit's counter refused, or could not be read (fail-closed). */
 export const EXCEEDED = "budget_exceeded";
@@ -65,13 +66,13 @@ export class Decision {
   }
 
   /** The error class a refusal with this decision raises. */
-  refusalType(): typeof BudgetExceeded {
+  refusalType(): typeof LimitExceeded {
     if (this.reason.startsWith(EXCEEDED)) return this.status === 503 ? BudgetExceeded : LimitExceeded;
     if (this.reason.startsWith(UNAVAILABLE) || this.reason === LEDGER_UNAVAILABLE) return BudgetUnavailable;
-    return BudgetExceeded;
+    return LimitExceeded;
   }
 
-  /** Throw the refusal (a BudgetExceeded) if refused; return this otherwise. */
+  /** Throw the refusal (a LimitExceeded; BudgetExceeded for a breaker) if refused; return this otherwise. */
   raiseForStatus(): this {
     if (!this.admitted) {
       const Type = this.refusalType();
@@ -120,6 +121,14 @@ function quoted(name: string): string {
 
 function advice(d: Decision, resets: string | null): string {
   const what = d.limit !== null ? `limit ${quoted(d.limit)}` : "the budget governor";
+  if (isRepeat(d.reason)) {
+    const until = resets !== null ? ` until ${resets}` : "";
+    return (
+      "You are repeating yourself: this exact call (the same tool with the same arguments) was already " +
+      `made as many times as ${what} allows${until}. Calling it again will not give a different answer; ` +
+      "change your approach (other arguments, another tool) or report to the user."
+    );
+  }
   if (d.status === 403) {
     return (
       `Refused: ${what} counts per user and this caller could not be identified. ` +

@@ -135,20 +135,25 @@ export class CounterOverflowError extends GovernorError {
   }
 }
 
-/** A refused call: `decision` holds why (status, limit, retry hint). */
-export class BudgetExceeded extends GovernorError {
-  override name = "BudgetExceeded";
+/**
+ * A refused call: `decision` holds why (status, limit, retry hint). Every refusal is
+ * one (`catch (e) { if (e instanceof LimitExceeded) ... }` catches them all), as in the
+ * Python package and mcp-budget-governor 0.1.0; a quota (429), spend cap (402) or
+ * unnamed caller (403) is this class itself.
+ */
+export class LimitExceeded extends GovernorError {
+  override name = "LimitExceeded";
   constructor(readonly decision: Decision) {
     super(decision.reason);
   }
 }
 
-/** A refusal by a limit's counter (a quota or a spend cap). */
-export class LimitExceeded extends BudgetExceeded {
-  override name = "LimitExceeded";
+/** A tripped breaker sheds every caller (503): only these are BudgetExceeded. */
+export class BudgetExceeded extends LimitExceeded {
+  override name = "BudgetExceeded";
 }
 
 /** Fail-closed counters or the ledger could not be reached: try again soon. */
-export class BudgetUnavailable extends BudgetExceeded {
+export class BudgetUnavailable extends LimitExceeded {
   override name = "BudgetUnavailable";
 }

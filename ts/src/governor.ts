@@ -16,7 +16,7 @@ import { ADMITTED, Decision, NOTHING_METERED, type MeterResult } from "./decisio
 import {
   BackendBusyError,
   BackendUnavailableError,
-  BudgetExceeded,
+  LimitExceeded,
   CounterOverflowError,
   GovernorError,
   InvalidInputError,
@@ -452,7 +452,7 @@ export class Governor {
     try {
       return this.policy.identified(ctx);
     } catch (err) {
-      if (err instanceof BudgetExceeded && this.ledger !== null) {
+      if (err instanceof LimitExceeded && this.ledger !== null) {
         const d = err.decision;
         await this.append(newId(), EntryType.REJECTED, this.clock(), ctx, [], { limit: d.limit, status: d.status, over: d.over });
       }

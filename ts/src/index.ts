@@ -27,6 +27,7 @@ export {
 export { Policy, Limit, Plan, FailMode, OnExceed, Anonymous, type LimitOptions, type PolicyOptions } from "./policy.js";
 export { parsePolicy, loadPolicyFile } from "./policyFile.js";
 export { Scope, context, EMPTY, type Context, type ScopeName } from "./context.js";
+export { callHash, canonicalJson, countsCalls, withCall, isRepeat } from "./repeats.js";
 export { Window, bucketFor, zone, Bucket } from "./windows.js";
 export { Unit, usd, formatUsd, MAX_AMOUNT } from "./money.js";
 export { PriceTable, type Tokens } from "./prices.js";

@@ -62,6 +62,7 @@ export function slot(
   enforce: boolean,
   policy: Policy | null = null,
 ): Slot | null {
+  if (limit.tools.length && !limit.appliesTo(ctx.tool)) return null;
   const values = scopeValues(limit.dimensions, ctx);
   if (values === null) return null;
   const segment = scopeSegment(limit.dimensions, values);

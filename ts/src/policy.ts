@@ -8,7 +8,7 @@
  * );
  * policy.get("burst").cap  // 30
  */
-import { BudgetExceeded, PolicyError } from "./errors.js";
+import { LimitExceeded, PolicyError } from "./errors.js";
 import { ANONYMOUS_USER, normalizeScope, type Context, type ScopeName } from "./context.js";
 import { capsKey, escape, scopeSegment } from "./keys.js";
 import { MAX_AMOUNT, Unit } from "./money.js";
@@ -96,6 +96,8 @@ export interface LimitOptions {
   anchorDay?: number | null;
   anchors?: Readonly<Record<string, number>>;
   caps?: Readonly<Record<string, number>> | null;
+  /** The tools it applies to, by name or glob (`["brave_*"]`); empty: all. */
+  tools?: string | readonly string[];
 }
 
 /** One ceiling: `cap` units per `window` per `scope`; bad values are refused here. */
@@ -117,6 +119,8 @@ export class Limit {
   readonly anchors: ReadonlyMap<string, number>;
   /** Value caps by scope segment (`tenant=acme`). */
   readonly caps: ReadonlyMap<string, number>;
+  /** The tools it applies to, by name or glob; empty: every tool. */
+  readonly tools: readonly string[];
 
   constructor(name: string, options: LimitOptions) {
     if (typeof name !== "string" || !NAME_PATTERN.test(name)) {
@@ -132,7 +136,7 @@ export class Limit {
     if (typeof cap !== "number" || !Number.isInteger(cap)) {
       throw new PolicyError(`${where}.cap`, cap, "expected an integer (use usd() for dollars)");
     }
-    if (cap < 0) throw new PolicyError(`${where}.cap`, cap, "must not be negative");
+    if (cap < 0) throw new PolicyError(`${where}.cap`, cap, "must be non-negative");
     if (cap > MAX_AMOUNT) throw new PolicyError(`${where}.cap`, cap, `exceeds the largest amount (${MAX_AMOUNT})`);
     this.cap = cap;
     this.unit = enumValue(Unit, options.unit ?? Unit.CALLS, `${where}.unit`, "Unit");
@@ -213,10 +217,21 @@ export class Limit {
       caps.set(seg, checkCap(value, at));
     }
     this.caps = new Map([...caps.entries()].sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0)));
+    const tools: unknown = typeof options.tools === "string" ? [options.tools] : (options.tools ?? []);
+    if (!Array.isArray(tools) || !tools.every((t) => typeof t === "string" && t !== "")) {
+      throw new PolicyError(`${where}.tools`, options.tools, 'expected tool names or globs: ["a_*"]');
+    }
+    this.tools = Object.freeze([...(tools as string[])]);
     if (this.breaker && this.onExceed === OnExceed.ASK) {
       throw new PolicyError(`${where}.on_exceed`, this.onExceed, "a breaker cannot ask for approval");
     }
     Object.freeze(this);
+  }
+
+  /** Whether this limit counts a call to `tool` (its `tools`, by name or glob). */
+  appliesTo(tool: string | null | undefined): boolean {
+    if (this.tools.length === 0) return true;
+    return tool != null && this.tools.some((t) => globMatch(t, tool));
   }
 
   /** The billing day of the counter for scope `values`. */
@@ -427,8 +442,31 @@ export class Policy implements Iterable<Limit> {
     if (this.anonymous === Anonymous.SHARED) {
       return ctx.user === ANONYMOUS_USER ? ctx : Object.freeze({ ...ctx, user: ANONYMOUS_USER });
     }
-    throw new BudgetExceeded(
+    throw new LimitExceeded(
       new Decision({ admitted: false, limit: this.perUser[0]?.name ?? null, status: 403, reason: "caller_unidentified" }),
     );
   }
+}
+
+/** Python's `fnmatch.fnmatchcase`: `*`, `?`, `[seq]`, `[!seq]`, anything else literal. */
+export function globMatch(pattern: string, name: string): boolean {
+  let re = "";
+  for (let i = 0; i < pattern.length; i++) {
+    const c = pattern[i] as string;
+    if (c === "*") re += "[\\s\\S]*";
+    else if (c === "?") re += "[\\s\\S]";
+    else if (c === "[") {
+      const end = pattern.indexOf("]", i + 2);
+      if (end === -1) {
+        re += "\\[";
+        continue;
+      }
+      let body = pattern.slice(i + 1, end).replaceAll("\\", "\\\\");
+      if (body.startsWith("!")) body = "^" + body.slice(1);
+      else if (body.startsWith("^")) body = "\\" + body;
+      re += `[${body}]`;
+      i = end;
+    } else re += c.replace(/[.*+?^${}()|[\]\\/]/g, "\\$&");
+  }
+  return new RegExp(`^${re}$`, "u").test(name);
 }

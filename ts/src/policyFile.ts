@@ -35,6 +35,7 @@ export const LIMIT_KEYS = [
   "anchor_day",
   "anchors",
   "caps",
+  "tools",
   "cap_usd",
 ] as const;
 const TOP_KEYS = ["limits", "timezone", "anonymous", "plans", "assign"] as const;
@@ -199,6 +200,7 @@ class Builder {
         anchors: Object.fromEntries(Object.entries(fields["anchors"] as Record<string, unknown>).map(([k, v]) => [k, Number(v)])),
       }),
       ...(caps !== undefined && { caps }),
+      ...(fields["tools"] !== undefined && { tools: fields["tools"] as string[] }),
     };
     try {
       return new Limit(fields["name"] as string, options);

@@ -20,6 +20,7 @@ import * as planning from "../src/planning.js";
 import { parsePolicy } from "../src/policyFile.js";
 import { PriceTable } from "../src/prices.js";
 import { LUA_DIR, script, SCRIPTS, sha1 } from "../src/scripts.js";
+import { callHash } from "../src/repeats.js";
 import { toolPrices } from "../src/integrations/common.js";
 import { escapeMismatches, keyMismatches } from "./conformance.js";
 import { ctxOf, VECTORS, type Json } from "./vectors.js";
@@ -203,6 +204,7 @@ describe("policy files", () => {
         anchor_day: l.anchorDay,
         anchors: Object.fromEntries(l.anchors),
         caps: Object.fromEntries(l.caps),
+        tools: [...l.tools],
       }));
       assert.deepEqual(limits, want.limits, name);
       assert.deepEqual(Object.fromEntries(policy.plans.map((p) => [p.name, Object.fromEntries(p.caps)])), want.plans, name);
@@ -251,7 +253,11 @@ describe("refusals", () => {
     for (const r of VECTORS.refusals as Json[]) {
       const [kind, name] = r.name.split(":");
       if (name === undefined) continue;
-      const s = planning.slot(policy.get(name), ctx, now, policy.tz, 1, true);
+      const repeats = name === "repeats" ? parsePolicy(VECTORS.policies.good.repeats.toml) : null;
+      const s =
+        repeats === null
+          ? planning.slot(policy.get(name), ctx, now, policy.tz, 1, true)
+          : planning.slot(repeats.get(name), ctxOf({ session: "s-1", tool: "search", call: callHash("search", { q: "mcp" }) }), now, repeats.tz, 1, true);
       assert.ok(s !== null);
       const d = kind === "refused" ? planning.refused(s, now) : planning.unavailable(s, 1);
       assert.equal(refusalText(d), r.text, r.name);

@@ -41,6 +41,9 @@ for (const [name, backend] of backends(close)) {
       assert.equal(refused.reason, "budget_exceeded:user/minute");
       assert.ok((refused.retryAfter ?? 0) >= 1);
       assert.throws(() => refused.raiseForStatus(), LimitExceeded);
+      // A quota refusal is not the breaker's: `instanceof BudgetExceeded` is false for it.
+      assert.throws(() => refused.raiseForStatus(), (e: Error) => !(e instanceof BudgetExceeded));
+      assert.ok(BudgetExceeded.prototype instanceof LimitExceeded);
       assert.equal(await gov.usage("burst", ctx), 7);
     });
 
@@ -82,7 +85,7 @@ for (const [name, backend] of backends(close)) {
       const ctx = context({ user: fresh("u") });
       const r = await gov.reserve("spend", 80, ctx);
       assert.equal(await gov.usage("spend", ctx), 80);
-      await assert.rejects(gov.reserve("spend", 30, ctx), BudgetExceeded);
+      await assert.rejects(gov.reserve("spend", 30, ctx), LimitExceeded);
       const settled = await gov.settle(r, 25);
       assert.equal(settled.total, 25);
       await gov.reserved("spend", 50, ctx, async (held) => {

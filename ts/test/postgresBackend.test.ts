@@ -150,6 +150,34 @@ describe("PostgresBackend", () => {
     }
   });
 
+  it("refuses as busy, unsent, a check that waits past queueTimeout behind the calls in flight", async () => {
+    // One call in flight at most and a short queue bound: the second check waits in the coalescer.
+    const small = PostgresBackend.fromUrl(url, { maxConnections: 1, queueTimeout: 0.2 });
+    const gov = new Governor(Policy.of(day("open", 5, FailMode.OPEN)), small);
+    const ctx = context({ user: fresh("queued") });
+    try {
+      assert.equal((await gov.check(ctx)).admitted, true);
+      const key = checkPlan(gov.policy, ctx, Date.now() / 1000).slots[0]?.key ?? "";
+      await admin.query("BEGIN");
+      await admin.query("SELECT mcpbg_lock($1::text[])", [[key]]);
+      let first;
+      let second;
+      try {
+        const inFlight = gov.check(ctx); // sent, queued on the lock
+        second = await gov.check(ctx); // waits for the one call: refused after 0.2 s
+        await admin.query("ROLLBACK");
+        first = await inFlight;
+      } finally {
+        await admin.query("ROLLBACK").catch(() => undefined);
+      }
+      assert.deepEqual([second.status, second.reason, second.degraded], [503, "budget_unavailable:postgres busy", false]);
+      assert.deepEqual([first.admitted, first.degraded], [true, false], "the lock freed in time: Postgres decided it");
+      assert.equal(await gov.usage("open", ctx), 2, "the refused check was never sent");
+    } finally {
+      await small.close();
+    }
+  });
+
   it("applies each limit's fail mode when the server refuses the connection", async () => {
     const down = PostgresBackend.fromUrl(`postgresql://postgres@127.0.0.1:${await freePort()}/nowhere`);
     try {

@@ -12,7 +12,7 @@ import { createHmac, randomBytes, timingSafeEqual } from "node:crypto";
 import type { Approval } from "../approval.js";
 import { contextKey, type Context } from "../context.js";
 import { EXCEEDED, REFUSAL_META_KEY, refusalBody, refusalMeta, refusalText, type Decision } from "../decision.js";
-import { BudgetExceeded, InvalidInputError } from "../errors.js";
+import { LimitExceeded, InvalidInputError } from "../errors.js";
 import type { Governor, Reservations } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
 import { OnExceed, type Policy } from "../policy.js";
@@ -299,7 +299,7 @@ export function approvalSeconds(timeout: unknown): number {
 }
 
 /**
- * One governed call: identify, check (a refusal throws BudgetExceeded and the
+ * One governed call: identify, check (a refusal throws LimitExceeded and the
  * work never runs; `wait`: seconds a full concurrency cap may hold the call
  * for a slot first), reserve estimates, run, then charge: a completed call is
  * charged its price even past a cap; a failed one its fixed price.
@@ -395,6 +395,6 @@ async function run<R>(
   return result;
 }
 
-export function isRefusal(err: unknown): err is BudgetExceeded {
-  return err instanceof BudgetExceeded;
+export function isRefusal(err: unknown): err is LimitExceeded {
+  return err instanceof LimitExceeded;
 }

@@ -22,8 +22,9 @@
 import { UserError } from "fastmcp";
 
 import { context, type Context } from "../context.js";
+import { withCall } from "../repeats.js";
 import { refusalText } from "../decision.js";
-import { BudgetExceeded } from "../errors.js";
+import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
 import {
   APPROVAL_TIMEOUT,
@@ -89,7 +90,7 @@ interface FastMCPLike {
  * for code that throws it itself (a governed tool returns the refusal as a result).
  */
 export class BudgetToolError extends UserError {
-  constructor(readonly refusal: BudgetExceeded) {
+  constructor(readonly refusal: LimitExceeded) {
     super(refusalText(refusal.decision), { mcpbg: { status: refusal.decision.status, reason: refusal.decision.reason } });
   }
 }
@@ -105,10 +106,10 @@ export function governTool<T extends ToolLike>(governor: Governor, tool: T, opti
     execute: async (args: unknown, ctx: ToolContext) => {
       try {
         const found = options.identify !== undefined ? await options.identify(ctx) : callerOf(ctx);
-        const caller = context({ ...(found ?? {}), tool: tool.name });
+        const caller = withCall(governor.policy, context({ ...(found ?? {}), tool: tool.name }), tool.name, args);
         return await governedCall(governor, caller, () => execute(args, ctx), price, estimate, wait, askVia(ctx, tool.name, timeout), ctx?.signal);
       } catch (err) {
-        if (err instanceof BudgetExceeded) {
+        if (err instanceof LimitExceeded) {
           // The error result Python's middleware gives: the refusal text, and the
           // refusal as data in _meta (REFUSAL_META_KEY).
           const { content, isError, _meta } = refusalResult(err.decision);

@@ -30,9 +30,10 @@
 import { ElicitResultSchema, McpError } from "@modelcontextprotocol/sdk/types.js";
 
 import { approvalText, openApproval, type Approval } from "../approval.js";
+import { withCall } from "../repeats.js";
 import { context, type Context } from "../context.js";
 import { rateLimitedError } from "../decision.js";
-import { BudgetExceeded } from "../errors.js";
+import { LimitExceeded } from "../errors.js";
 import { waitSeconds, type Governor } from "../governor.js";
 import { OnExceed } from "../policy.js";
 import {
@@ -226,7 +227,8 @@ export function governHandler<H extends Handler>(
   const wrapped = async (...args: unknown[]): Promise<unknown> => {
     const extra = args[args.length - 1] as RequestExtra;
     const work = async (): Promise<unknown> => (handler as unknown as (...a: unknown[]) => unknown)(...args);
-    return governedTool(governor, tool, options.identify, extra, work, price, estimate, wait, timeout, seal, options.rateLimitError === true);
+    const given = args.length >= 2 ? args[0] : {}; // (args, extra), or (extra) for a tool without input
+    return governedTool(governor, tool, options.identify, extra, work, price, estimate, wait, timeout, seal, options.rateLimitError === true, given);
   };
   return wrapped as unknown as H;
 }
@@ -274,7 +276,8 @@ export function governedCallTool<Req extends CallToolRequest, E extends RequestE
   return async (request, extra) => {
     const tool = request.params.name;
     const { price, estimate } = toolPrices(governor.policy, tool, options.meta?.(tool));
-    return governedTool(governor, tool, options.identify, extra, () => handler(request, extra), price, estimate, wait, timeout, seal, options.rateLimitError === true);
+    const args = request.params.arguments ?? {};
+    return governedTool(governor, tool, options.identify, extra, () => handler(request, extra), price, estimate, wait, timeout, seal, options.rateLimitError === true, args);
   };
 }
 
@@ -291,15 +294,16 @@ async function governedTool<E extends RequestExtra | undefined, R>(
   timeout: number,
   seal: ApprovalSeal,
   rateLimitError = false,
+  args: unknown = {},
 ): Promise<R | ReturnType<typeof refusalResult> | ApprovalQuestion> {
   try {
-    const ctx = await caller(identify, extra, tool);
+    const ctx = withCall(governor.policy, await caller(identify, extra, tool), tool, args);
     const approval = await approvedInRound(governor, extra, ctx, seal);
     const signal = extra?.signal ?? extra?.mcpReq?.signal;
     const ask = askVia(extra, tool, timeout, ctx, seal);
     return await governedCall(governor, ctx, work, price, estimate, wait, ask, signal, approval ? [approval.limit] : [], approval);
   } catch (err) {
-    if (err instanceof BudgetExceeded) {
+    if (err instanceof LimitExceeded) {
       const error = rateLimitError ? rateLimitedError(err.decision) : null;
       if (error !== null) throw new McpError(error.code, error.message, error.data);
       return refusalResult(err.decision);

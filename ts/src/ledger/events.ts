@@ -114,6 +114,7 @@ function contextJson(ctx: LedgerContext): string {
     `"session":${str(ctx.session)},"agent":${str(ctx.agent)}`;
   // Written only when set, as in Python: older events read the same.
   if (ctx.sessionRoot != null) out += `,"session_root":${JSON.stringify(ctx.sessionRoot)}`;
+  if (ctx.call != null) out += `,"call":${JSON.stringify(ctx.call)}`;
   return out + "}";
 }
 

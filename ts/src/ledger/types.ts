@@ -85,6 +85,8 @@ export interface LedgerContext {
   readonly agent?: string | null | undefined;
   /** The session a forked `session` descends from; absent when it is its own root. */
   readonly sessionRoot?: string | null | undefined;
+  /** The call's tool and arguments hashed (a loop guard's counter); absent without one. */
+  readonly call?: string | null | undefined;
 }
 
 /** Python's `ledger.LedgerCharge`: a signed amount charged to one counter. */

@@ -20,7 +20,7 @@
 //       -> {"statuses": [200, 402, ...]}  (concurrently, each held hold_ms; estimates stand)
 import { createInterface } from "node:readline";
 
-import { BudgetExceeded, Governor, PostgresBackend, RedisBackend, context, loadPolicyFile, type Context, type Decision } from "../../src/index.js";
+import { LimitExceeded, Governor, PostgresBackend, RedisBackend, context, loadPolicyFile, type Context, type Decision } from "../../src/index.js";
 import { setCap } from "../../src/admin.js";
 import { checkPlan } from "../../src/planning.js";
 
@@ -58,7 +58,7 @@ async function reserveAll(cmd: Command, ctx: Context, holdMs: number): Promise<n
   try {
     held = await governor.reserveAll(cmd.estimates ?? {}, ctx);
   } catch (err) {
-    if (err instanceof BudgetExceeded) return err.decision.status;
+    if (err instanceof LimitExceeded) return err.decision.status;
     throw err;
   }
   if (holdMs) await new Promise((resolve) => setTimeout(resolve, holdMs));
