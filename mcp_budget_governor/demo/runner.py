@@ -30,6 +30,7 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from mcp_budget_governor import Backend, Context, Governor, InvalidInputError, PriceTable
 from mcp_budget_governor.ledger import Ledger
 from mcp_budget_governor.money import format_dollars
+from mcp_budget_governor.projections.counters.memory import MemoryBackend
 from mcp_budget_governor.urls import redact as redact_url
 
 from . import report, scenario
@@ -246,9 +247,19 @@ def _backend(options: DemoOptions, clock: SimClock) -> Backend:
         from mcp_budget_governor.projections.counters.redis import RedisBackend
 
         return RedisBackend.from_url(options.redis_url, timeout=5.0)
-    from mcp_budget_governor.projections.counters.memory import MemoryBackend
-
+    if options.serve:
+        return KeptMemoryBackend(clock=clock)
     return MemoryBackend(clock=clock)
+
+
+class KeptMemoryBackend(MemoryBackend):
+    """The in-process counters ``--serve`` hands to the console. A closed
+    :class:`MemoryBackend` forgets its counters, and the demo's governor closes its
+    backend on the way out: this one keeps them, so the console's budgets and breaker
+    cards show what the demo charged."""
+
+    async def aclose(self) -> None:
+        return None
 
 
 async def _reachable(options: DemoOptions, backend: Backend) -> None:
