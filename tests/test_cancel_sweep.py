@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,9 +51,11 @@ from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
 from testing.delay_proxy import DelayProxy, behind_proxy, target_of
 from testing.ledger_run import run_cli
 from testing.stores import backend_for, is_postgres, pending_of, store_args
+from testing.stream_support import kafka
 from testing.thread_server import ThreadServer
 
 pytestmark = pytest.mark.slow
+__all__ = ["kafka"]  # a fixture, used by name
 
 #: How far away the store is (each reply's delay), and the spread of the cancel instants.
 STORE_DELAY = 0.040
@@ -358,28 +361,9 @@ gated = false
 """
 
 
-async def test_a_typescript_server_settles_every_cancel(
-    stores: tuple[str, str], tmp_path: Path
-) -> None:
-    """The TypeScript SDK integration (``governTools``) in inline mode (no ledger: its
-    charges are committed at once, so there is nothing in flight to orphan): every
-    admitted call pays its price once, a refused or unchecked one nothing, and the
-    global slot is free at once after each cancel."""
-    from testing.node import TS_DIR, npm_ci, tsx
-
-    near_store, far_store = stores
-    npm_ci()
-    policy_file = tmp_path / "policy.toml"
-    policy_file.write_text(TS_POLICY)
-    if is_postgres(far_store):
-        backend = backend_for(near_store)
-        await backend.migrate()
-        await backend.aclose()
-    proc = await asyncio.create_subprocess_exec(
-        *tsx(), "test/cross/cancelServer.ts", str(policy_file), far_store,
-        cwd=TS_DIR, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    watch = Governor(
+def ts_watch(near_store: str) -> Governor:
+    """Reads the TypeScript server's counters straight from the store (not 40 ms away)."""
+    return Governor(
         Policy.of(
             Limit("one_at_a_time", cap=1, unit=Unit.CONCURRENT),
             Limit("calls", cap=1_000_000, window=Window.DAY, scope=Scope.USER),
@@ -388,40 +372,164 @@ async def test_a_typescript_server_settles_every_cancel(
         ),
         backend_for(near_store),
     )  # fmt: skip
-    users = [f"t{i:03d}" for i in range(CALLS)]
-    cancelled: list[str] = []
+
+
+async def start_ts_server(
+    tmp_path: Path, near_store: str, far_store: str, *ledger: str
+) -> tuple[asyncio.subprocess.Process, int]:
+    """``ts/test/cross/cancelServer.ts`` on ``far_store`` (``ledger``: its KafkaLedger's
+    bootstrap, topic and outbox folder); the process and the port it listens on."""
+    from testing.node import TS_DIR, prepare_driver, tsx
+
+    prepare_driver()  # the packages, and the Lua and SQL copied into ts/
+    policy_file = tmp_path / "policy.toml"
+    policy_file.write_text(TS_POLICY)
+    if is_postgres(far_store):
+        backend = backend_for(near_store)
+        await backend.migrate()
+        await backend.aclose()
+    proc = await asyncio.create_subprocess_exec(
+        *tsx(), "test/cross/cancelServer.ts", str(policy_file), far_store, *ledger,
+        cwd=TS_DIR, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 60)
-        port = json.loads(line)["port"]
+        return proc, json.loads(line)["port"]
+    except BaseException:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30)
+        raise
 
-        async def slot_freed() -> bool:
-            end = time.monotonic() + 5.0  # far below lease_ttl (30 s)
-            while await watch.usage("one_at_a_time"):
-                if time.monotonic() > end:
-                    return False
-                await asyncio.sleep(0.01)
-            return True
 
-        async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as client:
-            for i, user in enumerate(users):
-                with anyio.move_on_after(SPREAD * i / (CALLS - 1)) as scope:
-                    await client.call_tool("work", {}, meta={"user": user})
-                if scope.cancelled_caught:
-                    cancelled.append(user)
-                assert await slot_freed(), f"call {user}: the slot stayed taken"
-            result = await client.call_tool("work", {}, meta={"user": "after"})
-            assert not result.is_error, result
-        admitted = []
-        for user in users:
-            calls = await watch.usage("calls", Context(user=user))
-            paid = await watch.usage("spend", Context(user=user))
-            assert calls in (0, 1) and paid == PRICE * calls, (user, calls, paid)
-            if calls:
-                admitted.append(user)
+async def sweep_ts_server(port: int, watch: Governor, users: list[str]) -> list[str]:
+    """Cancel a call of each of ``users`` at instants spread over ``SPREAD``, checking the
+    global slot is free at once after each; then one more call runs. The users cancelled."""
+
+    async def slot_freed() -> bool:
+        end = time.monotonic() + 5.0  # far below lease_ttl (30 s)
+        while await watch.usage("one_at_a_time"):
+            if time.monotonic() > end:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    cancelled: list[str] = []
+    async with Client(f"http://127.0.0.1:{port}/mcp", mode="legacy") as client:
+        for i, user in enumerate(users):
+            with anyio.move_on_after(SPREAD * i / (CALLS - 1)) as scope:
+                await client.call_tool("work", {}, meta={"user": user})
+            if scope.cancelled_caught:
+                cancelled.append(user)
+            assert await slot_freed(), f"call {user}: the slot stayed taken"
+        result = await client.call_tool("work", {}, meta={"user": "after"})
+        assert not result.is_error, result
+    return cancelled
+
+
+async def paid_once(watch: Governor, users: list[str]) -> list[str]:
+    """Each user's counters hold one call and its price, or nothing; the admitted users."""
+    admitted = []
+    for user in users:
+        calls = await watch.usage("calls", Context(user=user))
+        paid = await watch.usage("spend", Context(user=user))
+        assert calls in (0, 1) and paid == PRICE * calls, (user, calls, paid)
+        if calls:
+            admitted.append(user)
+    return admitted
+
+
+async def test_a_typescript_server_settles_every_cancel(
+    stores: tuple[str, str], tmp_path: Path
+) -> None:
+    """The TypeScript SDK integration (``governTools``) in inline mode (no ledger: its
+    charges are committed at once, so there is nothing in flight to orphan): every
+    admitted call pays its price once, a refused or unchecked one nothing, and the
+    global slot is free at once after each cancel."""
+    near_store, far_store = stores
+    proc, port = await start_ts_server(tmp_path, near_store, far_store)
+    watch = ts_watch(near_store)
+    users = [f"t{i:03d}" for i in range(CALLS)]
+    try:
+        cancelled = await sweep_ts_server(port, watch, users)
+        admitted = await paid_once(watch, users)
         assert len(set(admitted) & set(cancelled)) >= 20, (len(admitted), len(cancelled))
         assert set(cancelled) - set(admitted)  # some cancelled before their check
     finally:
         proc.terminate()
         await asyncio.wait_for(proc.wait(), 10)
+        await watch.aclose()
+
+
+async def test_a_typescript_server_with_the_kafka_ledger_leaves_no_orphan(
+    stores: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], kafka: Any
+) -> None:
+    """The same sweep with the TypeScript server's events in the TypeScript KafkaLedger
+    (durable outbox, ``test/driverLedger.ts``): its charges stay in flight until the
+    worker's projection (``Projector``, archived) commits them from the topic. Then
+    every admitted call has one ``admitted`` and one ``metered`` event of its price,
+    the counters equal the ledger, nothing is left in flight, and ``mcpbg reconcile
+    --older-than 0`` finds no orphan and no drift."""
+    from mcp_budget_governor.stream.archiver import Archiver
+    from mcp_budget_governor.stream.projector import Projector
+    from mcp_budget_governor.stream.topic_reader import read_topic
+
+    near_store, far_store = stores
+    topic = f"cancel-{uuid.uuid4().hex[:10]}"
+    ledger = (kafka.bootstrap, topic, str(tmp_path / "outbox"))
+    proc, port = await start_ts_server(tmp_path, near_store, far_store, *ledger)
+    watch = ts_watch(near_store)
+    users = [f"k{i:03d}" for i in range(CALLS)]
+    try:
+        cancelled = await sweep_ts_server(port, watch, users)
+    finally:
+        proc.terminate()  # closes the governor: the ledger ships its outbox
+        code = await asyncio.wait_for(proc.wait(), 60)
+    try:
+        assert code == 0, code
+        records = await read_topic(kafka.bootstrap, topic)
+        assert records.caught_up and not records.malformed, records.highwater
+        events = list({r.event.id: r.event for r in records}.values())  # at least once: by id
+        kinds: dict[str, Counter[str]] = {}
+        for e in events:
+            kinds.setdefault(e.data.context.user or "", Counter())[e.type.split(".")[1]] += 1
+        for user, k in kinds.items():
+            assert k["admitted"] <= 1 and k["metered"] == k["admitted"], (user, dict(k))
+        admitted = sorted(u for u, k in kinds.items() if k["admitted"] and u != "after")
+        spend = sum(c.amount for e in events for c in e.data.charges if c.limit == "spend")
+        assert spend == PRICE * (len(admitted) + 1)  # and the call after the sweep
+        assert len(set(admitted) & set(cancelled)) >= 20, (len(admitted), len(cancelled))
+        assert set(cancelled) - set(admitted)  # some cancelled before their check
+
+        # The worker's projection, archived as the worker archives it.
+        archive = tmp_path / "archive"
+        letters: list[Any] = []
+        backend = backend_for(near_store)
+        projector = Projector(
+            backend, topic, dlq=letters.append, archive=Archiver(archive, topic=topic).write_batch
+        )
+        try:
+            by_partition: dict[int, list[tuple[int, bytes]]] = {}
+            for r in records:
+                raw = r.event.model_dump_json().encode()
+                by_partition.setdefault(r.partition, []).append((r.offset, raw))
+            for p, batch in sorted(by_partition.items()):
+                await projector.apply_batch(p, batch)
+        finally:
+            await backend.aclose()
+        assert letters == []
+        # The counters are the ledger's: each admitted user one call and its price.
+        assert await paid_once(watch, users) == admitted
+        code, out, err = run_cli(
+            capsys, "reconcile", "--archive-dir", str(archive), "--older-than", "0",
+            "--json", *store_args(near_store),
+        )  # fmt: skip
+        assert code == 0, out + err
+        report = json.loads(out)
+        assert report["orphans"] == [] and not report.get("drift"), report
+        for e in events:
+            for c in e.data.charges:
+                in_flight, total = pending_of(near_store, c.key)
+                assert in_flight == {} and total == 0, (c.key, in_flight, total)
+    finally:
         await watch.aclose()

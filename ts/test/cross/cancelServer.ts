@@ -1,8 +1,10 @@
 // A governed McpServer over streamable HTTP (SDK 1.x, sessions), for tests/test_cancel_sweep.py:
 // the Python sweep's clients cancel its calls at every instant of their admission.
 //
-//   tsx test/cross/cancelServer.ts POLICY.toml STORE_URL
+//   tsx test/cross/cancelServer.ts POLICY.toml STORE_URL [BOOTSTRAP TOPIC OUTBOX]
 //     STORE_URL: redis://... (RedisBackend) or postgresql://... (PostgresBackend)
+//     BOOTSTRAP TOPIC OUTBOX: the events go to the KafkaLedger (test/driverLedger.ts);
+//       without them the governor runs inline (no ledger)
 //     prints {"port": P} once listening; the caller is the request's _meta.user;
 //     tool "work" costs its _meta price and sleeps 5 ms; SIGTERM closes it.
 import { randomUUID } from "node:crypto";
@@ -14,10 +16,15 @@ import { isInitializeRequest } from "@modelcontextprotocol/sdk/types.js";
 
 import { Governor, PostgresBackend, RedisBackend, context, loadPolicyFile } from "../../src/index.js";
 import { governTools } from "../../src/integrations/sdk.js";
+import { driverLedger } from "../driverLedger.js";
 
-const [policyFile, url] = process.argv.slice(2) as [string, string];
+const [policyFile, url, bootstrap, topic, outbox] = process.argv.slice(2) as [string, string, ...string[]];
 const backend = url.startsWith("postgres") ? PostgresBackend.fromUrl(url) : RedisBackend.fromUrl(url);
-const governor = new Governor(loadPolicyFile(policyFile), backend);
+const ledger =
+  bootstrap !== undefined && topic !== undefined && outbox !== undefined
+    ? driverLedger(bootstrap, topic, outbox, 25)
+    : null;
+const governor = new Governor(loadPolicyFile(policyFile), backend, { ledger });
 
 function mcpServer(): McpServer {
   const server = new McpServer({ name: "swept", version: "1.0.0" });
