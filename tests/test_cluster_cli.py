@@ -165,6 +165,9 @@ def test_budgets_and_caps_list_on_the_cluster_show_what_one_redis_shows(
 
     one, many = out["redis"], out["cluster"]
     for a, b in zip(many[0]["rows"], one[0]["rows"], strict=True):
+        # The forecast extrapolates this period's rate from the instant of each run, so
+        # two runs seconds apart project a far-off cap minutes apart; the rest is equal.
+        a, b = ({k: v for k, v in r.items() if k != "projected_exhaust_at"} for r in (a, b))
         assert a == b, {k: (a[k], b.get(k)) for k in a if a[k] != b.get(k)}
     assert many[0]["listed_keys"] == one[0]["listed_keys"] and not many[0]["truncated"]
     assert many[1] == one[1]
