@@ -311,3 +311,23 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
         )  # fmt: skip
         assert out.returncode == 2 and field in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_the_mcp_conformance_suite_passes_governed_as_bare() -> None:
+    """The official MCP conformance suite, bare, behind BudgetMiddleware and through
+    ``mcpbg proxy`` over HTTP: each run fails exactly the bare upstream's baseline."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(
+        [str(root / "scripts" / "mcp-conformance")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    totals = [line for line in done.stdout.splitlines() if line.startswith("Total:")]
+    assert len(totals) == 3 and len(set(totals)) == 1, done.stdout  # the same checks pass
+    assert "match the baseline" in done.stdout
