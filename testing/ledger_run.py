@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from mcp_budget_governor import (
-    BudgetExceeded,
     Context,
     Governor,
     Limit,
+    LimitExceeded,
     Policy,
     Scope,
     Unit,
@@ -97,7 +97,7 @@ async def workload(gov: Governor, n: int, rng: random.Random, users: str = "u") 
                 ctx=ctx,
             )
         else:
-            with contextlib.suppress(BudgetExceeded):
+            with contextlib.suppress(LimitExceeded):  # any refusal (402 here), as in 0.1.0
                 async with gov.reserved("spend", 25_000, ctx) as r:
                     if rng.random() < 0.3:
                         r.release()
