@@ -103,7 +103,7 @@ def test_no_real_user_id_shares_the_anonymous_key(
     """Invariant 7 for the anonymous bucket: every non-empty id keys elsewhere,
     whatever the other dimensions hold (the same tenant, tool, session)."""
     lim = Limit("l", cap=1, window=Window.DAY, scope=dims, unit=Unit.CALLS)
-    rest = {"tenant": others, "tool": others, "session": others, "agent": others}
+    rest = {"tenant": others, "tool": others, "session": others, "agent": others, "call": others}
     anon = Policy.of(lim, anonymous="shared").identified(Context(**rest))
     real = Context(user=user, **rest)
     anon_slot = slot(lim, anon, NOW, UTC, 1, enforce=True)

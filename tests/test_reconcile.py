@@ -359,8 +359,13 @@ def test_fix_without_a_ledger_to_append_to_is_one_line(
     argv = ["--archive-dir", str(run.archive), "--redis-url", redis_url, "--older-than", "0"]
     code, _, err = reconcile(capsys, "--fix", *argv)
     assert code == 2 and err.count("\n") == 1 and "--kafka-url" in err, err
-    code, _, err = reconcile(capsys, *argv[:-2], "--older-than", "-1")
-    assert code == 2 and err.count("\n") == 1 and "--older-than" in err, err
+    # A number that is not a whole number of seconds is a usage error: argparse's exit 2
+    # (one line naming the option and the value), before anything runs.
+    with pytest.raises(SystemExit) as usage:
+        reconcile(capsys, *argv[:-2], "--older-than", "-1")
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and err.count("\n") == 1, err
+    assert "--older-than" in err and "'-1'" in err, err
 
 
 async def test_run_time_changes_a_store_lost_are_reported_and_put_back(
