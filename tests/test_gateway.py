@@ -316,7 +316,8 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_the_mcp_conformance_suite_passes_governed_as_bare() -> None:
     """The official MCP conformance suite, bare, behind BudgetMiddleware and through
-    ``mcpbg proxy`` over HTTP: each run fails exactly the bare upstream's baseline."""
+    ``mcpbg proxy`` over HTTP: each run fails exactly the bare upstream's baseline,
+    and every check that passes bare passes governed."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHON": sys.executable}
     done = subprocess.run(
@@ -330,4 +331,6 @@ def test_the_mcp_conformance_suite_passes_governed_as_bare() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     totals = [line for line in done.stdout.splitlines() if line.startswith("Total:")]
     assert len(totals) == 3 and len(set(totals)) == 1, done.stdout  # the same checks pass
+    for mode in ("governed", "proxy"):  # check by check, not only scenario by scenario
+        assert f"{mode}: all {totals[0].split()[1]} checks that pass bare pass" in done.stdout
     assert "match the baseline" in done.stdout
