@@ -334,3 +334,72 @@ def test_the_mcp_conformance_suite_passes_governed_as_bare() -> None:
     for mode in ("governed", "proxy"):  # check by check, not only scenario by scenario
         assert f"{mode}: all {totals[0].split()[1]} checks that pass bare pass" in done.stdout
     assert "match the baseline" in done.stdout
+
+
+EVERYTHING = ROOT / "testing" / "mcp-everything"  # server-everything, pinned in its lockfile
+
+
+def _install_everything() -> None:
+    bin_ = EVERYTHING / "node_modules" / ".bin" / "mcp-server-everything"
+    lock = EVERYTHING / "package-lock.json"
+    if not bin_.exists() or lock.stat().st_mtime > (EVERYTHING / "node_modules").stat().st_mtime:
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=EVERYTHING, check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_claude_desktop_shape_in_front_of_server_everything(tmp_path: Path) -> None:
+    """The literal client configuration ``command: mcpbg``, ``args: [proxy, --policy,
+    p.toml, --, npx, -y, @modelcontextprotocol/server-everything]``: the official
+    reference server from npm, resolved offline from testing/mcp-everything/."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    _install_everything()
+    (tmp_path / "p.toml").write_text(POLICY)
+    env = _env(
+        tmp_path,
+        MCPBG_USER="alice",
+        # npm fails rather than fetch anything: the pinned install is all the upstream uses.
+        npm_config_offline="true",
+        NODE_OPTIONS=f"--require {EVERYTHING / 'count-calls.cjs'}",
+    )
+    params = StdioServerParameters(
+        command=str(Path(sys.executable).parent / "mcpbg"),  # the console script, as installed
+        args=["proxy", "--policy", str(tmp_path / "p.toml"), "--",
+              "npx", "-y", "@modelcontextprotocol/server-everything"],
+        env=env,
+        cwd=EVERYTHING,  # the upstream starts here, where npx finds the pinned bin
+    )  # fmt: skip
+
+    async def drive() -> tuple[list[str], list[Any]]:
+        async with stdio_client(params) as (r, w), ClientSession(r, w) as s:
+            await s.initialize()
+            listed = [t.name for t in (await s.list_tools()).tools]
+            results = [await s.call_tool("echo", {"message": f"hi{i}"}) for i in range(5)]
+            results.append(await s.call_tool("get-sum", {"a": 2, "b": 3}))
+            return listed, results
+
+    listed, results = asyncio.run(drive())
+    assert {"echo", "get-sum"} <= set(listed), listed  # the upstream's own tools
+    texts = [r.content[0].text for r in results]
+    assert [r.is_error for r in results] == [False] * 3 + [True] * 2 + [False]
+    assert texts[:3] == ["Echo: hi0", "Echo: hi1", "Echo: hi2"]
+    for text in texts[3:5]:
+        assert text.startswith("budget_exceeded:user+tool/day limit=per_tool status=429")
+        assert "Refused by limit 'per_tool'" in text
+    assert "5" in texts[5]  # another tool, its own cap: forwarded
+    # What server-everything itself read (testing/mcp-everything/count-calls.cjs).
+    assert _seen(tmp_path) == ["call echo"] * 3 + ["call get-sum"]
+
+    ledger = tmp_path / "home" / ".mcpbg" / "ledger"  # the default file ledger
+    out = subprocess.run(
+        [*MCPBG, "costs", "--ledger-dir", str(ledger), "--by", "tool", "--json"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    rows = {row["tool"]: row for row in json.loads(out.stdout)["spend by tool"]}
+    assert (rows["echo"]["calls"], rows["echo"]["rejected"]) == (3, 2)
+    assert rows["echo"]["usd"] == "0.030000"  # the [gateway] default price, 3 x $0.01
+    assert (rows["get-sum"]["calls"], rows["get-sum"]["usd"]) == (1, "0.010000")
