@@ -30,6 +30,7 @@ pytest.importorskip("starlette")
 from playwright.sync_api import BrowserContext, sync_playwright
 
 from mcp_budget_governor import Context, Governor, RedisBackend
+from mcp_budget_governor.cli.budgets import _forecast_cell
 from mcp_budget_governor.money import Unit
 from mcp_budget_governor.policy_file import load_policy
 from mcp_budget_governor.producers.file_ledger import FileLedger
@@ -125,6 +126,16 @@ def test_dashboard_shows_the_api_numbers_and_a_new_refusal(
     shown = format_amount(Unit.USD_MICROS, spend["spent"])
     row = page.locator("#budgets tr", has_text="tenant_spend").filter(has_text="acme")
     assert shown in row.inner_text()
+    # The forecast column: the cell `mcpbg budgets --api` prints for the same API row
+    # (polled: the page and the API may read the clock on either side of a minute).
+    assert page.locator("#budgets th").last.inner_text() == "forecast"
+    deadline = time.monotonic() + 60
+    while True:
+        now = next(r for r in _api(served, "/v1/budgets")["rows"] if r["key"] == spend["key"])
+        if row.locator("td").last.inner_text() == _forecast_cell(now):
+            break
+        assert time.monotonic() < deadline, (row.inner_text(), _forecast_cell(now))
+        page.wait_for_timeout(500)
     breaker = page.locator('[data-breaker="global_spend"]').inner_text()
     assert "TRIPPED" in breaker
     assert page.evaluate("Chart.getChart(document.getElementById('spend')).data.datasets.length")

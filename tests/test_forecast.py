@@ -76,6 +76,30 @@ def test_a_counter_on_course_to_run_out_shows_when() -> None:
     assert _forecast_cell({**item, "projected_before_end": False}) == "-"
 
 
+def test_the_console_budgets_table_shows_the_same_forecast() -> None:
+    """``/dashboard/data`` carries the cell the page's forecast column draws
+    (static/mcpbg-dashboard.js): what ``mcpbg budgets --api`` prints for the same row."""
+    pytest.importorskip("starlette")
+    from mcp_budget_governor.console.api import Console
+    from mcp_budget_governor.console.auth import Tokens
+    from mcp_budget_governor.console.dashboard import snapshot
+
+    backend = MemoryBackend(clock=lambda: SIX_AM)
+    governor = Governor(POLICY, backend, clock=lambda: SIX_AM)
+    console = Console(POLICY, backend, Tokens("r" * 24, "w" * 24))
+
+    async def run() -> dict[str, Any]:
+        for i in range(30):
+            assert (await governor.check(Context(user="u_1", session=f"s-{i}"))).admitted
+        return await snapshot(console, now=SIX_AM)
+
+    rows = [r for r in asyncio.run(run())["budgets"] if r["scope_values"].get("user") == "u_1"]
+    cells = {r["name"]: r["shown"]["forecast"] for r in rows if r["name"] != "per_session"}
+    assert cells == {"daily": "2027-03-10 20:00 UTC", "monthly": "-"}
+    for r in rows:
+        assert r["shown"]["forecast"] == _forecast_cell(r), r
+
+
 # -- the alert: "projected to exhaust before the period ends", once per period ---------
 
 

@@ -25,10 +25,13 @@ REFRESH = 5
 ALERTS_SHOWN = 15
 
 
-async def snapshot(console: Console, period: str | None = None) -> dict[str, Any]:
+async def snapshot(
+    console: Console, period: str | None = None, now: float | None = None
+) -> dict[str, Any]:
     """Everything the page draws, as JSON: budget rows, breakers, the spend series with
     caps, top spenders, refusals by reason and the latest ones (today, or ``period``),
-    and the stream worker's latest alerts (kept in Redis, whatever the period)."""
+    and the stream worker's latest alerts (kept in Redis, whatever the period).
+    ``now`` (default: the clock) is when the counters' forecasts are taken."""
     from starlette.concurrency import run_in_threadpool
 
     from ..cli.costs import costs_json
@@ -44,13 +47,14 @@ async def snapshot(console: Console, period: str | None = None) -> dict[str, Any
         spend_series,
     )
 
-    report = await budget_report(console.policy, console.backend)
+    report = await budget_report(console.policy, console.backend, now=now)
     rows: list[dict[str, Any]] = []
     for b in report.rows:
-        j = b.as_json(report.tz)
+        j = b.as_json(report.tz, now=report.at)
         j["shown"] = {
             k: format_amount(b.limit.unit, getattr(b, k)) for k in ("spent", "cap", "remaining")
         }
+        j["shown"]["forecast"] = b.forecast(report.at)  # the cell `mcpbg budgets` prints
         j["who"] = b.who
         rows.append(j)
     breakers = [r for r in rows if r["scope"] == "global"]

@@ -28,10 +28,11 @@ function draw(d) {
     || '<div class="kpi"><div class="v">-</div><div class="l">no global breaker in the policy</div></div>';
   const rows = d.budgets.filter((r) => r.scope !== "global").sort((a, b) =>
     (a.scope + a.who + a.name).localeCompare(b.scope + b.who + b.name));
-  $("budgets").innerHTML = tableOf(["limit", "scope", "who", "window", "spent", "limit ", "used", "source", "remaining", "state"],
+  $("budgets").innerHTML = tableOf(["limit", "scope", "who", "window", "spent", "limit ", "used", "source", "remaining", "state", "forecast"],
     rows.map((r) => [esc(r.name), esc(r.scope), esc(r.who), esc(r.window), esc(r.shown.spent),
       esc(r.shown.cap), bar(r.spent, r.limit + r.grant), esc(r.limit_source) + (r.grant ? " + grant" : ""),
-      esc(r.shown.remaining), r.exceeded ? '<span class="pill bad">exceeded</span>' : '<span class="pill ok">ok</span>']),
+      esc(r.shown.remaining), r.exceeded ? '<span class="pill bad">exceeded</span>' : '<span class="pill ok">ok</span>',
+      esc(r.shown.forecast)]),
     ["spent", "limit ", "remaining"]);
   $("alerts").innerHTML = tableOf(["time", "kind", "limit", "scope", "level", "used", "cap", "bucket"],
     (d.alerts || []).map((a) => [esc(a.time), `<span class="pill ${a.kind === "breaker" ? "bad" : "warn"}">${esc(a.kind)}</span>`,
