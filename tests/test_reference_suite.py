@@ -1,7 +1,7 @@
 """scripts/reference-suite's judgement: the guide lists every reference test that fails.
 
 The run itself (download, unpack, pytest against a private Redis) is
-``scripts/reference-suite``, which ``scripts/test`` runs after this suite.
+``scripts/reference-suite``, which ``scripts/test`` runs before this suite.
 """
 
 from __future__ import annotations
