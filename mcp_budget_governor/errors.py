@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .redaction import redact
+
 if TYPE_CHECKING:
     from .decision import Decision
 
@@ -131,8 +133,6 @@ class BackendUnavailableError(GovernorError, ConnectionError):
             return cause
         if url is None:
             return cls(f"redis unreachable: {cause}")
-        from .urls import redact  # urls imports this module
-
         return cls(f"redis {redact(url)} unreachable: {cause}")
 
 
