@@ -92,6 +92,10 @@ class UnknownModelError(GovernorError, LookupError):
         )
 
 
+class NoPriceTableError(GovernorError, RuntimeError):
+    """A model call was to be priced by a governor made without a price table."""
+
+
 class BackendUnavailableError(GovernorError, ConnectionError):
     """The shared counter store could not be reached within the timeout.
 
