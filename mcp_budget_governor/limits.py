@@ -23,7 +23,7 @@ from .errors import PolicyError
 from .keys import NAME_PATTERN as NAME_PATTERN  # its home is with the keys it must fit
 from .keys import scope_segment
 from .money import MAX_AMOUNT, Unit
-from .scopes import Dimensions, Scope, normalize_scope
+from .scopes import Dimensions, Scope, declared_order, normalize_scope
 from .windows import Window, check_anchor
 
 
@@ -145,6 +145,8 @@ class Limit:
         if self.window is Window.SESSION and Scope.SESSION not in dims:
             # A session window counts per session by definition.
             dims = normalize_scope((*dims, Scope.SESSION), f"{where}.scope")
+        # Not a field (equality, hashing and policy files use the canonical scope).
+        set_(self, "_declared", declared_order(self.scope, dims))
         set_(self, "scope", dims)
         for flag in ("breaker", "gated", "local_fallback"):
             if not isinstance(getattr(self, flag), bool):
@@ -209,6 +211,18 @@ class Limit:
         """The scope as a normalised tuple of dimensions (() is global)."""
         dims: Dimensions = self.scope
         return dims
+
+    @property
+    def declared_dimensions(self) -> Dimensions:
+        """:attr:`dimensions` in the order the scope was declared: the order of
+        mcp-budget-governor 0.1.0's key strings (``reference_keys``). Ours share one
+        canonical order, so ``(USER, TOOL)`` and ``(TOOL, USER)`` count together.
+
+        >>> Limit("x", cap=1, window=Window.DAY, scope=(Scope.TOOL, Scope.USER)).declared_dimensions
+        (<Scope.TOOL: 'tool'>, <Scope.USER: 'user'>)
+        """
+        declared: Dimensions = self.__dict__.get("_declared", self.dimensions)
+        return declared
 
     @property
     def scopes(self) -> Dimensions:

@@ -57,6 +57,14 @@ def normalize_scope(scope: Any, field: str) -> Dimensions:
     return tuple(sorted(dims, key=_ORDER.__getitem__))
 
 
+def declared_order(scope: Any, dims: Dimensions) -> Dimensions:
+    """``dims`` (``scope`` normalised) in the order ``scope`` named them; a dimension
+    added by normalising (a session window's session) comes last."""
+    items = [scope] if isinstance(scope, Scope | str) else list(scope or ())
+    named = [Scope(item) for item in items if item != ()]
+    return (*named, *(d for d in dims if d not in named))
+
+
 class Caller(Protocol):
     """What :func:`scope_values` reads of a caller: a :class:`~.context.Context`, which
     stands above this module (it names its values by :class:`Scope`)."""

@@ -1,16 +1,8 @@
 # Sourced by scripts/typecheck and scripts/lint-imports, from the repository root: a view
 # of the installed layout in $view (.venv/typecheck/, never in the repository), made of
-# links. The top-level folders (producers/, stream/, projections/, lua/, sql/) install as
-# mcp_budget_governor.<folder> through pyproject's package-dir, which neither mypy nor the
-# import graph can follow in an editable install (they read no import hooks).
+# links by scripts/package_view.py. The top-level folders (producers/, stream/,
+# projections/, lua/, sql/, edges/*) install as mcp_budget_governor.<name> through
+# pyproject's package-dir, which neither mypy nor the import graph can follow in an
+# editable install (they read no import hooks). $mapped holds "view-path folder" lines.
 view="${MCPBG_VENV:-.venv}/typecheck"
-rm -rf "$view"
-mkdir -p "$view/mcp_budget_governor"
-for entry in mcp_budget_governor/*; do
-  case "$(basename "$entry")" in __pycache__) continue ;; esac
-  ln -s "$PWD/$entry" "$view/$entry"
-done
-folders=(producers stream projections lua sql)
-for folder in "${folders[@]}"; do
-  ln -s "$PWD/$folder" "$view/mcp_budget_governor/$folder"
-done
+mapfile -t mapped < <(python scripts/package_view.py "$view")
