@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .redaction import redact
+
 if TYPE_CHECKING:
     from .decision import Decision
 
@@ -90,6 +92,10 @@ class UnknownModelError(GovernorError, LookupError):
         )
 
 
+class NoPriceTableError(GovernorError, RuntimeError):
+    """A model call was to be priced by a governor made without a price table."""
+
+
 class BackendUnavailableError(GovernorError, ConnectionError):
     """The shared counter store could not be reached within the timeout.
 
@@ -131,8 +137,6 @@ class BackendUnavailableError(GovernorError, ConnectionError):
             return cause
         if url is None:
             return cls(f"redis unreachable: {cause}")
-        from .urls import redact  # urls imports this module
-
         return cls(f"redis {redact(url)} unreachable: {cause}")
 
 
