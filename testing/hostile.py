@@ -10,6 +10,8 @@ are not).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from mcp_budget_governor import (
     usd,
 )
 from mcp_budget_governor.events import encode
+from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.ledger import LedgerEntry, new_id
 from mcp_budget_governor.money import MAX_AMOUNT
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
@@ -227,6 +230,55 @@ async def _meter_max(gov: Governor, ledger: MemoryLedger) -> Case:
     return Case("three meter(MAX_AMOUNT)", raw, [1, 2], "would leave the exact range")
 
 
+async def _honest_burst(gov: Governor, ledger: MemoryLedger) -> Case:
+    """No attack: a Governor's own reservations, settled under, over and at their
+    estimates, released, failed, cancelled, on one and on two limits, interleaved with
+    spend. Every record applies: nothing of ours is a dead letter."""
+    start = len(ledger.entries)
+    eve = Context(user="eve", tenant="other")
+
+    async def held(ctx: Context, estimate: int, actual: int | None = None) -> None:
+        async with gov.reserved("spend", estimate, ctx) as r:
+            if actual is not None:
+                r.actual = actual
+
+    await gov.meter("spend", 700, MALLORY)
+    await held(MALLORY, 5_000, 1_000)  # settled under its estimate
+    await held(eve, 1_000, 3_000)  # and over it
+    await held(MALLORY, 2_000)  # the estimate stands: a close without charges
+    await held(MALLORY, 2_000, 2_000)  # exact: likewise
+    async with gov.reserved("spend", 2_000, eve) as r:
+        r.release()
+    try:
+        async with gov.reserved("spend", 1_500, MALLORY):
+            raise RuntimeError("the tool failed")
+    except RuntimeError:
+        pass
+    entered = asyncio.Event()
+
+    async def cancelled() -> None:
+        async with gov.reserved("spend", 800, MALLORY) as r:
+            r.actual = 100
+            entered.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(cancelled())
+    await entered.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    explicit = await gov.reserve("spend", 4_000, eve)
+    await gov.meter("spend", 300, eve)
+    await gov.settle(explicit, 500)
+    await gov.settle(explicit, 10)  # settles once: nothing more
+    async with Reservations(gov, {"spend": 3_000, "calls": 2}, MALLORY) as both:
+        both.actual["spend"] = 1_200
+    async with Reservations(gov, {"spend": 900, "calls": 1}, eve) as both:
+        both.release()
+    raw = [encode(e, SOURCE) for e in ledger.entries[start:]]
+    return Case("a Governor's honest burst", raw, [], "")
+
+
 CASES: dict[str, Callable[[Governor, MemoryLedger], Any]] = {
     "cap_until": _cap_until,
     "grant_2_62": _grant_2_62,
@@ -243,6 +295,7 @@ CASES: dict[str, Callable[[Governor, MemoryLedger], Any]] = {
     "settled_twice": _settled_twice,
     "recovered_twice": _recovered_twice,
     "settle_anothers": _settle_anothers,
+    "honest_burst": _honest_burst,
 }
 
 
