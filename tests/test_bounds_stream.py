@@ -182,7 +182,10 @@ async def test_replay_of_a_file_ledger_follows_the_same_rule(
     out = capsys.readouterr()
     assert code == 0, out.err
     refused = [ATTACK_AT + i for i in attack.refused]
-    assert f"{len(refused)} records refused" in out.out, out.out
+    if refused:
+        assert f"{len(refused)} records refused" in out.out, out.out
+    else:  # the honest burst: nothing of a Governor's own is a dead letter
+        assert "records refused" not in out.out, out.out
     con = open_ledger(ledger_dir=folder)
     try:
         costs = _costs(con)

@@ -18,6 +18,7 @@ scripts; on Postgres (:class:`~.pg_sync.PostgresStore`) in one transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass, field
@@ -473,7 +474,7 @@ class _CurrentOnly(ApplyOnly):
             # Run-time changes (caps, plans, grants) are kept whole: a grant of an ended
             # bucket is dropped by the script itself, as its expiry has passed.
             changes = tuple(c for c in e.changes if self._kept(c.key))
-            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges, changes))
+            kept.append(dataclasses.replace(e, charges=charges, changes=changes))
         self.events += len(events)
         self.progress("events", self.events, None)
         applied: int = await self.inner.apply(
