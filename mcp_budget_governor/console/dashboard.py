@@ -34,10 +34,9 @@ async def snapshot(
     ``now`` (default: the clock) is when the counters' forecasts are taken."""
     from starlette.concurrency import run_in_threadpool
 
-    from ..cli.costs import costs_json
     from ..money import Unit
     from ..projections.budgets import budget_report, format_amount
-    from ..projections.costs import Filter, spend
+    from ..projections.costs import Filter, costs_json, spend
     from ..windows import parse_period
     from .data import (
         counter_totals,
