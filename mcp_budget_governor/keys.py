@@ -136,6 +136,9 @@ INTERNAL_PREFIX = f"{PREFIX}:_"
 WATERMARK_KEY = f"{PREFIX}:_applied"
 #: Prefix of the per-day sets of applied event ids (``<prefix>:20261129``).
 SEEN_PREFIX = f"{PREFIX}:_seen"
+#: Prefix of the projection's open reservations (``<prefix>:<reserved event id>``: counter
+#: key -> estimate, until its counters expire; ``counters.Holds``).
+HOLD_PREFIX = f"{PREFIX}:_res"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"
 #: What the epoch marker holds (a rebuild's id): a string of this shape, nothing else.

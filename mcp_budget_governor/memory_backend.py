@@ -30,6 +30,7 @@ from mcp_budget_governor.counters import (
     apply_problem,
     fits,
     grant_problem,
+    hold_problem,
     overflow,
     stays_exact,
 )
@@ -76,6 +77,9 @@ class MemoryBackend(KeyValueOps):
         self._watermarks: dict[str, int] = {}
         # day -> (applied event ids, expire_at): the seen-id sets of apply.lua
         self._seen: dict[str, tuple[set[str], int]] = {}
+        # reservation id -> (counter key -> estimate, expire_at): the open reservations
+        # the projection holds (counters.Holds; lua/apply.lua keeps the same)
+        self._holds: dict[str, tuple[dict[str, int], int]] = {}
         # operation id -> expire_at: the markers of applied inline charges (lua/charge.lua)
         self._ops: dict[str, float] = {}
         # (expire_at, kind, key) min-heap: what may be evicted when. An entry whose
@@ -427,6 +431,14 @@ class MemoryBackend(KeyValueOps):
                     counter.in_flight -= counter.pending.pop(event.event_id)
                 if charge.expire_at > now:
                     self._add(charge.key, charge.amount, None, charge.expire_at, now)
+            live = [c for c in event.charges if c.expire_at > now]
+            if event.opens and live:
+                ends = max(c.expire_at for c in live)
+                if len(self._holds) >= 65_536:  # reservations never closed: dropped when over
+                    self._holds = {r: h for r, h in self._holds.items() if h[1] > now}
+                self._holds[event.event_id] = ({c.key: c.amount for c in live}, ends)
+            elif event.closes:
+                self._holds.pop(event.closes, None)
             for change in event.changes:
                 self._change(change, now)
             applied += 1
@@ -442,6 +454,7 @@ class MemoryBackend(KeyValueOps):
         committed: dict[str, int] = {}
         flight: dict[str, int] = {}
         grants: dict[str, int] = {}
+        holds: dict[str, dict[str, int] | None] = {}  # opened or closed in this batch
         ids: set[str] = set()
         for event in events:
             if event.offset <= mark:
@@ -453,6 +466,16 @@ class MemoryBackend(KeyValueOps):
             ):
                 continue
             ids.add(event.event_id)
+            live = [c for c in event.charges if c.expire_at > now]
+            if event.closes is not None:
+                held = holds.get(event.closes, self._held(event.closes, now))
+                why = hold_problem(event.closes, held, live)
+                if why is not None:
+                    return EventRefusedError(event.offset, why)
+                if event.closes:
+                    holds[event.closes] = None
+            if event.opens and live:
+                holds[event.event_id] = {c.key: c.amount for c in live}
             for charge in event.charges:
                 key = charge.key
                 counter = self._get(key, now)
@@ -470,6 +493,13 @@ class MemoryBackend(KeyValueOps):
             if found is not None:
                 return EventRefusedError(event.offset, found[0])
         return None
+
+    def _held(self, reservation: str, now: float) -> dict[str, int] | None:
+        found = self._holds.get(reservation)
+        if found is None or found[1] <= now:
+            self._holds.pop(reservation, None)
+            return None
+        return found[0]
 
     def _first_sight(self, event: AppliedEvent, now: float) -> bool:
         day = event.seen_day

@@ -177,7 +177,8 @@ class PriceTable:
         check_model(model)
         key = self._key_for(model)
         if key is None:
-            raise UnknownModelError(model, known=len(self))
+            dated = None if self.as_of is None else f"{self._version} prices as of {self.as_of}"
+            raise UnknownModelError(model, known=len(self), dated=dated)
         return self._prices[key]
 
     # -- the spellings of mcp-budget-governor 0.1.0 --------------------------

@@ -585,6 +585,13 @@ def test_builtin_as_of_is_the_date_of_the_builtin_prices() -> None:
     assert PriceTable.builtin().as_of == BUILTIN_AS_OF
     assert PriceTable.builtin().with_price("mine", 1, 2).as_of == BUILTIN_AS_OF
     assert PriceTable().as_of is None
+    # An unknown model's error says which data lacks it, and its date.
+    builtin = PriceTable.builtin()
+    with pytest.raises(UnknownModel, match=f"{builtin.version} prices as of {BUILTIN_AS_OF}"):
+        builtin.price_of("no-such-model")
+    with pytest.raises(UnknownModel) as info:
+        PriceTable().with_price("mine", 1, 2).price_of("no-such-model")
+    assert "as of" not in str(info.value)
 
 
 async def test_a_backend_written_to_the_reference_protocol_serves_our_governor() -> None:

@@ -653,9 +653,7 @@ class ClusterBackend:
                 if only is not None and slot not in only:
                     continue
                 by_slot.setdefault(slot, []).append(
-                    AppliedEvent(
-                        event.offset, event.event_id, event.time, tuple(charges), tuple(changes)
-                    )
+                    dataclasses.replace(event, charges=tuple(charges), changes=tuple(changes))
                 )
         now_ms = str(int(self._node.clock() * 1000))
         calls = [
