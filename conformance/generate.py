@@ -662,7 +662,9 @@ def price_vectors() -> dict[str, Any]:
         try:
             table.cost_micros(model, input_tokens=1, output_tokens=1)
         except UnknownModelError as exc:
-            unknown.append({"model": model, "message": str(exc)})
+            # Without the builtin data's date (it changes daily; TypeScript's table has none).
+            undated = UnknownModelError(exc.model, known=len(table))
+            unknown.append({"model": model, "message": str(undated)})
     return {"version": table.version, "models": models, "cases": cases, "unknown": unknown}
 
 

@@ -24,7 +24,7 @@ from .decision import (
     MeterResult,
     at,
 )
-from .errors import GovernorError, InvalidInputError, MissingScopeError
+from .errors import InvalidInputError, MissingScopeError, NoPriceTableError
 from .keys import counter_key, escape, lease_key, scope_segment
 from .ledger import LedgerCharge, TokenUsage
 from .limits import Limit, OnExceed
@@ -224,17 +224,14 @@ def token_charges(
         ("cache_write_tokens", cache_write_tokens),
     ):
         check_amount(value, name)
-    for lim in limits:
-        if lim.unit not in (Unit.USD_MICROS, Unit.TOKENS):
-            raise InvalidInputError(
-                "limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
-            )
     price_version: str | None = None
     cost = 0
-    if any(lim.unit is Unit.USD_MICROS for lim in limits):
+    # Priced first unless every limit counts tokens: a CALLS limit is refused below,
+    # after a missing table or an unknown model (the order the reference checked in).
+    if any(lim.unit is not Unit.TOKENS for lim in limits):
         if prices is None:
-            raise GovernorError(
-                "prices: meter_tokens on a USD limit needs a price table: "
+            raise NoPriceTableError(
+                "prices: meter_tokens needs a price table to price a model call: "
                 "prices=PriceTable.builtin() or PriceTable().with_price(...)"
             )
         cost = prices.cost_micros(
@@ -245,6 +242,11 @@ def token_charges(
             cache_write_tokens=cache_write_tokens,
         )
         price_version = prices.version
+    for lim in limits:
+        if lim.unit not in (Unit.USD_MICROS, Unit.TOKENS):
+            raise InvalidInputError(
+                "limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
+            )
     tokens = 0
     if any(lim.unit is Unit.TOKENS for lim in limits):
         tokens = check_amount(input_tokens + output_tokens, "input_tokens + output_tokens")

@@ -32,128 +32,26 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from decimal import MAX_EMAX, MIN_EMIN, ROUND_CEILING, Context, Decimal
-from itertools import pairwise
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidInputError, UnknownModelError
-from .money import MAX_AMOUNT, check_amount, to_decimal
+from .model_price import MicroPrice as MicroPrice
+from .model_price import ModelPrice as ModelPrice
+from .model_price import PriceInput as PriceInput
+from .model_price import PriceTier as PriceTier
+from .model_price import check_model, check_price, check_tiers
+from .money import check_amount
 
 if TYPE_CHECKING:
     BUILTIN_AS_OF: str  # module __getattr__ below
 
-__all__ = ["BUILTIN_AS_OF", "ModelPrice", "PriceTable", "PriceTier"]
-
-PriceInput: TypeAlias = int | float | str | Decimal
-"""What a price argument may be; floats are read through their shortest repr."""
-
-_REQUIRED = ("input_per_mtok", "output_per_mtok")
-_OPTIONAL = ("cache_read_per_mtok", "cache_write_per_mtok")
+__all__ = ["BUILTIN_AS_OF", "MicroPrice", "ModelPrice", "PriceTable", "PriceTier"]
 
 # 64 digits hold any cost up to MAX_AMOUNT tokens at a MAX_AMOUNT price with 30
 # fractional digits to spare, so real prices are exact; a price with more digits
 # than that is rounded up (ROUND_CEILING), which can only over-report.
 _COST_PRECISION = 64
-
-
-def _check_price(value: Any, field: str) -> Decimal:
-    price = to_decimal(value, field)
-    if price < 0:
-        raise InvalidInputError(field, value, "must not be negative")
-    if price > MAX_AMOUNT:
-        # One token would already cost more than the largest amount.
-        raise InvalidInputError(field, value, f"exceeds the largest amount ({MAX_AMOUNT})")
-    return price
-
-
-def _check_model(model: Any, field: str = "model") -> str:
-    if not isinstance(model, str) or not model.strip():
-        raise InvalidInputError(field, model, "expected a non-empty model name")
-    return model
-
-
-def _check_prices(obj: ModelPrice | PriceTier) -> None:
-    for name in _REQUIRED + _OPTIONAL:
-        value = getattr(obj, name)
-        if value is None and name in _OPTIONAL:
-            continue
-        # Frozen dataclass: normalise in place once, at construction.
-        object.__setattr__(obj, name, _check_price(value, name))
-
-
-@dataclass(frozen=True, slots=True)
-class PriceTier:
-    """Rates that replace a model's base rates once the prompt exceeds ``start`` tokens.
-
-    ``start`` is a token count (the prompt size, cache tokens included); the
-    rates follow :class:`ModelPrice`'s rules, and a cache price of ``None``
-    bills those tokens at this tier's input price.
-    """
-
-    start: int
-    input_per_mtok: Decimal
-    output_per_mtok: Decimal
-    cache_read_per_mtok: Decimal | None = None
-    cache_write_per_mtok: Decimal | None = None
-
-    def __post_init__(self) -> None:
-        check_amount(self.start, "start")
-        _check_prices(self)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelPrice:
-    """Prices of one model in USD per million tokens.
-
-    A cache price of ``None`` means "bill those tokens at the input price".
-    Arguments may be ``int``, ``float``, ``str`` or ``Decimal``; they are stored
-    as ``Decimal`` and must be finite and non-negative. The four rates are the
-    base rates; ``tiers`` (stored sorted by ``start``, starts distinct) replace
-    them for larger prompts, see :meth:`rates_for`.
-    """
-
-    input_per_mtok: Decimal
-    output_per_mtok: Decimal
-    cache_read_per_mtok: Decimal | None = None
-    cache_write_per_mtok: Decimal | None = None
-    tiers: tuple[PriceTier, ...] = ()
-
-    def __post_init__(self) -> None:
-        _check_prices(self)
-        object.__setattr__(self, "tiers", _check_tiers(self.tiers))
-
-    @classmethod
-    def from_dollars(cls, input_per_mtok: PriceInput, output_per_mtok: PriceInput) -> ModelPrice:
-        """``ModelPrice(input, output)``: this class takes USD per million tokens already."""
-        return cls(input_per_mtok, output_per_mtok)  # type: ignore[arg-type]
-
-    def rates_for(self, prompt_tokens: int) -> ModelPrice | PriceTier:
-        """The rates billed when the prompt (cache tokens included) has ``prompt_tokens`` tokens.
-
-        That is the last tier whose ``start`` the prompt exceeds, else these base
-        rates; the rates apply to every token of the call.
-        """
-        for tier in reversed(self.tiers):
-            if prompt_tokens > tier.start:
-                return tier
-        return self
-
-
-def _check_tiers(tiers: Any) -> tuple[PriceTier, ...]:
-    """``tiers`` as a tuple sorted by start; raises unless PriceTiers with distinct starts."""
-    if isinstance(tiers, str | bytes) or not isinstance(tiers, Iterable):
-        raise InvalidInputError("tiers", tiers, "expected an iterable of PriceTier")
-    ordered: list[PriceTier] = []
-    for tier in tiers:
-        if not isinstance(tier, PriceTier):
-            raise InvalidInputError("tiers", tier, "expected a PriceTier")
-        ordered.append(tier)
-    ordered.sort(key=lambda tier: tier.start)
-    for below, above in pairwise(ordered):
-        if below.start == above.start:
-            raise InvalidInputError("tiers", tiers, f"two tiers start at {above.start}")
-    return tuple(ordered)
 
 
 class PriceTable:
@@ -172,14 +70,20 @@ class PriceTable:
     __slots__ = ("_builtin", "_folded", "_prices", "_version")
 
     def __init__(
-        self, prices: Mapping[str, ModelPrice] | None = None, *, version: str = "custom"
+        self,
+        prices: Mapping[str, ModelPrice | MicroPrice] | None = None,
+        *,
+        version: str = "custom",
     ) -> None:
-        """Build a table from ``{model: ModelPrice}``; ``version`` is recorded with each cost."""
+        """Build a table from ``{model: ModelPrice}`` (or the :class:`MicroPrice` of
+        mcp-budget-governor 0.1.0); ``version`` is recorded with each cost."""
         if not isinstance(version, str) or not version:
             raise InvalidInputError("version", version, "expected a non-empty string")
         table: dict[str, ModelPrice] = {}
         for model, price in (prices or {}).items():
-            _check_model(model)
+            check_model(model)
+            if isinstance(price, MicroPrice):
+                price = price.model_price()
             if not isinstance(price, ModelPrice):
                 raise InvalidInputError(f"prices[{model!r}]", price, "expected a ModelPrice")
             table[model] = price
@@ -241,17 +145,17 @@ class PriceTable:
         the version gains ``"+overrides"`` so recorded costs show that the
         prices were edited.
         """
-        _check_model(model)
+        check_model(model)
         price = ModelPrice(
-            _check_price(input_per_mtok, "input_per_mtok"),
-            _check_price(output_per_mtok, "output_per_mtok"),
+            check_price(input_per_mtok, "input_per_mtok"),
+            check_price(output_per_mtok, "output_per_mtok"),
             None
             if cache_read_per_mtok is None
-            else _check_price(cache_read_per_mtok, "cache_read_per_mtok"),
+            else check_price(cache_read_per_mtok, "cache_read_per_mtok"),
             None
             if cache_write_per_mtok is None
-            else _check_price(cache_write_per_mtok, "cache_write_per_mtok"),
-            _check_tiers(tiers),
+            else check_price(cache_write_per_mtok, "cache_write_per_mtok"),
+            check_tiers(tiers),
         )
         prices = dict(self._prices)
         prices[model] = price
@@ -277,10 +181,11 @@ class PriceTable:
 
     def price_of(self, model: str) -> ModelPrice:
         """The price of ``model``; raises :class:`UnknownModelError` when it has none."""
-        _check_model(model)
+        check_model(model)
         key = self._key_for(model)
         if key is None:
-            raise UnknownModelError(model, known=len(self))
+            dated = None if self.as_of is None else f"{self._version} prices as of {self.as_of}"
+            raise UnknownModelError(model, known=len(self), dated=dated)
         return self._prices[key]
 
     # -- the spellings of mcp-budget-governor 0.1.0 --------------------------

@@ -38,7 +38,7 @@ from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from .prices import ModelPrice, PriceTier
+from .model_price import ModelPrice, PriceTier
 
 if TYPE_CHECKING:
     from genai_prices import types as gp

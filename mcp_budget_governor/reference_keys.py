@@ -72,7 +72,8 @@ def ttl_seconds(window: Any, moment: datetime) -> int:
 
 def reference_key(limit: Any, scope_map: Mapping[Any, str], moment: datetime) -> str:
     """The reference's key of ``limit``'s counter for ``scope_map`` (Scope -> value) at
-    ``moment``. A missing value raises ``KeyError``.
+    ``moment``, the scope's dimensions in their declared order. A missing value
+    raises ``KeyError``.
 
     >>> from mcp_budget_governor import Limit, Scope
     >>> lim = Limit("calls", cap=1, window=Window.DAY, scope=Scope.USER)
@@ -80,7 +81,7 @@ def reference_key(limit: Any, scope_map: Mapping[Any, str], moment: datetime) ->
     'mcpbg:calls:user=u_42:20260805'
     """
     parts = []
-    for dim in limit.dimensions:
+    for dim in limit.declared_dimensions:  # the reference kept the declared order
         if dim not in scope_map:
             raise KeyError(
                 f"limit {limit.name!r} is scoped to {dim.value!r}, which the context lacks"

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from enum import StrEnum, nonmember
-from typing import Any
+from typing import Any, Protocol
 
-from .context import Context
 from .errors import PolicyError
 
 
@@ -58,7 +57,33 @@ def normalize_scope(scope: Any, field: str) -> Dimensions:
     return tuple(sorted(dims, key=_ORDER.__getitem__))
 
 
-def scope_values(dims: Dimensions, ctx: Context) -> tuple[str, ...] | None:
+def declared_order(scope: Any, dims: Dimensions) -> Dimensions:
+    """``dims`` (``scope`` normalised) in the order ``scope`` named them; a dimension
+    added by normalising (a session window's session) comes last."""
+    items = [scope] if isinstance(scope, Scope | str) else list(scope or ())
+    named = [Scope(item) for item in items if item != ()]
+    return (*named, *(d for d in dims if d not in named))
+
+
+class Caller(Protocol):
+    """What :func:`scope_values` reads of a caller: a :class:`~.context.Context`, which
+    stands above this module (it names its values by :class:`Scope`)."""
+
+    @property
+    def user(self) -> str | None: ...
+    @property
+    def tenant(self) -> str | None: ...
+    @property
+    def tool(self) -> str | None: ...
+    @property
+    def agent(self) -> str | None: ...
+    @property
+    def call(self) -> str | None: ...
+    @property
+    def session_key(self) -> str | None: ...
+
+
+def scope_values(dims: Dimensions, ctx: Caller) -> tuple[str, ...] | None:
     """The context's values for ``dims``, or None when the context lacks one.
 
     A limit whose scope the context cannot supply is skipped, so a per-tenant

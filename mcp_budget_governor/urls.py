@@ -2,34 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from urllib.parse import parse_qsl, urlsplit
 
 from .errors import InvalidInputError
+from .redaction import redact as redact  # its home before the errors needed it
 
 #: Schemes redis-py connects with.
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 _EXPECTED = "expected redis://host:port/db, rediss://host:port/db or unix:///path.sock"
-# A password in the query (redis-py reads ``?password=``), up to the next parameter.
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
-
-
-def redact(url: str) -> str:
-    """``url`` without its credentials (user info and ``?password=``), for logs and the screen.
-
-    >>> redact("redis://:s3cret@cache:6379/15")
-    'redis://***@cache:6379/15'
-    >>> redact("redis://cache:6379/0?password=s3cret&ssl_cert_reqs=none")
-    'redis://cache:6379/0?password=***&ssl_cert_reqs=none'
-    >>> redact("redis://cache:6379/0")
-    'redis://cache:6379/0'
-    """
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.rsplit("@", 1)[1]
-    rest = _QUERY_PASSWORD.sub(r"\1***", rest)
-    return f"{scheme}{sep}{rest}"
-
 
 #: Redis Cluster, the ``limits`` library's form: ``redis+cluster://h1:p1[,h2:p2]``.
 CLUSTER_SCHEME = "redis+cluster://"

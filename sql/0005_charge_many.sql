@@ -7,6 +7,10 @@
 -- handful of set-based statements whatever the number of limits (mcpbg_charge runs
 -- several statements per counter), so it is also the serial path. Leases and wait
 -- tickets stay with mcpbg_charge (the client sends those alone).
+-- The counters are collected in one pass over the ops and read in one query; every
+-- per-counter array starts at the first counter, so the writes' unnest keeps each
+-- counter's expiry beside it whichever counters a batch leaves unwritten. The
+-- operation markers are read only when the batch has any (inline mode).
 --
 -- Locks: every counter and operation marker of the batch, all at once, in the one
 -- fixed order (mcpbg_lock), before anything is read: no deadlock with any other call.
@@ -25,7 +29,10 @@ CREATE OR REPLACE FUNCTION mcpbg_charge_many(
     p_expire double precision[],
     p_has_ref boolean[], p_caps_keys text[], p_fields text[], p_value_caps bigint[],
     p_plan_fields text[], p_plan_caps text[], p_file_plans text[])
-RETURNS SETOF bigint[] LANGUAGE plpgsql AS $$
+RETURNS SETOF bigint[] LANGUAGE plpgsql
+-- One plan for the whole call, made once per session: re-planning its statements on
+-- every call (the plan cache's custom plans) cost more than running them.
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     big constant bigint := 9007199254740991;  -- counters.MAX_COUNTER
     now_s double precision := mcpbg_now();
@@ -42,7 +49,8 @@ DECLARE
     kexp double precision[];
     kend boolean[];
     kdirty boolean[];
-    ix integer[];  -- per op: its counter's position in ks
+    ix integer[] := '{}';  -- per op: its counter's position in ks
+    ops text[];  -- the operation ids of the batch
     seen text[];   -- operation ids already counted
     new_ops text[] := '{}';
     pk text[] := '{}';  -- in-flight entries to add: key, event id, amount
@@ -69,19 +77,32 @@ BEGIN
         END LOOP;
         RETURN;
     END IF;
-    PERFORM mcpbg_lock(p_keys || ARRAY(SELECT 'mcpbg:v1:_op:' || o FROM unnest(p_op_ids) AS o
-                                       WHERE o <> ''));
-    SELECT array_agg(d.key ORDER BY d.pos), array_agg(coalesce(t.committed, 0) ORDER BY d.pos),
-           array_agg(coalesce(t.in_flight, 0) ORDER BY d.pos),
-           array_agg(coalesce(t.grant_amount, 0) ORDER BY d.pos),
-           array_agg(coalesce(t.expire_at <= now_s, false) ORDER BY d.pos)
-      INTO ks, kc, kf, kg, kend
-      FROM (SELECT k.key, min(k.ord) AS pos FROM unnest(p_keys) WITH ORDINALITY AS k(key, ord)
-            GROUP BY k.key) AS d
-      LEFT JOIN mcpbg_counter AS t ON t.key = d.key;
-    ks := coalesce(ks, '{}');
-    -- An ended counter reads as absent (mcpbg_drop_ended; deleted below).
-    FOR x IN 1 .. coalesce(array_length(ks, 1), 0) LOOP
+    ops := array_remove(p_op_ids, '');
+    IF cardinality(ops) > 0 THEN
+        PERFORM mcpbg_lock(p_keys || ARRAY(SELECT 'mcpbg:v1:_op:' || o FROM unnest(ops) AS o));
+    ELSE
+        PERFORM mcpbg_lock(p_keys);
+    END IF;
+    -- Each distinct counter once, in first-seen order; ix: each op's counter.
+    ks := '{}';
+    FOR i IN 1 .. coalesce(array_length(p_keys, 1), 0) LOOP
+        x := array_position(ks, p_keys[i]);
+        IF x IS NULL THEN
+            ks := ks || p_keys[i];
+            x := cardinality(ks);
+        END IF;
+        ix[i] := x;
+    END LOOP;
+    SELECT array_agg(coalesce(t.committed, 0) ORDER BY u.ord),
+           array_agg(coalesce(t.in_flight, 0) ORDER BY u.ord),
+           array_agg(coalesce(t.grant_amount, 0) ORDER BY u.ord),
+           array_agg(coalesce(t.expire_at <= now_s, false) ORDER BY u.ord)
+      INTO kc, kf, kg, kend
+      FROM unnest(ks) WITH ORDINALITY AS u(key, ord)
+      LEFT JOIN mcpbg_counter AS t ON t.key = u.key;
+    -- An ended counter reads as absent (mcpbg_drop_ended; deleted below). Every array
+    -- is filled from its first counter on, so the writes' unnest keeps them in step.
+    FOR x IN 1 .. cardinality(ks) LOOP
         IF kend[x] THEN
             kc[x] := 0;
             kf[x] := 0;
@@ -89,13 +110,14 @@ BEGIN
         END IF;
         dc[x] := 0;
         df[x] := 0;
+        kexp[x] := 0;
         kdirty[x] := false;
     END LOOP;
-    SELECT array_agg(array_position(ks, k.key) ORDER BY k.ord) INTO ix
-      FROM unnest(p_keys) WITH ORDINALITY AS k(key, ord);
-    SELECT array_agg(o.op_id) INTO seen FROM mcpbg_op AS o
-     WHERE o.op_id = ANY(p_op_ids) AND o.expire_ms > now_ms;
-    seen := coalesce(seen, '{}');
+    seen := '{}';
+    IF cardinality(ops) > 0 THEN
+        SELECT coalesce(array_agg(o.op_id), '{}') INTO seen FROM mcpbg_op AS o
+         WHERE o.op_id = ANY(ops) AND o.expire_ms > now_ms;
+    END IF;
     FOR c IN 1 .. nchecks LOOP
         n := p_nops[c];
         IF p_op_ids[c] <> '' AND p_op_ids[c] = ANY(seen) THEN

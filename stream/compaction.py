@@ -228,18 +228,7 @@ def closed(folder: Path, now: float, after: float) -> bool:
 def plan_day(group: Group, max_bytes: int) -> list[list[Path]]:
     """A closed day's compacted segments of ``group`` in runs of ``max_bytes`` (offset order);
     only runs of two or more (one file per partition per day, or per ``max_bytes``)."""
-    runs: list[list[Path]] = []
-    run: list[Path] = []
-    size = 0
-    for path in sorted(group.compacted, key=_first_offset):
-        run.append(path)
-        size += _size(path)
-        if size >= max_bytes:
-            runs.append(run)
-            run, size = [], 0
-    if run:
-        runs.append(run)
-    return [r for r in runs if len(r) > 1]
+    return [r for r in _runs(group.compacted, max_bytes) if len(r) > 1]
 
 
 def plan(group: Group, max_bytes: int) -> list[list[Path]]:
@@ -248,10 +237,15 @@ def plan(group: Group, max_bytes: int) -> list[list[Path]]:
     A lone small segment is a run too: rewritten, it gains the compacted name,
     so a folder shows at a glance what is done.
     """
+    return _runs(group.small, max_bytes)
+
+
+def _runs(paths: list[Path], max_bytes: int) -> list[list[Path]]:
+    """``paths`` in offset order, cut into runs that each reach ``max_bytes`` (the last may not)."""
     runs: list[list[Path]] = []
     run: list[Path] = []
     size = 0
-    for path in sorted(group.small, key=_first_offset):
+    for path in sorted(paths, key=_first_offset):
         run.append(path)
         size += _size(path)
         if size >= max_bytes:

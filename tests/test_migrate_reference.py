@@ -125,6 +125,21 @@ def test_keys_that_are_not_a_policy_limits_counter_are_left_alone() -> None:
     assert burst is not None and (burst.ctx.user, burst.ctx.tool) == ("u", "a=b")
 
 
+def test_a_reference_key_lists_the_scope_in_its_declared_order() -> None:
+    """The reference wrote (TOOL, USER) as tool=...:user=...; ours count both orders on
+    one counter, and a migration reads the key back whichever order it has."""
+    moment = datetime(2026, 8, 5, 14, 30, tzinfo=UTC)
+    values = {Scope.USER: "u", Scope.TOOL: "search"}
+    tool_first = Limit("burst", cap=9, window=Window.MINUTE, scope=(Scope.TOOL, Scope.USER))
+    user_first = Limit("burst", cap=9, window=Window.MINUTE, scope=("user", "tool"))
+    key = counter_key(tool_first, values, moment)
+    assert key == "mcpbg:burst:tool=search:user=u:202608051430"
+    assert counter_key(user_first, values, moment) == "mcpbg:burst:user=u:tool=search:202608051430"
+    assert tool_first == user_first and tool_first.scope == user_first.scope
+    counter = parse_reference_key(key, Policy.of(user_first))
+    assert counter is not None and (counter.ctx.user, counter.ctx.tool) == ("u", "search")
+
+
 async def test_a_policy_in_another_time_zone_is_refused(redis_url: str) -> None:
     from mcp_budget_governor.errors import InvalidInputError
 

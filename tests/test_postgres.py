@@ -502,9 +502,9 @@ async def test_the_startup_log_says_how_many_replicas_the_server_allows(
 async def test_a_batch_whose_first_counter_is_not_written_keeps_expiries_in_step(
     postgres_url: str,
 ) -> None:
-    """sql/0007: a check whose first op charges nothing, and a coalesced call whose
-    first check is refused, write each counter with its own expiry (0005 shifted the
-    expiries and the call failed)."""
+    """A check whose first op charges nothing, and a coalesced call whose first check
+    is refused, write each counter with its own expiry (sql/0005 once shifted the
+    expiries and the call failed on NOT NULL)."""
     from mcp_budget_governor.counters import CounterOp
 
     backend = PostgresBackend.from_url(postgres_url)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
+from mcp_budget_governor.counters import Backend as CounterBackend
 from mcp_budget_governor.counters import ChargeResult, CounterOp, fits
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError
 
@@ -92,41 +93,36 @@ def epoch_clock(clock: Callable[[], Any] | None) -> Callable[[], float]:
     return clock
 
 
+class _Host(CounterBackend, Protocol):
+    """What :class:`KeyValueOps` needs of the class it is mixed into: one of our
+    backends (``counters.Backend``, the one home of ``charge`` and ``usage``), its
+    clock and its give-back."""
+
+    def _kv_now(self) -> float:
+        """The backend's clock, epoch seconds."""
+        ...
+
+    async def _kv_release(self, key: str, amount: int) -> None:
+        """Give back up to ``amount`` on ``key``, never below zero."""
+        ...
+
+    async def _kv_expire(self, key: str, ttl: int) -> None:
+        """Give ``key`` an expiry of ``ttl`` seconds if it has none."""
+        ...
+
+
 class KeyValueOps:
     """The reference's five calls, on a backend of ours (mixed into its class).
 
     Each is one charge of one counter through the backend's own ``charge``
     (lua/charge.lua on Redis), so a consume is as atomic as a check. The
-    class using it supplies ``charge``, ``usage``, ``aclose``, ``_kv_now``
-    (its clock, epoch seconds) and ``_kv_release`` (the give-back).
+    class using it is a :class:`_Host`.
     """
-
-    async def charge(
-        self,
-        ops: Sequence[CounterOp],
-        *,
-        event_id: str | None = None,
-        want_used: bool = True,
-        op_id: str | None = None,
-    ) -> ChargeResult:
-        raise NotImplementedError  # pragma: no cover - the backend's own
-
-    async def usage(self, keys: Sequence[str]) -> list[int]:
-        raise NotImplementedError  # pragma: no cover - the backend's own
-
-    async def aclose(self) -> None:
-        raise NotImplementedError  # pragma: no cover - the backend's own
-
-    def _kv_now(self) -> float:
-        raise NotImplementedError  # pragma: no cover - the backend's own
-
-    async def _kv_release(self, key: str, amount: int) -> None:
-        raise NotImplementedError  # pragma: no cover - the backend's own
 
     async def _kv_expire(self, key: str, ttl: int) -> None:
         """Give ``key`` an expiry of ``ttl`` seconds if it has none (Redis: a lost one)."""
 
-    async def consume(self, key: str, amount: int, cap: int, ttl: int) -> ConsumeResult:
+    async def consume(self: _Host, key: str, amount: int, cap: int, ttl: int) -> ConsumeResult:
         """Add ``amount`` to ``key`` if its total stays at most ``cap``; expires in ``ttl`` s."""
         op = CounterOp(key, amount, cap, True, int(self._kv_now()) + ttl)
         result = await self.charge([op], want_used=True)
@@ -135,7 +131,9 @@ class KeyValueOps:
         await self._kv_expire(key, ttl)
         return ConsumeResult(result.admitted, total, max(cap - total, 0))
 
-    async def accumulate(self, key: str, amount: int, cap: int, ttl: int) -> AccumulateResult:
+    async def accumulate(
+        self: _Host, key: str, amount: int, cap: int, ttl: int
+    ) -> AccumulateResult:
         """Add ``amount`` to ``key`` whatever ``cap``; ``crossed`` on the add that took
         the total from at most the cap to past it."""
         op = CounterOp(key, amount, cap, False, int(self._kv_now()) + ttl)
@@ -145,12 +143,12 @@ class KeyValueOps:
         await self._kv_expire(key, ttl)
         return AccumulateResult(total <= cap, total, before <= cap < total)
 
-    async def peek(self, key: str) -> int:
+    async def peek(self: _Host, key: str) -> int:
         """The total of ``key`` (0 when missing)."""
         (total,) = await self.usage([key])
         return total
 
-    async def close(self) -> None:
+    async def close(self: _Host) -> None:
         """``aclose()``, under the reference's name."""
         await self.aclose()
 

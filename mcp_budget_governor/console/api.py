@@ -323,7 +323,7 @@ def cost_filter(p: dict[str, str]) -> Any:
 
 
 async def costs(request: Request) -> Response:
-    from ..cli.costs import costs_json, costs_reports
+    from ..projections.costs import costs_json, costs_reports
 
     c: Console = request.app.state.console
     p = _params(request, _COST_PARAMS)
@@ -347,8 +347,7 @@ def _json(data: Any) -> Response:
 
 
 async def alerts(request: Request) -> Response:
-    from ..cli.costs import costs_json
-    from ..projections.costs import breaker_trips
+    from ..projections.costs import breaker_trips, costs_json
     from .data import latest_refusals, refusals_by_reason
 
     c: Console = request.app.state.console

@@ -6,7 +6,7 @@
 // generated: a copy or layout that differs fails the build. The Postgres migrations
 // (sql/*.sql) are copied into ts/sql/ too.
 import { createHash } from "node:crypto";
-import { copyFileSync, existsSync, mkdirSync, readFileSync, readdirSync, writeFileSync } from "node:fs";
+import { copyFileSync, existsSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 
 const here = new URL("../", import.meta.url);
 const from = new URL("../lua/", here);
@@ -52,9 +52,13 @@ writeFileSync(new URL("digests.json", to), JSON.stringify(digests, null, 1) + "\
 const sqlFrom = new URL("../sql/", here);
 const sqlTo = new URL("sql/", here);
 mkdirSync(sqlTo, { recursive: true });
-for (const file of readdirSync(sqlFrom).filter((f) => /^\d{4}_[a-z0-9_]+\.sql$/.test(f))) {
-  copyFileSync(new URL(file, sqlFrom), new URL(file, sqlTo));
+const migration = (f) => /^\d{4}_[a-z0-9_]+\.sql$/.test(f);
+const shipped = readdirSync(sqlFrom).filter(migration);
+// A migration gone from sql/ (folded into another before release) must not linger here.
+for (const file of readdirSync(sqlTo).filter((f) => migration(f) && !shipped.includes(f))) {
+  rmSync(new URL(file, sqlTo));
 }
+for (const file of shipped) copyFileSync(new URL(file, sqlFrom), new URL(file, sqlTo));
 // The built-in price table, as the Python package exports it into the vectors.
 mkdirSync(new URL("data/", here), { recursive: true });
 writeFileSync(new URL("data/prices.json", here), JSON.stringify(vectors.builtin_prices.models) + "\n");
