@@ -22,6 +22,7 @@ describes it all.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -704,3 +705,24 @@ def build_app(console: Console) -> Starlette:
     )
     app.state.console = console
     return app
+
+
+async def serve_console(console: Console, host: str, port: int, *, name: str = "serve") -> None:
+    """Serve ``console`` until interrupted; once listening, print a one-time login link
+    (the port's real number, also for port 0) that a person can open."""
+    import uvicorn
+
+    config = uvicorn.Config(build_app(console), host=host, port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn has only a flag)
+        await asyncio.sleep(0.05)
+    if server.started:
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(
+            f"mcpbg {name}: the dashboard: open http://{shown}:{bound}{console.login_link()}\n"
+            f"  (a one-time login link: it sets a cookie and is spent; Ctrl-C stops)",
+            flush=True,
+        )
+    await task
