@@ -395,7 +395,7 @@ async def event(request: Request) -> Response:
 
 
 async def caps_list(request: Request) -> Response:
-    from ..cli.caps import change_rows
+    from ..projections.changes import change_rows
 
     c: Console = request.app.state.console
     _params(request, ())
@@ -466,13 +466,14 @@ _WRITE = ("limit", "scope", "reason", "actor")
 
 async def caps_set(request: Request) -> Response:
     from .. import admin
-    from ..cli.caps import _amount, _until
 
     c: Console = request.app.state.console
     body = await _body(request, (*_WRITE, "cap", "cap_usd", "until"))
     limit, scope = body["limit"], body.get("scope", {})
-    cap = _amount(c.policy, limit, ("cap_usd", _text(body, "cap_usd")), ("cap", _text(body, "cap")))
-    until = _until(c.policy, _text(body, "until"))
+    cap = admin.parse_amount(
+        c.policy, limit, ("cap_usd", _text(body, "cap_usd")), ("cap", _text(body, "cap"))
+    )
+    until = admin.parse_until(c.policy, _text(body, "until"))
     admin.cap_change(c.policy, limit, scope, cap, until=until, now=time.time())
     change = await c.governor.set_cap(
         limit,
@@ -500,12 +501,11 @@ async def caps_unset(request: Request) -> Response:
 
 async def grants(request: Request) -> Response:
     from .. import admin
-    from ..cli.caps import _amount
 
     c: Console = request.app.state.console
     body = await _body(request, (*_WRITE, "amount", "usd"))
     limit, scope = body["limit"], body.get("scope", {})
-    amount = _amount(
+    amount = admin.parse_amount(
         c.policy, limit, ("usd", _text(body, "usd")), ("amount", _text(body, "amount"))
     )
     admin.grant_change(c.policy, limit, scope, amount, now=time.time())
