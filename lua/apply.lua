@@ -4,13 +4,16 @@
 -- KEYS[2]    the epoch marker
 --            (on Redis Cluster these and the seen sets carry the hash tag of
 --            the slot the batch's counters share: one call per slot group)
--- KEYS[3..]  the seen-id sets the batch touches (ARGV[5] of them), then its counters
+-- KEYS[3..]  the seen-id sets the batch touches (ARGV[5] of them), the reservation
+--            hashes (ARGV[9] of them), then its counters
 -- ARGV[1]    the partition field; ARGV[2] the number of events; ARGV[3] '1' when
 --            the epoch marker must be whole (a Redis that restarted empty has lost
 --            every counter: the worker must rebuild, not add to empty ones);
 -- ARGV[4]    the events, as one string of space-separated tokens, per event:
 --            offset, event id, position of the seen-id set of the event's day
---            among the seen sets, that set's expire_at, number of charges, and
+--            among the seen sets, that set's expire_at, its reservation role ('-'
+--            none, 'o<n>' opens the n-th reservation hash, 'c<n>' draws on and
+--            closes it, 'c0' draws on one it does not name), number of charges, and
 --            per charge: key position among the counters, amount, expire_at; then
 --            the number of run-time changes and per change (lib.lua apply_change):
 --            kind, key position among the counters, field ('-'), amount, until,
@@ -25,6 +28,8 @@
 -- ARGV[7]    what spares most batches the exact check of their sums (surely_fits)
 -- ARGV[8]    the caller's clock, epoch ms (lib.lua caller_ms): a charge whose
 --            counter expired before it is dropped
+-- ARGV[9]    how many reservation hashes KEYS holds (mcpbg:v1:_res:<reserved event id>,
+--            counter key -> estimate, until its counters expire; counters.Holds)
 --
 -- Two guards make delivery at-least-once yet counting exactly-once:
 -- an offset at or below the watermark was applied before (redelivery), and an
@@ -46,18 +51,23 @@ if ARGV[3] == '1' and not epoch_ok(KEYS[2]) then
   return -1
 end
 local seen_sets = tonumber(ARGV[5])
+local holds = 2 + seen_sets
+local counters = holds + tonumber(ARGV[9] or '0')
 for i = 3, #KEYS do
   local shape = '^mcpbg:v1:%w[%w_.%-]*:[^:]+:[^:]+$'
   -- A seen set may carry a hash tag (Redis Cluster: the slot of its counters).
-  if i <= 2 + seen_sets then shape = '^mcpbg:v1:_seen:%d+$' end
-  if not string.find(KEYS[i], shape) and not (i <= 2 + seen_sets
+  if i <= holds then shape = '^mcpbg:v1:_seen:%d+$' end
+  if i > holds and i <= counters then shape = '^mcpbg:v1:_res:[%x%-]+$' end
+  if not string.find(KEYS[i], shape) and not (i <= holds
       and string.find(KEYS[i], '^mcpbg:v1:_seen:%d+{%x+}$'))
-      and (i <= 2 + seen_sets or not change_key_ok(KEYS[i])) then
+      and not (i > holds and i <= counters
+      and string.find(KEYS[i], '^mcpbg:v1:_res:[%x%-]+{%x+}$'))
+      and (i <= counters or not change_key_ok(KEYS[i])) then
     return redis.error_reply('mcpbg apply: refused the batch: ' .. KEYS[i] .. ' is not a '
-      .. (i <= 2 + seen_sets and 'seen-id set' or 'counter key'))
+      .. (i <= holds and 'seen-id set' or (i <= counters and 'reservation hash'
+      or 'counter key')))
   end
 end
-local counters = 2 + seen_sets
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
 local wm = tonumber(wm_raw or '-1')
 local now = math.floor(caller_ms() / 1000)
@@ -86,9 +96,70 @@ local function surely_fits()
   end
 end
 
+-- An event's reservation role token: ('-'|'o'|'c', position among the hashes or 0).
+local function hold_role(tok)
+  if tok == '-' then return '-', 0 end
+  return string.sub(tok, 1, 1), tonumber(string.sub(tok, 2))
+end
+
+-- The reservation hash at rpos as counter key -> estimate, or false (none held).
+local function held(rpos)
+  if rpos == 0 then return false end
+  local flat = redis.call('HGETALL', KEYS[holds + rpos])
+  if #flat == 0 then return false end
+  local out = {}
+  for i = 1, #flat, 2 do out[flat[i]] = tonumber(flat[i + 1]) end
+  return out
+end
+
+-- counters.hold_problem: why an event opening ('o') or closing ('c') reservation rpos
+-- is refused, or nil; res_of holds what the batch opened and closed before it.
+local function hold_refusal(role, rpos, cs, res_of)
+  local live = {}
+  for _, ch in ipairs(cs) do
+    if tonumber(ch[3]) > now then live[#live + 1] = ch end
+  end
+  if role == 'o' then
+    if #live > 0 then
+      local est = {}
+      for _, ch in ipairs(live) do est[KEYS[counters + tonumber(ch[1])]] = tonumber(ch[2]) end
+      res_of[rpos] = est
+    end
+    return nil
+  end
+  local name = rpos > 0 and string.sub(KEYS[holds + rpos], 15) or ''
+  name = string.gsub(name, '{%x+}$', '')
+  local h = res_of[rpos]
+  if h == nil then h = held(rpos) end
+  if rpos > 0 then res_of[rpos] = false end
+  if #live == 0 then return nil end
+  if rpos == 0 then
+    return 'data.reservation: names no reservation (its money moves only against one)'
+  end
+  if not h then
+    return 'reservation ' .. name .. ': not one the ledger holds (never made, closed'
+      .. ' already or expired)'
+  end
+  for _, ch in ipairs(live) do
+    local a = tonumber(ch[2])
+    if a < 0 then
+      local key = KEYS[counters + tonumber(ch[1])]
+      local est = h[key]
+      if est == nil then
+        return key .. ': reservation ' .. name .. ' holds no estimate on this counter'
+      end
+      if -a > est then
+        return key .. ': refund ' .. string.sub(ch[2], 2) .. ' is more than reservation '
+          .. name .. "'s estimate (" .. string.format('%.0f', est) .. ')'
+      end
+    end
+  end
+  return nil
+end
+
 -- (offset, reason) of the first event refused, or nil.
 local function refusal()
-  local c_of, f_of, g_of, ids, moved = {}, {}, {}, {}, {}
+  local c_of, f_of, g_of, ids, moved, res_of = {}, {}, {}, {}, {}, {}
   local mark = wm
   local token = string.gmatch(ARGV[4], '%S+')
   for _ = 1, tonumber(ARGV[2]) do
@@ -97,14 +168,23 @@ local function refusal()
     local event_id = token()
     local seen = KEYS[2 + tonumber(token())]
     token()
+    local role, rpos = hold_role(token())
     local fresh = offset > mark
     if fresh then
       mark = offset
       fresh = not ids[event_id] and redis.call('SISMEMBER', seen, event_id) == 0
       ids[event_id] = true
     end
+    local cs = {}
     for _ = 1, tonumber(token()) do
-      local key_pos, amount, expire_at = token(), token(), token()
+      cs[#cs + 1] = {token(), token(), token()}
+    end
+    if fresh and role ~= '-' then
+      local why = hold_refusal(role, rpos, cs, res_of)
+      if why then return offset_raw, why end
+    end
+    for _, ch in ipairs(cs) do
+      local key_pos, amount, expire_at = ch[1], ch[2], ch[3]
       if fresh then
         local key = KEYS[counters + tonumber(key_pos)]
         if c_of[key] == nil then
@@ -180,7 +260,9 @@ for _ = 1, tonumber(ARGV[2]) do
   local event_id = token()
   local seen = KEYS[2 + tonumber(token())]
   local seen_expire_at = token()
+  local role, rpos = hold_role(token())
   local charges = tonumber(token())
+  local opened = 0
   local fresh = offset > wm
   if fresh then
     wm = offset
@@ -201,8 +283,17 @@ for _ = 1, tonumber(ARGV[2]) do
       end
       if tonumber(expire_at) > now then
         add(key, amount, '', expire_at)
+        if role == 'o' then
+          redis.call('HSET', KEYS[holds + rpos], key, amount)
+          if tonumber(expire_at) > opened then opened = tonumber(expire_at) end
+        end
       end
     end
+  end
+  if fresh and opened > 0 then
+    redis.call('EXPIREAT', KEYS[holds + rpos], opened)
+  elseif fresh and role == 'c' and rpos > 0 then
+    redis.call('DEL', KEYS[holds + rpos])
   end
   for _ = 1, tonumber(token()) do
     local pos, kind, field, amount, untl = token(), token(), token(), token(), token()

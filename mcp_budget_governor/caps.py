@@ -39,8 +39,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from .errors import PolicyError
-from .keys import PREFIX, escape, scope_segment, unescape
-from .limits import NAME_PATTERN
+from .keys import NAME_PATTERN, PREFIX, escape, scope_segment, unescape
 from .money import MAX_AMOUNT
 from .scopes import Dimensions, Scope
 

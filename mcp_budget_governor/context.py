@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidInputError
+from .scopes import Scope, scope_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +67,10 @@ class Context:
         >>> Context(user="u").as_scope_map()
         {<Scope.USER: 'user'>: 'u'}
         """
-        from .scopes import Scope  # scopes imports this module
-
         return {s: v for s in Scope if (v := getattr(self, s.value, None)) is not None}
 
     def satisfies(self, limit: Any) -> bool:
         """Whether this context names every scope dimension of ``limit`` (so it counts)."""
-        from .scopes import scope_values
-
         return scope_values(limit.dimensions, self) is not None
 
     def with_tool(self, tool: str | None) -> Context:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -114,7 +114,8 @@ def grant_problem(key: str, grant: int, amount: int) -> str | None:
 
 
 class SumCheck:
-    """The stores' sum rule (:func:`apply_problem`, :func:`grant_problem`) over a ledger
+    """The stores' sum rule (:func:`apply_problem`, :func:`grant_problem`) and reservation
+    rule (:class:`Holds`) over a ledger
     read from its start, for the readers that total it without a store (the ledger
     view of ``mcpbg replay``, ``costs``, FOCUS): an event a store would refuse is
     refused here too, so their totals are the counters'.
@@ -133,10 +134,14 @@ class SumCheck:
     def __init__(self) -> None:
         self.committed: dict[str, int] = {}
         self.grants: dict[str, int] = {}
+        self.holds = Holds()
 
     def refusal(self, event: AppliedEvent) -> str | None:
         """Why a store would refuse ``event`` after the events seen so far (None: it
         applies, and is counted)."""
+        why = self.holds.problem(event)
+        if why is not None:
+            return why
         after = dict.fromkeys((c.key for c in event.charges), 0)
         for charge in event.charges:
             now = self.committed.get(charge.key, 0) + after[charge.key]
@@ -159,7 +164,113 @@ class SumCheck:
         for key, amount in after.items():
             self.committed[key] = self.committed.get(key, 0) + amount
         self.grants.update(grants)
+        self.holds.apply(event)
         return None
+
+
+_RESERVATION_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+#: The kinds whose charges draw on a reservation (``EntryType`` values).
+_CLOSING = frozenset({"settled", "released"})
+
+
+def hold_roles(
+    kind: str, reservation: str | None, charges: Sequence[AppliedCharge]
+) -> tuple[bool, str | None]:
+    """``(opens, closes)`` of :class:`AppliedEvent` for an event of ``kind`` (an
+    ``EntryType`` value) naming ``reservation``: a reserved event opens one under
+    its own id; a settlement or a release draws on the one it names, and so does
+    a recovery that refunds (its lost event was a settlement or a release). A
+    name that is no event id draws on none ("").
+
+    >>> c = (AppliedCharge("k", -5, 1),)
+    >>> hold_roles("reserved", None, ()), hold_roles("settled", "x y", c)
+    ((True, None), (False, ''))
+    >>> hold_roles("recovered", None, ()), hold_roles("recovered", None, c)
+    ((False, None), (False, ''))
+    """
+    if kind == "reserved":
+        return True, None
+    if kind in _CLOSING or (
+        kind == "recovered" and (reservation is not None or any(c.amount < 0 for c in charges))
+    ):
+        named = reservation if reservation and _RESERVATION_ID.fullmatch(reservation) else ""
+        return False, named
+    return False, None
+
+
+def hold_problem(
+    closes: str, held: Mapping[str, int] | None, charges: Sequence[AppliedCharge]
+) -> str | None:
+    """Why an event closing reservation ``closes`` must not be applied (None: it may).
+
+    ``held`` is what the store holds of that reservation (counter key ->
+    estimate; None: nothing, it was never made, is closed already or its
+    counters have expired); ``charges`` the event's charges a store would write
+    (those whose counter lives). Money moves only against a reservation the
+    ledger holds, and a refund returns at most the estimate held on its
+    counter: a settlement or release of another tenant's reservation, of none,
+    of one closed already, or past its estimate is refused whole.
+    ``lua/apply.lua``, ``mcpbg_apply_held`` (sql/) and :class:`MemoryBackend`
+    make the same tests before their first write.
+
+    >>> hold_problem("r", {"k": 5}, (AppliedCharge("k", -5, 1),)) is None
+    True
+    >>> hold_problem("r", {"k": 5}, (AppliedCharge("k", -6, 1),))
+    "k: refund 6 is more than reservation r's estimate (5)"
+    >>> hold_problem("r", None, (AppliedCharge("k", 1, 1),))
+    'reservation r: not one the ledger holds (never made, closed already or expired)'
+    """
+    if not charges:
+        return None
+    if not closes:
+        return "data.reservation: names no reservation (its money moves only against one)"
+    if held is None:
+        why = "never made, closed already or expired"
+        return f"reservation {closes}: not one the ledger holds ({why})"
+    for c in charges:
+        if c.amount < 0:
+            estimate = held.get(c.key)
+            if estimate is None:
+                return f"{c.key}: reservation {closes} holds no estimate on this counter"
+            if -c.amount > estimate:
+                return (
+                    f"{c.key}: refund {-c.amount} is more than reservation {closes}'s "
+                    f"estimate ({estimate})"
+                )
+    return None
+
+
+class Holds:
+    """The open reservations a reader of the ledger holds, for :func:`hold_problem`:
+    reservation id -> counter key -> estimate. A reserved event opens one, the
+    first event that closes it (applied) removes it whole.
+
+    >>> h = Holds()
+    >>> h.problem(AppliedEvent(1, "b", 0.0, (AppliedCharge("k", -1, 9),), closes="a"))[:14]
+    'reservation a:'
+    >>> h.apply(AppliedEvent(0, "a", 0.0, (AppliedCharge("k", 4, 9),), opens=True))
+    >>> h.problem(AppliedEvent(1, "b", 0.0, (AppliedCharge("k", -4, 9),), closes="a"))
+    """
+
+    def __init__(self) -> None:
+        self.open: dict[str, dict[str, int]] = {}
+
+    def problem(
+        self, event: AppliedEvent, charges: Sequence[AppliedCharge] | None = None
+    ) -> str | None:
+        """Why ``event`` draws on no reservation held (``charges``: its live ones)."""
+        if event.closes is None:
+            return None
+        live = event.charges if charges is None else charges
+        return hold_problem(event.closes, self.open.get(event.closes), live)
+
+    def apply(self, event: AppliedEvent, charges: Sequence[AppliedCharge] | None = None) -> None:
+        """Record what ``event`` (applied) opens or closes."""
+        live = event.charges if charges is None else charges
+        if event.opens and live:
+            self.open[event.event_id] = {c.key: c.amount for c in live}
+        elif event.closes:
+            self.open.pop(event.closes, None)
 
 
 _REFUSED = re.compile(r"mcpbg apply: refused event at offset (\d+): (.+)")
@@ -205,6 +316,24 @@ class CounterOp:
     ref: CapRef | None = None
 
 
+def with_cost(event_id: str, cost_id: str, first: int) -> str:
+    """The event id argument of a charge that admits a call and charges its price in
+    one round trip: ops from index ``first`` on hold in-flight amounts of the cost
+    event ``cost_id``, those before of the admission ``event_id`` (lua/charge.lua:
+    ``"<admission id> <cost id> <j>"``, j counted from 1; event ids hold no space).
+
+    >>> split_cost(with_cost("a1", "c2", 1))
+    ('a1', 'c2', 1)
+    """
+    return f"{event_id} {cost_id} {first + 1}"
+
+
+def split_cost(argument: str) -> tuple[str, str, int]:
+    """:func:`with_cost` read back: (admission id, cost id, index of the first cost op)."""
+    event_id, cost_id, j = argument.split(" ")
+    return event_id, cost_id, int(j) - 1
+
+
 @dataclass(frozen=True, slots=True)
 class ChargeResult:
     """``refused`` is the index of the first refusing op, or -1; ``used`` the totals read;
@@ -238,6 +367,11 @@ class AppliedEvent:
     time: float
     charges: tuple[AppliedCharge, ...]
     changes: tuple[Change, ...] = ()
+    #: A ``reserved`` event: its charges open a reservation under its id (:class:`Holds`).
+    opens: bool = False
+    #: A closing event (settled, released, a refunding recovery): the reservation it
+    #: draws on ("": it names none the ledger could hold); None: it draws on none.
+    closes: str | None = None
 
     @property
     def seen_day(self) -> str:

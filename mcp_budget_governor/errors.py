@@ -81,15 +81,26 @@ class MissingScopeError(InvalidInputError, KeyError):
 
 
 class UnknownModelError(GovernorError, LookupError):
-    """No price is known for a model: pricing it at zero would disable the budget."""
+    """No price is known for a model: pricing it at zero would disable the budget.
 
-    def __init__(self, model: str, known: int = 0) -> None:
+    ``dated``: where a builtin table's prices come from and the date they hold
+    (``genai-prices 0.2.5 prices as of 2026-12-07``), so a missing model is
+    traceable to the data that lacks it.
+    """
+
+    def __init__(self, model: str, known: int = 0, dated: str | None = None) -> None:
         self.model = model
         hint = f" ({known} models known)" if known else " (the price table is empty)"
+        if dated and known:
+            hint = f" ({known} models known, {dated})"
         super().__init__(
             f"model: no price for {_show(model)}{hint}; add one with "
             f"PriceTable.with_price({model!r}, input_per_mtok, output_per_mtok)"
         )
+
+
+class NoPriceTableError(GovernorError, RuntimeError):
+    """A model call was to be priced by a governor made without a price table."""
 
 
 class BackendUnavailableError(GovernorError, ConnectionError):

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from .limits import NAME_PATTERN
 from .memo import BytesCache, text_bytes
 from .reference_keys import (  # mcp-budget-governor 0.1.0's keys functions, here too
     MIN_TTL_SECONDS as MIN_TTL_SECONDS,
@@ -38,6 +37,10 @@ from .reference_keys import ttl_seconds as ttl_seconds
 from .reference_keys import window_end as window_end
 from .scopes import Dimensions, Scope
 from .windows import SESSION_BUCKET
+
+# A limit's name, as it may stand in a key. A leading "_" is reserved: the projection's
+# own keys live at mcpbg:v1:_<name>.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 PREFIX = "mcpbg:v1"
 GLOBAL_SCOPE = "global"
@@ -133,6 +136,9 @@ INTERNAL_PREFIX = f"{PREFIX}:_"
 WATERMARK_KEY = f"{PREFIX}:_applied"
 #: Prefix of the per-day sets of applied event ids (``<prefix>:20261129``).
 SEEN_PREFIX = f"{PREFIX}:_seen"
+#: Prefix of the projection's open reservations (``<prefix>:<reserved event id>``: counter
+#: key -> estimate, until its counters expire; ``counters.Holds``).
+HOLD_PREFIX = f"{PREFIX}:_res"
 #: Present while Redis holds a complete projection; its loss means Redis restarted empty.
 EPOCH_KEY = f"{PREFIX}:_epoch"
 #: What the epoch marker holds (a rebuild's id): a string of this shape, nothing else.

@@ -13,19 +13,18 @@ mcp_budget_governor.errors.PolicyError: Limit('spend').cap: must be non-negative
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from .caps import parse_caps, scope_field
 from .errors import PolicyError
+from .keys import NAME_PATTERN as NAME_PATTERN  # its home is with the keys it must fit
+from .keys import scope_segment
 from .money import MAX_AMOUNT, Unit
 from .scopes import Dimensions, Scope, declared_order, normalize_scope
 from .windows import Window, check_anchor
-
-# A leading "_" is reserved: the projection's own keys live at mcpbg:v1:_<name>.
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
 class FailMode(StrEnum):
@@ -159,8 +158,6 @@ class Limit:
             raise PolicyError(f"{where}.status", status, "expected an HTTP status from 400 to 599")
         set_(self, "alert_at", _levels(self.alert_at, f"{where}.alert_at"))
         set_(self, "anchors", _anchors(self, where))
-        from .caps import parse_caps  # caps imports this module's NAME_PATTERN
-
         set_(self, "caps", parse_caps(dims, self.caps, f"{where}.caps"))
         tools = (self.tools,) if isinstance(self.tools, str) else self.tools
         if not isinstance(tools, tuple | list) or not all(isinstance(t, str) and t for t in tools):
@@ -185,8 +182,6 @@ class Limit:
         (15, 5)
         """
         if self.anchors:
-            from .keys import scope_segment  # keys imports this module's NAME_PATTERN
-
             found = self.anchors.get(scope_segment(self.dimensions, values))
             if found is not None:
                 return found
@@ -321,8 +316,6 @@ def _anchors(limit: Limit, where: str) -> Mapping[str, int]:
         raise PolicyError(f"{where}.anchors", anchors, "expected a mapping of scope value -> day")
     if anchors and not limit.dimensions:
         raise PolicyError(f"{where}.anchors", dict(anchors), "a global limit has no scope values")
-    from .caps import scope_field  # caps imports this module's NAME_PATTERN
-
     # Keyed by scope segment: one syntax (and one parser) for caps and anchors.
     out: dict[str, int] = {}
     for value, day in anchors.items():

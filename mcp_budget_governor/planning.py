@@ -24,7 +24,7 @@ from .decision import (
     MeterResult,
     at,
 )
-from .errors import GovernorError, InvalidInputError, MissingScopeError
+from .errors import InvalidInputError, MissingScopeError, NoPriceTableError
 from .keys import counter_key, escape, lease_key, scope_segment
 from .ledger import LedgerCharge, TokenUsage
 from .limits import Limit, OnExceed
@@ -224,17 +224,14 @@ def token_charges(
         ("cache_write_tokens", cache_write_tokens),
     ):
         check_amount(value, name)
-    for lim in limits:
-        if lim.unit not in (Unit.USD_MICROS, Unit.TOKENS):
-            raise InvalidInputError(
-                "limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
-            )
     price_version: str | None = None
     cost = 0
-    if any(lim.unit is Unit.USD_MICROS for lim in limits):
+    # Priced first unless every limit counts tokens: a CALLS limit is refused below,
+    # after a missing table or an unknown model (the order the reference checked in).
+    if any(lim.unit is not Unit.TOKENS for lim in limits):
         if prices is None:
-            raise GovernorError(
-                "prices: meter_tokens on a USD limit needs a price table: "
+            raise NoPriceTableError(
+                "prices: meter_tokens needs a price table to price a model call: "
                 "prices=PriceTable.builtin() or PriceTable().with_price(...)"
             )
         cost = prices.cost_micros(
@@ -245,6 +242,11 @@ def token_charges(
             cache_write_tokens=cache_write_tokens,
         )
         price_version = prices.version
+    for lim in limits:
+        if lim.unit not in (Unit.USD_MICROS, Unit.TOKENS):
+            raise InvalidInputError(
+                "limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS"
+            )
     tokens = 0
     if any(lim.unit is Unit.TOKENS for lim in limits):
         tokens = check_amount(input_tokens + output_tokens, "input_tokens + output_tokens")
@@ -272,6 +274,10 @@ class Plan:
     room: tuple[tuple[str, int], ...] = ()
     #: The lease sets of the concurrency caps the call takes a slot of.
     leases: tuple[str, ...] = ()
+    #: How many of the last slots charge the call's fixed price (:func:`with_price`):
+    #: the cost event's, whose ledger charges are ``cost_charges``.
+    cost: int = 0
+    cost_charges: tuple[LedgerCharge, ...] = ()
 
     @classmethod
     def of(cls, slots: Sequence[Slot]) -> Plan:
@@ -294,6 +300,37 @@ def check_plan(
     minute: every bucket boundary (UTC or zoned) falls on a whole minute.
     ``approved``: ASK limits the user let this call go over (counted, not enforced)."""
     return Plan.of(check_slots(policy, ctx, now, calls, approved))
+
+
+def with_price(plan: Plan, price: Sequence[Slot]) -> Plan:
+    """``plan`` that also charges a call's fixed price (``price``: :func:`meter_slots`)
+    in the same all-or-nothing charge, as the slots of a second (cost) event.
+
+    A priced limit the check consults refuses a price that does not fit, as the
+    check would (the price replaces the check's read of it); a metered-only
+    limit is charged without refusing, as a meter would. So concurrent calls
+    never take a consulted limit past its cap.
+    """
+    if not price:
+        return plan
+    checked = {s.key: s for s in plan.slots if not s.limit.concurrent}
+    priced = []
+    for p in price:
+        c = checked.get(p.key)
+        priced.append(p.with_amount(p.amount, enforce=c is not None and c.enforce))
+    read = {p.key for p in priced if (c := checked.get(p.key)) is not None and not c.amount}
+    kept = tuple(s for s in plan.slots if s.key not in read)
+    slots = (*kept, *priced)
+    return Plan(
+        slots,
+        tuple(s.op for s in slots),
+        any(not s.enforce for s in kept),
+        ledger_charges(kept),
+        tuple((s.limit.name, s.limit.cap - s.amount) for s in slots),
+        plan.leases,
+        len(priced),
+        ledger_charges(priced),
+    )
 
 
 def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:

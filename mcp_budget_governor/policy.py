@@ -30,6 +30,7 @@ from .decision import Decision
 from .errors import LimitExceeded, PolicyError, UnknownLimitError
 from .limits import FailMode, Limit, OnExceed, _enum
 from .money import Unit, usd
+from .policy_toml import load_file
 from .scopes import Scope
 from .windows import Window, zone
 
@@ -139,9 +140,7 @@ class Policy:
     def from_file(cls, path: str | os.PathLike[str]) -> Policy:
         """Load a policy file (TOML, see ``examples/policy.toml``), validated here;
         errors name the file, line, key and value (:class:`PolicyFileError`)."""
-        from .policy_file import load_file
-
-        return load_file(path)
+        return load_file(path, cls.of)
 
     def identified(self, ctx: Context) -> Context:
         """The context to govern a caller with, applying ``anonymous`` to an unnamed one.

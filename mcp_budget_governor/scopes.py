@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from enum import StrEnum, nonmember
-from typing import Any
+from typing import Any, Protocol
 
-from .context import Context
 from .errors import PolicyError
 
 
@@ -66,7 +65,25 @@ def declared_order(scope: Any, dims: Dimensions) -> Dimensions:
     return (*named, *(d for d in dims if d not in named))
 
 
-def scope_values(dims: Dimensions, ctx: Context) -> tuple[str, ...] | None:
+class Caller(Protocol):
+    """What :func:`scope_values` reads of a caller: a :class:`~.context.Context`, which
+    stands above this module (it names its values by :class:`Scope`)."""
+
+    @property
+    def user(self) -> str | None: ...
+    @property
+    def tenant(self) -> str | None: ...
+    @property
+    def tool(self) -> str | None: ...
+    @property
+    def agent(self) -> str | None: ...
+    @property
+    def call(self) -> str | None: ...
+    @property
+    def session_key(self) -> str | None: ...
+
+
+def scope_values(dims: Dimensions, ctx: Caller) -> tuple[str, ...] | None:
     """The context's values for ``dims``, or None when the context lacks one.
 
     A limit whose scope the context cannot supply is skipped, so a per-tenant

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend, hold_roles
 from mcp_budget_governor.errors import EventRefusedError, GovernorError
 from mcp_budget_governor.events import MalformedEventError, changes_of, encode, parse
 from mcp_budget_governor.ledger import LedgerEntry
@@ -271,12 +271,14 @@ class FileProjector:
                 reason,
             )
             return None
+        charges = tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in event.data.charges)
         return AppliedEvent(
             pos.index,
             event.id,
             event.time.timestamp(),
-            tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in event.data.charges),
+            charges,
             changes_of(event),
+            *hold_roles(event.type.split(".")[1], event.data.reservation, charges),
         )
 
     async def run(self, poll_interval: float = 0.2) -> None:

@@ -7,7 +7,7 @@ the stream worker does, offsets being list positions.
 
 from __future__ import annotations
 
-from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend, hold_roles
 from mcp_budget_governor.ledger import LedgerEntry
 
 
@@ -25,16 +25,13 @@ class MemoryLedger:
 
     def events(self, start: int = 0, stop: int | None = None) -> list[AppliedEvent]:
         """Entries ``[start:stop]`` as the projection sees them (offset = position)."""
-        return [
-            AppliedEvent(
-                offset,
-                entry.id,
-                entry.time,
-                tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in entry.charges),
-                () if entry.change is None else (entry.change,),
-            )
-            for offset, entry in enumerate(self.entries[start:stop], start=start)
-        ]
+        out = []
+        for offset, entry in enumerate(self.entries[start:stop], start=start):
+            charges = tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in entry.charges)
+            opens, closes = hold_roles(entry.type.value, entry.reservation, charges)
+            changes = () if entry.change is None else (entry.change,)
+            out.append(AppliedEvent(offset, entry.id, entry.time, charges, changes, opens, closes))
+        return out
 
     async def project(
         self, backend: Backend, *, partition: str = "memory:0", start: int = 0, batch: int = 500

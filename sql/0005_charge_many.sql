@@ -29,7 +29,10 @@ CREATE OR REPLACE FUNCTION mcpbg_charge_many(
     p_expire double precision[],
     p_has_ref boolean[], p_caps_keys text[], p_fields text[], p_value_caps bigint[],
     p_plan_fields text[], p_plan_caps text[], p_file_plans text[])
-RETURNS SETOF bigint[] LANGUAGE plpgsql AS $$
+RETURNS SETOF bigint[] LANGUAGE plpgsql
+-- One plan for the whole call, made once per session: re-planning its statements on
+-- every call (the plan cache's custom plans) cost more than running them.
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     big constant bigint := 9007199254740991;  -- counters.MAX_COUNTER
     now_s double precision := mcpbg_now();

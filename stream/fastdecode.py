@@ -36,7 +36,7 @@ import orjson
 
 from mcp_budget_governor.bounds import LATEST_TIME
 from mcp_budget_governor.caps import Change, ChangeKind
-from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, hold_roles
 from mcp_budget_governor.events import (
     ChangeData,
     Charge,
@@ -326,7 +326,11 @@ def decode(raw: bytes, offset: int) -> Decoded | None:
     # What datetime.timestamp() computes for an aware time: the same float, bit for bit.
     if when is None:
         when = (second * 1_000_000 + int(micros)) / 1_000_000
-    return Decoded(AppliedEvent(offset, event_id, when, tuple(applied), changes), tuple(decoded))
+    charged = tuple(applied)
+    opens, closes = hold_roles(event_kind.value, reservation, charged)
+    return Decoded(
+        AppliedEvent(offset, event_id, when, charged, changes, opens, closes), tuple(decoded)
+    )
 
 
 def _change(kind: EntryType, change: Any, time: float, context: dict[str, Any]) -> Change | None:

@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 
 import orjson
 
-from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend
+from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend, hold_roles
 from mcp_budget_governor.errors import EventRefusedError
 from mcp_budget_governor.events import (
     Charge,
@@ -156,12 +156,16 @@ class WatermarkBackend(Backend, Protocol):
 
 def to_applied(event: LedgerEvent, offset: int) -> AppliedEvent:
     """A parsed event as the projection applies it, at ``offset`` of its partition."""
+    charges = tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in event.data.charges)
+    opens, closes = hold_roles(event.type.split(".")[1], event.data.reservation, charges)
     return AppliedEvent(
         offset,
         event.id,
         event.time.timestamp(),
-        tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in event.data.charges),
+        charges,
         changes_of(event),
+        opens,
+        closes,
     )
 
 

@@ -10,6 +10,8 @@ are not).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from mcp_budget_governor import (
     usd,
 )
 from mcp_budget_governor.events import encode
+from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.ledger import LedgerEntry, new_id
 from mcp_budget_governor.money import MAX_AMOUNT
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
@@ -140,7 +143,7 @@ async def _negative_settled(gov: Governor, ledger: MemoryLedger) -> Case:
     reserved, settled = (_doc(e) for e in ledger.entries[-2:])
     settled["data"]["charges"][0]["amount"] = -MAX_AMOUNT
     raw = [_dumps(reserved), _dumps(settled)]
-    return Case("negative settled", raw, [1], "below zero")
+    return Case("negative settled", raw, [1], "is more than reservation")
 
 
 async def _negative_recovered(gov: Governor, ledger: MemoryLedger) -> Case:
@@ -148,7 +151,75 @@ async def _negative_recovered(gov: Governor, ledger: MemoryLedger) -> Case:
     doc = _doc(ledger.entries[-1])
     doc["type"] = "mcpbg.recovered.v1"
     doc["data"]["charges"][0]["amount"] = -MAX_AMOUNT
-    return Case("negative recovered", [_dumps(doc)], [0], "below zero")
+    return Case("negative recovered", [_dumps(doc)], [0], "names no reservation")
+
+
+async def _funded(gov: Governor, ledger: MemoryLedger) -> list[bytes]:
+    """Mallory's honest spend, enough that no refund below takes it under zero: what
+    refuses those is the reservation rule alone."""
+    await gov.meter("spend", 10_000, MALLORY)
+    return [encode(ledger.entries[-1], SOURCE)]
+
+
+async def _settled(gov: Governor, ledger: MemoryLedger, ctx: Context) -> list[dict[str, Any]]:
+    """A reservation of 5,000 settled at 1,000: its reserved and settled events."""
+    async with gov.reserved("spend", 5_000, ctx) as r:
+        r.actual = 1_000
+    return [_doc(e) for e in ledger.entries[-2:]]
+
+
+async def _settle_unreserved(gov: Governor, ledger: MemoryLedger) -> Case:
+    raw = await _funded(gov, ledger)
+    _, settled = await _settled(gov, ledger, MALLORY)
+    settled["data"]["reservation"] = new_id()  # one no reserved event made
+    raw.append(_dumps(settled))
+    return Case("settled without a reservation", raw, [1], "not one the ledger holds")
+
+
+async def _settle_over_estimate(gov: Governor, ledger: MemoryLedger) -> Case:
+    raw = await _funded(gov, ledger)
+    reserved, settled = await _settled(gov, ledger, MALLORY)
+    settled["data"]["charges"][0]["amount"] = -6_000  # of a 5,000 estimate
+    raw += [_dumps(reserved), _dumps(settled)]
+    return Case("settled past its estimate", raw, [2], "is more than reservation")
+
+
+async def _released_over_estimate(gov: Governor, ledger: MemoryLedger) -> Case:
+    raw = await _funded(gov, ledger)
+    async with gov.reserved("spend", 5_000, MALLORY) as r:
+        r.release()
+    reserved, released = (_doc(e) for e in ledger.entries[-2:])
+    released["data"]["charges"][0]["amount"] = -5_001
+    raw += [_dumps(reserved), _dumps(released)]
+    return Case("released past its estimate", raw, [2], "is more than reservation")
+
+
+async def _settled_twice(gov: Governor, ledger: MemoryLedger) -> Case:
+    raw = await _funded(gov, ledger)
+    reserved, settled = await _settled(gov, ledger, MALLORY)
+    raw += [_dumps(reserved), _dumps(settled), _again(settled)]
+    return Case("settled twice", raw, [3], "not one the ledger holds")
+
+
+async def _recovered_twice(gov: Governor, ledger: MemoryLedger) -> Case:
+    """A refund recovered under the reservation a settlement closed already."""
+    raw = await _funded(gov, ledger)
+    reserved, settled = await _settled(gov, ledger, MALLORY)
+    recovered = dict(settled, id=new_id(), type="mcpbg.recovered.v1")
+    raw += [_dumps(reserved), _dumps(settled), _dumps(recovered)]
+    return Case("recovered after its settlement", raw, [3], "not one the ledger holds")
+
+
+async def _settle_anothers(gov: Governor, ledger: MemoryLedger) -> Case:
+    """Mallory's refund naming another tenant's open reservation; that one's own
+    settlement, after, still applies."""
+    raw = await _funded(gov, ledger)
+    victim = Context(user="victim", tenant="other")
+    reserved, settled = await _settled(gov, ledger, victim)
+    _, mine = await _settled(gov, ledger, MALLORY)
+    mine = dict(mine, id=new_id(), data=dict(mine["data"], reservation=reserved["id"]))
+    raw += [_dumps(reserved), _dumps(mine), _dumps(settled)]
+    return Case("settled on another's reservation", raw, [2], "holds no estimate")
 
 
 async def _meter_max(gov: Governor, ledger: MemoryLedger) -> Case:
@@ -157,6 +228,55 @@ async def _meter_max(gov: Governor, ledger: MemoryLedger) -> Case:
     doc["data"]["charges"][0]["amount"] = MAX_AMOUNT
     raw = [_again(doc), _again(doc), _again(doc)]
     return Case("three meter(MAX_AMOUNT)", raw, [1, 2], "would leave the exact range")
+
+
+async def _honest_burst(gov: Governor, ledger: MemoryLedger) -> Case:
+    """No attack: a Governor's own reservations, settled under, over and at their
+    estimates, released, failed, cancelled, on one and on two limits, interleaved with
+    spend. Every record applies: nothing of ours is a dead letter."""
+    start = len(ledger.entries)
+    eve = Context(user="eve", tenant="other")
+
+    async def held(ctx: Context, estimate: int, actual: int | None = None) -> None:
+        async with gov.reserved("spend", estimate, ctx) as r:
+            if actual is not None:
+                r.actual = actual
+
+    await gov.meter("spend", 700, MALLORY)
+    await held(MALLORY, 5_000, 1_000)  # settled under its estimate
+    await held(eve, 1_000, 3_000)  # and over it
+    await held(MALLORY, 2_000)  # the estimate stands: a close without charges
+    await held(MALLORY, 2_000, 2_000)  # exact: likewise
+    async with gov.reserved("spend", 2_000, eve) as r:
+        r.release()
+    try:
+        async with gov.reserved("spend", 1_500, MALLORY):
+            raise RuntimeError("the tool failed")
+    except RuntimeError:
+        pass
+    entered = asyncio.Event()
+
+    async def cancelled() -> None:
+        async with gov.reserved("spend", 800, MALLORY) as r:
+            r.actual = 100
+            entered.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(cancelled())
+    await entered.wait()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    explicit = await gov.reserve("spend", 4_000, eve)
+    await gov.meter("spend", 300, eve)
+    await gov.settle(explicit, 500)
+    await gov.settle(explicit, 10)  # settles once: nothing more
+    async with Reservations(gov, {"spend": 3_000, "calls": 2}, MALLORY) as both:
+        both.actual["spend"] = 1_200
+    async with Reservations(gov, {"spend": 900, "calls": 1}, eve) as both:
+        both.release()
+    raw = [encode(e, SOURCE) for e in ledger.entries[start:]]
+    return Case("a Governor's honest burst", raw, [], "")
 
 
 CASES: dict[str, Callable[[Governor, MemoryLedger], Any]] = {
@@ -169,6 +289,13 @@ CASES: dict[str, Callable[[Governor, MemoryLedger], Any]] = {
     "negative_settled": _negative_settled,
     "negative_recovered": _negative_recovered,
     "meter_max": _meter_max,
+    "settle_unreserved": _settle_unreserved,
+    "settle_over_estimate": _settle_over_estimate,
+    "released_over_estimate": _released_over_estimate,
+    "settled_twice": _settled_twice,
+    "recovered_twice": _recovered_twice,
+    "settle_anothers": _settle_anothers,
+    "honest_burst": _honest_burst,
 }
 
 

@@ -14,6 +14,7 @@ from mcp_budget_governor import (
     InvalidInputError,
     Limit,
     LimitExceeded,
+    NoPriceTableError,
     OnExceed,
     Policy,
     PolicyError,
@@ -187,9 +188,20 @@ async def test_meter_tokens_prices_and_counts(backend: Backend) -> None:
         await gov.meter_tokens("calls", "m", input_tokens=1, output_tokens=1)
     with pytest.raises(InvalidInputError, match="output_tokens"):
         await gov.meter_tokens("spend", "m", input_tokens=1, output_tokens=-1)
-    no_prices = gov_of(backend, Limit("s", cap=1, window=Window.DAY, unit=Unit.USD_MICROS))
-    with pytest.raises(Exception, match="price table"):
-        await no_prices.meter_tokens("s", "m", input_tokens=1, output_tokens=1)
+    with pytest.raises(UnknownModelError):  # the model first, then the CALLS unit
+        await gov.meter_tokens("calls", "gpt-typo", input_tokens=1, output_tokens=1)
+    no_prices = gov_of(
+        backend,
+        Limit("s", cap=1, window=Window.DAY, unit=Unit.USD_MICROS),
+        Limit("c", cap=1, window=Window.DAY),
+        Limit("t", cap=9, window=Window.DAY, unit=Unit.TOKENS, gated=False),
+    )
+    for name in ("s", "c"):  # a RuntimeError, as in mcp-budget-governor 0.1.0
+        with pytest.raises(NoPriceTableError, match="price table"):
+            await no_prices.meter_tokens(name, "m", input_tokens=1, output_tokens=1)
+    assert issubclass(NoPriceTableError, RuntimeError)
+    # Counting tokens needs no price.
+    assert (await no_prices.meter_tokens("t", "m", input_tokens=1, output_tokens=1)).charged == 2
 
 
 async def test_reserve_settle_release(backend: Backend) -> None:

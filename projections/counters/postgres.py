@@ -107,7 +107,8 @@ _CHARGE_MANY = (
     "%s::text[], %s::text[])"
 )
 _APPLY = (
-    "SELECT mcpbg_apply(%s, %s, %s, %s::bigint[], %s::text[], %s::text[], %s::float8[], "
+    "SELECT mcpbg_apply_held(%s::text[], %s::text[], %s, %s, %s, %s::bigint[], %s::text[], "
+    "%s::text[], %s::float8[], "
     "%s::int[], %s::int[], %s::text[], %s::bigint[], %s::float8[], %s::text[], %s::text[], "
     "%s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::text[])"
 )
@@ -804,7 +805,10 @@ class PostgresBackend:
         offsets, ids, days, day_expire, ncharges, nchanges = [], [], [], [], [], []
         ckeys, camounts, cexpire = [], [], []
         kinds, xkeys, xfields, xamounts, xuntils, xplans, xwhys = [], [], [], [], [], [], []
+        roles, held = [], []  # each event's reservation role (sql/0007, counters.Holds)
         for event in events:
+            roles.append("o" if event.opens else "-" if event.closes is None else "c")
+            held.append(event.closes or "")
             if not event.event_id:
                 raise ValueError(f"event id {event.event_id!r}: empty")
             offsets.append(event.offset)
@@ -826,8 +830,8 @@ class PostgresBackend:
                 xplans.append(c.plan or "-")
                 xwhys.append(why_token(c.actor, c.reason))
         params = (
-            partition, require_epoch, through, offsets, ids, days, day_expire, ncharges,
-            nchanges, ckeys, camounts, cexpire, kinds, xkeys, xfields, xamounts, xuntils,
+            roles, held, partition, require_epoch, through, offsets, ids, days, day_expire,
+            ncharges, nchanges, ckeys, camounts, cexpire, kinds, xkeys, xfields, xamounts, xuntils,
             xplans, xwhys,
         )  # fmt: skip
         try:

@@ -18,8 +18,9 @@ scripts; on Postgres (:class:`~.pg_sync.PostgresStore`) in one transaction.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -31,7 +32,7 @@ from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ApplyOnly, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError, InvalidInputError
 from mcp_budget_governor.events import ChangeData, to_change
-from mcp_budget_governor.keys import EPOCH_KEY, SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.keys import EPOCH_KEY, HOLD_PREFIX, SEEN_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import EntryType, new_id
 from mcp_budget_governor.lua import source
 
@@ -220,7 +221,9 @@ def rebuild_from_ledger(
         result.seconds = time.perf_counter() - started
         return result
     marks_after = {name: after for name, (_, after) in result.watermarks.items()}
+    holds = _open_holds(con, clock)
     if postgres:
+        _restore_holds_postgres(client, holds)  # before the epoch: no settle meets none
         todo = [c for c in run_time if c is not None]
         epoch = new_id()
         client.rewrite(  # type: ignore[union-attr]
@@ -265,6 +268,7 @@ def rebuild_from_ledger(
                 added += len(ids[i : i + _SEEN_CHUNK])
                 progress("seen", added, result.seen_ids)
         result.replayed_changes = _restore_changes(client, run_time, clock)
+        _restore_holds_redis(client, holds)
         result.epoch = new_id()
         client.set(EPOCH_KEY, result.epoch)
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
@@ -416,6 +420,51 @@ def _restore_changes(client: redis.Redis, changes: Sequence[CapsChange | None], 
 _CHANGES_PER_CALL = 500
 
 
+def _open_holds(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, dict[str, tuple[int, int]]]:
+    """The reservations the ledger holds open at ``now`` (counters.Holds): reserved event
+    id -> counter key -> (estimate, expire_at), for the charges whose counter lives and
+    whose reservation no settled, released or recovered event of the ledger closed."""
+    sql = """
+        SELECT id, "key", amount, expire_at FROM ledger
+        WHERE "type" = 'mcpbg.reserved.v1' AND "key" IS NOT NULL AND expire_at > ?
+          AND id NOT IN (SELECT reservation FROM ledger WHERE reservation IS NOT NULL
+                         AND "type" IN ('mcpbg.settled.v1', 'mcpbg.released.v1',
+                                        'mcpbg.recovered.v1'))
+    """
+    try:
+        rows = con.execute(sql, [int(now)]).fetchall()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for reservation, key, amount, expire_at in rows:
+        out.setdefault(str(reservation), {})[str(key)] = (int(amount), int(expire_at))
+    return out
+
+
+def _restore_holds_redis(
+    client: redis.Redis, holds: Mapping[str, Mapping[str, tuple[int, int]]]
+) -> None:
+    """The open reservations as lua/apply.lua keeps them (``keys.HOLD_PREFIX`` hashes)."""
+    pipe = client.pipeline(transaction=False)
+    for reservation, held in holds.items():
+        key = f"{HOLD_PREFIX}:{reservation}"
+        pipe.hset(key, mapping={k: amount for k, (amount, _) in held.items()})
+        pipe.expireat(key, max(e for _, e in held.values()))
+    pipe.execute()
+
+
+def _restore_holds_postgres(store: Any, holds: Mapping[str, Mapping[str, tuple[int, int]]]) -> None:
+    """The open reservations as sql/0007 keeps them (``mcpbg_hold``), in one transaction."""
+    rows = [(r, k, a, e) for r, held in holds.items() for k, (a, e) in held.items()]
+    with store.conn.transaction(), store.conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO mcpbg_hold (reservation, key, estimate, expire_at) VALUES (%s, %s, %s, %s)"
+            " ON CONFLICT (reservation, key) DO UPDATE SET estimate = excluded.estimate,"
+            " expire_at = excluded.expire_at",
+            rows,
+        )
+
+
 def _seen_ids(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, tuple[list[str], int]]:
     """Event ids per seen-id day whose set is still alive at ``now`` (``AppliedEvent`` rules)."""
     sql = f"""
@@ -473,7 +522,7 @@ class _CurrentOnly(ApplyOnly):
             # Run-time changes (caps, plans, grants) are kept whole: a grant of an ended
             # bucket is dropped by the script itself, as its expiry has passed.
             changes = tuple(c for c in e.changes if self._kept(c.key))
-            kept.append(AppliedEvent(e.offset, e.event_id, e.time, charges, changes))
+            kept.append(dataclasses.replace(e, charges=charges, changes=changes))
         self.events += len(events)
         self.progress("events", self.events, None)
         applied: int = await self.inner.apply(

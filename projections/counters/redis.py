@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from mcp_budget_governor.errors import (
 from mcp_budget_governor.keys import (
     EPOCH_KEY,
     EPOCH_VALUE,
+    HOLD_PREFIX,
     LEASE_PREFIX,
     PREFIX,
     SEEN_PREFIX,
@@ -164,6 +166,9 @@ def _position(keys: list[str], index: dict[str, int], key: str) -> int:
     return pos
 
 
+#: What a reservation's id may be to name its hash (an event id: a UUID).
+_HOLD_ID = re.compile(r"[0-9a-f-]{1,64}")
+
 #: The changes that add room to a counter: their sums are checked exactly (apply.lua).
 _ROOM_KINDS = frozenset({ChangeKind.GRANTED, ChangeKind.RESET})
 
@@ -186,6 +191,8 @@ def apply_args(
     counters: list[str] = []
     index: dict[str, int] = {}
     seen_sets: list[str] = []
+    hold_keys: list[str] = []  # the reservation hashes the batch opens or draws on
+    hold_index: dict[str, int] = {}
     # The events travel as one space-separated string (see lua/apply.lua): a
     # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
     tokens: list[str] = []
@@ -205,7 +212,20 @@ def apply_args(
         if seen is None:
             seen_sets.append(f"{SEEN_PREFIX}:{event.seen_day}{tag}")
             seen = days[day] = f"{len(seen_sets)} {event.seen_expire_at}"
-        tokens.append(f"{event.offset} {event_id} {seen} {len(event.charges)}")
+        # A reservation's hash holds its estimates (lua/apply.lua, counters.Holds).
+        role = "-"
+        held = event_id if event.opens else event.closes
+        if held and _HOLD_ID.fullmatch(held):
+            pos = hold_index.get(held)
+            if pos is None:
+                hold_keys.append(f"{HOLD_PREFIX}:{held}{tag}")
+                pos = hold_index[held] = len(hold_keys)
+            role = f"{'o' if event.opens else 'c'}{pos}"
+        elif event.closes is not None:
+            role = "c0"
+        if event.closes is not None:
+            doubt = True
+        tokens.append(f"{event.offset} {event_id} {seen} {role} {len(event.charges)}")
         for charge in event.charges:
             pos = index.get(charge.key) or _position(counters, index, charge.key)
             tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
@@ -223,7 +243,7 @@ def apply_args(
                 f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
                 f"{why_token(c.actor, c.reason)}"
             )
-    keys = [WATERMARK_KEY + tag, EPOCH_KEY + tag, *seen_sets, *counters]
+    keys = [WATERMARK_KEY + tag, EPOCH_KEY + tag, *seen_sets, *hold_keys, *counters]
     args: list[Any] = [
         partition,
         len(events),
@@ -233,6 +253,7 @@ def apply_args(
         through,
         "1" if doubt else " ".join(["0", *(f"{p} {t}" for p, t in sums.items())]),
         now_ms,
+        len(hold_keys),
     ]
     return keys, args
 
@@ -248,6 +269,10 @@ class RedisBackend(KeyValueOps):
 
     >>> backend = RedisBackend.from_url("redis://localhost:6379/0")  # doctest: +SKIP
     """
+
+    #: One charge may admit a call and charge its fixed price under two event ids
+    #: (counters.with_cost): Governor.admitted(price=) then takes one round trip.
+    prices_at_admission = True
 
     def __init__(
         self,

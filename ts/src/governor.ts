@@ -573,21 +573,23 @@ export class Governor {
       cacheReadTokens: checkAmount(tokens.cacheReadTokens ?? 0, "cache_read_tokens"),
       cacheWriteTokens: checkAmount(tokens.cacheWriteTokens ?? 0, "cache_write_tokens"),
     };
-    for (const lim of limits) {
-      if (lim.unit !== Unit.USD_MICROS && lim.unit !== Unit.TOKENS) {
-        throw new InvalidInputError("limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS");
-      }
-    }
     let cost = 0;
     let priceVersion: string | null = null;
-    if (limits.some((l) => l.unit === Unit.USD_MICROS)) {
+    // Priced first unless every limit counts tokens: a CALLS limit is refused below,
+    // after a missing table or an unknown model (the order Python checks in).
+    if (limits.some((l) => l.unit !== Unit.TOKENS)) {
       if (this.prices === null) {
         throw new GovernorError(
-          "prices: meterTokens on a USD limit needs a price table: prices: PriceTable.builtin() or new PriceTable().withPrice(...)",
+          "prices: meterTokens needs a price table to price a model call: prices: PriceTable.builtin() or new PriceTable().withPrice(...)",
         );
       }
       cost = this.prices.costMicros(model, t);
       priceVersion = this.prices.version;
+    }
+    for (const lim of limits) {
+      if (lim.unit !== Unit.USD_MICROS && lim.unit !== Unit.TOKENS) {
+        throw new InvalidInputError("limit", lim.name, "meter_tokens needs a TOKENS or USD_MICROS limit, not CALLS");
+      }
     }
     const count = limits.some((l) => l.unit === Unit.TOKENS) ? checkAmount(t.inputTokens + t.outputTokens, "input_tokens + output_tokens") : 0;
     const usage: TokenUsage = { model, ...t, priceVersion };

@@ -9,6 +9,7 @@ import {
   EntryType,
   FailMode,
   Governor,
+  InvalidInputError,
   Limit,
   LimitExceeded,
   MemoryLedger,
@@ -17,6 +18,7 @@ import {
   RedisBackend,
   Scope,
   Unit,
+  UnknownModelError,
   Window,
   context,
   loadPolicyFile,
@@ -75,6 +77,20 @@ for (const [name, backend] of backends(close)) {
       await gov.meter("spend", usd("0.05"), ctx);
       const d = await gov.check(ctx);
       assert.deepEqual([d.admitted, d.status, d.retryAfter], [false, 402, null]);
+    });
+
+    it("meterTokens looks for the price table and the model before refusing a CALLS limit", async () => {
+      const limits = Policy.of(
+        new Limit("calls", { cap: 9, window: Window.DAY }),
+        new Limit("tokens", { cap: 99, window: Window.DAY, unit: Unit.TOKENS, gated: false }),
+      );
+      const t = { inputTokens: 1, outputTokens: 1 };
+      const bare = new Governor(limits, backend());
+      await assert.rejects(bare.meterTokens("calls", "m", t), /needs a price table/);
+      assert.equal((await bare.meterTokens("tokens", "m", t)).charged, 2);
+      const priced = new Governor(limits, backend(), { prices: new PriceTable().withPrice("m", 1, 2) });
+      await assert.rejects(priced.meterTokens("calls", "typo", t), UnknownModelError);
+      await assert.rejects(priced.meterTokens("calls", "m", t), InvalidInputError);
     });
 
     it("reserves an estimate and settles it to the real cost", async () => {
