@@ -47,8 +47,8 @@ from .scopes import Scope
 from .windows import Window
 
 if TYPE_CHECKING:
+    from mcp_budget_governor.memory_backend import MemoryBackend
     from mcp_budget_governor.prices import BUILTIN_AS_OF
-    from mcp_budget_governor.projections.counters.memory import MemoryBackend
     from mcp_budget_governor.projections.counters.postgres import PostgresBackend
     from mcp_budget_governor.projections.counters.redis import RedisBackend
 
@@ -105,7 +105,7 @@ __all__ = [
 ]
 
 _LAZY = {
-    "MemoryBackend": "mcp_budget_governor.projections.counters.memory",
+    "MemoryBackend": "mcp_budget_governor.memory_backend",
     "RedisBackend": "mcp_budget_governor.projections.counters.redis",
     "PostgresBackend": "mcp_budget_governor.projections.counters.postgres",
     "BUILTIN_AS_OF": "mcp_budget_governor.prices",

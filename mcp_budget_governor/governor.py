@@ -45,6 +45,7 @@ from .errors import (
 from .holds import Admission, Reservation
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
 from .limits import FailMode, Limit, OnExceed
+from .memory_backend import MemoryBackend
 from .metering import Metering
 from .money import check_amount
 from .observe import Observer
@@ -115,8 +116,6 @@ class Governor(Metering[MeterResult]):
         ):
             raise InvalidInputError("lease_ttl", lease_ttl, "expected seconds from 0.01 to 86400")
         self.lease_ttl = float(lease_ttl)
-        from mcp_budget_governor.projections.counters.memory import MemoryBackend
-
         self.policy = policy
         self.backend: Backend = MemoryBackend(clock=clock) if backend is None else backend
         self.ledger = ledger

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Context, Decimal, localcontext
 from itertools import pairwise
 from typing import Any, TypeAlias
 
 from .errors import InvalidInputError
-from .money import MAX_AMOUNT, check_amount, to_decimal
+from .money import MAX_AMOUNT, MICROS_PER_USD, check_amount, to_decimal, usd
 
-__all__ = ["ModelPrice", "PriceInput", "PriceTier"]
+__all__ = ["MicroPrice", "ModelPrice", "PriceInput", "PriceTier"]
 
 PriceInput: TypeAlias = int | float | str | Decimal
 """What a price argument may be; floats are read through their shortest repr."""
@@ -88,9 +88,15 @@ class ModelPrice:
         object.__setattr__(self, "tiers", check_tiers(self.tiers))
 
     @classmethod
-    def from_dollars(cls, input_per_mtok: PriceInput, output_per_mtok: PriceInput) -> ModelPrice:
-        """``ModelPrice(input, output)``: this class takes USD per million tokens already."""
-        return cls(input_per_mtok, output_per_mtok)  # type: ignore[arg-type]
+    def from_dollars(cls, input_per_mtok: PriceInput, output_per_mtok: PriceInput) -> MicroPrice:
+        """mcp-budget-governor 0.1.0's constructor, and its result: the price in integer
+        USD micros per million tokens (:class:`MicroPrice`), which a :class:`PriceTable`
+        takes as the ``ModelPrice(input, output)`` it stands for.
+
+        >>> ModelPrice.from_dollars(5, 25).input_per_mtok
+        5000000
+        """
+        return MicroPrice(usd(input_per_mtok), usd(output_per_mtok))
 
     def rates_for(self, prompt_tokens: int) -> ModelPrice | PriceTier:
         """The rates billed when the prompt (cache tokens included) has ``prompt_tokens`` tokens.
@@ -102,6 +108,30 @@ class ModelPrice:
             if prompt_tokens > tier.start:
                 return tier
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class MicroPrice:
+    """A model's input and output prices as mcp-budget-governor 0.1.0 held them:
+    integer USD micros per million tokens (``MicroPrice(5_000_000, 25_000_000)``
+    is $5 and $25). Code written for it reads them as it did; a price table holds
+    the :class:`ModelPrice` it stands for (:meth:`model_price`).
+    """
+
+    input_per_mtok: int
+    output_per_mtok: int
+
+    def __post_init__(self) -> None:
+        for name in _REQUIRED:
+            check_amount(getattr(self, name), name)
+
+    def model_price(self) -> ModelPrice:
+        """The same price in dollars per million tokens, exactly."""
+        with localcontext(Context(prec=40)):  # any amount's digits: the quotient is exact
+            return ModelPrice(
+                Decimal(self.input_per_mtok) / MICROS_PER_USD,
+                Decimal(self.output_per_mtok) / MICROS_PER_USD,
+            )
 
 
 def check_tiers(tiers: Any) -> tuple[PriceTier, ...]:

@@ -30,15 +30,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .context import Context
 from .decision import Decision
+from .ledger import Ledger
 
-if TYPE_CHECKING:
-    from .governor import Governor
-
-__all__ = ["Observer", "RefusalLog"]
+__all__ = ["Observer", "RefusalLog", "Watched"]
 
 log = logging.getLogger("mcp_budget_governor.refusals")
 
@@ -92,6 +90,18 @@ class RefusalLog:
         return True
 
 
+class Watched(Protocol):
+    """What an observer reads of the governor it watches: a ``Governor``, which calls
+    this module's hooks and so stands above it."""
+
+    @property
+    def degraded(self) -> bool: ...
+    @property
+    def pending_charges(self) -> int: ...
+    @property
+    def ledger(self) -> Ledger | None: ...
+
+
 class Observer:
     """What a governor tells the one watching it; subclass to export it.
 
@@ -103,9 +113,9 @@ class Observer:
 
     def __init__(self, *, log_interval: float = 10.0) -> None:
         self.refusals = RefusalLog(log_interval)
-        self.governor: Governor | None = None
+        self.governor: Watched | None = None
 
-    def attach(self, governor: Governor) -> None:
+    def attach(self, governor: Watched) -> None:
         self.governor = governor
 
     async def observe_check(

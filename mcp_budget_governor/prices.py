@@ -36,6 +36,7 @@ from decimal import MAX_EMAX, MIN_EMIN, ROUND_CEILING, Context, Decimal
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidInputError, UnknownModelError
+from .model_price import MicroPrice as MicroPrice
 from .model_price import ModelPrice as ModelPrice
 from .model_price import PriceInput as PriceInput
 from .model_price import PriceTier as PriceTier
@@ -45,7 +46,7 @@ from .money import check_amount
 if TYPE_CHECKING:
     BUILTIN_AS_OF: str  # module __getattr__ below
 
-__all__ = ["BUILTIN_AS_OF", "ModelPrice", "PriceTable", "PriceTier"]
+__all__ = ["BUILTIN_AS_OF", "MicroPrice", "ModelPrice", "PriceTable", "PriceTier"]
 
 # 64 digits hold any cost up to MAX_AMOUNT tokens at a MAX_AMOUNT price with 30
 # fractional digits to spare, so real prices are exact; a price with more digits
@@ -69,14 +70,20 @@ class PriceTable:
     __slots__ = ("_builtin", "_folded", "_prices", "_version")
 
     def __init__(
-        self, prices: Mapping[str, ModelPrice] | None = None, *, version: str = "custom"
+        self,
+        prices: Mapping[str, ModelPrice | MicroPrice] | None = None,
+        *,
+        version: str = "custom",
     ) -> None:
-        """Build a table from ``{model: ModelPrice}``; ``version`` is recorded with each cost."""
+        """Build a table from ``{model: ModelPrice}`` (or the :class:`MicroPrice` of
+        mcp-budget-governor 0.1.0); ``version`` is recorded with each cost."""
         if not isinstance(version, str) or not version:
             raise InvalidInputError("version", version, "expected a non-empty string")
         table: dict[str, ModelPrice] = {}
         for model, price in (prices or {}).items():
             check_model(model)
+            if isinstance(price, MicroPrice):
+                price = price.model_price()
             if not isinstance(price, ModelPrice):
                 raise InvalidInputError(f"prices[{model!r}]", price, "expected a ModelPrice")
             table[model] = price

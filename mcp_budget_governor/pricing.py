@@ -4,12 +4,12 @@
 from typing import TYPE_CHECKING, Any
 
 from .errors import UnknownModel
-from .prices import ModelPrice, PriceTable
+from .prices import MicroPrice, ModelPrice, PriceTable
 
 if TYPE_CHECKING:
     from .prices import BUILTIN_AS_OF
 
-__all__ = ["BUILTIN_AS_OF", "ModelPrice", "PriceTable", "UnknownModel"]
+__all__ = ["BUILTIN_AS_OF", "MicroPrice", "ModelPrice", "PriceTable", "UnknownModel"]
 
 
 def __getattr__(name: str) -> Any:

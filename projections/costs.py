@@ -24,7 +24,7 @@ import duckdb
 
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.limits import NAME_PATTERN
-from mcp_budget_governor.money import Unit
+from mcp_budget_governor.money import Unit, format_usd
 from mcp_budget_governor.policy import Policy
 from mcp_budget_governor.scopes import Scope
 
@@ -36,6 +36,8 @@ __all__ = [
     "Filter",
     "Report",
     "breaker_trips",
+    "costs_json",
+    "costs_reports",
     "session_budget",
     "session_split",
     "spend",
@@ -288,3 +290,59 @@ def breaker_trips(con: duckdb.DuckDBPyConnection, flt: Filter, *, top: int | Non
         _run(con, sql, [*params, top] if top else params),
         money=(),
     )
+
+
+#: The views of ``mcpbg costs`` with no ``--by``, after the summary.
+_DEFAULT_VIEWS = ("tenant", "user", "tool", "model", "day")
+
+
+def costs_reports(
+    con: duckdb.DuckDBPyConnection,
+    flt: Filter,
+    *,
+    by: list[str] | None = None,
+    top: int | None = None,
+    policy: Policy | None = None,
+) -> list[Report]:
+    """The tables ``mcpbg costs`` shows (and ``GET /v1/costs`` returns): ``by`` one
+    grouping; else a session's split (``flt.session``); else the summary views."""
+    if not by:  # several reports: the archive is read once for all of them
+        read_once(con, flt)
+
+    if flt.session is not None and not by:
+        reports = [
+            summary(con, flt),
+            session_split(con, flt),
+            spend(con, ["tool"], flt, top=top),
+            spend(con, ["model"], flt, top=top),
+        ]
+        if policy is not None:
+            reports.append(session_budget(con, flt, policy))
+        return reports
+    if by:
+        return [spend(con, by, flt, top=top)]
+    top = top or 10
+    reports = [summary(con, flt)]
+    for name in _DEFAULT_VIEWS:
+        report = spend(con, [name], flt, top=top)
+        if name == "user":
+            report.title = f"top {top} spenders"
+        reports.append(report)
+    reports.append(breaker_trips(con, flt, top=top))
+    return reports
+
+
+def costs_json(reports: list[Report]) -> dict[str, list[dict[str, Any]]]:
+    """``--json``'s document: per table title, its rows (usd as exact decimals)."""
+    return {r.title: _json_rows(r) for r in reports}
+
+
+def _json_rows(report: Report) -> list[dict[str, Any]]:
+    out = []
+    for row in report.rows:
+        item = dict(zip(report.headers, row, strict=True))
+        for h in report.money:
+            if h in item:
+                item[h.removesuffix("_micros")] = format_usd(int(item[h]))
+        out.append(item)
+    return out

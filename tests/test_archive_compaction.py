@@ -410,8 +410,7 @@ def test_the_manifest_keeps_the_footer_small(
 def test_costs_reports_read_the_archive_once_and_agree(
     tmp_path: Path, consumed: list[tuple[int, LedgerEvent]]
 ) -> None:
-    from mcp_budget_governor.cli.costs import costs_reports
-    from mcp_budget_governor.projections.costs import Filter, read_once, spend
+    from mcp_budget_governor.projections.costs import Filter, costs_reports, read_once, spend
 
     archive = tmp_path / "archive"
     small_archive(archive, consumed)

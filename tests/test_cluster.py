@@ -120,3 +120,25 @@ def test_a_cluster_charge_keeps_the_policys_value_caps_and_plans() -> None:
     assert (by_value.cap, by_value.ref) == (7, None)
     assert _policy_capped(by_plan).cap == 30
     assert _policy_capped(op) is op
+
+
+async def test_a_burst_past_a_nodes_pool_queues_with_every_default(
+    redis_cluster: RedisClusterService,
+) -> None:
+    """Busy is not down (issue 31): 1,500 concurrent checks in one process, every
+    setting at its default, hold more commands than a node's pool of 1,024
+    connections. redis-py refuses those at once (MaxConnectionsError); they wait for
+    a connection instead, so Redis decides every one: exactly the caps, none
+    degraded, none refused as busy."""
+    tag = uuid.uuid4().hex[:8]
+    gov = Governor(cluster_policy(tag), RedisBackend.from_url(redis_cluster.url))
+    try:
+        await gov.usage(f"cl_global{tag}")  # connected before the burst
+        decisions = await asyncio.gather(
+            *(gov.check(Context(user=f"b{i % 40}")) for i in range(1500))
+        )
+        assert [d for d in decisions if d.degraded or d.status == 503] == []
+        assert sum(d.admitted for d in decisions) == 80
+        assert await gov.usage(f"cl_global{tag}") == 80
+    finally:
+        await gov.aclose()

@@ -90,7 +90,7 @@ def test_stdio_proxy_with_the_official_client(tmp_path: Path) -> None:
     assert texts[:3] == ["hi0", "hi1", "hi2"]
     for text in texts[3:5]:
         assert text.startswith("budget_exceeded:user+tool/day limit=per_tool status=429")
-        assert "Refused by limit 'per_tool'" in text
+        assert "Rate limited by limit 'per_tool'" in text
     assert texts[6] == "sk-from-the-client"  # the client's environment reached the upstream
     assert [line.split()[1] for line in _seen(tmp_path)] == ["echo"] * 3 + ["priced", "env"]
 
@@ -389,7 +389,7 @@ def test_claude_desktop_shape_in_front_of_server_everything(tmp_path: Path) -> N
     assert texts[:3] == ["Echo: hi0", "Echo: hi1", "Echo: hi2"]
     for text in texts[3:5]:
         assert text.startswith("budget_exceeded:user+tool/day limit=per_tool status=429")
-        assert "Refused by limit 'per_tool'" in text
+        assert "Rate limited by limit 'per_tool'" in text
     assert "5" in texts[5]  # another tool, its own cap: forwarded
     # What server-everything itself read (testing/mcp-everything/count-calls.cjs).
     assert _seen(tmp_path) == ["call echo"] * 3 + ["call get-sum"]

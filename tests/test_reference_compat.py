@@ -54,6 +54,7 @@ from mcp_budget_governor.errors import (
     MissingScopeError,
     PolicyError,
 )
+from mcp_budget_governor.pricing import MicroPrice
 from testing.buckets import room
 from testing.services import free_port
 
@@ -567,12 +568,19 @@ async def test_integrations_refuse_an_unnamed_caller_when_a_limit_counts_per_use
 
 
 def test_model_prices_are_dollars_per_million_tokens() -> None:
-    """16. ModelPrice takes USD per million tokens (the reference: micros), so does
-    ModelPrice.from_dollars; PriceTable.of/cost/price_for/prices as in the reference."""
+    """16. ModelPrice takes USD per million tokens (the reference: micros);
+    ModelPrice.from_dollars gives the reference's integer micros (MicroPrice), which a
+    table takes as the same price; PriceTable.of/cost/price_for/prices as in the reference."""
     table = PriceTable({"m": ModelPrice(5, 25)})
     assert table.cost_micros("m", input_tokens=1_000_000, output_tokens=0) == usd(5)
     assert table.price_of("m").output_per_mtok == 25
-    assert ModelPrice.from_dollars(5, 25) == ModelPrice(5, 25)
+    micro = ModelPrice.from_dollars(5, 25)
+    assert (micro.input_per_mtok, micro.output_per_mtok) == (5_000_000, 25_000_000)
+    assert micro == MicroPrice(5_000_000, 25_000_000) and micro.model_price() == ModelPrice(5, 25)
+    assert PriceTable({"m": micro}).price_of("m") == ModelPrice(5, 25)
+    assert ModelPrice.from_dollars("0.0000001", 1).input_per_mtok == 1  # rounded up, never down
+    with pytest.raises(InvalidInputError, match="input_per_mtok"):
+        MicroPrice(0.5, 1)  # type: ignore[arg-type]
     by_of = PriceTable.of(m=(5, 25))
     assert by_of.cost("m", output_tokens=1_000_000) == usd(25) and by_of.cost("m") == 0
     assert by_of.price_for("m") == table.price_of("m") and list(by_of.prices) == ["m"]

@@ -16,7 +16,6 @@ from typing import Any
 from ..numbers import whole_argument
 from .ledger_args import add_ledger_options, add_option, open_ledger_from, setting
 
-_DEFAULT_VIEWS = ("tenant", "user", "tool", "model", "day")
 _JSON_ONLY = ("cache_read_tokens", "cache_write_tokens")
 
 
@@ -61,7 +60,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
-    from ..projections.costs import Filter
+    from ..projections.costs import Filter, costs_json, costs_reports
     from ..windows import parse_period, parse_range
 
     start: datetime | None
@@ -117,64 +116,6 @@ def run(args: argparse.Namespace) -> int:
         for r in reports:
             _print(r)
     return 0
-
-
-def costs_reports(
-    con: Any, flt: Any, *, by: list[str] | None = None, top: int | None = None, policy: Any = None
-) -> list[Any]:
-    """The tables ``mcpbg costs`` shows (and ``GET /v1/costs`` returns): ``by`` one
-    grouping; else a session's split (``flt.session``); else the summary views."""
-    from ..projections.costs import (
-        breaker_trips,
-        read_once,
-        session_budget,
-        session_split,
-        spend,
-        summary,
-    )
-
-    if not by:  # several reports: the archive is read once for all of them
-        read_once(con, flt)
-
-    if flt.session is not None and not by:
-        reports = [
-            summary(con, flt),
-            session_split(con, flt),
-            spend(con, ["tool"], flt, top=top),
-            spend(con, ["model"], flt, top=top),
-        ]
-        if policy is not None:
-            reports.append(session_budget(con, flt, policy))
-        return reports
-    if by:
-        return [spend(con, by, flt, top=top)]
-    top = top or 10
-    reports = [summary(con, flt)]
-    for name in _DEFAULT_VIEWS:
-        report = spend(con, [name], flt, top=top)
-        if name == "user":
-            report.title = f"top {top} spenders"
-        reports.append(report)
-    reports.append(breaker_trips(con, flt, top=top))
-    return reports
-
-
-def costs_json(reports: list[Any]) -> dict[str, list[dict[str, Any]]]:
-    """``--json``'s document: per table title, its rows (usd as exact decimals)."""
-    return {r.title: _json_rows(r) for r in reports}
-
-
-def _json_rows(report: Any) -> list[dict[str, Any]]:
-    from ..money import format_usd
-
-    out = []
-    for row in report.rows:
-        item = dict(zip(report.headers, row, strict=True))
-        for h in report.money:
-            if h in item:
-                item[h.removesuffix("_micros")] = format_usd(int(item[h]))
-        out.append(item)
-    return out
 
 
 def _print(report: Any) -> None:

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ..policy import Policy
 from .report import STYLE
 
-if TYPE_CHECKING:
-    from .api import Console
+
+class Source(Protocol):
+    """What the page reads: an ``api.Console``, the app that serves it (above this module)."""
+
+    policy: Policy
+    backend: Any
+
+    def ledger(self, since: Any = None, until: Any = None) -> Any: ...
+
+    async def worker_alerts(self, n: int, limit: str | None = None) -> list[dict[str, Any]]: ...
+
 
 #: Seconds between two refreshes of the page's data.
 REFRESH = 5
@@ -26,7 +36,7 @@ ALERTS_SHOWN = 15
 
 
 async def snapshot(
-    console: Console, period: str | None = None, now: float | None = None
+    console: Source, period: str | None = None, now: float | None = None
 ) -> dict[str, Any]:
     """Everything the page draws, as JSON: budget rows, breakers, the spend series with
     caps, top spenders, refusals by reason and the latest ones (today, or ``period``),
@@ -34,10 +44,9 @@ async def snapshot(
     ``now`` (default: the clock) is when the counters' forecasts are taken."""
     from starlette.concurrency import run_in_threadpool
 
-    from ..cli.costs import costs_json
     from ..money import Unit
     from ..projections.budgets import budget_report, format_amount
-    from ..projections.costs import Filter, spend
+    from ..projections.costs import Filter, costs_json, spend
     from ..windows import parse_period
     from .data import (
         counter_totals,

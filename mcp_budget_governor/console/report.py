@@ -214,7 +214,7 @@ def write_costs_report(
     relative: bool = False,
 ) -> Path:
     """``mcpbg costs --html``: the report of the filter's period, written to ``path``."""
-    from ..cli.costs import costs_reports
+    from ..projections.costs import costs_reports
     from .data import first_trip, refusals_by_reason, spend_series
 
     series = spend_series(con, flt)

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 
@@ -20,10 +20,8 @@ from mcp_budget_governor.money import format_dollars
 from mcp_budget_governor.urls import redact as redact_url
 
 from . import scenario
+from .options import DemoOptions, DemoResult
 from .scenario import AGENTS, FLAT_PRICES, MODEL, POLICY, SPEND_LIMITS
-
-if TYPE_CHECKING:
-    from .runner import DemoOptions, DemoResult
 
 #: The FOCUS 1.2 file the demo writes into its output folder.
 FOCUS_FILE = "focus-costs.csv"

@@ -17,9 +17,8 @@ import contextlib
 import random
 import shutil
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,9 @@ from mcp_budget_governor.projections.counters.memory import MemoryBackend
 from mcp_budget_governor.urls import redact as redact_url
 
 from . import report, scenario
+from .options import DEFAULT_OUT as DEFAULT_OUT
+from .options import DemoOptions as DemoOptions
+from .options import DemoResult as DemoResult
 from .scenario import (
     AGENTS,
     FLAT_PRICES,
@@ -47,24 +49,6 @@ from .scenario import (
 
 #: Written into the output folder, so a later run knows it may replace it.
 MARKER = ".mcpbg-demo"
-DEFAULT_OUT = Path("mcpbg-demo")
-
-
-@dataclass
-class DemoOptions:
-    """How to run the demo; see ``mcpbg demo --help``."""
-
-    out: Path = DEFAULT_OUT
-    redis_url: str | None = None
-    postgres_url: str | None = None
-    kafka_url: str | None = None
-    topic: str | None = None
-    seed: int = 7
-    seconds: int = scenario.SIMULATED_SECONDS
-    #: then serve the console on the demo's own counters and ledger (``--serve``)
-    serve: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8900
 
 
 @dataclass
@@ -74,21 +58,6 @@ class AgentState:
     owed: float = 0.0
     wait_until: float = 0.0
     stopped: str | None = None
-
-
-@dataclass
-class DemoResult:
-    """What happened, for the report and for tests."""
-
-    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
-    calls: int = 0
-    tripped_at: float | None = None
-    spent: int = 0
-    events: int = 0
-    focus_file: Path | None = None
-    report_file: Path | None = None
-    #: the counters the demo charged, for ``mcpbg demo --serve``
-    backend: Backend | None = None
 
 
 # -- the governed server ------------------------------------------------------
@@ -519,8 +488,8 @@ async def serve(options: DemoOptions, result: DemoResult) -> None:
     policy, behind fresh random tokens; prints a one-time login link."""
     import secrets
 
-    from mcp_budget_governor.cli.serve import serve_console
     from mcp_budget_governor.console.api import Console as AdminConsole
+    from mcp_budget_governor.console.api import serve_console
     from mcp_budget_governor.console.auth import Tokens
 
     backend = result.backend

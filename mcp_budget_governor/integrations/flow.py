@@ -59,7 +59,7 @@ from typing import Any, TypeAlias, TypeVar
 
 from mcp_budget_governor.context import EMPTY, Context
 from mcp_budget_governor.decision import EXCEEDED, Decision
-from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.errors import BudgetExceeded, InvalidInputError, LimitExceeded
 from mcp_budget_governor.governor import Governor
 from mcp_budget_governor.holds import Admission, Reservations
 from mcp_budget_governor.limits import OnExceed
@@ -449,7 +449,7 @@ def _advice(d: Decision, resets: str | None) -> str:
     if d.retry_after is not None:
         when = f" (at {resets})" if resets is not None else ""
         return (
-            f"Refused by {what}. Do not call again for {d.retry_after} seconds{when}; "
+            f"{_opener(d, what)}. Do not call again for {d.retry_after} seconds{when}; "
             "calls before then are refused too."
         )
     if resets is not None:
@@ -458,6 +458,17 @@ def _advice(d: Decision, resets: str | None) -> str:
             "Do not retry before then; report this to the user instead."
         )
     return f"Refused by {what}. Do not retry; report this to the user instead."
+
+
+def _opener(d: Decision, what: str) -> str:
+    """A refusal that passes with time, named as mcp-budget-governor 0.1.0's tool errors
+    named it: a quota (429) rate limits, a tripped breaker's budget is exceeded."""
+    kind = d.refusal_type()
+    if kind is BudgetExceeded:
+        return f"Budget exceeded: {what} refuses every caller"
+    if kind is LimitExceeded and d.status == 429:
+        return f"Rate limited by {what}"
+    return f"Refused by {what}"
 
 
 def _iso(d: Decision) -> str | None:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from opentelemetry import metrics, trace
@@ -51,10 +51,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, star
 
 from ..context import EMPTY, Context
 from ..decision import Decision
-from ..observe import CheckFn, Observer
-
-if TYPE_CHECKING:
-    from ..governor import Governor
+from ..observe import CheckFn, Observer, Watched
 
 __all__ = ["LATENCY_BUCKETS", "Telemetry", "serve_prometheus"]
 
@@ -95,7 +92,7 @@ class Telemetry(Observer):
             if spans
             else None
         )
-        self._governors: list[Governor] = []
+        self._governors: list[Watched] = []
         self._attrs: dict[tuple[bool, str | None, int, str, bool], _Attrs] = {}
         self._decisions = meter.create_counter(
             "mcpbg.governor.decisions",
@@ -186,7 +183,7 @@ class Telemetry(Observer):
 
     # -- the governor's hooks ----------------------------------------------
 
-    def attach(self, governor: Governor) -> None:
+    def attach(self, governor: Watched) -> None:
         super().attach(governor)
         self._governors.append(governor)
 

@@ -33,6 +33,7 @@ leaving the others untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -55,6 +56,7 @@ from mcp_budget_governor.counters import (
     refused_event,
 )
 from mcp_budget_governor.errors import (
+    BackendBusyError,
     BackendUnavailableError,
     EpochMissingError,
     InvalidInputError,
@@ -63,11 +65,21 @@ from mcp_budget_governor.keys import EPOCH_KEY, EPOCH_VALUE, LEASE_PREFIX, WATER
 from mcp_budget_governor.settings import SETTINGS, checked
 from mcp_budget_governor.urls import CLUSTER_SCHEME, parse_cluster_url
 
-from .redis import _UNAVAILABLE, DEFAULT_TIMEOUT, RedisBackend, apply_args, change_tokens
+from .redis import (
+    _UNAVAILABLE,
+    DEFAULT_TIMEOUT,
+    RedisBackend,
+    apply_args,
+    change_tokens,
+    redis_failure,
+)
 
 log = logging.getLogger("mcp_budget_governor")
 
 SCHEME = CLUSTER_SCHEME
+# A slot group's charge waits this long at most for one of the client's connections
+# (busy past it: 503, never the fail mode), as PostgresBackend's checks wait for theirs.
+QUEUE_TIMEOUT = 5.0
 
 #: A check refused by one slot group while another admitted it is tried again
 #: this many times (each attempt taken back first): the refusal may have come
@@ -275,7 +287,7 @@ class _RunTime:
                         pipe.hget(key, field)
                     got = await pipe.execute()
             except _UNAVAILABLE as exc:
-                failed = BackendUnavailableError.redis(exc)
+                failed = redis_failure(exc)
                 done.set_exception(failed)
                 done.exception()  # retrieved: no other check may be waiting for it
                 raise failed from exc
@@ -364,6 +376,12 @@ class ClusterBackend:
         )
         self._runtime = _RunTime(client, refresh)
         self._splits: dict[int, _Split] = {}
+        # Busy is not down: redis-py refuses a command at once when its node's pool is
+        # full (MaxConnectionsError), so slot charges queue here, in arrival order, for
+        # at most QUEUE_TIMEOUT, never more in flight than one node's pool holds.
+        self._most = int(getattr(client, "connection_kwargs", {}).get("max_connections") or 1024)
+        self._gate: asyncio.Semaphore | None = None
+        self._gate_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_url(
@@ -406,6 +424,31 @@ class ClusterBackend:
         self._splits[id(ops)] = split
         return split
 
+    @contextlib.asynccontextmanager
+    async def _slot(self, *, bounded: bool = True) -> AsyncIterator[None]:
+        """Hold one of the client's connections for a slot charge (a take-back waits
+        as long as it takes: it undoes a hold and must not be refused)."""
+        loop = asyncio.get_running_loop()
+        if self._gate is None or self._gate_loop is not loop:
+            self._gate, self._gate_loop = asyncio.Semaphore(self._most), loop
+        gate = self._gate
+        if not bounded:
+            await gate.acquire()
+        else:
+            try:
+                async with asyncio.timeout(QUEUE_TIMEOUT):
+                    await gate.acquire()
+            except TimeoutError:
+                raise BackendBusyError(
+                    "redis",
+                    f"{self._most} slot charges in flight for {QUEUE_TIMEOUT:g}s; "
+                    "this check was not sent",
+                ) from None
+        try:
+            yield
+        finally:
+            gate.release()
+
     async def _groups_of(self, ops: Sequence[CounterOp]) -> tuple[_Group, ...]:
         """The slot groups of ``ops``, each op capped by its effective cap (caps.effective
         over run-time entries at most ``caps_refresh`` seconds old; the script adds grants)."""
@@ -445,15 +488,16 @@ class ClusterBackend:
     ) -> ChargeResult:
         groups = await self._groups_of(ops)
 
-        def one(g: _Group, tag_op: str | None) -> Any:
-            return self._node.charge(
-                g.ops,
-                event_id=event_id,
-                want_used=want_used,
-                op_id=None if tag_op is None else tag_op + slot_tag(g.slot),
-                lease=lease,
-                lease_ttl=lease_ttl,
-            )
+        async def one(g: _Group, tag_op: str | None) -> ChargeResult:
+            async with self._slot():
+                return await self._node.charge(
+                    g.ops,
+                    event_id=event_id,
+                    want_used=want_used,
+                    op_id=None if tag_op is None else tag_op + slot_tag(g.slot),
+                    lease=lease,
+                    lease_ttl=lease_ttl,
+                )
 
         if len(groups) == 1:
             result: ChargeResult = await one(groups[0], op_id)  # one slot: as on one Redis
@@ -512,12 +556,13 @@ class ClusterBackend:
             )
             leases = [op.key for op in g.ops if op.key.startswith(LEASE_PREFIX)]
             if back:
-                await self._node.charge(
-                    back,
-                    event_id=event_id,
-                    want_used=False,
-                    op_id=None if op_id is None else f"{op_id}-back{slot_tag(g.slot)}",
-                )
+                async with self._slot(bounded=False):
+                    await self._node.charge(
+                        back,
+                        event_id=event_id,
+                        want_used=False,
+                        op_id=None if op_id is None else f"{op_id}-back{slot_tag(g.slot)}",
+                    )
                 if event_id is not None:
                     # The take-back leaves the event's in-flight entries at 0: drop them,
                     # or a refused check (in the ledger, charging nothing here) would

@@ -137,12 +137,20 @@ function advice(d: Decision, resets: string | null): string {
   }
   if (d.retryAfter !== null) {
     const when = resets !== null ? ` (at ${resets})` : "";
-    return `Refused by ${what}. Do not call again for ${d.retryAfter} seconds${when}; calls before then are refused too.`;
+    return `${opener(d, what)}. Do not call again for ${d.retryAfter} seconds${when}; calls before then are refused too.`;
   }
   if (resets !== null) {
     return `Refused by ${what}: this budget is spent until ${resets}. Do not retry before then; report this to the user instead.`;
   }
   return `Refused by ${what}. Do not retry; report this to the user instead.`;
+}
+
+/** A refusal that passes with time, named as mcp-budget-governor 0.1.0's tool errors named it. */
+function opener(d: Decision, what: string): string {
+  const kind = d.refusalType();
+  if (kind === BudgetExceeded) return `Budget exceeded: ${what} refuses every caller`;
+  if (kind === LimitExceeded && d.status === 429) return `Rate limited by ${what}`;
+  return `Refused by ${what}`;
 }
 
 /** A refusal an agent can act on: the reason, the limit, and when (if ever) to retry. */

@@ -73,10 +73,10 @@ async function exercise(client: Client, governor: Governor, user: string): Promi
   const third = await call(client, "search", { q: "c" });
   assert.equal(third.isError, true);
   const text = third.content[0]?.text ?? "";
-  // Refused by burst (2 per minute) before spend: the Python middleware's wording.
+  // Rate limited by burst (2 per minute) before spend: the Python middleware's wording.
   const burst = VECTORS.refusals.find((r: Json) => r.name === "refused:burst");
   assert.equal(text.split(" ")[0], burst.reason);
-  assert.match(text, /^budget_exceeded:user\/minute limit=burst status=429 retry_after=\d+s resets_at=\S+\. Refused by limit 'burst'\. Do not call again for \d+ seconds \(at \S+\); calls before then are refused too\.$/);
+  assert.match(text, /^budget_exceeded:user\/minute limit=burst status=429 retry_after=\d+s resets_at=\S+\. Rate limited by limit 'burst'\. Do not call again for \d+ seconds \(at \S+\); calls before then are refused too\.$/);
   assert.equal(await governor.usage("burst", ctx), 2);
   assert.equal(await governor.usage("spend", ctx), 20_000); // the refused call charged nothing
 }
