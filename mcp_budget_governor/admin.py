@@ -20,8 +20,9 @@ not per tenant (got {'tenant': 'acme'})
 from __future__ import annotations
 
 import math
+import time as _time
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, date, datetime, time
 from typing import Any
 
 from . import bounds
@@ -30,6 +31,8 @@ from .context import Context
 from .errors import InvalidInputError, PolicyError
 from .keys import scope_segment
 from .limits import Limit
+from .money import Unit
+from .numbers import dollars, whole
 from .planning import slot
 from .policy import Policy
 from .scopes import Scope
@@ -203,3 +206,47 @@ def grant_change(
         _text(reason, "reason", 1024),
     )
     return change, ctx
+
+
+# -- what a person types: an option of mcpbg caps, a field of POST /v1/caps ----------
+
+
+def parse_amount(
+    policy: Policy, limit: str, usd: tuple[str, str | None], count: tuple[str, str | None]
+) -> int:
+    """The amount from the dollar option (money limits) or the whole-number one, each
+    given as (its name, the text typed or None)."""
+    lim = policy[limit]
+    money = lim.unit is Unit.USD_MICROS
+    given, other = (usd, count) if money else (count, usd)
+    if other[1] is not None:
+        raise InvalidInputError(
+            other[0], other[1], f"limit {limit!r} counts {lim.unit.value}: use {given[0]}"
+        )
+    name, text = given
+    if text is None:
+        raise InvalidInputError(name, None, f"required for limit {limit!r}")
+    return dollars(text, name) if money else whole(text, name)
+
+
+def parse_until(policy: Policy, text: str | None) -> datetime | None:
+    """``--until``: an ISO date (its start, in the policy's time zone) or time (UTC unless
+    it names an offset)."""
+    if text is None:
+        return None
+    if not text.isascii():
+        raise InvalidInputError("--until", text, "expected an ISO date or time")
+    try:
+        # Every ISO date form (2030-01-01, 20300101, 2030-W01, 2030-W01-1): its start
+        # where the policy's days start, whichever form it is written in.
+        moment = datetime.combine(date.fromisoformat(text), time(), tzinfo=policy.tz)
+    except ValueError:
+        try:
+            moment = datetime.fromisoformat(text)
+        except ValueError:
+            raise InvalidInputError("--until", text, "expected an ISO date or time") from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+    if moment.timestamp() <= _time.time():  # named as typed, before anything is read
+        raise InvalidInputError("--until", text, f"must be in the future ({moment.isoformat()})")
+    return moment

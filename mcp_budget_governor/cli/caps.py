@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time as _time
-from datetime import UTC, date, datetime, time
 from typing import TYPE_CHECKING, Any
 
 from .counters_args import add_counters_options
@@ -97,64 +95,6 @@ def _common(p: Any, *, limit: bool) -> None:
 
 def _scope(args: argparse.Namespace) -> dict[str, str]:
     return {s: getattr(args, s) for s in _SCOPES if getattr(args, s, None) is not None}
-
-
-def _whole(option: str, text: str | None) -> int | None:
-    from ..numbers import whole
-
-    return None if text is None else whole(text, option)
-
-
-def _dollars(option: str, text: str | None) -> int | None:
-    from ..numbers import dollars
-
-    return None if text is None else dollars(text, option)
-
-
-def _amount(
-    policy: Policy, limit: str, usd_opt: tuple[str, str | None], whole: tuple[str, str | None]
-) -> int:
-    """The amount from the dollar option (money limits) or the whole-number one."""
-    from ..errors import InvalidInputError
-    from ..money import Unit
-
-    lim = policy[limit]
-    money = lim.unit is Unit.USD_MICROS
-    given, other = (usd_opt, whole) if money else (whole, usd_opt)
-    if other[1] is not None:
-        raise InvalidInputError(
-            other[0], other[1], f"limit {limit!r} counts {lim.unit.value}: use {given[0]}"
-        )
-    if given[1] is None:
-        raise InvalidInputError(given[0], None, f"required for limit {limit!r}")
-    value = _dollars(*given) if money else _whole(*given)
-    assert value is not None
-    return value
-
-
-def _until(policy: Policy, text: str | None) -> datetime | None:
-    """``--until``: an ISO date (its start, in the policy's time zone) or time (UTC unless
-    it names an offset)."""
-    from ..errors import InvalidInputError
-
-    if text is None:
-        return None
-    if not text.isascii():
-        raise InvalidInputError("--until", text, "expected an ISO date or time")
-    try:
-        # Every ISO date form (2030-01-01, 20300101, 2030-W01, 2030-W01-1): its start
-        # where the policy's days start, whichever form it is written in.
-        moment = datetime.combine(date.fromisoformat(text), time(), tzinfo=policy.tz)
-    except ValueError:
-        try:
-            moment = datetime.fromisoformat(text)
-        except ValueError:
-            raise InvalidInputError("--until", text, "expected an ISO date or time") from None
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=UTC)
-    if moment.timestamp() <= _time.time():  # named as typed, before anything is read
-        raise InvalidInputError("--until", text, f"must be in the future ({moment.isoformat()})")
-    return moment
 
 
 def _actor(args: argparse.Namespace) -> str:
@@ -249,8 +189,10 @@ def run_set(args: argparse.Namespace) -> int:
     from .. import admin
 
     def make(policy: Policy) -> Any:
-        cap = _amount(policy, args.limit, ("--cap-usd", args.cap_usd), ("--cap", args.cap))
-        until = _until(policy, args.until)
+        cap = admin.parse_amount(
+            policy, args.limit, ("--cap-usd", args.cap_usd), ("--cap", args.cap)
+        )
+        until = admin.parse_until(policy, args.until)
         admin.cap_change(policy, args.limit, _scope(args), cap, until=until, now=_now())
         return lambda gov: gov.set_cap(
             args.limit, cap, until=until, reason=args.reason, actor=_actor(args), **_scope(args)
@@ -293,7 +235,9 @@ def run_grant(args: argparse.Namespace) -> int:
     from .. import admin
 
     def make(policy: Policy) -> Any:
-        amount = _amount(policy, args.limit, ("--usd", args.usd), ("--amount", args.amount))
+        amount = admin.parse_amount(
+            policy, args.limit, ("--usd", args.usd), ("--amount", args.amount)
+        )
         admin.grant_change(policy, args.limit, _scope(args), amount, now=_now())
         return lambda gov: gov.grant(
             args.limit, amount, reason=args.reason, actor=_actor(args), **_scope(args)
@@ -330,6 +274,7 @@ def run_list(args: argparse.Namespace) -> int:
 
         rows = get_json(args.api, "/v1/caps")
     else:
+        from ..projections.changes import change_rows
         from .counters_args import counters_store, open_counters
 
         policy = _policy(args)
@@ -367,58 +312,3 @@ def run_list(args: argparse.Namespace) -> int:
         ],
     )
     return 0
-
-
-async def change_rows(policy: Policy, backend: Any) -> list[dict[str, Any]]:
-    """Run-time caps, plan assignments and grants as ``caps list --json`` prints them
-    (and ``GET /v1/caps`` returns them)."""
-    from ..caps import CAPS_PREFIX, field_value, why_from
-    from ..keys import parse_key
-    from ..money import Unit, format_usd
-
-    caps, plans = await backend.overrides()
-    grants = await backend.grants(10_000)
-    rows: list[dict[str, Any]] = []
-    for key, fields in sorted(caps.items()):
-        limit = key.removeprefix(f"{CAPS_PREFIX}:")
-        money = limit in policy and policy[limit].unit is Unit.USD_MICROS
-        for field, (cap, until, why) in sorted(fields.items()):
-            actor, reason = why_from(why)
-            rows.append(
-                {
-                    "kind": "cap",
-                    "limit": limit,
-                    "scope": field,
-                    "cap": cap,
-                    "shown": format_usd(cap) if money else f"{cap:,}",
-                    "until": None if not until else _iso(until),
-                    "expired": bool(until) and until <= _now(),
-                    "actor": actor,
-                    "reason": reason,
-                }
-            )
-    for field, plan in sorted(plans.items()):
-        dim, value = field_value(field)
-        rows.append({"kind": "plan", "scope": field, dim: value, "plan": plan})
-    for key, grant, why in grants:
-        parsed = parse_key(key)
-        limit = parsed.limit if parsed else key
-        money = limit in policy and policy[limit].unit is Unit.USD_MICROS
-        actor, reason = why_from(why)
-        rows.append(
-            {
-                "kind": "grant",
-                "limit": limit,
-                "scope": parsed.scope if parsed else "",
-                "bucket": parsed.bucket if parsed else "",
-                "grant": grant,
-                "shown": format_usd(grant) if money else f"{grant:,}",
-                "actor": actor,
-                "reason": reason,
-            }
-        )
-    return rows
-
-
-def _iso(epoch: int) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -45,31 +45,8 @@ def setting_help(name: str) -> str:
     return f"default {s.default}; env {s.env}"
 
 
-async def serve_console(console: Any, host: str, port: int, *, name: str = "serve") -> None:
-    """Serve ``console`` until interrupted; once listening, print a one-time login link
-    (the port's real number, also for port 0) that a person can open."""
-    import uvicorn
-
-    from ..console.api import build_app
-
-    config = uvicorn.Config(build_app(console), host=host, port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn has only a flag)
-        await asyncio.sleep(0.05)
-    if server.started:
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        print(
-            f"mcpbg {name}: the dashboard: open http://{shown}:{bound}{console.login_link()}\n"
-            f"  (a one-time login link: it sets a cookie and is spent; Ctrl-C stops)",
-            flush=True,
-        )
-    await task
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..console.api import Console
+    from ..console.api import Console, serve_console
     from ..console.auth import Tokens
     from ..settings import resolve
     from .caps import _governor, _policy

@@ -22,6 +22,7 @@ describes it all.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -394,7 +395,7 @@ async def event(request: Request) -> Response:
 
 
 async def caps_list(request: Request) -> Response:
-    from ..cli.caps import change_rows
+    from ..projections.changes import change_rows
 
     c: Console = request.app.state.console
     _params(request, ())
@@ -465,13 +466,14 @@ _WRITE = ("limit", "scope", "reason", "actor")
 
 async def caps_set(request: Request) -> Response:
     from .. import admin
-    from ..cli.caps import _amount, _until
 
     c: Console = request.app.state.console
     body = await _body(request, (*_WRITE, "cap", "cap_usd", "until"))
     limit, scope = body["limit"], body.get("scope", {})
-    cap = _amount(c.policy, limit, ("cap_usd", _text(body, "cap_usd")), ("cap", _text(body, "cap")))
-    until = _until(c.policy, _text(body, "until"))
+    cap = admin.parse_amount(
+        c.policy, limit, ("cap_usd", _text(body, "cap_usd")), ("cap", _text(body, "cap"))
+    )
+    until = admin.parse_until(c.policy, _text(body, "until"))
     admin.cap_change(c.policy, limit, scope, cap, until=until, now=time.time())
     change = await c.governor.set_cap(
         limit,
@@ -499,12 +501,11 @@ async def caps_unset(request: Request) -> Response:
 
 async def grants(request: Request) -> Response:
     from .. import admin
-    from ..cli.caps import _amount
 
     c: Console = request.app.state.console
     body = await _body(request, (*_WRITE, "amount", "usd"))
     limit, scope = body["limit"], body.get("scope", {})
-    amount = _amount(
+    amount = admin.parse_amount(
         c.policy, limit, ("usd", _text(body, "usd")), ("amount", _text(body, "amount"))
     )
     admin.grant_change(c.policy, limit, scope, amount, now=time.time())
@@ -704,3 +705,24 @@ def build_app(console: Console) -> Starlette:
     )
     app.state.console = console
     return app
+
+
+async def serve_console(console: Console, host: str, port: int, *, name: str = "serve") -> None:
+    """Serve ``console`` until interrupted; once listening, print a one-time login link
+    (the port's real number, also for port 0) that a person can open."""
+    import uvicorn
+
+    config = uvicorn.Config(build_app(console), host=host, port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn has only a flag)
+        await asyncio.sleep(0.05)
+    if server.started:
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(
+            f"mcpbg {name}: the dashboard: open http://{shown}:{bound}{console.login_link()}\n"
+            f"  (a one-time login link: it sets a cookie and is spent; Ctrl-C stops)",
+            flush=True,
+        )
+    await task

@@ -488,8 +488,8 @@ async def serve(options: DemoOptions, result: DemoResult) -> None:
     policy, behind fresh random tokens; prints a one-time login link."""
     import secrets
 
-    from mcp_budget_governor.cli.serve import serve_console
     from mcp_budget_governor.console.api import Console as AdminConsole
+    from mcp_budget_governor.console.api import serve_console
     from mcp_budget_governor.console.auth import Tokens
 
     backend = result.backend
