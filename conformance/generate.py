@@ -374,6 +374,55 @@ def charge_vectors() -> list[dict[str, Any]]:
     return out
 
 
+#: Checks that charge a fixed price with the admission (Governor.admitted(price=)):
+#: one charge.lua call, the price's counters last, their in-flight amounts under the
+#: cost event's id (ARGV[1] "<admission id> <cost id> <first cost counter>"). Kept
+#: apart from ``charge``: Postgres and a cluster meter the price after the call.
+PRICED_CASES: list[dict[str, Any]] = [
+    # A gated spend limit: the price replaces the check's read of it, and refuses.
+    {"policy": "three_gated", "context": {"user": "u_42", "tenant": "acme"},
+     "price": {"tenant_spend": 10_000}, "ledger": True},
+    {"policy": "three_gated", "context": {"user": "u_42", "tenant": "acme"},
+     "price": {"tenant_spend": 10_000}},
+    # Resolved caps (value caps, plans) and a price on a limit the check also counts.
+    {"policy": "caps_and_plans", "context": {"user": "u_42", "tenant": "acme", "tool": "search"},
+     "price": {"tenant_spend": 2_500, "global_calls": 1}, "ledger": True},
+]  # fmt: skip
+COST_ID = "0190f5a2-7e3b-7c1d-9f00-0000000000ee"
+
+
+def priced_charge_vectors() -> list[dict[str, Any]]:
+    """Per priced case the exact EVALSHA command RedisBackend sends; ``cost_from``: the
+    index (from 0) of the first op of the cost event."""
+    import redis.asyncio as aioredis
+
+    from mcp_budget_governor.counters import with_cost
+    from mcp_budget_governor.projections.counters.redis import RedisBackend
+
+    out = []
+    for case in PRICED_CASES:
+        policy = loads(POLICIES[case["policy"]])
+        ctx = Context(**case["context"])
+        backend = RedisBackend(aioredis.Redis(), clock=lambda: NOW, coalesce=False)
+        pairs = planning.charge_pairs(policy, case["price"])
+        plan = planning.with_price(
+            planning.check_plan(policy, ctx, NOW),
+            planning.meter_slots(pairs, ctx, NOW, policy.tz, policy),
+        )
+        ledger = bool(case.get("ledger"))
+        first = len(plan.slots) - plan.cost
+        event_id = with_cost(EVENT_ID, COST_ID, first) if ledger else None
+        args = backend.charge_args(
+            plan.ops, event_id=event_id, want_used=True, op_id=None if ledger else OP_ID
+        )
+        command = ["EVALSHA", backend._charge.sha] + [
+            a.decode() if isinstance(a, bytes) else str(a) for a in args
+        ]
+        out.append({**case, "now": NOW, "ledger": ledger, "cost_from": first,
+                    "command": command})  # fmt: skip
+    return out
+
+
 def sql_vectors() -> dict[str, str]:
     """The statements PostgresBackend runs on the hot path, placeholders numbered as
     node-postgres numbers them ($1, $2, ...), casts and all."""
@@ -754,6 +803,7 @@ def vectors() -> dict[str, Any]:
     }
     out["policies"] = policy_vectors()
     out["charge"] = charge_vectors()
+    out["charge_priced"] = priced_charge_vectors()
     out["sql"] = sql_vectors()
     out["charge_many"] = charge_many_vector()
     out["changes"] = change_vectors()

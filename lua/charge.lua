@@ -2,7 +2,11 @@
 -- reserve, meter and settle all come here, in one round trip.
 --
 -- ARGV[1]      event id ('' commits inline: no ledger); flagged 'o', the
---              operation id of an inline charge
+--              operation id of an inline charge. "<admission id> <cost id> <j>"
+--              (a space: ids hold none) when the call's fixed price is charged
+--              with its admission: counters j.. hold in-flight amounts of the
+--              cost event, the ones before of the admission (two ledger events,
+--              one round trip)
 -- ARGV[2]      flags: 'e' when KEYS[1] is the epoch marker and must be whole (epoch_ok)
 --              (ledger mode: a Redis that restarted empty must not admit from
 --              empty counters); 'u' to reply with every counter's total;
@@ -131,6 +135,16 @@ end
 
 local event_id = ARGV[1]
 local flags = ARGV[2]
+-- The cost event's id and its first counter, when ARGV[1] names two events.
+local cost_id, cost_from = nil, 0
+if string.find(event_id, ' ', 1, true) then
+  local a, b, j = string.match(event_id, '^(%S+) (%S+) (%d+)$')
+  if not a then
+    return redis.error_reply('mcpbg charge: expected "<event id> <cost id> <counter>", got '
+      .. event_id)
+  end
+  event_id, cost_id, cost_from = a, b, tonumber(j)
+end
 -- The flags, read in one pass (a string.find per flag costs more).
 local f_e, f_o, f_u, f_c, f_g, f_s, f_l = false, false, false, false, false, false, false
 for j = 1, #flags do
@@ -303,6 +317,8 @@ for i = 1, n do
       if inline then  -- lib.lua add, written out: a Lua call per counter costs more
         redis.call('HINCRBY', key, 'c', amount)
         if expire_at then redis.call('EXPIREAT', key, expire_at) end
+      elseif cost_id and i >= cost_from then
+        add(key, amount, cost_id, expire_at)
       else
         add(key, amount, event_id, expire_at)
       end

@@ -321,6 +321,24 @@ class CounterOp:
     ref: CapRef | None = None
 
 
+def with_cost(event_id: str, cost_id: str, first: int) -> str:
+    """The event id argument of a charge that admits a call and charges its price in
+    one round trip: ops from index ``first`` on hold in-flight amounts of the cost
+    event ``cost_id``, those before of the admission ``event_id`` (lua/charge.lua:
+    ``"<admission id> <cost id> <j>"``, j counted from 1; event ids hold no space).
+
+    >>> split_cost(with_cost("a1", "c2", 1))
+    ('a1', 'c2', 1)
+    """
+    return f"{event_id} {cost_id} {first + 1}"
+
+
+def split_cost(argument: str) -> tuple[str, str, int]:
+    """:func:`with_cost` read back: (admission id, cost id, index of the first cost op)."""
+    event_id, cost_id, j = argument.split(" ")
+    return event_id, cost_id, int(j) - 1
+
+
 @dataclass(frozen=True, slots=True)
 class ChargeResult:
     """``refused`` is the index of the first refusing op, or -1; ``used`` the totals read;

@@ -32,7 +32,7 @@ from .approval import Approval, spend_op
 from .backends.base import adapted, epoch_clock
 from .caps import Change
 from .context import EMPTY, Context, cacheable
-from .counters import Backend, ChargeResult, CounterOp, fits
+from .counters import Backend, ChargeResult, CounterOp, fits, with_cost
 from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
     BackendBusyError,
@@ -55,6 +55,9 @@ from .prices import PriceTable
 from .shielding import finished, not_cancelled, to_the_end
 
 log = logging.getLogger("mcp_budget_governor")
+
+#: A fixed price as the plan cache keys it: (limit name, amount) pairs, validated.
+Price = tuple[tuple[str, int], ...]
 
 
 class Governor(Metering[MeterResult]):
@@ -223,7 +226,12 @@ class Governor(Metering[MeterResult]):
         return decision
 
     async def _checked(
-        self, ctx: Context | None, amount: int, approved: Sequence[str], wait: float
+        self,
+        ctx: Context | None,
+        amount: int,
+        approved: Sequence[str],
+        wait: float,
+        price: Price | None = None,
     ) -> tuple[Decision, asyncio.CancelledError | None]:
         """:meth:`check` run to its end whatever instant a cancellation arrives: the
         decision (the admission recorded in the ledger, its lease still held) and the
@@ -233,11 +241,13 @@ class Governor(Metering[MeterResult]):
         gave_up: asyncio.Event | None = asyncio.Event() if wait else None
         if self._obs is not None:
             check: Any = (
-                functools.partial(self._check, wait=wait, gave_up=gave_up) if wait else self._check
+                functools.partial(self._check, wait=wait, gave_up=gave_up, price=price)
+                if wait or price
+                else self._check
             )
             step = self._obs.observe_check(check, ctx, amount, approved)
         else:
-            step = self._check(ctx, amount, approved, wait, gave_up)
+            step = self._check(ctx, amount, approved, wait, gave_up, price)
         return await finished(step, None if gave_up is None else gave_up.set)
 
     async def _check(
@@ -247,6 +257,7 @@ class Governor(Metering[MeterResult]):
         approved: Sequence[str],
         wait: float = 0,
         gave_up: asyncio.Event | None = None,
+        price: Price | None = None,
     ) -> Decision:
         """:meth:`check` without its observer."""
         if amount.__class__ is not int or amount != 1:
@@ -254,23 +265,21 @@ class Governor(Metering[MeterResult]):
         ctx = ctx or EMPTY
         if wait:
             return await self._check_waiting(
-                ctx, amount, approved, _wait_seconds(wait), gave_up or asyncio.Event()
+                ctx, amount, approved, _wait_seconds(wait), gave_up or asyncio.Event(), price
             )
         now = self._clock()
         if approved:
             allowed = self._approvable(approved)
-            plan = _spending(
-                planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
-            )
+            plan = _spending(self._fresh_plan(ctx, now, amount, allowed, price), approved, now)
             decision, _ = (
                 (_SPENT, None)
                 if plan is None
                 else await self._admit(plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed))
             )
             if decision is _SPENT:  # used already, or lapsed: the call as if unapproved
-                return await self._check(ctx, amount, ())
+                return await self._check(ctx, amount, (), price=price)
             return decision
-        plan = self._plan(ctx, now, amount)
+        plan = self._plan(ctx, now, amount, price)
         if self.ledger is None and not plan.slots:
             return ADMITTED
         decision, _ = await self._admit(plan, ctx, now, EntryType.ADMITTED)
@@ -283,6 +292,7 @@ class Governor(Metering[MeterResult]):
         approved: Sequence[str],
         wait: float,
         gave_up: asyncio.Event,
+        price: Price | None = None,
     ) -> Decision:
         """:meth:`check` retried while a concurrency cap refuses, holding a place in
         the caps' queues: a slot that frees goes to the oldest waiter, on every
@@ -298,20 +308,22 @@ class Governor(Metering[MeterResult]):
             now = self._clock()
             if allowed:
                 spending = _spending(
-                    planning.check_plan(self.policy, ctx, now, amount, allowed), approved, now
+                    self._fresh_plan(ctx, now, amount, allowed, price), approved, now
                 )
                 if spending is None:  # lapsed: wait as if unapproved
-                    return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
+                    return await self._check_waiting(
+                        ctx, amount, (), _left(deadline), gave_up, price
+                    )
                 plan = spending
             else:
-                plan = self._plan(ctx, now, amount)
+                plan = self._plan(ctx, now, amount, price)
             decision, event_id = await self._admit(
                 plan, ctx, now, EntryType.ADMITTED, approved=_names(allowed),
                 ticket=ticket if plan.leases else None, record_refusal=False,
             )  # fmt: skip
             if decision is _SPENT:  # used already: wait as if unapproved
                 await self._leave(plan.leases, ticket)
-                return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up)
+                return await self._check_waiting(ctx, amount, (), _left(deadline), gave_up, price)
             if decision.admitted:
                 return decision
             left = deadline - time.monotonic()
@@ -352,15 +364,39 @@ class Governor(Metering[MeterResult]):
         amount: int = 1,
         approved: Sequence[str] = (),
         wait: float = 0,
+        price: Mapping[str, int] | None = None,
     ) -> Admission:
         """:meth:`check` for the duration of a block: concurrency-cap leases the call
         takes are renewed while it runs and given back on exit, however it ends.
         ``wait``: seconds to wait for a concurrency slot (see :meth:`check`).
 
+        ``price`` (``{limit: amount}``, validated): the call's fixed price, charged
+        by the admission itself, in the same round trip and all or nothing, when the
+        backend can (:attr:`prices_at_admission`; then ``Admission.price_charged``).
+        The ledger still gets two events, the admission and a ``metered`` cost event
+        with the price. A limit the check consults refuses a price that does not fit
+        (so concurrent calls never take it past its cap); a metered-only limit is
+        charged as a meter would. Once admitted, the price is paid, whatever the
+        call does next: nothing is left to meter for it.
+
         ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
         (a refused decision holds no lease).
         """
-        return Admission(self, ctx, amount, approved, _wait_seconds(wait))
+        priced = None
+        if price and self.prices_at_admission:
+            # Validated here, whole, before anything is charged (an unknown limit
+            # raises PolicyError), and hashable: the plan cache keys on it.
+            priced = tuple(
+                (lim.name, n) for lim, n in planning.charge_pairs(self.policy, price) if n
+            )
+        return Admission(self, ctx, amount, approved, _wait_seconds(wait), priced or None)
+
+    @property
+    def prices_at_admission(self) -> bool:
+        """Whether :meth:`admitted` charges a fixed price in its admission's round trip
+        (the backend writes one charge under two event ids, lua/charge.lua); else
+        the integrations meter it after the call."""
+        return bool(getattr(self.backend, "prices_at_admission", False))
 
     async def release(self, decision: Decision) -> None:
         """Give back the concurrency-cap leases of an admitted ``decision`` (from
@@ -687,11 +723,19 @@ class Governor(Metering[MeterResult]):
         event_id = new_id() if self.ledger is not None else None
         op_id = None if event_id is not None else new_id()
         lease = new_id() if plan.leases else None
+        # A fixed price charged with the admission: its in-flight amounts belong to
+        # the cost event (its own id), so the projection moves each exactly once.
+        cost_id = new_id() if event_id is not None and plan.cost else None
+        charged = (
+            event_id
+            if cost_id is None or event_id is None
+            else with_cost(event_id, cost_id, len(plan.slots) - plan.cost)
+        )
         ahead: LedgerEntry | None = None
         refused = self._refused
         behind = refused.get(id(plan)) is plan if refused else False
         try:
-            sent = None if lease or ticket or behind else self._sent_ahead(plan.ops, event_id)
+            sent = None if lease or ticket or behind else self._sent_ahead(plan.ops, charged)
             if sent is not None:
                 assert event_id is not None  # (_sent_ahead is None without one)
                 # The reply is a round trip away: meanwhile the ledger encodes the
@@ -714,7 +758,7 @@ class Governor(Metering[MeterResult]):
             else:
                 # The totals come back in the same reply: they give Decision.remaining.
                 result = await self._charge(
-                    plan.ops, event_id, want_used=True, op_id=op_id, lease=lease, ticket=ticket
+                    plan.ops, charged, want_used=True, op_id=op_id, lease=lease, ticket=ticket
                 )
         except BackendUnavailableError:
             if len(plan.ops) > len(plan.slots):
@@ -736,6 +780,8 @@ class Governor(Metering[MeterResult]):
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
                 decision = self._decide(plan.slots, result, now)
+        if plan.cost and decision.over:
+            decision = _not_over_on_price(plan, decision)
         if lease is not None and decision.admitted:
             decision = dataclasses.replace(decision, lease=Lease(lease, plan.leases))
         if event_id is not None and (record_refusal or decision.admitted):
@@ -756,6 +802,11 @@ class Governor(Metering[MeterResult]):
                 elif behind:
                     refused.pop(id(plan), None)
                 await self._log(event_id, kind, now, ctx, plan, decision, approved)
+            if cost_id is not None and decision.admitted:  # the price's own event, after
+                await self._append(
+                    cost_id, EntryType.METERED, now, ctx, plan.cost_charges,
+                    degraded=decision.degraded,
+                )  # fmt: skip
         return decision, event_id
 
     def _sent_ahead(
@@ -824,19 +875,40 @@ class Governor(Metering[MeterResult]):
         )
         return planning.refused(slots[result.refused], now, remaining=remaining)
 
-    def _plan(self, ctx: Context, now: float, calls: int = 1) -> planning.Plan:
+    def _plan(
+        self, ctx: Context, now: float, calls: int = 1, price: Price | None = None
+    ) -> planning.Plan:
         # Planning (buckets, escaped keys, ops) is pure and the same for a whole
         # minute: cache it per context, so a hot caller pays for it once a minute.
         # A context of long ids is planned afresh: the cache stays small in bytes.
-        cache_key = (ctx, int(now // 60), calls)
+        cache_key: tuple[Any, ...] = (
+            (ctx, int(now // 60), calls) if price is None else (ctx, int(now // 60), calls, price)
+        )
         plan = self._plans.get(cache_key)
         if plan is None:
-            plan = planning.check_plan(self.policy, ctx, now, calls)
+            plan = self._fresh_plan(ctx, now, calls, frozenset(), price)
             if cacheable(ctx):
                 if len(self._plans) >= 4096:
                     self._plans.clear()
                 self._plans[cache_key] = plan
         return plan
+
+    def _fresh_plan(
+        self,
+        ctx: Context,
+        now: float,
+        calls: int,
+        allowed: frozenset[str],
+        price: Price | None,
+    ) -> planning.Plan:
+        """The check's plan, charging ``price`` too (:func:`planning.with_price`)."""
+        plan = planning.check_plan(self.policy, ctx, now, calls, allowed)
+        if price is None:
+            return plan
+        pairs = [(self.policy[name], amount) for name, amount in price]
+        return planning.with_price(
+            plan, planning.meter_slots(pairs, ctx, now, self.policy.tz, self.policy)
+        )
 
     async def _charge(
         self,
@@ -1158,6 +1230,17 @@ def _spending(plan: planning.Plan, approved: Sequence[str], now: float) -> plann
         return None
     lead = now - wall
     return dataclasses.replace(plan, ops=plan.ops + tuple(spend_op(a, lead) for a in spends))
+
+
+def _not_over_on_price(plan: planning.Plan, decision: Decision) -> Decision:
+    """``decision`` without the metered-only limits its price went over: ``over``
+    names shadow limits of the check; a price past a metered-only cap is charged,
+    as a meter charges it."""
+    metered_only = {
+        s.limit.name for s in plan.slots[-plan.cost :] if not (s.limit.gated or s.limit.breaker)
+    }
+    over = tuple(name for name in decision.over if name not in metered_only)
+    return decision if over == decision.over else dataclasses.replace(decision, over=over)
 
 
 def _names(approved: frozenset[str]) -> tuple[str, ...]:

@@ -64,8 +64,12 @@ class Admission:
         amount: int,
         approved: Sequence[str] = (),
         wait: float = 0.0,
+        price: tuple[tuple[str, int], ...] | None = None,
     ) -> None:
         self._gov = gov
+        self._price = price
+        #: Whether the admission charged the call's fixed price (Governor.admitted).
+        self.price_charged = False
         self._ctx = ctx
         self._amount = amount
         self._approved = tuple(approved)
@@ -77,9 +81,10 @@ class Admission:
     async def __aenter__(self) -> Decision:
         gov = self._gov
         decision, cancelled = await gov._checked(
-            self._ctx, self._amount, self._approved, self._wait
+            self._ctx, self._amount, self._approved, self._wait, self._price
         )
         self.decision = decision
+        self.price_charged = self._price is not None and decision.admitted
         if cancelled is not None:  # the block never runs: its slot back now
             await to_the_end(gov.release(decision))
             raise cancelled

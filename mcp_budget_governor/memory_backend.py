@@ -32,6 +32,7 @@ from mcp_budget_governor.counters import (
     grant_problem,
     hold_problem,
     overflow,
+    split_cost,
     stays_exact,
 )
 from mcp_budget_governor.errors import EpochMissingError, EventRefusedError, InvalidInputError
@@ -70,6 +71,10 @@ class MemoryBackend(KeyValueOps):
     >>> [asyncio.run(gov.check()).admitted for _ in range(2)]
     [True, False]
     """
+
+    #: One charge may admit a call and charge its fixed price under two event ids
+    #: (counters.with_cost): Governor.admitted(price=) then takes one round trip.
+    prices_at_admission = True
 
     def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self._clock = time.time if clock is None else clock
@@ -237,13 +242,19 @@ class MemoryBackend(KeyValueOps):
             ):
                 raise overflow(op.key, op.amount)
         wrote = False
-        for op in ops:
+        # An admission charging the call's price too: ops from cost_from on are the
+        # cost event's in-flight amounts (lua/charge.lua, counters.with_cost).
+        cost_id, cost_from = None, len(ops)
+        if event_id is not None and " " in event_id:
+            event_id, cost_id, cost_from = split_cost(event_id)
+        for i, op in enumerate(ops):
             if lease is not None and op.key.startswith(LEASE_PREFIX):
                 self._leases.setdefault(op.key, {})[lease] = now + lease_ttl
                 if ticket is not None:
                     self._queues.get(op.key, {}).pop(ticket, None)
             elif op.amount:
-                self._add(op.key, op.amount, event_id, op.expire_at, now)
+                owner = cost_id if i >= cost_from else event_id
+                self._add(op.key, op.amount, owner, op.expire_at, now)
                 wrote = True
         if op_id is not None and wrote:
             until = now + OP_HORIZON_SECONDS

@@ -274,6 +274,10 @@ class Plan:
     room: tuple[tuple[str, int], ...] = ()
     #: The lease sets of the concurrency caps the call takes a slot of.
     leases: tuple[str, ...] = ()
+    #: How many of the last slots charge the call's fixed price (:func:`with_price`):
+    #: the cost event's, whose ledger charges are ``cost_charges``.
+    cost: int = 0
+    cost_charges: tuple[LedgerCharge, ...] = ()
 
     @classmethod
     def of(cls, slots: Sequence[Slot]) -> Plan:
@@ -296,6 +300,37 @@ def check_plan(
     minute: every bucket boundary (UTC or zoned) falls on a whole minute.
     ``approved``: ASK limits the user let this call go over (counted, not enforced)."""
     return Plan.of(check_slots(policy, ctx, now, calls, approved))
+
+
+def with_price(plan: Plan, price: Sequence[Slot]) -> Plan:
+    """``plan`` that also charges a call's fixed price (``price``: :func:`meter_slots`)
+    in the same all-or-nothing charge, as the slots of a second (cost) event.
+
+    A priced limit the check consults refuses a price that does not fit, as the
+    check would (the price replaces the check's read of it); a metered-only
+    limit is charged without refusing, as a meter would. So concurrent calls
+    never take a consulted limit past its cap.
+    """
+    if not price:
+        return plan
+    checked = {s.key: s for s in plan.slots if not s.limit.concurrent}
+    priced = []
+    for p in price:
+        c = checked.get(p.key)
+        priced.append(p.with_amount(p.amount, enforce=c is not None and c.enforce))
+    read = {p.key for p in priced if (c := checked.get(p.key)) is not None and not c.amount}
+    kept = tuple(s for s in plan.slots if s.key not in read)
+    slots = (*kept, *priced)
+    return Plan(
+        slots,
+        tuple(s.op for s in slots),
+        any(not s.enforce for s in kept),
+        ledger_charges(kept),
+        tuple((s.limit.name, s.limit.cap - s.amount) for s in slots),
+        plan.leases,
+        len(priced),
+        ledger_charges(priced),
+    )
 
 
 def ledger_charges(slots: Sequence[Slot]) -> tuple[LedgerCharge, ...]:

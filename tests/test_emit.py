@@ -38,7 +38,7 @@ from mcp_budget_governor import (
     planning,
     usd,
 )
-from mcp_budget_governor.errors import MissingScopeError
+from mcp_budget_governor.errors import CounterOverflowError, MissingScopeError
 from mcp_budget_governor.events import MeteredEvent, encode, parse, to_entry
 from mcp_budget_governor.integrations.decorator import governed
 from mcp_budget_governor.ledger import EntryType, LedgerEntry
@@ -491,19 +491,41 @@ async def test_a_cancelled_call_whose_charge_fails_is_still_cancelled(
     edge = Policy.of(
         Limit("spend", cap=MAX_AMOUNT, window=Window.DAY, unit=Unit.USD_MICROS, gated=False)
     )
-    gov = Governor(edge, MemoryBackend())
+    gov = Governor(edge, MetersAfter())
     await gov.meter("spend", MAX_AMOUNT)  # no room left in the exact range
     await cancel_once_started(gov)
     assert "tool 'slow': charging the cancelled call failed" in caplog.text
     assert "CounterOverflowError" in caplog.text
 
 
+async def test_a_price_that_would_leave_the_exact_range_refuses_before_the_call() -> None:
+    edge = Policy.of(
+        Limit("spend", cap=MAX_AMOUNT, window=Window.DAY, unit=Unit.USD_MICROS, gated=False)
+    )
+    gov = Governor(edge, MemoryBackend())  # the price charged with the admission
+    await gov.meter("spend", MAX_AMOUNT)
+    started = asyncio.Event()
+    with pytest.raises(CounterOverflowError):
+        await blocking(gov, started)()
+    assert not started.is_set()  # the tool never ran: nothing to pay
+    assert await gov.usage("spend") == MAX_AMOUNT
+
+
+class MetersAfter(MemoryBackend):
+    """A backend that cannot charge a price with the admission (as Postgres, a cluster):
+    the integrations meter the fixed price after the call, the path these tests hold."""
+
+    prices_at_admission = False
+
+
 class SlowCharges:
     """A backend whose charges take a while (as over a network): time to cancel again."""
 
     # No write-now path (RedisBackend.charge_sent): every charge, the fixed price
-    # included, goes through the slow, awaited charge() below.
+    # included, goes through the slow, awaited charge() below, after the call
+    # (not with the admission, whose cancellation other tests hold).
     charge_sent = None
+    prices_at_admission = False
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner

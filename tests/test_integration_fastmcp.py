@@ -257,8 +257,9 @@ async def test_a_call_the_client_cancels_pays_its_fixed_price(serve: Serve) -> N
         pending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pending
-        assert await eventually(lambda: s.usage("user_spend", me), usd("0.03")) == usd("0.03")
-        assert CANCELLED == ["stuck"]  # the tool was cancelled, not left to finish
+        # The price was charged with the admission, before the cancellation: once.
+        assert await eventually(lambda: asyncio.sleep(0, CANCELLED), ["stuck"]) == ["stuck"]
+        assert await s.usage("user_spend", me) == usd("0.03")  # not left to finish, paid once
         assert await s.usage("burst", me) == 1
         # The session goes on: the next call is served and charged as usual.
         assert await call(client, "echo", text="after") == "after"

@@ -18,6 +18,11 @@ failed, a cancelled or a completed call is charged is decided in one place:
   work that started may have spent them. ``priced`` is not called: there is
   no result to price. The exception or the cancellation then propagates
   unchanged;
+- a price known before the work runs (``fixed``, with neither ``priced`` nor an
+  ``estimate``) is charged by the admission itself, in its one round trip
+  (:meth:`Governor.admitted` ``price=``, on Redis and in memory): a price that
+  does not fit a limit the check consults refuses the call, and an admitted
+  call has paid, so nothing is charged after the work, whatever it does;
 - when the work completes, ``priced(result)`` is metered if it returns charges,
   else ``fixed``: a completed call is always charged, even past a cap. A
   ``priced`` callback that raises, or returns something that is not valid
@@ -140,10 +145,13 @@ async def governed_call(
     # block below, so an admitted call pays as if cancelled while it ran.
     cancelled: asyncio.CancelledError | None = None
     owed = fixed  # what a call that fails or is cancelled pays beyond its reservations
+    # A price known before the call (fixed, nothing to price from the result, no
+    # hard cap to reserve) is charged by the admission itself: one round trip.
+    price = fixed if fixed and priced is None and not estimate else None
     if isinstance(governor, Governor):
         approved = list(approved)
         while True:
-            admission = governor.admitted(ctx, approved=approved, wait=wait)
+            admission = governor.admitted(ctx, approved=approved, wait=wait, price=price)
             try:
                 decision = await admission.__aenter__()  # refused: no lease held
             except asyncio.CancelledError as exc:
@@ -156,6 +164,8 @@ async def governed_call(
                 break
             approved.append(limit)  # a refused check charged nothing: check again
         decision.raise_for_status()
+        if admission.price_charged:  # paid with the admission, whatever happens next
+            owed = fixed = None
         if estimate:
             estimate = {k: v for k, v in estimate.items() if k not in approved}
         if estimate and cancelled is not None:
@@ -187,7 +197,8 @@ async def governed_call(
             if owed or held:
                 await _to_the_end(_charge(governor, ctx, owed, held))
             raise
-        await _to_the_end(_settle(governor, ctx, result, fixed, priced, held))
+        if fixed or priced is not None or held is not None:
+            await _to_the_end(_settle(governor, ctx, result, fixed, priced, held))
         return result
     finally:
         _current.reset(token)

@@ -466,11 +466,12 @@ class PostgresBackend:
         counters that are not yet rebuilt.
 
         ``durable=False`` commits without waiting for the WAL flush
-        (``synchronous_commit=off``): a check costs about a quarter as much
-        (docs/postgres.md), and a crash of Postgres (not of this process) may
-        lose the last fraction of a second of charges, whole transactions only,
-        never half of one. With a ledger that is safe: the projection's
-        watermark is lost with them, so the worker re-applies those events.
+        (``synchronous_commit=off``): a check no longer waits for the disk,
+        most of its time where the flush is slow (docs/postgres.md), and a
+        crash of Postgres (not of this process) may lose the last fraction of
+        a second of charges, whole transactions only, never half of one. With
+        a ledger that is safe: the projection's watermark is lost with them,
+        so the worker re-applies those events.
         Without a ledger the lost charges are not counted: keep the default.
         """
         check_postgres_url(url, "url")

@@ -287,6 +287,10 @@ class RedisBackend(KeyValueOps):
     >>> backend = RedisBackend.from_url("redis://localhost:6379/0")  # doctest: +SKIP
     """
 
+    #: One charge may admit a call and charge its fixed price under two event ids
+    #: (counters.with_cost): Governor.admitted(price=) then takes one round trip.
+    prices_at_admission = True
+
     def __init__(
         self,
         client: aioredis.Redis,
