@@ -16,7 +16,9 @@ Two measurements in one run:
    tool (what a single Redis round trip costs on this machine, the floor for
    any shared counter), ``RateLimitingMiddleware``, ``BudgetMiddleware``
    checking one limit, and ``BudgetMiddleware`` checking one limit and
-   metering the tool's ``meta`` price on a second. Over
+   charging the tool's ``meta`` price on a second (charged by the admission
+   itself since issue 33: one round trip, like the one-EVALSHA tool; the
+   price counted is checked: counter = calls x price). Over
    streamable HTTP (a server process each) and over FastMCP's in-memory
    transport (client and server in this process), as ratios to unguarded.
 
@@ -61,8 +63,9 @@ KINDS = {
     "redis_rtt": "no middleware, the tool does 1 no-op EVALSHA",
     "ratelimit": "FastMCP RateLimitingMiddleware (in-process)",
     "budget": "BudgetMiddleware, 1 limit checked (Redis)",
-    "budget_meter": "BudgetMiddleware, 1 checked + meta price metered (Redis)",
+    "budget_meter": "BudgetMiddleware, 1 checked + meta price, one round trip (Redis)",
 }
+PRICE_MICROS = 1_000  # the budget_meter tool's meta price, $0.001
 NEVER = 10**12  # a cap that never refuses, for the latency runs
 
 
@@ -300,12 +303,15 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 async def overhead(args: argparse.Namespace, url: str, rid: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     common = {"calls": args.latency_calls, "rounds": args.rounds, "chunk": 25, "warmup": 50}
+    calls = common["warmup"] + args.latency_calls * args.rounds
+    priced = list(KINDS).index("budget_meter")
     in_process = {
         k: build_server(k, cap=NEVER, redis_url=url, rid=f"{rid}x{i}") for i, k in enumerate(KINDS)
     }
     bench.progress("latency: in-memory transport")
     got = await latency(in_process, **common)
     out["in_memory"] = _summarize_latency(got)
+    out["in_memory"]["price"] = await _price_counted(url, f"{rid}x{priced}", calls)
     with ExitStack() as stack:
         urls = {}
         for i, k in enumerate(KINDS):
@@ -314,7 +320,24 @@ async def overhead(args: argparse.Namespace, url: str, rid: str) -> dict[str, An
         bench.progress("latency: streamable HTTP, one server process per variant")
         got = await latency(urls, **common)
     out["http"] = _summarize_latency(got)
+    out["http"]["price"] = await _price_counted(url, f"{rid}h{priced}", calls)
     return out
+
+
+async def _price_counted(url: str, rid: str, calls: int) -> dict[str, int]:
+    """The priced variant's spend counter against what its calls owe (calls x price)."""
+    from mcp_budget_governor import Governor, Limit, Policy, RedisBackend, Unit, Window, usd
+
+    spend = f"bench_{rid}_spend"
+    policy = Policy.of(
+        Limit(spend, cap=usd(10**6), window=Window.DAY, unit=Unit.USD_MICROS, gated=False)
+    )
+    gov = Governor(policy, RedisBackend.from_url(url))
+    try:
+        counted = await gov.usage(spend)
+    finally:
+        await gov.aclose()
+    return {"calls": calls, "counted": counted, "owed": calls * PRICE_MICROS}
 
 
 def _summarize_latency(got: dict[str, Any]) -> dict[str, Any]:
@@ -323,6 +346,7 @@ def _summarize_latency(got: dict[str, Any]) -> dict[str, Any]:
     rtt = stats["redis_rtt"]["median_us"]
     for s in stats.values():
         s["ratio"] = s["median_us"] / base
+        s["vs_rtt_tool"] = s["median_us"] / rtt
         s["added_us"] = s["median_us"] - base
         s["beyond_rtt_us"] = s["median_us"] - rtt
     return {"stats": stats, "failures": got["failures"]}
@@ -375,16 +399,25 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
                     f"{s['p90_us']:.0f}",
                     f"{s['added_us']:+.0f}",
                     f"{s['ratio']:.2f}x",
+                    f"{s['vs_rtt_tool']:.3f}x",
                     f"{s['beyond_rtt_us']:+.0f}" if kind.startswith("budget") else "",
                 ]
             )
         lines.append(
             bench.table(
-                ["variant", "median us", "p90 us", "added us", "ratio", "beyond 1 RTT us"],
+                ["variant", "median us", "p90 us", "added us", "ratio", "vs 1-EVALSHA tool",
+                 "beyond 1 RTT us"],
                 rows,
-                [False, True, True, True, True, True],
+                [False, True, True, True, True, True, True],
             )
-        )
+        )  # fmt: skip
+        price = result["overhead"][path].get("price")
+        if price:
+            lines.append(
+                f"price counted: {price['counted']} micros for {price['calls']} calls x "
+                f"{PRICE_MICROS} = {price['owed']} "
+                f"({'exact' if price['counted'] == price['owed'] else 'NOT EXACT'})"
+            )
     return "\n".join(lines)
 
 
@@ -409,6 +442,11 @@ async def main_async(args: argparse.Namespace) -> int:
         )
     governed = result["admission"]["budget"]
     failures = sum(n for path in result["overhead"].values() for n in path["failures"].values())
+    prices = {path: r["price"] for path, r in result["overhead"].items()}
+    inexact = [path for path, p in prices.items() if p["counted"] != p["owed"]]
+    if inexact:
+        print(f"FAIL: the price was not counted exactly ({', '.join(inexact)})")
+        failures += 1
     exact = governed["admitted"] == min(args.calls, args.cap) == governed["redis_counter"]
     if not exact:
         print(f"FAIL: the governed replicas admitted {governed['admitted']}, not {args.cap}")

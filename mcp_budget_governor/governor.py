@@ -1126,8 +1126,9 @@ def _not_over_on_price(plan: planning.Plan, decision: Decision) -> Decision:
 
 
 def _names(approved: frozenset[str]) -> tuple[str, ...]:
-    """The approved limits' names as the ledger records them (plain strings, sorted)."""
-    return tuple(sorted(str(a) for a in approved))
+    """The approved limits' names as the ledger records them, sorted; an
+    :class:`Approval` kept as such, so its event records the one-time id it spent."""
+    return tuple(sorted(approved, key=str))
 
 
 def _left(deadline: float) -> float:
