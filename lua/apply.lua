@@ -5,7 +5,8 @@
 --            (on Redis Cluster these and the seen sets carry the hash tag of
 --            the slot the batch's counters share: one call per slot group)
 -- KEYS[3..]  the seen-id sets the batch touches (ARGV[5] of them), the reservation
---            hashes (ARGV[9] of them), then its counters
+--            hashes (ARGV[9] of them), the approvals' spent markers (ARGV[10] of
+--            them), then its counters
 -- ARGV[1]    the partition field; ARGV[2] the number of events; ARGV[3] '1' when
 --            the epoch marker must be whole (a Redis that restarted empty has lost
 --            every counter: the worker must rebuild, not add to empty ones);
@@ -13,7 +14,8 @@
 --            offset, event id, position of the seen-id set of the event's day
 --            among the seen sets, that set's expire_at, its reservation role ('-'
 --            none, 'o<n>' opens the n-th reservation hash, 'c<n>' draws on and
---            closes it, 'c0' draws on one it does not name), number of charges, and
+--            closes it, 'c0' draws on one it does not name), the approvals it spends
+--            ('-' none, else '<n>:<lapses at>,...' per marker), number of charges, and
 --            per charge: key position among the counters, amount, expire_at; then
 --            the number of run-time changes and per change (lib.lua apply_change):
 --            kind, key position among the counters, field ('-'), amount, until,
@@ -30,6 +32,9 @@
 --            counter expired before it is dropped
 -- ARGV[9]    how many reservation hashes KEYS holds (mcpbg:v1:_res:<reserved event id>,
 --            counter key -> estimate, until its counters expire; counters.Holds)
+-- ARGV[10]   how many spent markers KEYS holds (mcpbg:v1:_spent:<one-time id>,
+--            approval.spend_op's): an admission marks its approvals spent, committed,
+--            and one spent already (committed) refuses the event
 --
 -- Two guards make delivery at-least-once yet counting exactly-once:
 -- an offset at or below the watermark was applied before (redelivery), and an
@@ -52,20 +57,22 @@ if ARGV[3] == '1' and not epoch_ok(KEYS[2]) then
 end
 local seen_sets = tonumber(ARGV[5])
 local holds = 2 + seen_sets
-local counters = holds + tonumber(ARGV[9] or '0')
+local markers = holds + tonumber(ARGV[9] or '0')
+local counters = markers + tonumber(ARGV[10] or '0')
 for i = 3, #KEYS do
   local shape = '^mcpbg:v1:%w[%w_.%-]*:[^:]+:[^:]+$'
   -- A seen set may carry a hash tag (Redis Cluster: the slot of its counters).
   if i <= holds then shape = '^mcpbg:v1:_seen:%d+$' end
-  if i > holds and i <= counters then shape = '^mcpbg:v1:_res:[%x%-]+$' end
+  if i > holds and i <= markers then shape = '^mcpbg:v1:_res:[%x%-]+$' end
+  if i > markers and i <= counters then shape = '^mcpbg:v1:_spent:%x+$' end
   if not string.find(KEYS[i], shape) and not (i <= holds
       and string.find(KEYS[i], '^mcpbg:v1:_seen:%d+{%x+}$'))
-      and not (i > holds and i <= counters
+      and not (i > holds and i <= markers
       and string.find(KEYS[i], '^mcpbg:v1:_res:[%x%-]+{%x+}$'))
       and (i <= counters or not change_key_ok(KEYS[i])) then
     return redis.error_reply('mcpbg apply: refused the batch: ' .. KEYS[i] .. ' is not a '
-      .. (i <= holds and 'seen-id set' or (i <= counters and 'reservation hash'
-      or 'counter key')))
+      .. (i <= holds and 'seen-id set' or (i <= markers and 'reservation hash'
+      or (i <= counters and 'spent marker' or 'counter key'))))
   end
 end
 local wm_raw = redis.call('HGET', KEYS[1], ARGV[1])
@@ -100,6 +107,16 @@ end
 local function hold_role(tok)
   if tok == '-' then return '-', 0 end
   return string.sub(tok, 1, 1), tonumber(string.sub(tok, 2))
+end
+
+-- The spent markers of an event's token: a list of {KEYS position, lapses at}.
+local function spent_of(tok)
+  local out = {}
+  if tok == '-' then return out end
+  for pos, untl in string.gmatch(tok, '(%d+):(%d+)') do
+    out[#out + 1] = {markers + tonumber(pos), tonumber(untl)}
+  end
+  return out
 end
 
 -- The reservation hash at rpos as counter key -> estimate, or false (none held).
@@ -159,7 +176,7 @@ end
 
 -- (offset, reason) of the first event refused, or nil.
 local function refusal()
-  local c_of, f_of, g_of, ids, moved, res_of = {}, {}, {}, {}, {}, {}
+  local c_of, f_of, g_of, ids, moved, res_of, spent_b = {}, {}, {}, {}, {}, {}, {}
   local mark = wm
   local token = string.gmatch(ARGV[4], '%S+')
   for _ = 1, tonumber(ARGV[2]) do
@@ -169,6 +186,7 @@ local function refusal()
     local seen = KEYS[2 + tonumber(token())]
     token()
     local role, rpos = hold_role(token())
+    local marks = spent_of(token())
     local fresh = offset > mark
     if fresh then
       mark = offset
@@ -182,6 +200,15 @@ local function refusal()
     if fresh and role ~= '-' then
       local why = hold_refusal(role, rpos, cs, res_of)
       if why then return offset_raw, why end
+    end
+    if fresh then
+      for _, m in ipairs(marks) do
+        local key = KEYS[m[1]]
+        if spent_b[key] or tonumber(redis.call('HGET', key, 'c') or '0') >= 1 then
+          return offset_raw, 'approval ' .. string.sub(key, 17) .. ': spent already'
+        end
+        spent_b[key] = true
+      end
     end
     for _, ch in ipairs(cs) do
       local key_pos, amount, expire_at = ch[1], ch[2], ch[3]
@@ -261,6 +288,7 @@ for _ = 1, tonumber(ARGV[2]) do
   local seen = KEYS[2 + tonumber(token())]
   local seen_expire_at = token()
   local role, rpos = hold_role(token())
+  local marks = spent_of(token())
   local charges = tonumber(token())
   local opened = 0
   local fresh = offset > wm
@@ -287,6 +315,20 @@ for _ = 1, tonumber(ARGV[2]) do
           redis.call('HSET', KEYS[holds + rpos], key, amount)
           if tonumber(expire_at) > opened then opened = tonumber(expire_at) end
         end
+      end
+    end
+  end
+  if fresh then
+    for _, m in ipairs(marks) do
+      local key = KEYS[m[1]]
+      local pending = redis.call('HGET', key, 'e:' .. event_id)
+      if pending then
+        if pending ~= '0' then redis.call('HINCRBY', key, 'f', negate(pending)) end
+        redis.call('HDEL', key, 'e:' .. event_id)
+      end
+      if m[2] + 1 > now then
+        redis.call('HINCRBY', key, 'c', 1)
+        redis.call('EXPIREAT', key, m[2] + 1)
       end
     end
   end

@@ -135,6 +135,7 @@ class SumCheck:
         self.committed: dict[str, int] = {}
         self.grants: dict[str, int] = {}
         self.holds = Holds()
+        self.spent: set[str] = set()
 
     def refusal(self, event: AppliedEvent) -> str | None:
         """Why a store would refuse ``event`` after the events seen so far (None: it
@@ -142,6 +143,9 @@ class SumCheck:
         why = self.holds.problem(event)
         if why is not None:
             return why
+        for once, _ in event.spent:  # a one-time id is random: one admission spends it
+            if once in self.spent:
+                return f"approval {once}: spent already"
         after = dict.fromkeys((c.key for c in event.charges), 0)
         for charge in event.charges:
             now = self.committed.get(charge.key, 0) + after[charge.key]
@@ -165,6 +169,7 @@ class SumCheck:
             self.committed[key] = self.committed.get(key, 0) + amount
         self.grants.update(grants)
         self.holds.apply(event)
+        self.spent.update(once for once, _ in event.spent)
         return None
 
 
@@ -372,6 +377,9 @@ class AppliedEvent:
     #: A closing event (settled, released, a refunding recovery): the reservation it
     #: draws on ("": it names none the ledger could hold); None: it draws on none.
     closes: str | None = None
+    #: The one-time approvals an admission spent, ``(one-time id, lapses at)``: the
+    #: projection marks each spent (``keys.SPENT_PREFIX``), refusing one spent already.
+    spent: tuple[tuple[str, int], ...] = ()
 
     @property
     def seen_day(self) -> str:

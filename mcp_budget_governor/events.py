@@ -42,6 +42,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from . import bounds
+from .approval import Approval
 from .bounds import LATEST_TIME
 from .caps import Change, ChangeKind
 from .context import Context, cacheable
@@ -129,6 +130,16 @@ class Tokens(_Model):
     price_version: str | None = None
 
 
+class Spent(_Model):
+    """An approval the admission spent: its one-time id and when it lapses. The
+    projection restores its marker from here (``approval.spend_op``), so a store
+    rebuilt from the ledger still refuses a second use."""
+
+    limit: LimitName
+    once: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+    until: Annotated[int, Field(strict=True, gt=0, le=LATEST_TIME)]
+
+
 class Decided(_Model):
     """The governor's answer: refusing limit and status, shadow limits over, fail mode."""
 
@@ -138,6 +149,8 @@ class Decided(_Model):
     degraded: bool = False
     #: ``OnExceed.ASK`` limits the user approved going over (written only when any).
     approved: tuple[LimitName, ...] = ()
+    #: The one-time approvals the admission spent (written only when any).
+    spent: tuple[Spent, ...] = ()
 
 
 class ChangeData(_Model):
@@ -194,6 +207,12 @@ class _Event(_Model):
             reservation=self.data.reservation,
         )
         kind = _KINDS[self.type]  # type: ignore[attr-defined]
+        decision = self.data.decision
+        if problem is None and decision.spent and (
+                kind is not EntryType.ADMITTED
+            or not {s.limit for s in decision.spent} <= set(decision.approved)
+        ):
+            problem = "data.decision.spent: only an admission spends its approvals"
         change = self.data.change
         if problem is None and (change is None) == (kind in CHANGE_KINDS):
             problem = (
@@ -517,6 +536,14 @@ def _event(entry: LedgerEntry, source: str, event_id: str, time: str) -> dict[st
     }
     if entry.approved:  # written only when any: other events read as before
         event["data"]["decision"]["approved"] = entry.approved
+        # An approval.Approval carries its one-time id: the projection marks it spent.
+        spent = [
+            {"limit": a, "once": a.once, "until": a.until}
+            for a in entry.approved
+            if isinstance(a, Approval)
+        ]
+        if spent:
+            event["data"]["decision"]["spent"] = spent
     change = entry.change
     if change is not None:  # only run-time changes carry one: other events keep their bytes
         event["data"]["change"] = {
@@ -564,8 +591,14 @@ def to_entry(event: LedgerEvent) -> LedgerEntry:
         degraded=d.decision.degraded,
         reservation=d.reservation,
         change=None if d.change is None else to_change(kind, d.change),
-        approved=d.decision.approved,
+        approved=_approvals(d.decision),
     )
+
+
+def _approvals(decision: Decided) -> tuple[str, ...]:
+    """The approved limits' names, each one the admission spent as its Approval."""
+    spent = {s.limit: Approval(s.limit, s.once, s.until) for s in decision.spent}
+    return tuple(spent.get(name, name) for name in decision.approved)
 
 
 def changes_of(event: LedgerEvent) -> tuple[Change, ...]:

@@ -23,7 +23,6 @@ import functools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +36,6 @@ from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
     BackendBusyError,
     BackendUnavailableError,
-    CounterOverflowError,
     GovernorError,
     InvalidInputError,
     LimitExceeded,
@@ -49,6 +47,7 @@ from .memory_backend import MemoryBackend
 from .metering import Metering
 from .money import check_amount
 from .observe import Observer
+from .outage import Outage, local
 from .planning import Slot
 from .policy import Policy
 from .prices import PriceTable
@@ -125,27 +124,17 @@ class Governor(Metering[MeterResult]):
         self.prices = prices
         self._clock = clock
         self._retry_interval = retry_interval
-        # Process-local counters for fail-open limits while the backend is down.
-        self._fallback = MemoryBackend(clock=clock)
-        # Inline mode only: charges made while the backend was down, replayed
-        # when it answers again so outage spend is not lost. Each keeps the
-        # operation id it was first sent with: a charge whose reply came too
-        # late had landed, and its replay then changes nothing (lua/charge.lua).
-        self._pending: deque[tuple[str, tuple[CounterOp, ...]]] = deque()
-        self._max_pending = max_pending
-        # One replay at a time: concurrent checks at recovery wait for it, so each
-        # outage charge is sent (and taken off the deque) by one task only.
-        self._replaying = asyncio.Lock()
-        self._marks = 0  # how often the backend was marked down (see _flush_pending)
-        self._down_until = 0.0
+        # The degraded mode: fail modes, the local fallback, outage charges kept.
+        self._outage = Outage(
+            clock=clock,
+            retry_interval=retry_interval,
+            max_pending=max_pending,
+            local_fallback=local_fallback,
+        )
         self._plans: dict[tuple[Context, int, int], planning.Plan] = {}
         # Plans (by id; the value keeps the id theirs) whose last check was refused:
         # their next check encodes no admitted event ahead, likely to be thrown away.
         self._refused: dict[int, planning.Plan] = {}
-        # Counter key -> its effective cap with grants, as the backend last answered:
-        # what the fallback and the fail-open reads compare with while it is down
-        # (a run-time cap or grant still applies, per replica, during an outage).
-        self._caps_seen: dict[str, int] = {}
         self._obs = observer
         if observer is not None:
             observer.attach(self)
@@ -184,12 +173,12 @@ class Governor(Metering[MeterResult]):
     @property
     def degraded(self) -> bool:
         """Whether the shared counters are marked unreachable (fail modes decide)."""
-        return bool(self._down_until) and self._clock() < self._down_until
+        return self._outage.degraded
 
     @property
     def pending_charges(self) -> int:
         """Outage charges (inline mode) kept for the counters, replayed when they answer."""
-        return len(self._pending)
+        return len(self._outage.pending)
 
     # -- the hot path -------------------------------------------------------
 
@@ -345,7 +334,7 @@ class Governor(Metering[MeterResult]):
         holds until its wait ends)."""
         if not leases:
             return
-        await self._fallback.leave(leases, ticket)
+        await self._outage.fallback.leave(leases, ticket)
         try:
             await self.backend.leave(leases, ticket)  # type: ignore[attr-defined]
         except BackendUnavailableError:
@@ -423,7 +412,7 @@ class Governor(Metering[MeterResult]):
         lease = decision.lease
         if lease is None:
             return
-        await self._fallback.release(lease.keys, lease.id)
+        await self._outage.fallback.release(lease.keys, lease.id)
         try:
             await self.backend.release(lease.keys, lease.id)  # type: ignore[attr-defined]
         except BackendUnavailableError:
@@ -436,7 +425,7 @@ class Governor(Metering[MeterResult]):
         lease = decision.lease
         if lease is None:
             return True
-        await self._fallback.renew(lease.keys, lease.id, self.lease_ttl)
+        await self._outage.fallback.renew(lease.keys, lease.id, self.lease_ttl)
         try:
             n = await self.backend.renew(lease.keys, lease.id, self.lease_ttl)  # type: ignore[attr-defined]
         except BackendUnavailableError:
@@ -492,7 +481,7 @@ class Governor(Metering[MeterResult]):
     async def usage(self, limit: str, ctx: Context | None = None) -> int:
         """What ``limit`` has counted in the current window for ``ctx`` (committed + in-flight)."""
         s = self._read_slot(limit, ctx or EMPTY)
-        await self._flush_pending()
+        await self._outage.flush(self.backend)
         if s.limit.concurrent:  # a concurrency cap: its calls in progress
             (held,) = await self.backend.in_progress([s.key])  # type: ignore[attr-defined]
             return int(held)
@@ -568,7 +557,7 @@ class Governor(Metering[MeterResult]):
         same rule, one home), and writes nothing. A lease set's cap is resolved on
         a key that never exists (no counter, no grant); its calls in progress
         are read by ``in_progress``."""
-        if not self._down_until or self._clock() >= self._down_until:
+        if not self._outage.degraded:
             probe = [
                 CounterOp(_CAP_PROBE + s.key if s.limit.concurrent else s.key, 0,
                           s.limit.cap, False, s.expire_at, s.ref)
@@ -577,7 +566,7 @@ class Governor(Metering[MeterResult]):
             try:
                 result = await self.backend.charge(probe, want_used=True)
             except BackendUnavailableError:
-                self._mark_down()
+                self._outage.mark_down()
             else:
                 caps = result.caps or tuple(s.limit.cap for s in slots)
                 return list(zip(result.used, caps, strict=True))
@@ -586,10 +575,10 @@ class Governor(Metering[MeterResult]):
                 raise BackendUnavailableError(
                     f"limit {s.limit.name!r} fails closed and its counters cannot be reached"
                 )
-        local = await self._fallback.usage([s.key for s in slots])
+        totals = await self._outage.fallback.usage([s.key for s in slots])
         return [
-            (t if _local(s.limit) else None, self._caps_seen.get(s.key, s.limit.cap))
-            for s, t in zip(slots, local, strict=True)
+            (t if local(s.limit) else None, self._outage.caps_seen.get(s.key, s.limit.cap))
+            for s, t in zip(slots, totals, strict=True)
         ]
 
     async def aclose(self) -> None:
@@ -597,11 +586,10 @@ class Governor(Metering[MeterResult]):
         if self._detached:  # replies of charges metered without waiting
             await asyncio.gather(*list(self._detached), return_exceptions=True)
         try:
-            await self._flush_pending()
+            await self._outage.flush(self.backend)
         except BackendUnavailableError:
-            log.error(
-                "closing with %d unsent charges: the backend is unreachable", len(self._pending)
-            )
+            unsent = len(self._outage.pending)
+            log.error("closing with %d unsent charges: the backend is unreachable", unsent)
         if self.ledger is not None:
             await self.ledger.aclose()
         await self.backend.aclose()
@@ -771,7 +759,7 @@ class Governor(Metering[MeterResult]):
                 try:
                     result = await sent
                 except BackendUnavailableError:
-                    self._mark_down()
+                    self._outage.mark_down()
                     raise
             else:
                 # The totals come back in the same reply: they give Decision.remaining.
@@ -781,7 +769,10 @@ class Governor(Metering[MeterResult]):
         except BackendUnavailableError:
             if len(plan.ops) > len(plan.slots):
                 return _SPENT, None  # an approval is spent only where it is counted
-            decision = await self._degraded_check(plan.slots, now, op_id, lease, ticket)
+            decision = await self._outage.check(
+                plan.slots, now, op_id, lease, ticket,
+                lease_ttl=self.lease_ttl, ledgered=self.ledger is not None,
+            )  # fmt: skip
         except BackendBusyError as exc:  # overload, not an outage: refused, no fail mode
             decision = planning.busy(exc.store, self._retry_interval)
         else:
@@ -793,7 +784,7 @@ class Governor(Metering[MeterResult]):
                 ops = ops[:n]
                 result = ChargeResult(result.refused, result.used[:n], result.caps[:n])
             if result.caps:
-                self._saw_caps(ops, result.caps)
+                self._outage.saw_caps(ops, result.caps)
             if result.admitted:
                 decision = planning.admitted_by(plan, result.used, result.caps)
             else:
@@ -869,20 +860,6 @@ class Governor(Metering[MeterResult]):
             )
         )
 
-    def _saw_caps(self, ops: Sequence[CounterOp], caps: Sequence[int]) -> None:
-        seen = self._caps_seen
-        if len(seen) >= 65_536:
-            seen.clear()
-        for op, cap in zip(ops, caps, strict=True):
-            seen[op.key] = cap
-
-    def _local_op(self, s: Slot) -> CounterOp:
-        """The fallback's op of ``s``: against the effective cap last seen, else its default."""
-        cap = self._caps_seen.get(s.key)
-        if cap is None:
-            return s.op
-        return CounterOp(s.key, s.amount, cap, s.enforce, s.expire_at)
-
     def _decide(self, slots: Sequence[Slot], result: ChargeResult, now: float) -> Decision:
         if result.admitted:
             return planning.admitted(slots, result.used, caps=result.caps)
@@ -938,12 +915,9 @@ class Governor(Metering[MeterResult]):
         lease: str | None = None,
         ticket: str | None = None,
     ) -> ChargeResult:
-        if self._down_until:
-            if self._clock() < self._down_until:
-                raise BackendUnavailableError("backend marked down; retrying later")
-            await self._flush_pending()
-        elif self._pending:  # charges a busy store could not take
-            await self._flush_pending()
+        outage = self._outage
+        if outage.down_until or outage.pending:  # down, or charges a busy store could not take
+            await outage.ready(self.backend)
         try:
             if ticket is not None:  # a call waiting for a concurrency slot
                 return await self.backend.charge(  # type: ignore[call-arg]
@@ -961,89 +935,8 @@ class Governor(Metering[MeterResult]):
                 ops, event_id=event_id, want_used=want_used, op_id=op_id
             )
         except BackendUnavailableError:
-            self._mark_down()
+            self._outage.mark_down()
             raise
-
-    def _mark_down(self) -> None:
-        if not self._down_until:
-            # The event names of mcp-budget-governor 0.1.0's log records.
-            event = "degraded" if self._local_fallback else "unavailable"
-            log.warning(
-                "budget counters unreachable: applying each limit's fail mode",
-                extra={"event": f"governor.backend_{event}"},
-            )
-        self._down_until = self._clock() + self._retry_interval
-        self._marks += 1
-
-    async def _flush_pending(self) -> None:
-        """Replay outage charges, then resume normal enforcement.
-
-        One task replays; checks arriving meanwhile wait for it, then find the
-        deque empty (replayed once each), or, if the replay found the backend
-        down again, take the fail mode without trying it themselves.
-        """
-        marks = self._marks
-        async with self._replaying:
-            if self._marks != marks:
-                raise BackendUnavailableError("backend marked down; retrying later")
-            await self._replay()
-
-    async def _replay(self) -> None:
-        while self._pending:
-            item = self._pending[0]
-            op_id, ops = item
-            try:
-                await self.backend.charge(ops, want_used=False, op_id=op_id)
-            except BackendUnavailableError:
-                self._mark_down()
-                raise
-            except CounterOverflowError as exc:
-                log.error("outage charge dropped: %s", exc)  # it can never be counted
-            if self._pending and self._pending[0] is item:  # (a full buffer drops its oldest)
-                self._pending.popleft()
-        if self._down_until:
-            log.warning("budget counters reachable again: normal enforcement resumed")
-            self._down_until = 0.0
-
-    def _keep_for_later(self, slots: Sequence[Slot], op_id: str | None) -> None:
-        """Inline mode: remember charges made during an outage (under their operation
-        id) for the backend."""
-        if self.ledger is not None or op_id is None:
-            return  # the ledger carries them; the projection will count them
-        ops = tuple(
-            CounterOp(s.key, s.amount, s.limit.cap, False, s.expire_at)
-            for s in slots
-            if s.amount and not s.limit.concurrent  # a lease is not spend to replay
-        )
-        if not ops:
-            return
-        if len(self._pending) >= self._max_pending:
-            log.error("outage buffer full (%d charges): the oldest is dropped", self._max_pending)
-            self._pending.popleft()
-        self._pending.append((op_id, ops))
-
-    async def _degraded_check(
-        self,
-        slots: Sequence[Slot],
-        now: float,
-        op_id: str | None,
-        lease: str | None = None,
-        ticket: str | None = None,
-    ) -> Decision:
-        for s in slots:
-            if s.enforce and s.limit.fail_mode is FailMode.CLOSED:
-                return planning.unavailable(s, self._retry_interval)
-        local = [s for s in slots if _local(s.limit)]
-        ops = [self._local_op(s) for s in local]
-        result = await self._fallback.charge(
-            ops, lease=lease, lease_ttl=self.lease_ttl, ticket=ticket
-        )
-        caps = result.caps or [op.cap for op in ops]
-        if not result.admitted:
-            remaining = planning.headroom(local, result.used, charged=False, caps=caps)
-            return planning.refused(local[result.refused], now, degraded=True, remaining=remaining)
-        self._keep_for_later(slots, op_id)
-        return planning.admitted(local, result.used, degraded=True, caps=caps)
 
     async def _meter(
         self, charges: Sequence[tuple[Limit, int]], ctx: Context, usage: TokenUsage | None
@@ -1128,11 +1021,12 @@ class Governor(Metering[MeterResult]):
                     cap = result.caps[0] if result.caps else None
             except BackendUnavailableError:
                 degraded = True
-                before = await self._charge_failed(slots, op_id)
+                ledgered = self.ledger is not None
+                before = await self._outage.charge_failed(slots, op_id, ledgered=ledgered)
             except BackendBusyError:
                 # A completed call is charged whatever the store's load: inline mode
                 # keeps it for the next charge to replay (the ledger carries it).
-                self._keep_for_later(slots, op_id)
+                self._outage.keep_for_later(slots, op_id, ledgered=self.ledger is not None)
         if event_id is not None:
             await self._append(
                 event_id,
@@ -1146,18 +1040,6 @@ class Governor(Metering[MeterResult]):
             )
         return before, degraded, cap
 
-    async def _charge_failed(self, slots: Sequence[Slot], op_id: str | None) -> int | None:
-        """The backend did not take a charge: fail-open limits count it locally, and
-        inline mode keeps it for the backend. The first slot's local total, if local."""
-        local = [s.op for s in slots if _local(s.limit)]
-        before = None
-        if local:
-            fallback = await self._fallback.charge(local)
-            if _local(slots[0].limit):
-                before = fallback.used[0]
-        self._keep_for_later(slots, op_id)
-        return before
-
     def _sent(
         self,
         ops: Sequence[CounterOp],
@@ -1168,7 +1050,7 @@ class Governor(Metering[MeterResult]):
     ) -> Awaitable[ChargeResult] | None:
         """The charge written at once, its reply not awaited (``charge_sent``), or None."""
         send = getattr(self.backend, "charge_sent", None)
-        if send is None or self._down_until:
+        if send is None or self._outage.down_until:
             return None
         sent: Awaitable[ChargeResult] | None = send(
             ops, event_id=event_id, want_used=want_used, op_id=op_id
@@ -1182,8 +1064,8 @@ class Governor(Metering[MeterResult]):
         try:
             await sent
         except BackendUnavailableError:
-            self._mark_down()
-            await self._charge_failed(slots, op_id)
+            self._outage.mark_down()
+            await self._outage.charge_failed(slots, op_id, ledgered=self.ledger is not None)
         except Exception:
             log.exception("a metered charge sent without waiting failed")
 
@@ -1262,16 +1144,13 @@ def _not_over_on_price(plan: planning.Plan, decision: Decision) -> Decision:
 
 
 def _names(approved: frozenset[str]) -> tuple[str, ...]:
-    """The approved limits' names as the ledger records them (plain strings, sorted)."""
-    return tuple(sorted(str(a) for a in approved))
+    """The approved limits' names as the ledger records them, sorted; an
+    :class:`Approval` kept as such, so its event records the one-time id it spent."""
+    return tuple(sorted(approved, key=str))
 
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
-
-
-def _local(limit: Limit) -> bool:
-    return limit.fail_mode is FailMode.OPEN and limit.local_fallback
 
 
 def _status_row(

@@ -40,6 +40,7 @@ from mcp_budget_governor.keys import (
     INTERNAL_PREFIX,
     LEASE_PREFIX,
     OP_HORIZON_SECONDS,
+    SPENT_PREFIX,
     pattern_regex,
 )
 
@@ -442,6 +443,13 @@ class MemoryBackend(KeyValueOps):
                     counter.in_flight -= counter.pending.pop(event.event_id)
                 if charge.expire_at > now:
                     self._add(charge.key, charge.amount, None, charge.expire_at, now)
+            for once, until in event.spent:  # approval.spend_op's marker, now committed
+                marker = f"{SPENT_PREFIX}:{once}"
+                counter = self._get(marker, now)
+                if counter is not None and event.event_id in counter.pending:
+                    counter.in_flight -= counter.pending.pop(event.event_id)
+                if until + 1 > now:
+                    self._add(marker, 1, None, until + 1, now)
             live = [c for c in event.charges if c.expire_at > now]
             if event.opens and live:
                 ends = max(c.expire_at for c in live)
@@ -466,6 +474,7 @@ class MemoryBackend(KeyValueOps):
         flight: dict[str, int] = {}
         grants: dict[str, int] = {}
         holds: dict[str, dict[str, int] | None] = {}  # opened or closed in this batch
+        spent: set[str] = set()  # approvals the batch spends
         ids: set[str] = set()
         for event in events:
             if event.offset <= mark:
@@ -487,6 +496,11 @@ class MemoryBackend(KeyValueOps):
                     holds[event.closes] = None
             if event.opens and live:
                 holds[event.event_id] = {c.key: c.amount for c in live}
+            for once, _until in event.spent:
+                marker = self._get(f"{SPENT_PREFIX}:{once}", now)
+                if once in spent or (marker is not None and marker.committed > 0):
+                    return EventRefusedError(event.offset, f"approval {once}: spent already")
+                spent.add(once)
             for charge in event.charges:
                 key = charge.key
                 counter = self._get(key, now)

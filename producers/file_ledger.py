@@ -279,6 +279,7 @@ class FileProjector:
             charges,
             changes_of(event),
             *hold_roles(event.type.split(".")[1], event.data.reservation, charges),
+            tuple((s.once, s.until) for s in event.data.decision.spent),
         )
 
     async def run(self, poll_interval: float = 0.2) -> None:

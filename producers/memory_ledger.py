@@ -7,6 +7,7 @@ the stream worker does, offsets being list positions.
 
 from __future__ import annotations
 
+from mcp_budget_governor.approval import Approval
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent, Backend, hold_roles
 from mcp_budget_governor.ledger import LedgerEntry
 
@@ -30,7 +31,10 @@ class MemoryLedger:
             charges = tuple(AppliedCharge(c.key, c.amount, c.expire_at) for c in entry.charges)
             opens, closes = hold_roles(entry.type.value, entry.reservation, charges)
             changes = () if entry.change is None else (entry.change,)
-            out.append(AppliedEvent(offset, entry.id, entry.time, charges, changes, opens, closes))
+            spent = tuple((a.once, a.until) for a in entry.approved if isinstance(a, Approval))
+            out.append(
+                AppliedEvent(offset, entry.id, entry.time, charges, changes, opens, closes, spent)
+            )
         return out
 
     async def project(

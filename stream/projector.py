@@ -166,6 +166,7 @@ def to_applied(event: LedgerEvent, offset: int) -> AppliedEvent:
         changes_of(event),
         opens,
         closes,
+        tuple((s.once, s.until) for s in event.data.decision.spent),
     )
 
 

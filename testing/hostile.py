@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +26,14 @@ from mcp_budget_governor import (
     Governor,
     Limit,
     MemoryBackend,
+    OnExceed,
     Policy,
     Scope,
     Unit,
     Window,
     usd,
 )
+from mcp_budget_governor.approval import Approval
 from mcp_budget_governor.events import encode
 from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.ledger import LedgerEntry, new_id
@@ -50,6 +53,7 @@ def policy() -> Policy:
         Limit("calls", cap=1_000, window=Window.DAY, scope=Scope.USER),
         Limit("spend", cap=usd(100), window=Window.DAY, scope=Scope.USER,
               unit=Unit.USD_MICROS, gated=False),
+        Limit("asked", cap=1, window=Window.DAY, scope=Scope.USER, on_exceed=OnExceed.ASK),
     )  # fmt: skip
 
 
@@ -279,6 +283,18 @@ async def _honest_burst(gov: Governor, ledger: MemoryLedger) -> Case:
     return Case("a Governor's honest burst", raw, [], "")
 
 
+async def _approval_reused(gov: Governor, ledger: MemoryLedger) -> Case:
+    """The admission an approval allowed, appended again under a new id: its one-time
+    id is spent already (the first admission's event marked it)."""
+    assert (await gov.check(MALLORY)).admitted
+    approval = Approval("asked", secrets.token_hex(16), int(time.time()) + 120)
+    assert (await gov.check(MALLORY, approved=[approval])).admitted
+    first, approved = (_doc(e) for e in ledger.entries[-2:])
+    assert approved["data"]["decision"]["spent"][0]["once"] == approval.once
+    raw = [_dumps(first), _dumps(approved), _again(approved)]
+    return Case("an approval's admission appended twice", raw, [2], "spent already")
+
+
 CASES: dict[str, Callable[[Governor, MemoryLedger], Any]] = {
     "cap_until": _cap_until,
     "grant_2_62": _grant_2_62,
@@ -296,6 +312,7 @@ CASES: dict[str, Callable[[Governor, MemoryLedger], Any]] = {
     "recovered_twice": _recovered_twice,
     "settle_anothers": _settle_anothers,
     "honest_burst": _honest_burst,
+    "approval_reused": _approval_reused,
 }
 
 

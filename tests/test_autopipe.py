@@ -138,10 +138,10 @@ async def test_a_meter_behind_that_fails_is_kept_for_later() -> None:
         await backend._pipe()._connect()
         await gov.meter_behind({"ap_spend": 3}, Context(user="mb"))
         await asyncio.gather(*gov._detached)
-        assert len(gov._pending) == 1 and gov._pending[0][1][0].amount == 3
+        assert len(gov._outage.pending) == 1 and gov._outage.pending[0][1][0].amount == 3
     finally:
         server.close()
-        gov._pending.clear()
+        gov._outage.pending.clear()
         await gov.aclose()
 
 

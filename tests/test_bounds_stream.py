@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import csv
+import secrets
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from mcp_budget_governor import Governor, MemoryBackend
+from mcp_budget_governor.approval import Approval
 from mcp_budget_governor.cli import main as cli
 from mcp_budget_governor.errors import EventRefusedError
 from mcp_budget_governor.events import encode, parse
@@ -233,3 +235,27 @@ async def test_a_replay_restores_the_open_reservations(
     finally:
         await backend.aclose()
     assert (await _counters(store_url))["mallory"] == (1_000, 0)
+
+
+async def test_an_approval_spent_before_the_store_lost_its_state_stays_spent(
+    store_url: str,
+) -> None:
+    """Redis (or Postgres) loses its state while an approval is inside its window:
+    rebuilt from the ledger (the projection's apply, as the worker's start-up replay
+    runs it), the approval's marker is back and a second use is refused."""
+    ledger = MemoryLedger()
+    gov = Governor(policy(), MemoryBackend(), ledger=ledger)
+    assert (await gov.check(MALLORY)).admitted
+    approval = Approval("asked", secrets.token_hex(16), int(time.time()) + 120)
+    assert (await gov.check(MALLORY, approved=[approval])).admitted
+    await _fresh(store_url)  # the store that lost its state
+    backend = backend_for(store_url)
+    try:
+        assert await ledger.project(backend) == 2
+        again = Governor(policy(), backend)
+        refused = await again.check(MALLORY, approved=[approval])
+        assert not refused.admitted and refused.limit == "asked", refused
+        other = Approval("asked", secrets.token_hex(16), int(time.time()) + 120)
+        assert (await again.check(MALLORY, approved=[other])).admitted  # a fresh one works
+    finally:
+        await backend.aclose()

@@ -114,7 +114,7 @@ def test_the_governor_and_the_ledger_encoder_keep_no_long_context() -> None:
         for user in names(20_000, 4_000, "c"):
             await gov.check(Context(user=user, tool="search"))
         gov.ledger.entries.clear()  # type: ignore[union-attr]  # the ledger, not a cache
-        gov._fallback = MemoryBackend()
+        gov._outage.fallback = MemoryBackend()
 
     def flood() -> None:
         asyncio.run(calls())

@@ -698,7 +698,9 @@ class ClusterBackend:
                 if only is not None and slot not in only:
                     continue
                 by_slot.setdefault(slot, []).append(
-                    dataclasses.replace(event, charges=tuple(charges), changes=tuple(changes))
+                    dataclasses.replace(
+                        event, charges=tuple(charges), changes=tuple(changes), spent=()
+                    )
                 )
         now_ms = str(int(self._node.clock() * 1000))
         calls = [

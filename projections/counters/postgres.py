@@ -107,8 +107,8 @@ _CHARGE_MANY = (
     "%s::text[], %s::text[])"
 )
 _APPLY = (
-    "SELECT mcpbg_apply_held(%s::text[], %s::text[], %s, %s, %s, %s::bigint[], %s::text[], "
-    "%s::text[], %s::float8[], "
+    "SELECT mcpbg_apply_spent(%s::text[], %s::text[], %s::text[], %s, %s, %s, %s::bigint[], "
+    "%s::text[], %s::text[], %s::float8[], "
     "%s::int[], %s::int[], %s::text[], %s::bigint[], %s::float8[], %s::text[], %s::text[], "
     "%s::text[], %s::bigint[], %s::bigint[], %s::text[], %s::text[])"
 )
@@ -466,11 +466,12 @@ class PostgresBackend:
         counters that are not yet rebuilt.
 
         ``durable=False`` commits without waiting for the WAL flush
-        (``synchronous_commit=off``): a check costs about a quarter as much
-        (docs/postgres.md), and a crash of Postgres (not of this process) may
-        lose the last fraction of a second of charges, whole transactions only,
-        never half of one. With a ledger that is safe: the projection's
-        watermark is lost with them, so the worker re-applies those events.
+        (``synchronous_commit=off``): a check no longer waits for the disk,
+        most of its time where the flush is slow (docs/postgres.md), and a
+        crash of Postgres (not of this process) may lose the last fraction of
+        a second of charges, whole transactions only, never half of one. With
+        a ledger that is safe: the projection's watermark is lost with them,
+        so the worker re-applies those events.
         Without a ledger the lost charges are not counted: keep the default.
         """
         check_postgres_url(url, "url")
@@ -806,7 +807,9 @@ class PostgresBackend:
         ckeys, camounts, cexpire = [], [], []
         kinds, xkeys, xfields, xamounts, xuntils, xplans, xwhys = [], [], [], [], [], [], []
         roles, held = [], []  # each event's reservation role (sql/0007, counters.Holds)
+        spent = []  # each event's spent approvals (sql/0008)
         for event in events:
+            spent.append(",".join(f"{once}:{int(until)}" for once, until in event.spent))
             roles.append("o" if event.opens else "-" if event.closes is None else "c")
             held.append(event.closes or "")
             if not event.event_id:
@@ -830,7 +833,7 @@ class PostgresBackend:
                 xplans.append(c.plan or "-")
                 xwhys.append(why_token(c.actor, c.reason))
         params = (
-            roles, held, partition, require_epoch, through, offsets, ids, days, day_expire,
+            spent, roles, held, partition, require_epoch, through, offsets, ids, days, day_expire,
             ncharges, nchanges, ckeys, camounts, cexpire, kinds, xkeys, xfields, xamounts, xuntils,
             xplans, xwhys,
         )  # fmt: skip

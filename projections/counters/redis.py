@@ -48,6 +48,7 @@ from mcp_budget_governor.keys import (
     LEASE_PREFIX,
     PREFIX,
     SEEN_PREFIX,
+    SPENT_PREFIX,
     WATERMARK_KEY,
     op_key,
     queue_key,
@@ -169,6 +170,9 @@ def _position(keys: list[str], index: dict[str, int], key: str) -> int:
 #: What a reservation's id may be to name its hash (an event id: a UUID).
 _HOLD_ID = re.compile(r"[0-9a-f-]{1,64}")
 
+#: An approval's one-time id (approval.approval_state): what names its spent marker.
+_ONCE = re.compile(r"[0-9a-f]{32}")
+
 #: The changes that add room to a counter: their sums are checked exactly (apply.lua).
 _ROOM_KINDS = frozenset({ChangeKind.GRANTED, ChangeKind.RESET})
 
@@ -193,6 +197,7 @@ def apply_args(
     seen_sets: list[str] = []
     hold_keys: list[str] = []  # the reservation hashes the batch opens or draws on
     hold_index: dict[str, int] = {}
+    marker_keys: list[str] = []  # the approvals' spent markers (approval.spend_op)
     # The events travel as one space-separated string (see lua/apply.lua): a
     # batch of 500 events is 6 arguments for redis-py to pack, not ~5,500.
     tokens: list[str] = []
@@ -225,7 +230,17 @@ def apply_args(
             role = "c0"
         if event.closes is not None:
             doubt = True
-        tokens.append(f"{event.offset} {event_id} {seen} {role} {len(event.charges)}")
+        marks = "-"
+        if event.spent:
+            doubt = True
+            found = []
+            for once, until in event.spent:
+                if not _ONCE.fullmatch(once):
+                    raise ValueError(f"approval {once!r}: not a one-time id")
+                marker_keys.append(f"{SPENT_PREFIX}:{once}")
+                found.append(f"{len(marker_keys)}:{int(until)}")
+            marks = ",".join(found)
+        tokens.append(f"{event.offset} {event_id} {seen} {role} {marks} {len(event.charges)}")
         for charge in event.charges:
             pos = index.get(charge.key) or _position(counters, index, charge.key)
             tokens.append(f"{pos} {charge.amount} {charge.expire_at}")
@@ -243,7 +258,8 @@ def apply_args(
                 f"{pos} {c.kind.value} {c.field or '-'} {c.amount} {c.until} {c.plan or '-'} "
                 f"{why_token(c.actor, c.reason)}"
             )
-    keys = [WATERMARK_KEY + tag, EPOCH_KEY + tag, *seen_sets, *hold_keys, *counters]
+    keys = [WATERMARK_KEY + tag, EPOCH_KEY + tag, *seen_sets, *hold_keys, *marker_keys]
+    keys += counters
     args: list[Any] = [
         partition,
         len(events),
@@ -254,6 +270,7 @@ def apply_args(
         "1" if doubt else " ".join(["0", *(f"{p} {t}" for p, t in sums.items())]),
         now_ms,
         len(hold_keys),
+        len(marker_keys),
     ]
     return keys, args
 

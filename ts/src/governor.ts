@@ -10,7 +10,7 @@
  */
 import { spendOp, type Approval } from "./approval.js";
 import { MemoryBackend } from "./backends/memory.js";
-import type { Backend, ChargeResult } from "./backends/types.js";
+import { withCost, type Backend, type ChargeResult } from "./backends/types.js";
 import { EMPTY, cacheable, context as makeContext, contextKey, type Context } from "./context.js";
 import { ADMITTED, Decision, NOTHING_METERED, type MeterResult } from "./decision.js";
 import {
@@ -70,6 +70,26 @@ export interface CheckOptions {
    * check throws the signal's reason.
    */
   signal?: AbortSignal;
+}
+
+/** What admitted() takes besides CheckOptions. */
+export interface AdmittedOptions extends CheckOptions {
+  /**
+   * `{limit: amount}`: the call's fixed price, charged by the admission itself, in
+   * the same round trip and all or nothing, when the backend can
+   * (Backend.pricesAtAdmission; then `work` is told so). The ledger still gets two
+   * events, the admission and a `metered` cost event with the price. A limit the
+   * check consults refuses a price that does not fit (so concurrent calls never
+   * take it past its cap); a metered-only limit is charged as a meter would. Once
+   * admitted, the price is paid, whatever the call does next.
+   */
+  price?: Readonly<Record<string, number>> | null;
+}
+
+/** A fixed price validated once (its limits resolved), and its plan cache key. */
+interface Price {
+  readonly pairs: readonly (readonly [Limit, number])[];
+  readonly key: string;
 }
 
 /** @internal `wait` validated: seconds from 0 to MAX_WAIT, else the error naming it. */
@@ -264,7 +284,8 @@ export class Governor {
   private downUntil = 0;
   private flushing: Promise<void> | null = null;
   private plans = new Map<string, Plan>();
-  private byObject = new WeakMap<Context, { minute: number; calls: number; plan: Plan }>();
+  private byObject = new WeakMap<Context, { minute: number; calls: number; price: Price | null; plan: Plan }>();
+  private validPrices = new WeakMap<object, Price | null>();
   policy: Policy;
   readonly backend: Backend;
 
@@ -298,6 +319,7 @@ export class Governor {
     this.policy = policy;
     this.plans = new Map();
     this.byObject = new WeakMap();
+    this.validPrices = new WeakMap();
     return old;
   }
 
@@ -309,21 +331,26 @@ export class Governor {
    * `wait`: see CheckOptions; use it through admitted(), which gives the slot back.
    */
   async check(ctx: Context | null = null, options: CheckOptions = {}): Promise<Decision> {
+    return this.checked(ctx, options, null);
+  }
+
+  /** check(), charging `price` too when it is not null. */
+  private async checked(ctx: Context | null, options: CheckOptions, price: Price | null): Promise<Decision> {
     const amount = options.amount ?? 1;
     if (amount !== 1) checkAmount(amount, "amount");
     const c = ctx ?? EMPTY;
     const approved = options.approved ?? [];
     const allowed = approved.length ? this.approvable(approved) : null;
     const approval = options.approval ?? null;
-    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal, approval);
+    if (options.wait !== undefined && waitSeconds(options.wait) > 0) return this.checkWaiting(c, amount, allowed, options.wait, options.signal, approval, price);
     const now = this.clock();
     if (allowed !== null) {
-      const plan = spending(planning.checkPlan(this.policy, c, now, amount, allowed), approval, now);
+      const plan = spending(this.freshPlan(c, now, amount, allowed, price), approval, now);
       const decision = plan === null ? SPENT : (await this.admit(plan, c, now, EntryType.ADMITTED, [...allowed].sort()))[0];
       // Used already, or lapsed: the call as if unapproved.
-      return decision === SPENT ? this.check(c, { amount }) : decision;
+      return decision === SPENT ? this.checked(c, { amount }, price) : decision;
     }
-    const plan = this.plan(c, now, amount);
+    const plan = this.plan(c, now, amount, price);
     if (this.ledger === null && !plan.slots.length) return ADMITTED;
     return (await this.admit(plan, c, now, EntryType.ADMITTED))[0];
   }
@@ -351,6 +378,7 @@ export class Governor {
     wait: number,
     signal: AbortSignal | undefined,
     approval: Approval | null = null,
+    price: Price | null = null,
   ): Promise<Decision> {
     const ticket = `${newId()}/${Math.ceil(wait * 1000)}`;
     const deadline = performance.now() + wait * 1000;
@@ -363,13 +391,13 @@ export class Governor {
         throw signal.reason;
       }
       const now = this.clock();
-      const plan = allowed !== null ? spending(planning.checkPlan(this.policy, ctx, now, amount, allowed), approval, now) : this.plan(ctx, now, amount);
+      const plan = allowed !== null ? spending(this.freshPlan(ctx, now, amount, allowed, price), approval, now) : this.plan(ctx, now, amount, price);
       const left0 = Math.max((deadline - performance.now()) / 1000, 0.001);
-      if (plan === null) return this.checkWaiting(ctx, amount, null, left0, signal); // lapsed: as if unapproved
+      if (plan === null) return this.checkWaiting(ctx, amount, null, left0, signal, null, price); // lapsed: as if unapproved
       const [decision, eventId] = await this.admit(plan, ctx, now, EntryType.ADMITTED, approved, plan.leases.length ? ticket : null, false);
       if (decision === SPENT) {
         await this.leave(plan.leases, ticket);
-        return this.checkWaiting(ctx, amount, null, left0, signal); // used already: wait as if unapproved
+        return this.checkWaiting(ctx, amount, null, left0, signal, null, price); // used already: wait as if unapproved
       }
       if (decision.admitted) return decision;
       queued = plan.leases;
@@ -403,10 +431,17 @@ export class Governor {
    * `decision.admitted`. Admitted, its concurrency-cap leases are renewed every
    * third of leaseTtl while `work` runs and given back however it ends (a refused
    * decision holds none). `options.wait`: seconds to wait for a concurrency slot
-   * (see CheckOptions).
+   * (see CheckOptions). `options.price`: the call's fixed price, charged with
+   * the admission when the backend can (see AdmittedOptions); `work`'s second
+   * argument says whether it was (then nothing is left to charge for it).
    */
-  async admitted<R>(ctx: Context | null, work: (decision: Decision) => Promise<R>, options: CheckOptions = {}): Promise<R> {
-    const decision = await this.check(ctx, options);
+  async admitted<R>(
+    ctx: Context | null,
+    work: (decision: Decision, priceCharged: boolean) => Promise<R>,
+    options: AdmittedOptions = {},
+  ): Promise<R> {
+    const price = options.price && this.pricesAtAdmission ? this.validPrice(options.price) : null;
+    const decision = await this.checked(ctx, options, price);
     let timer: NodeJS.Timeout | undefined;
     if (decision.lease !== null) {
       timer = setInterval(() => {
@@ -415,11 +450,33 @@ export class Governor {
       timer.unref();
     }
     try {
-      return await work(decision);
+      return await work(decision, price !== null && decision.admitted);
     } finally {
       if (timer !== undefined) clearInterval(timer);
       await this.release(decision);
     }
+  }
+
+  /**
+   * Whether admitted() charges a fixed price in its admission's round trip (the
+   * backend writes one charge under two event ids, lua/charge.lua); else the
+   * integrations meter it after the call.
+   */
+  get pricesAtAdmission(): boolean {
+    return this.backend.pricesAtAdmission === true;
+  }
+
+  /** `price` validated whole before anything is charged (an unknown limit throws), its zeros left out; null when nothing is left. */
+  private validPrice(price: Readonly<Record<string, number>>): Price | null {
+    let valid = this.validPrices.get(price);
+    if (valid === undefined) {
+      const pairs = Object.entries(price)
+        .map(([name, amount]) => [planning.meteredLimit(this.policy, name), checkAmount(amount, `price['${name}']`)] as const)
+        .filter(([, amount]) => amount !== 0);
+      valid = pairs.length ? { pairs, key: pairs.map(([l, n]) => `${l.name}=${n}`).join(",") } : null;
+      this.validPrices.set(price, valid);
+    }
+    return valid;
   }
 
   /** Give back the concurrency-cap leases of an admitted decision (never throws for an outage). */
@@ -570,27 +627,33 @@ export class Governor {
 
   // -- internals ------------------------------------------------------------
 
-  private plan(ctx: Context, now: number, calls: number): Plan {
+  private plan(ctx: Context, now: number, calls: number, price: Price | null = null): Plan {
     const minute = Math.floor(now / 60);
     // A caller reusing its context object (a frozen value) skips even the cache key.
     const mine = this.byObject.get(ctx);
-    if (mine !== undefined && mine.minute === minute && mine.calls === calls) return mine.plan;
-    const plan = this.planByKey(ctx, now, calls, minute);
-    this.byObject.set(ctx, { minute, calls, plan });
+    if (mine !== undefined && mine.minute === minute && mine.calls === calls && mine.price === price) return mine.plan;
+    const plan = this.planByKey(ctx, now, calls, minute, price);
+    this.byObject.set(ctx, { minute, calls, price, plan });
     return plan;
   }
 
-  private planByKey(ctx: Context, now: number, calls: number, minute: number): Plan {
-    const key = `${contextKey(ctx)}|${minute}|${calls}`;
+  private planByKey(ctx: Context, now: number, calls: number, minute: number, price: Price | null): Plan {
+    const key = `${contextKey(ctx)}|${minute}|${calls}${price === null ? "" : `|${price.key}`}`;
     let plan = this.plans.get(key);
     if (plan === undefined) {
-      plan = planning.checkPlan(this.policy, ctx, now, calls);
+      plan = this.freshPlan(ctx, now, calls, new Set(), price);
       if (cacheable(ctx)) {
         if (this.plans.size >= 4096) this.plans.clear();
         this.plans.set(key, plan);
       }
     }
     return plan;
+  }
+
+  /** The check's plan, charging `price` too (planning.withPrice). */
+  private freshPlan(ctx: Context, now: number, calls: number, allowed: ReadonlySet<string>, price: Price | null): Plan {
+    const plan = planning.checkPlan(this.policy, ctx, now, calls, allowed);
+    return price === null ? plan : planning.withPrice(plan, planning.meterSlots(price.pairs, ctx, now, this.policy));
   }
 
   /**
@@ -612,10 +675,14 @@ export class Governor {
     const eventId = this.ledger !== null ? newId() : null;
     const opId = eventId === null ? newId() : null;
     const lease = plan.leases.length ? newId() : null;
+    // A fixed price charged with the admission: its in-flight amounts belong to the
+    // cost event (its own id), so the projection moves each exactly once.
+    const costId = eventId !== null && plan.cost ? newId() : null;
+    const charged = eventId !== null && costId !== null ? withCost(eventId, costId, plan.slots.length - plan.cost) : eventId;
     let decision: Decision;
     const n = plan.slots.length;
     try {
-      let result = await this.charge(plan.ops, eventId, true, opId, lease, ticket);
+      let result = await this.charge(plan.ops, charged, true, opId, lease, ticket);
       if (plan.ops.length > n) {
         // An approval's marker came last: refused there, the approval was spent already.
         if (result.refused >= n) return [SPENT, null];
@@ -632,8 +699,13 @@ export class Governor {
         decision = await this.degradedCheck(plan.slots, now, opId, lease, ticket);
       }
     }
+    if (plan.cost && decision.over.length) decision = notOverOnPrice(plan, decision);
     if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
     if (eventId !== null && (recordRefusal || decision.admitted)) await this.logAdmission(eventId, kind, now, ctx, plan, decision, approved);
+    if (costId !== null && decision.admitted) {
+      // The price's own event, after the admission's.
+      await this.append(costId, EntryType.METERED, now, ctx, plan.costCharges, { degraded: decision.degraded });
+    }
     return [decision, eventId];
   }
 
@@ -838,6 +910,17 @@ function entry(
     change: null,
     approved: extra.approved ?? [],
   };
+}
+
+/**
+ * `decision` without the metered-only limits its price went over: `over` names
+ * shadow limits of the check; a price past a metered-only cap is charged, as a
+ * meter charges it (Python: governor._not_over_on_price).
+ */
+function notOverOnPrice(plan: Plan, decision: Decision): Decision {
+  const meteredOnly = new Set(plan.slots.slice(plan.slots.length - plan.cost).filter((s) => !(s.limit.gated || s.limit.breaker)).map((s) => s.limit.name));
+  const over = decision.over.filter((name) => !meteredOnly.has(name));
+  return over.length === decision.over.length ? decision : decision.with({ over });
 }
 
 /** What admit() answers when the approval it was to spend was spent already (or

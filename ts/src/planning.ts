@@ -107,6 +107,10 @@ export interface Plan {
   readonly shadow: boolean;
   readonly charges: readonly LedgerChargeFields[];
   readonly leases: readonly string[];
+  /** How many of the last slots charge the call's fixed price (withPrice): the cost event's. */
+  readonly cost: number;
+  /** The cost event's ledger charges. */
+  readonly costCharges: readonly LedgerChargeFields[];
 }
 
 export function planOf(slots: readonly Slot[]): Plan {
@@ -116,6 +120,34 @@ export function planOf(slots: readonly Slot[]): Plan {
     shadow: slots.some((s) => !s.enforce),
     charges: ledgerCharges(slots),
     leases: slots.filter((s) => s.limit.concurrent).map((s) => s.key),
+    cost: 0,
+    costCharges: [],
+  });
+}
+
+/**
+ * `plan` that also charges a call's fixed price (`price`: meterSlots) in the same
+ * all-or-nothing charge, as the slots of a second (cost) event (Python:
+ * planning.with_price). A priced limit the check consults refuses a price that
+ * does not fit, as the check would (the price replaces the check's read of it);
+ * a metered-only limit is charged without refusing, as a meter would. So
+ * concurrent calls never take a consulted limit past its cap.
+ */
+export function withPrice(plan: Plan, price: readonly Slot[]): Plan {
+  if (!price.length) return plan;
+  const checked = new Map(plan.slots.filter((s) => !s.limit.concurrent).map((s) => [s.key, s]));
+  const priced = price.map((p) => ({ ...p, enforce: checked.get(p.key)?.enforce ?? false }));
+  const read = new Set(priced.filter((p) => checked.get(p.key)?.amount === 0).map((p) => p.key));
+  const kept = plan.slots.filter((s) => !read.has(s.key));
+  const slots = [...kept, ...priced];
+  return Object.freeze({
+    slots,
+    ops: slots.map(opOf),
+    shadow: kept.some((s) => !s.enforce),
+    charges: ledgerCharges(kept),
+    leases: plan.leases,
+    cost: priced.length,
+    costCharges: ledgerCharges(priced),
   });
 }
 

@@ -12,6 +12,7 @@ import { describe, it } from "node:test";
 
 import { CHARGE_MANY_SQL, CHARGE_SQL, chargeManyParams, chargeParams, type BatchedCheck } from "../src/backends/postgres.js";
 import { chargeCommand, chargeFrame } from "../src/backends/redis.js";
+import { splitCost, withCost } from "../src/backends/types.js";
 import { Decision, REFUSAL_META_KEY, refusalBody, refusalMeta, refusalText } from "../src/decision.js";
 import { GovernorError, InvalidInputError, PolicyFileError, UnknownModelError } from "../src/errors.js";
 import { KeyBuilder, SEPARATORS } from "../src/keys.js";
@@ -179,6 +180,31 @@ describe("scripts", () => {
     assert.deepEqual(chargeManyParams(batch, false), read(VECTORS.charge_many.sql), "mcpbg_charge_many");
     assert.deepEqual(chargeManyParams(batch.slice(0, 1), false), read(VECTORS.charge_many.sql_one), "mcpbg_charge_many, one check");
     assert.equal(CHARGE_MANY_SQL, VECTORS.sql.charge_many);
+  });
+
+  it("charge a fixed price with the admission in the one charge.lua call Python's RedisBackend sends", () => {
+    assert.ok(VECTORS.charge_priced.length >= 3);
+    for (const c of VECTORS.charge_priced as Json[]) {
+      const policy = parsePolicy(VECTORS.policies.good[c.policy].toml);
+      const ctx = ctxOf(c.context);
+      // The price's limits in the order Python's mapping gave them (the vectors' JSON
+      // sorts keys): the order of their counters in the command, last seen.
+      const at = (name: string): number => (c.command as string[]).map((a) => a.startsWith(`mcpbg:v1:${name}:`)).lastIndexOf(true);
+      const names = Object.keys(c.price as Record<string, number>).sort((x, y) => at(x) - at(y));
+      const pairs = names.map((name) => [planning.meteredLimit(policy, name), c.price[name] as number] as const);
+      const plan = planning.withPrice(planning.checkPlan(policy, ctx, c.now), planning.meterSlots(pairs, ctx, c.now, policy));
+      const first = plan.slots.length - plan.cost;
+      assert.equal(first, c.cost_from);
+      const options = {
+        eventId: c.ledger ? withCost("0190f5a2-7e3b-7c1d-9f00-0000000000bb", "0190f5a2-7e3b-7c1d-9f00-0000000000ee", first) : null,
+        opId: c.ledger ? null : "0190f5a2-7e3b-7c1d-9f00-0000000000aa",
+        wantUsed: true,
+        nowMs: c.now * 1000,
+      };
+      const what = `${c.policy} priced ${JSON.stringify(c.price)} ledger=${c.ledger}`;
+      assert.deepEqual(["EVALSHA", ...chargeCommand(script("charge").sha, plan.ops, options)], c.command, what);
+      assert.deepEqual(splitCost(withCost("a", "b", first)), ["a", "b", first]);
+    }
   });
 });
 

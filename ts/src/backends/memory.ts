@@ -12,7 +12,7 @@ import { LEASE_PREFIX } from "../keys.js";
 import { MAX_AMOUNT } from "../money.js";
 import { fits, type CounterOp } from "../planning.js";
 import type { CapRef } from "../policy.js";
-import { ADMITTED_RESULT, type Backend, type ChargeOptions, type ChargeResult } from "./types.js";
+import { ADMITTED_RESULT, splitCost, type Backend, type ChargeOptions, type ChargeResult } from "./types.js";
 
 const OP_HORIZON_SECONDS = 900;
 
@@ -45,6 +45,8 @@ function effectiveCap(ref: CapRef | null, fallback: number): number {
 }
 
 export class MemoryBackend implements Backend {
+  /** One charge may admit a call and charge its fixed price under two event ids (withCost). */
+  readonly pricesAtAdmission = true;
   private readonly counters = new Map<string, Counter>();
   private readonly leases = new Map<string, Map<string, number>>();
   private readonly ops = new Map<string, number>();
@@ -139,7 +141,11 @@ export class MemoryBackend implements Backend {
       }
     }
     let wrote = false;
-    for (const op of ops) {
+    // An admission charging the call's price too: counters from costFrom on are the
+    // cost event's in-flight amounts (lua/charge.lua, withCost).
+    let [owner, costId, costFrom] = [eventId, eventId, ops.length];
+    if (eventId.includes(" ")) [owner, costId, costFrom] = splitCost(eventId);
+    for (const [i, op] of ops.entries()) {
       if (options.lease != null && op.key.startsWith(LEASE_PREFIX)) {
         let set = this.leases.get(op.key);
         if (set === undefined) this.leases.set(op.key, (set = new Map()));
@@ -153,7 +159,8 @@ export class MemoryBackend implements Backend {
       if (inline) c.c += op.amount;
       else {
         c.f += op.amount;
-        c.events.set(eventId, (c.events.get(eventId) ?? 0) + op.amount);
+        const id = i >= costFrom ? costId : owner;
+        c.events.set(id, (c.events.get(id) ?? 0) + op.amount);
       }
       c.expireAt = op.expireAt;
       wrote = true;

@@ -200,6 +200,8 @@ export interface RedisBackendOptions {
 }
 
 export class RedisBackend implements Backend {
+  /** One charge may admit a call and charge its fixed price under two event ids (withCost, lua/charge.lua). */
+  readonly pricesAtAdmission = true;
   readonly requireEpoch: boolean;
   readonly clock: () => number;
   private readonly scripts: Record<"charge" | "usage" | "lease", Script>;

@@ -43,6 +43,28 @@ export interface Backend {
    * backend is one process's own, and so is the key.
    */
   approvalKey?(): Promise<Uint8Array>;
+  /**
+   * Whether one charge may admit a call and charge its fixed price under two
+   * event ids (withCost): Governor.admitted's `price` then takes one round trip.
+   */
+  readonly pricesAtAdmission?: boolean;
+}
+
+/**
+ * The event id of a charge that admits a call and charges its fixed price in one
+ * round trip (Python: counters.with_cost): ops from index `first` on hold
+ * in-flight amounts of the cost event `costId`, those before of the admission
+ * `eventId` (lua/charge.lua reads "<admission id> <cost id> <j>", j counted
+ * from 1; event ids hold no space).
+ */
+export function withCost(eventId: string, costId: string, first: number): string {
+  return `${eventId} ${costId} ${first + 1}`;
+}
+
+/** withCost read back: [admission id, cost id, index of the first cost op]. */
+export function splitCost(argument: string): [string, string, number] {
+  const [eventId = "", costId = "", j = "1"] = argument.split(" ");
+  return [eventId, costId, Number(j) - 1];
 }
 
 export const ADMITTED_RESULT: ChargeResult = Object.freeze({ refused: -1, used: [], caps: [] });

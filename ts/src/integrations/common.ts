@@ -304,6 +304,12 @@ export function approvalSeconds(timeout: unknown): number {
  * for a slot first), reserve estimates, run, then charge: a completed call is
  * charged its price even past a cap; a failed one its fixed price.
  *
+ * A price known before the work runs (`fixed`, with no `estimate`) is charged by
+ * the admission itself, in its one round trip (Governor.admitted's `price`, on
+ * Redis and in memory): a price that does not fit a limit the check consults
+ * refuses the call, and an admitted call has paid, so nothing is charged after
+ * the work, whatever it does (Python: flow.governed_call).
+ *
  * `estimate` (`{limit: amount}`) makes the call a hard cap: the estimates are
  * reserved after the check, all or nothing in one round trip (refused whole when
  * one does not fit, so two calls near their caps cannot each hold part and refuse
@@ -333,15 +339,17 @@ export async function governedCall<R>(
   const over = [...approved];
   // Cancelled before its check: nothing reached the counters, nothing to pay.
   if (signal?.aborted) throw signal.reason;
+  const price = fixed !== null && Object.keys(fixed).length && !(estimate !== null && Object.keys(estimate).length) ? fixed : null;
   for (;;) {
     // admitted() hands back the decision, refused or not; a refused one holds no lease.
     const outcome = await governor.admitted(
       caller,
-      async (decision): Promise<{ refused: Decision } | { result: R }> => {
+      async (decision, paid): Promise<{ refused: Decision } | { result: R }> => {
         if (!decision.admitted) return { refused: decision };
-        return { result: await run(governor, caller, work, fixed, estimate, over, signal) };
+        // Paid with the admission: nothing is left to charge, whatever the work does.
+        return { result: await run(governor, caller, work, paid ? null : fixed, estimate, over, signal) };
       },
-      { wait, approved: over, approval, ...(signal !== undefined && { signal }) },
+      { wait, approved: over, approval, price, ...(signal !== undefined && { signal }) },
     );
     if ("result" in outcome) return outcome.result;
     const decision = outcome.refused;
