@@ -139,6 +139,7 @@ class Governor(Metering[MeterResult]):
         if observer is not None:
             observer.attach(self)
         self._detached: set[asyncio.Future[None]] = set()  # meter_behind's replies
+        self._prices_seen: dict[Any, Price] = {}  # see _price
 
     def replace_policy(self, policy: Policy) -> Policy:
         """Govern every call from now on by ``policy`` (a reload); returns the old one.
@@ -155,6 +156,7 @@ class Governor(Metering[MeterResult]):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
         old, self.policy = self.policy, self._fallback_policy(policy)
         self._plans.clear()  # plans hold limits and caps of the old policy
+        self._prices_seen.clear()  # validated against the old policy's limits
         return old
 
     def _fallback_policy(self, policy: Policy) -> Policy:
@@ -371,14 +373,30 @@ class Governor(Metering[MeterResult]):
         ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
         (a refused decision holds no lease).
         """
-        priced = None
-        if price and self.prices_at_admission:
-            # Validated here, whole, before anything is charged (an unknown limit
-            # raises PolicyError), and hashable: the plan cache keys on it.
-            priced = tuple(
-                (lim.name, n) for lim, n in planning.charge_pairs(self.policy, price) if n
-            )
-        return Admission(self, ctx, amount, approved, _wait_seconds(wait), priced or None)
+        priced = self._price(price) if price and self.prices_at_admission else None
+        return Admission(self, ctx, amount, approved, _wait_seconds(wait), priced)
+
+    def _price(self, price: Mapping[str, int]) -> Price | None:
+        """``price`` validated whole before anything is charged (an unknown limit raises
+        PolicyError), its zero amounts left out, hashable (the plan cache keys on it);
+        a tool's price is validated once per policy, not once per call."""
+        given: Any = None
+        known = None
+        if isinstance(price, Mapping):
+            # Keyed by type too: True == 1, and a bool is no amount.
+            given = tuple((k, v.__class__, v) for k, v in price.items())
+            try:
+                known = self._prices_seen.get(given)
+            except TypeError:  # an unhashable amount: invalid, said below
+                given = None
+        if known is None:
+            valid = planning.charge_pairs(self.policy, price)
+            known = tuple((lim.name, n) for lim, n in valid if n)
+            if given is not None:
+                if len(self._prices_seen) >= 1024:
+                    self._prices_seen.clear()
+                self._prices_seen[given] = known
+        return known or None
 
     @property
     def prices_at_admission(self) -> bool:
