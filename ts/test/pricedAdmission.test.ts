@@ -51,7 +51,19 @@ for (const [name, open] of backends()) {
       assert.equal(charges(), 1, "one charge.lua call: the admission charged the price");
       await assert.rejects(governedCall(gov, ctx, fail, price, null), /tool failed/);
       assert.equal(charges(), 2, "a failed call paid with its admission: nothing more");
-      for (let i = 0; i < 3; i++) await governedCall(gov, ctx, ok, price, null);
+      // Cancelled during its admission: the work never starts, the price is paid once.
+      const cancel = new AbortController();
+      let started = false;
+      const send = backend.charge;
+      backend.charge = (...args: Parameters<Backend["charge"]>) => {
+        cancel.abort(new Error("cancelled")); // while the admission's charge is on its way
+        return send(...args);
+      };
+      await assert.rejects(governedCall(gov, ctx, async () => (started = true), price, null, 0, null, cancel.signal), /cancelled/);
+      backend.charge = send;
+      assert.equal(started, false);
+      assert.equal(charges(), 3, "a cancelled call paid with its admission: nothing more");
+      for (let i = 0; i < 2; i++) await governedCall(gov, ctx, ok, price, null);
       // $0.05 of room on the gated limit: the sixth price does not fit, the call is refused.
       let ran = false;
       await assert.rejects(
