@@ -216,6 +216,29 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def open_reservations(
+    con: duckdb.DuckDBPyConnection, now: int
+) -> dict[str, dict[str, tuple[int, int]]]:
+    """The reservations the ledger holds open at ``now`` (counters.Holds): reserved event
+    id -> counter key -> (estimate, expire_at), for the charges whose counter lives and
+    whose reservation no settled, released or recovered event of the ledger closed."""
+    sql = """
+        SELECT id, "key", amount, expire_at FROM ledger
+        WHERE "type" = 'mcpbg.reserved.v1' AND "key" IS NOT NULL AND expire_at > ?
+          AND id NOT IN (SELECT reservation FROM ledger WHERE reservation IS NOT NULL
+                         AND "type" IN ('mcpbg.settled.v1', 'mcpbg.released.v1',
+                                        'mcpbg.recovered.v1'))
+    """
+    try:
+        rows = con.execute(sql, [int(now)]).fetchall()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for reservation, key, amount, expire_at in rows:
+        out.setdefault(str(reservation), {})[str(key)] = (int(amount), int(expire_at))
+    return out
+
+
 def query_error(exc: duckdb.Error) -> LedgerError:
     """A DuckDB error met while reading the ledger, as one line (it names the file)."""
     return LedgerError(f"reading the ledger failed: {_first_line(exc)}")

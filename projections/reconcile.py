@@ -373,11 +373,19 @@ def limit_meta(con: duckdb.DuckDBPyConnection) -> dict[str, LimitMeta]:
 
 
 def recovery_entries(
-    orphans: Sequence[Orphan], meta: Mapping[str, LimitMeta]
+    orphans: Sequence[Orphan],
+    meta: Mapping[str, LimitMeta],
+    holds: Mapping[str, Mapping[str, tuple[int, int]]] | None = None,
 ) -> tuple[list[LedgerEntry], list[Orphan]]:
     """One ``recovered`` entry per orphaned event id, and the orphans that cannot be
     settled (their limit's unit is unknown: no ledger event ever named it, or the
     counter has no expiry to give the charge).
+
+    An orphan that refunds (a settlement or release whose event was lost) draws on
+    a reservation, as the projection requires (``counters.Holds``): the entry
+    names one of ``holds`` (``ledger_view.open_reservations``) made before it
+    whose estimate on each of its counters covers the refund; without one, the
+    orphan cannot be settled.
 
     Each entry has the orphan's id and time (its UUIDv7), one charge per counter
     with that id in flight (the amount Redis holds, the key's bucket, the
@@ -388,6 +396,7 @@ def recovery_entries(
         by_id.setdefault(o.event_id, []).append(o)
     entries: list[LedgerEntry] = []
     unfixable: list[Orphan] = []
+    open_ones = dict(holds or {})
     for event_id, group in sorted(by_id.items()):
         parsed = [(o, parse_key(o.key)) for o in group]
         if any(
@@ -411,8 +420,31 @@ def recovery_entries(
                     context.setdefault(dim.value, value)
         made = id_time(event_id)
         assert made is not None
+        reservation = None
+        refunds = {o.key: -o.amount for o in group if o.amount < 0}
+        if refunds:
+            reservation = next(
+                (
+                    r
+                    for r, held in sorted(open_ones.items())
+                    if r < event_id
+                    and all(k in held and held[k][0] >= a for k, a in refunds.items())
+                ),
+                None,
+            )
+            if reservation is None:
+                unfixable += group
+                continue
+            del open_ones[reservation]  # a reservation closes once
         entries.append(
-            LedgerEntry(event_id, EntryType.RECOVERED, made, Context(**context), tuple(charges))
+            LedgerEntry(
+                event_id,
+                EntryType.RECOVERED,
+                made,
+                Context(**context),
+                tuple(charges),
+                reservation=reservation,
+            )
         )
     return entries, unfixable
 

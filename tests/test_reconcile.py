@@ -499,3 +499,36 @@ async def test_run_time_changes_of_segments_older_than_the_change_column_are_not
     assert run_time_state(store_url) == before
     code, out, _ = reconcile(capsys, "--json", *args)
     assert code == 0 and json.loads(out)["run_time_unreadable"] == 11, out
+
+
+async def test_a_lost_settlement_is_recovered_against_its_reservation(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A process died between a settlement's charge and its append: the refund is in
+    flight under an id the ledger never saw. ``--fix`` recovers it naming the open
+    reservation it draws on (the projection refuses a refund of none), and the
+    counter ends at the real cost, nothing in flight."""
+    from mcp_budget_governor import Context, Governor
+    from mcp_budget_governor.producers.file_ledger import FileLedger, FileProjector
+    from testing.ledger_run import TENANTS, policy
+
+    backend = backend_for(store_url)
+    folder = tmp_path / "ledger"
+    ledger = FileLedger(folder, fsync="never")
+    gov = Governor(policy(), backend, ledger=ledger)
+    ctx = Context(user="settle-lost", tenant=TENANTS[0], tool="search")
+    held = await gov.reserve("spend", 50_000, ctx)
+    gov.ledger = LostLedger()  # type: ignore[assignment]  # the settlement's append is lost
+    await gov.settle(held, 10_000)
+    await ledger.aclose()
+    await FileProjector(folder, backend).catch_up()
+    args = ["--ledger-dir", str(folder), *store_args(store_url), "--older-than", "0"]
+    code, out, err = await asyncio.to_thread(reconcile, capsys, "--fix", *args)
+    assert code == 1 and "settled: 1 recovery events appended to the ledger" in out, out + err
+    assert "not settled" not in out, out
+    await FileProjector(folder, backend).catch_up()
+    spend = [v for k, v in live_counters(store_url).items() if k.startswith("mcpbg:v1:spend:")]
+    await backend.aclose()
+    assert spend == [(10_000, 0)], spend
+    code, out, _ = reconcile(capsys, *args)
+    assert code == 0 and "no orphaned in-flight amounts" in out, out

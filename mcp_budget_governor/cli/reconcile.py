@@ -74,6 +74,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..errors import InvalidInputError
     from ..projections.counters.rebuild import open_store
+    from ..projections.ledger_view import open_reservations
     from ..projections.reconcile import DEFAULT_ORPHAN_AGE, limit_meta, reconcile
     from .render import console, print_table
 
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
             'SELECT partition_name, "offset", id, reason FROM dead_letters ORDER BY 1, 2'
         ).fetchall()
         if args.fix and result.orphans:
-            recovered, unfixable = _settle(args, result.orphans, limit_meta(con))
+            holds = open_reservations(con, int(result.now))
+            recovered, unfixable = _settle(args, result.orphans, limit_meta(con), holds)
     finally:
         client.close()
         con.close()
@@ -247,18 +249,23 @@ def _print_orphans(
     if args.fix:
         line = f"settled: {recovered:,} recovery events appended to the ledger"
         if unfixable:
-            line += f"; not settled: {len(unfixable):,} entries (no ledger event names the limit)"
+            line += (
+                f"; not settled: {len(unfixable):,} entries (no ledger event names the limit, "
+                "or a refund no open reservation covers)"
+            )
         console().print(line)
 
 
-def _settle(args: argparse.Namespace, orphans: list[Any], meta: Any) -> tuple[int, list[Any]]:
+def _settle(
+    args: argparse.Namespace, orphans: list[Any], meta: Any, holds: Any
+) -> tuple[int, list[Any]]:
     """Append one recovery event per orphaned id to the ledger; (appended, unfixable)."""
     import asyncio
 
     from ..errors import InvalidInputError
     from ..projections.reconcile import recovery_entries
 
-    entries, unfixable = recovery_entries(orphans, meta)
+    entries, unfixable = recovery_entries(orphans, meta, holds)
     if not entries:
         return 0, unfixable
     kafka_url, ledger_dir = setting(args, "kafka_url"), setting(args, "ledger_dir")

@@ -36,7 +36,7 @@ from mcp_budget_governor.keys import EPOCH_KEY, HOLD_PREFIX, SEEN_PREFIX, WATERM
 from mcp_budget_governor.ledger import EntryType, new_id
 from mcp_budget_governor.lua import source
 
-from ..ledger_view import query_error
+from ..ledger_view import open_reservations, query_error
 from .redis import change_tokens
 from .sync import (
     SEEN_DAY_SQL,
@@ -221,7 +221,7 @@ def rebuild_from_ledger(
         result.seconds = time.perf_counter() - started
         return result
     marks_after = {name: after for name, (_, after) in result.watermarks.items()}
-    holds = _open_holds(con, clock)
+    holds = open_reservations(con, clock)
     if postgres:
         _restore_holds_postgres(client, holds)  # before the epoch: no settle meets none
         todo = [c for c in run_time if c is not None]
@@ -418,27 +418,6 @@ def _restore_changes(client: redis.Redis, changes: Sequence[CapsChange | None], 
 
 #: Run-time changes applied per script call (a script blocks Redis while it runs).
 _CHANGES_PER_CALL = 500
-
-
-def _open_holds(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, dict[str, tuple[int, int]]]:
-    """The reservations the ledger holds open at ``now`` (counters.Holds): reserved event
-    id -> counter key -> (estimate, expire_at), for the charges whose counter lives and
-    whose reservation no settled, released or recovered event of the ledger closed."""
-    sql = """
-        SELECT id, "key", amount, expire_at FROM ledger
-        WHERE "type" = 'mcpbg.reserved.v1' AND "key" IS NOT NULL AND expire_at > ?
-          AND id NOT IN (SELECT reservation FROM ledger WHERE reservation IS NOT NULL
-                         AND "type" IN ('mcpbg.settled.v1', 'mcpbg.released.v1',
-                                        'mcpbg.recovered.v1'))
-    """
-    try:
-        rows = con.execute(sql, [int(now)]).fetchall()
-    except duckdb.Error as exc:
-        raise query_error(exc) from None
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    for reservation, key, amount, expire_at in rows:
-        out.setdefault(str(reservation), {})[str(key)] = (int(amount), int(expire_at))
-    return out
 
 
 def _restore_holds_redis(
