@@ -26,12 +26,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import admin, bounds, planning
+from . import admin, bounds, planning, reading
 from .approval import Approval, spend_op
 from .backends.base import adapted, epoch_clock
 from .caps import Change
 from .context import EMPTY, Context, cacheable
-from .counters import Backend, ChargeResult, CounterOp, fits, with_cost
+from .counters import Backend, ChargeResult, CounterOp, with_cost
 from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
     BackendBusyError,
@@ -42,12 +42,12 @@ from .errors import (
 )
 from .holds import Admission, Reservation
 from .ledger import EntryType, Ledger, LedgerCharge, LedgerEntry, TokenUsage, new_id
-from .limits import FailMode, Limit, OnExceed
+from .limits import Limit, OnExceed
 from .memory_backend import MemoryBackend
 from .metering import Metering
 from .money import check_amount
 from .observe import Observer
-from .outage import Outage, local
+from .outage import Outage
 from .planning import Slot
 from .policy import Policy
 from .prices import PriceTable
@@ -139,6 +139,7 @@ class Governor(Metering[MeterResult]):
         if observer is not None:
             observer.attach(self)
         self._detached: set[asyncio.Future[None]] = set()  # meter_behind's replies
+        self._prices_seen: dict[Any, Price] = {}  # see _price
 
     def replace_policy(self, policy: Policy) -> Policy:
         """Govern every call from now on by ``policy`` (a reload); returns the old one.
@@ -155,6 +156,7 @@ class Governor(Metering[MeterResult]):
             raise InvalidInputError("policy", policy, "expected a Policy (use Policy.of(...))")
         old, self.policy = self.policy, self._fallback_policy(policy)
         self._plans.clear()  # plans hold limits and caps of the old policy
+        self._prices_seen.clear()  # validated against the old policy's limits
         return old
 
     def _fallback_policy(self, policy: Policy) -> Policy:
@@ -371,14 +373,30 @@ class Governor(Metering[MeterResult]):
         ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
         (a refused decision holds no lease).
         """
-        priced = None
-        if price and self.prices_at_admission:
-            # Validated here, whole, before anything is charged (an unknown limit
-            # raises PolicyError), and hashable: the plan cache keys on it.
-            priced = tuple(
-                (lim.name, n) for lim, n in planning.charge_pairs(self.policy, price) if n
-            )
-        return Admission(self, ctx, amount, approved, _wait_seconds(wait), priced or None)
+        priced = self._price(price) if price and self.prices_at_admission else None
+        return Admission(self, ctx, amount, approved, _wait_seconds(wait), priced)
+
+    def _price(self, price: Mapping[str, int]) -> Price | None:
+        """``price`` validated whole before anything is charged (an unknown limit raises
+        PolicyError), its zero amounts left out, hashable (the plan cache keys on it);
+        a tool's price is validated once per policy, not once per call."""
+        given: Any = None
+        known = None
+        if isinstance(price, Mapping):
+            # Keyed by type too: True == 1, and a bool is no amount.
+            given = tuple((k, v.__class__, v) for k, v in price.items())
+            try:
+                known = self._prices_seen.get(given)
+            except TypeError:  # an unhashable amount: invalid, said below
+                given = None
+        if known is None:
+            valid = planning.charge_pairs(self.policy, price)
+            known = tuple((lim.name, n) for lim, n in valid if n)
+            if given is not None:
+                if len(self._prices_seen) >= 1024:
+                    self._prices_seen.clear()
+                self._prices_seen[given] = known
+        return known or None
 
     @property
     def prices_at_admission(self) -> bool:
@@ -462,13 +480,7 @@ class Governor(Metering[MeterResult]):
 
     async def usage(self, limit: str, ctx: Context | None = None) -> int:
         """What ``limit`` has counted in the current window for ``ctx`` (committed + in-flight)."""
-        s = self._read_slot(limit, ctx or EMPTY)
-        await self._outage.flush(self.backend)
-        if s.limit.concurrent:  # a concurrency cap: its calls in progress
-            (held,) = await self.backend.in_progress([s.key])  # type: ignore[attr-defined]
-            return int(held)
-        (total,) = await self.backend.usage([s.key])
-        return total
+        return await reading.usage(self.backend, self._outage, self._read_slot(limit, ctx or EMPTY))
 
     async def is_tripped(self, limit: str, ctx: Context | None = None) -> bool:
         """Whether ``limit`` is exhausted for ``ctx`` (its total has reached the cap), so
@@ -479,10 +491,7 @@ class Governor(Metering[MeterResult]):
         fallback (not tripped without one).
         """
         s = self._read_slot(limit, ctx or EMPTY)
-        ((total, cap),) = await self._read((s,))
-        if s.limit.concurrent:  # full: the next call is refused
-            return not fits(await self.usage(limit, ctx), 1, cap)
-        return total is not None and not fits(total, 0, cap)
+        return await reading.is_tripped(self.backend, self._outage, s)
 
     async def status(self, ctx: Context | None = None) -> dict[str, dict[str, int | bool | None]]:
         """Usage of every limit whose scope ``ctx`` supplies, in one read-only round trip.
@@ -494,74 +503,14 @@ class Governor(Metering[MeterResult]):
         counters unreachable, fail modes apply as in :meth:`is_tripped`; a
         limit without an answer is left out.
         """
-        ctx = ctx or EMPTY
         now = self._clock()
-        tz = self.policy.tz
-        every = [
-            s
-            for lim in self.policy.limits
-            if (s := planning.slot(lim, ctx, now, tz, 0, enforce=False, policy=self.policy))
-            is not None
-        ]
-        read = await self._read(every) if every else []
-        report: dict[str, dict[str, int | bool | None]] = {}
-        leases = [(s, cap) for s, (_, cap) in zip(every, read, strict=True) if s.limit.concurrent]
-        if leases:
-            try:
-                held = await self.backend.in_progress([s.key for s, _ in leases])  # type: ignore[attr-defined]
-            except BackendUnavailableError:
-                held = None
-            for (s, cap), n in zip(leases, held or (), strict=False):
-                # A concurrency cap is reached when one more call would not fit.
-                report[s.limit.name] = _status_row(n, cap, 1, None)
-        for s, (total, cap) in zip(every, read, strict=True):
-            if total is not None and not s.limit.concurrent:
-                report[s.limit.name] = _status_row(total, cap, 0, s.bucket.seconds_left(now))
-        return report
+        return await reading.status(self.policy, self.backend, self._outage, ctx or EMPTY, now)
 
     def _read_slot(self, limit: str, ctx: Context) -> Slot:
-        lim = self.policy[limit]
-        s = planning.slot(
-            lim, ctx, self._clock(), self.policy.tz, 0, enforce=False, policy=self.policy
-        )
-        if s is None:
-            planning.require_keyed((lim,), ctx)
-        assert s is not None
-        return s
+        return reading.slot_of(self.policy, limit, ctx, self._clock())
 
     async def _read(self, slots: Sequence[Slot]) -> list[tuple[int | None, int]]:
-        """The totals of ``slots`` and their effective caps with grants, writing nothing
-        (outage charges not yet replayed are left for the next charge); unreachable
-        counters: each limit's fail mode, against the caps last seen.
-
-        One round trip: the admission script with every amount zero and nothing
-        enforced reads each counter and resolves its cap as a check would (the
-        same rule, one home), and writes nothing. A lease set's cap is resolved on
-        a key that never exists (no counter, no grant); its calls in progress
-        are read by ``in_progress``."""
-        if not self._outage.degraded:
-            probe = [
-                CounterOp(_CAP_PROBE + s.key if s.limit.concurrent else s.key, 0,
-                          s.limit.cap, False, s.expire_at, s.ref)
-                for s in slots
-            ]  # fmt: skip
-            try:
-                result = await self.backend.charge(probe, want_used=True)
-            except BackendUnavailableError:
-                self._outage.mark_down()
-            else:
-                caps = result.caps or tuple(s.limit.cap for s in slots)
-                return list(zip(result.used, caps, strict=True))
-        for s in slots:
-            if s.limit.fail_mode is FailMode.CLOSED:
-                raise BackendUnavailableError(
-                    f"limit {s.limit.name!r} fails closed and its counters cannot be reached"
-                )
-        totals = await self._outage.fallback.usage([s.key for s in slots])
-        return [
-            (t if local(s.limit) else None, self._outage.caps_seen.get(s.key, s.limit.cap))
-            for s, t in zip(slots, totals, strict=True)
-        ]
+        return await reading.read(self.backend, self._outage, slots)
 
     async def aclose(self) -> None:
         """Flush what can be flushed and close the backend and ledger."""
@@ -1081,10 +1030,6 @@ class Governor(Metering[MeterResult]):
         await self.ledger.append(LedgerEntry(event_id, kind, now, ctx, charges, **extra))
 
 
-#: Put before a lease set's key, a counter key that never exists: where
-#: :meth:`Governor._read` resolves a concurrency cap's effective cap.
-_CAP_PROBE = "mcpbg:v1:_probe:"
-
 #: The longest a call may wait for a concurrency slot (seconds).
 MAX_WAIT = 3600.0
 
@@ -1133,16 +1078,3 @@ def _names(approved: frozenset[str]) -> tuple[str, ...]:
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
-
-
-def _status_row(
-    total: int, cap: int, more: int, resets_in: int | None
-) -> dict[str, int | bool | None]:
-    """One limit's row of :meth:`Governor.status`."""
-    return {
-        "total": total,
-        "cap": cap,
-        "remaining": max(cap - total, 0),
-        "exceeded": not fits(total, more, cap),
-        "resets_in": resets_in,
-    }

@@ -103,6 +103,13 @@ class Admission:
             except Exception:  # a failed renewal must not end the call
                 log.exception("renewing lease %s failed", decision.lease)
 
+    @property
+    def holding(self) -> bool:
+        """Whether exiting has anything to give back (a lease, its renewal): a call
+        without one may skip the exit's shielded step."""
+        held = self._held
+        return self._renewer is not None or (held is not None and held.lease is not None)
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -114,8 +121,9 @@ class Admission:
             renewer.cancel()
         if self._held is not None:
             decision, self._held = self._held, None
-            # To its end: a cancelled call still gives its slot back at once.
-            await to_the_end(self._gov.release(decision))
+            if decision.lease is not None:
+                # To its end: a cancelled call still gives its slot back at once.
+                await to_the_end(self._gov.release(decision))
 
 
 class Reservation:

@@ -90,9 +90,7 @@ class Policy:
             if not isinstance(limit, Limit):
                 raise PolicyError(f"Policy.limits[{i}]", limit, "expected a Limit")
             if limit.name in seen:
-                raise PolicyError(
-                    f"Policy.limits[{i}].name", limit.name, "duplicate limit names"
-                )
+                raise PolicyError(f"Policy.limits[{i}].name", limit.name, "duplicate limit names")
             seen.add(limit.name)
         object.__setattr__(self, "limits", tuple(limits))
         object.__setattr__(self, "_by_name", {lim.name: lim for lim in limits})

@@ -202,7 +202,7 @@ async def governed_call(
         return result
     finally:
         _current.reset(token)
-        if admission is not None:
+        if admission is not None and admission.holding:  # its leases back, to the end
             await _to_the_end(admission.__aexit__(None, None, None))
 
 

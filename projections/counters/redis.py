@@ -585,7 +585,9 @@ class RedisBackend(KeyValueOps):
             assert op_id is not None
             first = p.counters_b.join((pack_args([op_key(op_id)]), pack_args([op_id])))
         else:
-            first = pack_args([event_id or ""])
+            eid = (event_id or "").encode()
+            first = b"$%d\r\n%s\r\n" % (len(eid), eid)
+        now = str(int(self.clock() * 1000)).encode()  # _now_ms, packed in one step
         return b"".join(
             (
                 b"*%d\r\n" % (p.count + len(lease_args)),
@@ -595,7 +597,7 @@ class RedisBackend(KeyValueOps):
                 p.flags_b,
                 pack_args(lease_args) if lease_args else b"",
                 p.tail_b,
-                pack_args([self._now_ms()]),
+                b"$%d\r\n%s\r\n" % (len(now), now),
             )
         )
 

@@ -11,11 +11,15 @@
 //
 // Target (issue 33): governed <= 1.03x redis_rtt over streamable HTTP, and the
 // price counted exactly (the USD counter = governed calls x price, the count
-// limit = governed calls). Over streamable HTTP every server is a process of
-// its own (this script with --serve); over the SDK's in-memory transport
-// (FastMCP.connect) client and servers share this process.
+// limit = governed calls). The three are tools of one server (governTool on
+// one of them), called by one client: only the tool differs, so the scheduling
+// of a process of its own, which on a loaded machine moves a variant by 20%
+// either way, does not. --apart gives each its own server instead (Python's
+// layout). Over streamable HTTP the server is a process of its own (this
+// script with --serve); over the SDK's in-memory transport (FastMCP.connect)
+// client and server share this process.
 //
-//   npx tsx bench/peers.ts [--redis URL] [--calls N] [--rounds R] [--chunk K] [--json]
+//   npx tsx bench/peers.ts [--redis URL] [--calls N] [--rounds R] [--chunk K] [--apart] [--json]
 //
 // Default Redis: MCPBG_TEST_REDIS_URL, else redis://127.0.0.1:6379/13. Only this
 // run's keys are written (mcpbg:v1:bench_<run id>_*; the run deletes them). Exit
@@ -35,7 +39,7 @@ import { Redis } from "ioredis";
 import { z } from "zod";
 
 import { Governor, Limit, MAX_AMOUNT, Policy, RedisBackend, Unit, Window, context, usd } from "../src/index.js";
-import { governFastMCP } from "../src/integrations/fastmcp.js";
+import { governTool } from "../src/integrations/fastmcp.js";
 
 const TARGET = 1.03;
 const PRICE = "0.001";
@@ -50,6 +54,7 @@ const { values } = parseArgs({
     chunk: { type: "string", default: "25" },
     warmup: { type: "string", default: "100" },
     json: { type: "boolean", default: false },
+    apart: { type: "boolean", default: false },
     serve: { type: "string" },
     port: { type: "string" },
     rid: { type: "string" },
@@ -64,39 +69,42 @@ const policyOf = (rid: string): Policy =>
     new Limit(`bench_${rid}_spend`, { cap: MAX_AMOUNT, window: Window.DAY, unit: Unit.USD_MICROS, gated: false }),
   );
 
-/** The server of one kind; `close` ends what it holds open. */
-function buildServer(kind: Kind, rid: string): { server: FastMCP; close: () => Promise<void> } {
+/** One server with a tool per kind (named by it); `close` ends what it holds open. */
+function buildServer(kinds: readonly Kind[], rid: string): { server: FastMCP; close: () => Promise<void> } {
   const server = new FastMCP({ name: "peer", version: "1.0.0" });
-  let close = async (): Promise<void> => undefined;
-  let rtt: (() => Promise<unknown>) | null = null;
-  if (kind === "governed") {
-    const governor = new Governor(policyOf(rid), RedisBackend.fromUrl(url, { timeout: 5 }));
-    governFastMCP(server, governor, { identify: () => context({ user: "bench_user" }) });
-    close = () => governor.close();
-  } else if (kind === "redis_rtt") {
-    const client = new Redis(url);
-    const noop = readFileSync(new URL("../../testing/noop.lua", import.meta.url), "utf8");
-    let sha: string | null = null;
-    rtt = async () => client.evalsha((sha ??= (await client.script("LOAD", noop)) as string), 0);
-    close = async () => void client.disconnect();
+  const closers: (() => Promise<void>)[] = [];
+  for (const kind of kinds) {
+    let rtt: (() => Promise<unknown>) | null = null;
+    if (kind === "redis_rtt") {
+      const client = new Redis(url);
+      const noop = readFileSync(new URL("../../testing/noop.lua", import.meta.url), "utf8");
+      let sha: string | null = null;
+      rtt = async () => client.evalsha((sha ??= (await client.script("LOAD", noop)) as string), 0);
+      closers.push(async () => void client.disconnect());
+    }
+    const tool = {
+      name: kind,
+      parameters: z.object({ n: z.number() }),
+      execute: async ({ n }: { n: number }) => {
+        if (rtt !== null) await rtt(); // the calibration: what one Redis round trip costs here
+        return String(n);
+      },
+    };
+    if (kind === "governed") {
+      const governor = new Governor(policyOf(rid), RedisBackend.fromUrl(url, { timeout: 5 }));
+      closers.push(() => governor.close());
+      const priced = { ...tool, _meta: { mcpbg: { cost_usd: PRICE, limit: `bench_${rid}_spend` } } };
+      server.addTool(governTool(governor, priced, { identify: () => context({ user: "bench_user" }) }));
+    } else server.addTool(tool);
   }
-  const meta = kind === "governed" ? { mcpbg: { cost_usd: PRICE, limit: `bench_${rid}_spend` } } : undefined;
-  server.addTool({
-    name: "work",
-    parameters: z.object({ n: z.number() }),
-    ...(meta !== undefined && { _meta: meta }),
-    execute: async ({ n }) => {
-      if (rtt !== null) await rtt(); // the calibration: what one Redis round trip costs here
-      return String(n);
-    },
-  });
-  return { server, close };
+  return { server, close: async () => void (await Promise.all(closers.map((c) => c()))) };
 }
 
 // -- --serve: one server over streamable HTTP, until SIGTERM ------------------------
 
 if (values.serve !== undefined) {
-  const { server, close } = buildServer(values.serve as Kind, values.rid ?? "");
+  const kinds = values.serve === "all" ? KINDS : [values.serve as Kind];
+  const { server, close } = buildServer(kinds, values.rid ?? "");
   await server.start({ transportType: "httpStream", httpStream: { port: Number(values.port), host: "127.0.0.1" } });
   process.on("SIGTERM", () => {
     void server
@@ -169,11 +177,11 @@ async function latency(targets: Record<Kind, Call>, counted: { governed: number;
   return samples;
 }
 
-/** A tools/call through `client` that throws unless the tool answered. */
-function caller(client: Client): Call {
+/** A tools/call of `name` through `client` that throws unless the tool answered. */
+function caller(client: Client, name: Kind): Call {
   let n = 0;
   return async () => {
-    const r = await client.callTool({ name: "work", arguments: { n: n++ } });
+    const r = await client.callTool({ name, arguments: { n: n++ } });
     if (r.isError) throw new Error(JSON.stringify(r.content));
   };
 }
@@ -195,12 +203,15 @@ async function main(): Promise<void> {
   const closers: (() => Promise<void>)[] = [];
   const results: Record<string, ReturnType<typeof summary>> = {};
   try {
+    // The servers: one with every tool, or one per kind (--apart).
+    const groups: (readonly Kind[])[] = values.apart ? KINDS.map((k) => [k]) : [KINDS];
     // Streamable HTTP: a server process each.
     const script = fileURLToPath(import.meta.url);
     const http = {} as Record<Kind, Call>;
-    for (const kind of KINDS) {
+    for (const group of groups) {
       const port = await freePort();
-      const child = spawn(process.execPath, [...process.execArgv, script, "--serve", kind, "--port", String(port), "--rid", rid, "--redis", url], {
+      const serve = group.length > 1 ? "all" : (group[0] ?? "");
+      const child = spawn(process.execPath, [...process.execArgv, script, "--serve", serve, "--port", String(port), "--rid", rid, "--redis", url], {
         stdio: ["ignore", "ignore", "inherit"],
       });
       children.push(child);
@@ -208,21 +219,21 @@ async function main(): Promise<void> {
       const client = new Client({ name: "bench", version: "1.0.0" });
       await client.connect(new StreamableHTTPClientTransport(new URL(`http://127.0.0.1:${port}/mcp`)));
       clients.push(client);
-      http[kind] = caller(client);
+      for (const kind of group) http[kind] = caller(client, kind);
     }
     process.stderr.write("streamable HTTP\n");
     results["streamable_http"] = summary(await latency(http, counted));
 
     // In memory: client and servers in this process.
     const memory = {} as Record<Kind, Call>;
-    for (const kind of KINDS) {
-      const { server, close } = buildServer(kind, rid);
+    for (const group of groups) {
+      const { server, close } = buildServer(group, rid);
       closers.push(close);
       const [clientSide, serverSide] = InMemoryTransport.createLinkedPair();
       const client = new Client({ name: "bench", version: "1.0.0" });
       await Promise.all([server.connect(serverSide), client.connect(clientSide)]);
       clients.push(client);
-      memory[kind] = caller(client);
+      for (const kind of group) memory[kind] = caller(client, kind);
     }
     process.stderr.write("in memory\n");
     results["in_memory"] = summary(await latency(memory, counted));
@@ -250,9 +261,10 @@ async function main(): Promise<void> {
   const http = results["streamable_http"]?.find((r) => r.kind === "governed")?.vs_redis_rtt ?? NaN;
   const counters = { governed_calls: counted.governed, spend_micros: spend, expected_micros: counted.governed * price, calls_counted: calls, exact };
   if (values.json) {
-    console.log(JSON.stringify({ url, node: process.version, results, counters, failed: counted.failed, ratio: http, target: TARGET }, null, 1));
+    console.log(JSON.stringify({ url, node: process.version, apart: values.apart, results, counters, failed: counted.failed, ratio: http, target: TARGET }, null, 1));
   } else {
-    console.log(`Node ${process.version}, Redis ${url}, fastmcp governFastMCP, serial calls interleaved in chunks of ${values.chunk}`);
+    const layout = values.apart ? "a server per variant" : "one server, a tool per variant";
+    console.log(`Node ${process.version}, Redis ${url}, fastmcp governTool, ${layout}, serial calls interleaved in chunks of ${values.chunk}`);
     for (const [transport, rows] of Object.entries(results)) {
       console.log(`${transport}:\n  variant      calls   median µs   p99 µs   vs unguarded   vs redis_rtt`);
       for (const r of rows) {

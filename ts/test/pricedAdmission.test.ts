@@ -51,7 +51,19 @@ for (const [name, open] of backends()) {
       assert.equal(charges(), 1, "one charge.lua call: the admission charged the price");
       await assert.rejects(governedCall(gov, ctx, fail, price, null), /tool failed/);
       assert.equal(charges(), 2, "a failed call paid with its admission: nothing more");
-      for (let i = 0; i < 3; i++) await governedCall(gov, ctx, ok, price, null);
+      // Cancelled during its admission: the work never starts, the price is paid once.
+      const cancel = new AbortController();
+      let started = false;
+      const send = backend.charge;
+      backend.charge = (...args: Parameters<Backend["charge"]>) => {
+        cancel.abort(new Error("cancelled")); // while the admission's charge is on its way
+        return send(...args);
+      };
+      await assert.rejects(governedCall(gov, ctx, async () => (started = true), price, null, 0, null, cancel.signal), /cancelled/);
+      backend.charge = send;
+      assert.equal(started, false);
+      assert.equal(charges(), 3, "a cancelled call paid with its admission: nothing more");
+      for (let i = 0; i < 2; i++) await governedCall(gov, ctx, ok, price, null);
       // $0.05 of room on the gated limit: the sixth price does not fit, the call is refused.
       let ran = false;
       await assert.rejects(
@@ -95,6 +107,40 @@ for (const [name, open] of backends()) {
       await governedCall(gov, ctx, async () => "ok", { spend: PRICE }, { spend: 2 * PRICE });
       assert.equal(charges(), 6, "check, reserve, settle");
       assert.equal(await gov.usage("spend", ctx), 4 * PRICE);
+    });
+  });
+}
+
+for (const [name, open] of backends()) {
+  describe(`meterBehind on ${name}`, () => {
+    it("writes the charge before it returns, the reply off the caller's path, the ledger event as meterCharges'", async () => {
+      const ledger = new MemoryLedger();
+      const backend = open();
+      const gov = new Governor(policy(), backend, { ledger });
+      const ctx = context({ user: fresh("cy") });
+      let replied = false;
+      if (backend instanceof RedisBackend) {
+        await backend.client.ping(); // connected: the charge can be written at once
+        const send = backend.chargeSent.bind(backend);
+        backend.chargeSent = (...args: Parameters<RedisBackend["chargeSent"]>) => {
+          const sent = send(...args);
+          assert.notEqual(sent, null, "a connected Redis writes at once");
+          void sent?.then(() => (replied = true));
+          return sent;
+        };
+      }
+      await gov.meterBehind({ spend: PRICE, team: 2 * PRICE }, ctx);
+      if (backend instanceof RedisBackend) assert.equal(replied, false, "returned before the reply");
+      // Written on the same connection first: the next read of this process sees it.
+      assert.equal(await gov.usage("spend", ctx), PRICE);
+      assert.equal(await gov.usage("team", ctx), 2 * PRICE);
+      const [metered] = ledger.entries;
+      assert.equal(metered?.type, EntryType.METERED);
+      assert.deepEqual((metered?.charges ?? []).map((c) => [c.limit, c.amount]), [["spend", PRICE], ["team", 2 * PRICE]]);
+      // Hard cap on one limit, a fixed price on another: the price left after the settle is metered behind.
+      await governedCall(gov, ctx, async () => "ok", { spend: PRICE, team: PRICE }, { spend: PRICE });
+      assert.equal(await gov.usage("team", ctx), 3 * PRICE);
+      assert.equal(await gov.usage("spend", ctx), 2 * PRICE);
     });
   });
 }
