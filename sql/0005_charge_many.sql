@@ -52,6 +52,7 @@ DECLARE
     ix integer[] := '{}';  -- per op: its counter's position in ks
     ops text[];  -- the operation ids of the batch
     seen text[];   -- operation ids already counted
+    runtime boolean[];  -- per op: whether its (caps key, field) has a run-time cap row
     new_ops text[] := '{}';
     pk text[] := '{}';  -- in-flight entries to add: key, event id, amount
     pe text[] := '{}';
@@ -113,6 +114,15 @@ BEGIN
         kexp[x] := 0;
         kdirty[x] := false;
     END LOOP;
+    -- Which resolved ops have a run-time cap row, read in one statement: an op with
+    -- none, no value cap and no plans has its policy's cap (mcpbg_effective_cap's
+    -- answer) without a call per op, most of a batch's time per check otherwise.
+    IF true = ANY(p_resolve) THEN
+        SELECT array_agg(EXISTS (SELECT 1 FROM mcpbg_cap AS r
+                                  WHERE r.caps_key = u.k AND r.field = u.f) ORDER BY u.i)
+          INTO runtime
+          FROM unnest(p_caps_keys, p_fields) WITH ORDINALITY AS u(k, f, i);
+    END IF;
     seen := '{}';
     IF cardinality(ops) > 0 THEN
         SELECT coalesce(array_agg(o.op_id), '{}') INTO seen FROM mcpbg_op AS o
@@ -142,7 +152,8 @@ BEGIN
             cap := p_caps[i];
             IF p_resolve[c] THEN
                 IF p_has_ref[i] THEN
-                    IF p_fields[i] <> '' THEN
+                    IF p_fields[i] <> '' AND (runtime[i] OR p_value_caps[i] IS NOT NULL
+                                              OR p_plan_caps[i] <> '') THEN
                         cap := mcpbg_effective_cap(p_caps_keys[i], p_fields[i], p_caps[i],
                             p_value_caps[i], p_plan_fields[i], p_plan_caps[i], p_file_plans[i],
                             now_s);

@@ -38,11 +38,17 @@ from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.stream.fastdecode import decode
 
 ANA = Context(user="ana")
-#: One instant for the whole run: no day boundary falls inside a test.
+#: One instant for the pure approval-state tests.
 NOW = time.time()
 
 
-def governed(backend: Backend, **middleware: Any) -> tuple[Governor, MemoryLedger, FastMCP]:
+def governed(
+    backend: Backend, now: float | None = None, **middleware: Any
+) -> tuple[Governor, MemoryLedger, FastMCP]:
+    """The governor's clock stands still at ``now`` (when it is built, by default), so no
+    day boundary falls inside a test; the backend's markers lapse in real time, so the
+    instant is taken when the test runs, not when the module was imported."""
+    at = time.time() if now is None else now
     ledger = MemoryLedger()
     gov = Governor(
         Policy.of(
@@ -50,7 +56,7 @@ def governed(backend: Backend, **middleware: Any) -> tuple[Governor, MemoryLedge
         ),
         backend,
         ledger=ledger,
-        clock=lambda: NOW,
+        clock=lambda: at,
     )
     mcp = FastMCP("asking")
     mcp.add_middleware(BudgetMiddleware(gov, identify=lambda c: ANA, **middleware))
@@ -245,15 +251,16 @@ async def test_an_approval_is_spent_once_and_only_by_its_caller(backend: Backend
 async def test_the_governor_spends_an_approval_with_the_admission(backend: Backend) -> None:
     """Concurrent uses of one approval too: one admission (on a cluster the marker's
     slot refuses, and the other slots' charges are taken back)."""
-    gov, ledger, _ = governed(backend)
+    now = time.time()
+    gov, ledger, _ = governed(backend, now)
     ana = Context(user=f"ana-{secrets.token_hex(4)}")  # the cluster is never wiped
     assert (await gov.check(ana)).admitted
-    approval = Approval("daily", secrets.token_hex(16), int(NOW) + 60)
+    approval = Approval("daily", secrets.token_hex(16), int(now) + 60)
     outcomes = await asyncio.gather(*(gov.check(ana, approved=[approval]) for _ in range(4)))
     assert sorted(d.admitted for d in outcomes) == [False, False, False, True]
     refused = await gov.check(ana, approved=[approval])
     assert not refused.admitted and refused.limit == "daily" and refused.status == 429
-    lapsed = Approval("daily", secrets.token_hex(16), int(NOW))
+    lapsed = Approval("daily", secrets.token_hex(16), int(now))
     assert not (await gov.check(ana, approved=[lapsed])).admitted
     assert await gov.usage("daily", ana) == 2
     assert [e.type for e in ledger.entries].count(EntryType.ADMITTED) == 2

@@ -282,6 +282,7 @@ export class Governor {
   private readonly pending: [string, CounterOp[]][] = [];
   private readonly maxPending: number;
   private downUntil = 0;
+  private readonly detached = new Set<Promise<void>>();
   private flushing: Promise<void> | null = null;
   private plans = new Map<string, Plan>();
   private byObject = new WeakMap<Context, { minute: number; calls: number; price: Price | null; plan: Plan }>();
@@ -556,6 +557,26 @@ export class Governor {
     return this.meterPairs(limits.map((l) => [l, amount] as const), ctx ?? EMPTY, null);
   }
 
+  /**
+   * meterCharges() without waiting for the counters' reply (Python:
+   * Governor.meter_behind): the charge is written on the backend's shared
+   * connection before this returns (so the next check of this process reaches
+   * the store after it and sees it), and the ledger event is appended as usual;
+   * only the reply is awaited in the background, a failure counted locally and
+   * kept for later as a waited one would be. A backend that cannot write at once
+   * (Postgres, memory, not connected, marked down) is awaited. close() waits for
+   * the replies.
+   */
+  async meterBehind(charges: Readonly<Record<string, number>>, ctx: Context | null = null): Promise<void> {
+    const pairs = Object.entries(charges).map(
+      ([name, amount]) => [planning.meteredLimit(this.policy, name), checkAmount(amount, `charges['${name}']`)] as const,
+    );
+    const c = ctx ?? EMPTY;
+    const now = this.clock();
+    const slots = planning.meterSlots(pairs, c, now, this.policy);
+    if (slots.length) await this.record(slots, c, EntryType.METERED, null, now, null, false, true);
+  }
+
   /** Charge several limits as one event: `{limit: amount}`. */
   async meterCharges(charges: Readonly<Record<string, number>>, ctx: Context | null = null): Promise<void> {
     const pairs = Object.entries(charges).map(
@@ -616,6 +637,7 @@ export class Governor {
 
   /** Flush what can be flushed and close the backend and ledger. */
   async close(): Promise<void> {
+    await Promise.allSettled([...this.detached]); // meterBehind's replies
     try {
       await this.flushPending();
     } catch (err) {
@@ -728,6 +750,8 @@ export class Governor {
         over: decision.over,
         degraded: decision.degraded,
         approved: ok ? approved : [],
+        // The projection marks it spent (Python: events.Spent), as the marker above.
+        spent: ok && plan.spends !== undefined && approved.includes(plan.spends.limit) ? [plan.spends] : [],
       }),
     );
   }
@@ -842,6 +866,7 @@ export class Governor {
     now: number,
     reservation: string | null,
     wantUsed: boolean,
+    detach = false,
   ): Promise<[number | null, boolean, number | null]> {
     let cap: number | null = null;
     const eventId = this.ledger !== null ? newId() : null;
@@ -850,7 +875,15 @@ export class Governor {
     let before: number | null = null;
     // Nothing to count or read (a settlement's zero delta): no round trip.
     const idle = !wantUsed && slots.every((s) => s.amount === 0);
-    if (!idle) {
+    const sent = detach && !idle ? this.sent(slots, eventId, opId) : null;
+    if (sent !== null) {
+      const reply: Promise<void> = sent.then(
+        () => undefined,
+        (err: unknown) => this.detachedFailed(err, slots, opId),
+      );
+      this.detached.add(reply);
+      void reply.finally(() => this.detached.delete(reply));
+    } else if (!idle) {
       try {
         const result = await this.charge(slots.map(planning.opOf), eventId, wantUsed, opId);
         if (wantUsed && result.used.length) {
@@ -872,6 +905,24 @@ export class Governor {
       await this.append(eventId, kind, now, ctx, planning.ledgerCharges(slots), { usage, degraded, reservation });
     }
     return [before, degraded, cap];
+  }
+
+  /** The charge written at once, its reply not awaited (Backend.chargeSent), or null. */
+  private sent(slots: readonly Slot[], eventId: string | null, opId: string | null): Promise<ChargeResult> | null {
+    if (this.downUntil || this.pending.length || typeof this.backend.chargeSent !== "function") return null;
+    return this.backend.chargeSent(slots.map(planning.opOf), { eventId, wantUsed: false, opId });
+  }
+
+  /** The reply of a charge nobody waits for failed: it goes where a waited one's failure would. */
+  private async detachedFailed(err: unknown, slots: readonly Slot[], opId: string | null): Promise<void> {
+    if (!storeFailed(err)) {
+      process.emitWarning(`mcp-budget-governor: a charge metered without waiting failed: ${String(err)}`);
+      return;
+    }
+    if (err instanceof BackendUnavailableError) this.markDown();
+    const localOps = slots.filter((s) => local(s.limit)).map(planning.opOf);
+    if (localOps.length) await this.fallback.charge(localOps);
+    this.keepForLater(slots, opId);
   }
 
   private async append(
@@ -909,6 +960,7 @@ function entry(
     reservation: extra.reservation ?? null,
     change: null,
     approved: extra.approved ?? [],
+    spent: extra.spent ?? [],
   };
 }
 
@@ -936,7 +988,8 @@ function spending(plan: Plan, approval: Approval | null, now: number): Plan | nu
   if (approval === null) return plan;
   const wall = Date.now() / 1000;
   if (approval.until <= wall) return null;
-  return { ...plan, ops: [...plan.ops, spendOp(approval, now - wall)] };
+  const spends = { limit: approval.limit, once: approval.once, until: approval.until };
+  return { ...plan, ops: [...plan.ops, spendOp(approval, now - wall)], spends };
 }
 
 export { makeContext as context };

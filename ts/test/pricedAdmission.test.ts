@@ -110,3 +110,37 @@ for (const [name, open] of backends()) {
     });
   });
 }
+
+for (const [name, open] of backends()) {
+  describe(`meterBehind on ${name}`, () => {
+    it("writes the charge before it returns, the reply off the caller's path, the ledger event as meterCharges'", async () => {
+      const ledger = new MemoryLedger();
+      const backend = open();
+      const gov = new Governor(policy(), backend, { ledger });
+      const ctx = context({ user: fresh("cy") });
+      let replied = false;
+      if (backend instanceof RedisBackend) {
+        await backend.client.ping(); // connected: the charge can be written at once
+        const send = backend.chargeSent.bind(backend);
+        backend.chargeSent = (...args: Parameters<RedisBackend["chargeSent"]>) => {
+          const sent = send(...args);
+          assert.notEqual(sent, null, "a connected Redis writes at once");
+          void sent?.then(() => (replied = true));
+          return sent;
+        };
+      }
+      await gov.meterBehind({ spend: PRICE, team: 2 * PRICE }, ctx);
+      if (backend instanceof RedisBackend) assert.equal(replied, false, "returned before the reply");
+      // Written on the same connection first: the next read of this process sees it.
+      assert.equal(await gov.usage("spend", ctx), PRICE);
+      assert.equal(await gov.usage("team", ctx), 2 * PRICE);
+      const [metered] = ledger.entries;
+      assert.equal(metered?.type, EntryType.METERED);
+      assert.deepEqual((metered?.charges ?? []).map((c) => [c.limit, c.amount]), [["spend", PRICE], ["team", 2 * PRICE]]);
+      // Hard cap on one limit, a fixed price on another: the price left after the settle is metered behind.
+      await governedCall(gov, ctx, async () => "ok", { spend: PRICE, team: PRICE }, { spend: PRICE });
+      assert.equal(await gov.usage("team", ctx), 3 * PRICE);
+      assert.equal(await gov.usage("spend", ctx), 2 * PRICE);
+    });
+  });
+}

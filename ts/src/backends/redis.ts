@@ -326,6 +326,13 @@ export class RedisBackend implements Backend {
     return { refused: head - 1, used, caps: [] };
   }
 
+  chargeSent(ops: readonly CounterOp[], options: ChargeOptions): Promise<ChargeResult> | null {
+    // Framed and connected, charge() writes its command before its first await:
+    // ioredis writes a ready connection's commands at once, in order.
+    if (!this.framed || this.client.status !== "ready") return null;
+    return this.charge(ops, options);
+  }
+
   async usage(keys: readonly string[]): Promise<number[]> {
     if (!keys.length) return [];
     const s = this.scripts.usage;

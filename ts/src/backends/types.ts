@@ -48,6 +48,13 @@ export interface Backend {
    * event ids (withCost): Governor.admitted's `price` then takes one round trip.
    */
   readonly pricesAtAdmission?: boolean;
+  /**
+   * charge(), written on the shared connection before this returns (so a later
+   * call of this process reaches the store after it), its reply not awaited by
+   * the caller; null when it cannot be written at once (then charge() it).
+   * Python: RedisBackend.charge_sent.
+   */
+  chargeSent?(ops: readonly CounterOp[], options: ChargeOptions): Promise<ChargeResult> | null;
 }
 
 /**

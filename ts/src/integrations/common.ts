@@ -389,7 +389,8 @@ async function run<R>(
       }
       await held.finish();
     }
-    if (Object.keys(rest).length) await governor.meterCharges(rest, caller);
+    // Only the write is awaited: the reply comes off the response's path.
+    if (Object.keys(rest).length) await governor.meterBehind(rest, caller);
   };
   let result: R;
   try {
