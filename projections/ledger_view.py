@@ -26,6 +26,7 @@ their columns and rules.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -109,6 +110,7 @@ COLUMNS: tuple[str, ...] = (
     "over",
     "session_root",
     "change",
+    "spent",
 )
 # Event-level columns: the same on every charge row of an event.
 _EVENT_COLUMNS = tuple(c for c in COLUMNS if c not in CHARGE_COLUMNS)
@@ -185,7 +187,7 @@ def _folder_date(path: Path, folder: Path) -> date | None:
 
 
 #: Columns appended to the archive later: segments written before lack them.
-_OPTIONAL = frozenset({"session_root", "change"})
+_OPTIONAL = frozenset({"session_root", "change", "spent"})
 _REQUIRED = frozenset(SCHEMA.names) - _OPTIONAL
 
 
@@ -236,6 +238,21 @@ def open_reservations(
     out: dict[str, dict[str, tuple[int, int]]] = {}
     for reservation, key, amount, expire_at in rows:
         out.setdefault(str(reservation), {})[str(key)] = (int(amount), int(expire_at))
+    return out
+
+
+def spent_approvals(con: duckdb.DuckDBPyConnection, now: int) -> dict[str, int]:
+    """The one-time approvals the ledger's admissions spent that lapse after ``now``:
+    one-time id -> when it lapses (the ``spent`` column, ``events.Spent``)."""
+    try:
+        rows = con.execute("SELECT DISTINCT spent FROM ledger WHERE spent IS NOT NULL").fetchall()
+    except duckdb.Error as exc:
+        raise query_error(exc) from None
+    out: dict[str, int] = {}
+    for (text,) in rows:
+        for item in json.loads(text):
+            if int(item["until"]) + 1 > now:
+                out[str(item["once"])] = int(item["until"])
     return out
 
 
@@ -308,11 +325,13 @@ def _select(
     where: str = "",
     session_root: bool = True,
     change: bool = True,
+    spent: bool = True,
 ) -> str:
     day = '"date"' if hive_date else 'CAST("time" AS DATE)'
     # Segments written before the column existed have none (``session_root=False``).
     root = "session_root" if session_root else "CAST(NULL AS VARCHAR) AS session_root"
     root += ', "change"' if change else ', CAST(NULL AS VARCHAR) AS "change"'
+    root += ", spent" if spent else ", CAST(NULL AS VARCHAR) AS spent"
     return f"""
         SELECT "time", {day} AS "date", "type", id, "user", tenant, tool, "session", agent,
                model, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,
@@ -455,6 +474,7 @@ def open_ledger(
                     partition_name=partition_name,
                     session_root=_has_column(db, relation, "session_root"),
                     change=_has_column(db, relation, "change"),
+                    spent=_has_column(db, relation, "spent"),
                 )
             )
         elif files:  # the archive holds events, none on the range's days

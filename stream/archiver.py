@@ -36,7 +36,7 @@ import pyarrow.compute as pc  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from mcp_budget_governor.errors import InvalidInputError
-from mcp_budget_governor.events import LedgerEvent
+from mcp_budget_governor.events import LedgerEvent, Spent
 from mcp_budget_governor.producers.record_log import fsync_dir
 
 __all__ = [
@@ -112,6 +112,9 @@ SCHEMA = pa.schema(
         pa.field("session_root", _STR),
         # Appended: a run-time change's data.change as JSON (mcpbg replay restores it).
         pa.field("change", _STR),
+        # Appended: the approvals an admission spent, data.decision.spent as JSON
+        # (mcpbg replay marks them spent).
+        pa.field("spent", _STR),
     ],
     metadata={"mcpbg.archive.schema": SCHEMA_VERSION},
 )
@@ -142,6 +145,7 @@ _EVENT_COLUMNS = (
     "reservation",
     "session_root",
     "change",
+    "spent",
 )
 #: Columns taken once per charge (None on the row of an event without charges).
 CHARGE_COLUMNS = (
@@ -357,6 +361,13 @@ def _stale(path: Path, limit: float) -> bool:
     return False
 
 
+def _spent_json(spent: Sequence[Spent]) -> str | None:
+    """An admission's spent approvals as the archive's ``spent`` column holds them."""
+    if not spent:
+        return None
+    return "[" + ",".join(s.model_dump_json() for s in spent) + "]"
+
+
 def ledger_table(
     topic: str, partition: int, records: Sequence[tuple[int, LedgerEvent]]
 ) -> tuple[pa.Table, dict[int, tuple[int, int, pa.Array | None]]]:
@@ -420,6 +431,7 @@ def ledger_table(
                 data.reservation,
                 ctx.session_root,
                 None if data.change is None else data.change.model_dump_json(),
+                _spent_json(decision.spent),
             )
         )
         charges = data.charges

@@ -448,6 +448,7 @@ def write_archive(
         "reservation": rows.column("reservation"),
         "session_root": pa.nulls(count, _STR),
         "change": pa.nulls(count, _STR),  # generated ledgers hold no run-time changes
+        "spent": pa.nulls(count, _STR),  # nor approvals
     }
     table = pa.Table.from_arrays(
         [_as_array(columns[name], SCHEMA.field(name).type) for name in SCHEMA.names],

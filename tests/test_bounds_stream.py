@@ -237,21 +237,31 @@ async def test_a_replay_restores_the_open_reservations(
     assert (await _counters(store_url))["mallory"] == (1_000, 0)
 
 
+@pytest.mark.parametrize("via", ["projection", "replay"])
 async def test_an_approval_spent_before_the_store_lost_its_state_stays_spent(
-    store_url: str,
+    store_url: str, via: str, tmp_path: Path
 ) -> None:
     """Redis (or Postgres) loses its state while an approval is inside its window:
-    rebuilt from the ledger (the projection's apply, as the worker's start-up replay
-    runs it), the approval's marker is back and a second use is refused."""
+    rebuilt from the ledger (``projection``: the apply the worker's start-up replay
+    runs; ``replay``: ``mcpbg replay`` from the ledger view), the approval's marker
+    is back and a second use is refused."""
     ledger = MemoryLedger()
     gov = Governor(policy(), MemoryBackend(), ledger=ledger)
     assert (await gov.check(MALLORY)).admitted
     approval = Approval("asked", secrets.token_hex(16), int(time.time()) + 120)
     assert (await gov.check(MALLORY, approved=[approval])).admitted
     await _fresh(store_url)  # the store that lost its state
+    if via == "replay":
+        folder = tmp_path / "ledger"
+        log = RecordLog(folder, prefix=DEFAULT_PREFIX)
+        log.append([encode(e, SOURCE) for e in ledger.entries])
+        log.close()
+        argv = ["replay", "--source", "file", "--ledger-dir", str(folder)]
+        assert await asyncio.to_thread(cli, [*argv, *store_args(store_url)]) == 0
     backend = backend_for(store_url)
     try:
-        assert await ledger.project(backend) == 2
+        if via == "projection":
+            assert await ledger.project(backend) == 2
         again = Governor(policy(), backend)
         refused = await again.check(MALLORY, approved=[approval])
         assert not refused.admitted and refused.limit == "asked", refused

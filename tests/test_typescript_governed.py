@@ -6,7 +6,9 @@ refused past a cap) and metered costs, each reported on stdout as it completes. 
 SIGKILLed once mid-run, with events still unshipped in its outbox, and restarted on
 the same outbox folder at the next operation. Then the Python worker projects the
 topic: every counter equals what TypeScript reported admitted and metered, nothing is
-left in flight, and each operation is exactly one event (a refusal too).
+left in flight, and each operation is exactly one event (a refusal too), but a call
+admitted with its fixed price charged in the same round trip (``admitted``'s ``price``),
+which is two: its admission and its cost, each moved out of flight under its own id.
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ def _ops(rng: random.Random) -> list[dict[str, Any]]:
     ops: list[dict[str, Any]] = []
     for _ in range(N):
         ctx = {"user": rng.choice(USERS), "tenant": rng.choice(TENANTS)}
-        if rng.random() < 0.6:
+        draw = rng.random()
+        if draw < 0.4:
             ops.append({"op": "check", "ctx": ctx})
+        elif draw < 0.6:
+            ops.append({"op": "priced", "price": {"spend": rng.randrange(1, 50_000)}, "ctx": ctx})
         else:
             ops.append({"op": "meter", "limit": "spend", "amount": rng.randrange(1, 50_000),
                         "ctx": ctx})  # fmt: skip
@@ -135,7 +140,7 @@ async def test_typescript_governor_events_are_projected_exactly_once(
 
     # What TypeScript said it did, per limit and scope value.
     want: Counter[tuple[str, str]] = Counter()
-    refused = metered = 0
+    refused = metered = priced = 0
     for op, report in zip(ops, reports, strict=True):
         user, tenant = op["ctx"]["user"], op["ctx"]["tenant"]
         if op["op"] == "meter":
@@ -144,21 +149,27 @@ async def test_typescript_governor_events_are_projected_exactly_once(
         elif report["status"] == 200:
             want["burst", f"user={user}"] += 1
             want["tenant_calls", f"tenant={tenant}"] += 1
+            if op["op"] == "priced":
+                assert report["paid"] is True, report
+                want["spend", f"tenant={tenant}"] += op["price"]["spend"]
+                priced += 1
         else:
             assert report["status"] == 429, report
             refused += 1
     assert refused > 0  # some users went past burst = 6
+    assert priced > 0
     assert sum(want["burst", f"user={u}"] for u in USERS) < N
 
     stream.start_worker()
     records = await stream.caught_up()
     events = unique_events(records)
-    assert len(events) == N  # one event per operation, a re-sent one counted once
-    assert len(records) >= N
+    # One event per operation, a priced admission two, a re-sent one counted once.
+    assert len(events) == N + priced
+    assert len(records) >= N + priced
     kinds = Counter(e.type for e in events)
     assert kinds == {"mcpbg.admitted.v1": N - refused - metered, "mcpbg.rejected.v1": refused,
-                     "mcpbg.metered.v1": metered}, kinds  # fmt: skip
-    assert await assert_exact(stream.backend, records) == N
+                     "mcpbg.metered.v1": metered + priced}, kinds  # fmt: skip
+    assert await assert_exact(stream.backend, records) == N + priced
     got = {(limit, scope): await _sum(stream, limit, scope) for limit, scope in want}
     assert got == dict(want)
     print(

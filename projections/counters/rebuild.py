@@ -32,11 +32,17 @@ from mcp_budget_governor.caps import ChangeKind
 from mcp_budget_governor.counters import AppliedEvent, ApplyOnly, CounterState
 from mcp_budget_governor.errors import BackendUnavailableError, GovernorError, InvalidInputError
 from mcp_budget_governor.events import ChangeData, to_change
-from mcp_budget_governor.keys import EPOCH_KEY, HOLD_PREFIX, SEEN_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.keys import (
+    EPOCH_KEY,
+    HOLD_PREFIX,
+    SEEN_PREFIX,
+    SPENT_PREFIX,
+    WATERMARK_KEY,
+)
 from mcp_budget_governor.ledger import EntryType, new_id
 from mcp_budget_governor.lua import source
 
-from ..ledger_view import open_reservations, query_error
+from ..ledger_view import open_reservations, query_error, spent_approvals
 from .redis import change_tokens
 from .sync import (
     SEEN_DAY_SQL,
@@ -222,8 +228,10 @@ def rebuild_from_ledger(
         return result
     marks_after = {name: after for name, (_, after) in result.watermarks.items()}
     holds = open_reservations(con, clock)
+    spent = spent_approvals(con, clock)
     if postgres:
-        _restore_holds_postgres(client, holds)  # before the epoch: no settle meets none
+        # Before the epoch: no settlement meets no reservation, no approval is unspent.
+        _restore_holds_postgres(client, holds, spent)
         todo = [c for c in run_time if c is not None]
         epoch = new_id()
         client.rewrite(  # type: ignore[union-attr]
@@ -268,7 +276,7 @@ def rebuild_from_ledger(
                 added += len(ids[i : i + _SEEN_CHUNK])
                 progress("seen", added, result.seen_ids)
         result.replayed_changes = _restore_changes(client, run_time, clock)
-        _restore_holds_redis(client, holds)
+        _restore_holds_redis(client, holds, spent)
         result.epoch = new_id()
         client.set(EPOCH_KEY, result.epoch)
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
@@ -421,19 +429,29 @@ _CHANGES_PER_CALL = 500
 
 
 def _restore_holds_redis(
-    client: redis.Redis, holds: Mapping[str, Mapping[str, tuple[int, int]]]
+    client: redis.Redis,
+    holds: Mapping[str, Mapping[str, tuple[int, int]]],
+    spent: Mapping[str, int],
 ) -> None:
-    """The open reservations as lua/apply.lua keeps them (``keys.HOLD_PREFIX`` hashes)."""
+    """The open reservations and the spent approvals as lua/apply.lua keeps them
+    (``keys.HOLD_PREFIX`` hashes; ``keys.SPENT_PREFIX`` markers, committed 1)."""
     pipe = client.pipeline(transaction=False)
     for reservation, held in holds.items():
         key = f"{HOLD_PREFIX}:{reservation}"
         pipe.hset(key, mapping={k: amount for k, (amount, _) in held.items()})
         pipe.expireat(key, max(e for _, e in held.values()))
+    for once, until in spent.items():
+        marker = f"{SPENT_PREFIX}:{once}"
+        pipe.hset(marker, "c", 1)
+        pipe.expireat(marker, until + 1)
     pipe.execute()
 
 
-def _restore_holds_postgres(store: Any, holds: Mapping[str, Mapping[str, tuple[int, int]]]) -> None:
-    """The open reservations as sql/0007 keeps them (``mcpbg_hold``), in one transaction."""
+def _restore_holds_postgres(
+    store: Any, holds: Mapping[str, Mapping[str, tuple[int, int]]], spent: Mapping[str, int]
+) -> None:
+    """The open reservations (``mcpbg_hold``, sql/0007) and the spent approvals (their
+    marker counters, committed 1: sql/0008), in one transaction."""
     rows = [(r, k, a, e) for r, held in holds.items() for k, (a, e) in held.items()]
     with store.conn.transaction(), store.conn.cursor() as cur:
         cur.executemany(
@@ -441,6 +459,11 @@ def _restore_holds_postgres(store: Any, holds: Mapping[str, Mapping[str, tuple[i
             " ON CONFLICT (reservation, key) DO UPDATE SET estimate = excluded.estimate,"
             " expire_at = excluded.expire_at",
             rows,
+        )
+        cur.executemany(
+            "INSERT INTO mcpbg_counter AS t (key, committed, expire_at) VALUES (%s, 1, %s)"
+            " ON CONFLICT (key) DO UPDATE SET committed = greatest(t.committed, 1)",
+            [(f"{SPENT_PREFIX}:{once}", until + 1) for once, until in spent.items()],
         )
 
 

@@ -4,8 +4,10 @@
 // `mcpbg worker` projecting the topic can be held to exactly what TypeScript admitted.
 //
 //   tsx test/cross/governed.ts POLICY.toml REDIS_URL BOOTSTRAP TOPIC OUTBOX OPS.json FROM [KILL_AFTER]
-//     OPS.json: [{"op": "check", "ctx": {...}}, {"op": "meter", "limit": "spend", "amount": 5, "ctx": {...}}]
-//     runs ops [FROM, end): {"i": 3, "status": 200} / {"i": 4, "total": 5}; then close()
+//     OPS.json: [{"op": "check", "ctx": {...}}, {"op": "meter", "limit": "spend", "amount": 5, "ctx": {...}},
+//                {"op": "priced", "price": {"spend": 5}, "ctx": {...}}]  (admitted() charging its price)
+//     runs ops [FROM, end): {"i": 3, "status": 200} / {"i": 4, "total": 5} / {"i": 5, "status": 200, "paid": true};
+//     then close()
 //     and {"closed": <events left unshipped>}
 //     KILL_AFTER=K: at op K/2, waits until the shipper has shipped everything so far
 //     (so the killed run has shipped part of its events); right after op K is reported, {"killing": K, "unshipped": n} and a
@@ -16,10 +18,11 @@ import { Governor, RedisBackend, context, loadPolicyFile } from "../../src/index
 import { driverLedger } from "../driverLedger.js";
 
 interface Op {
-  op: "check" | "meter";
+  op: "check" | "meter" | "priced";
   ctx: Record<string, string>;
   limit?: string;
   amount?: number;
+  price?: Record<string, number>;
 }
 
 const args = process.argv.slice(2);
@@ -43,6 +46,7 @@ async function main(): Promise<void> {
     const op = ops[i]!;
     const ctx = context(op.ctx);
     if (op.op === "check") say({ i, status: (await governor.check(ctx)).status });
+    else if (op.op === "priced") say({ i, ...(await governor.admitted(ctx, async (d, paid) => ({ status: d.status, paid }), { price: op.price ?? null })) });
     else say({ i, total: (await governor.meter(op.limit ?? "", op.amount ?? 0, ctx)).total });
     if (i === Math.floor(kill / 2)) {
       for (let waited = 0; ledger.unshipped > 0 && waited < 30_000; waited += 10) {
