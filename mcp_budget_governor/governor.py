@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import admin, bounds, planning, reading
+from . import admin, changing, planning, reading
 from .approval import Approval, spend_op
 from .backends.base import adapted, epoch_clock
 from .caps import Change
@@ -36,7 +36,6 @@ from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
     BackendBusyError,
     BackendUnavailableError,
-    GovernorError,
     InvalidInputError,
     LimitExceeded,
 )
@@ -609,45 +608,24 @@ class Governor(Metering[MeterResult]):
         self, limit: str, amount: int, *, reason: str = "", actor: str = "", **scope: str
     ) -> Change:
         """Extra room of ``amount`` on the current period's counter; spend unchanged."""
-        change, ctx = admin.grant_change(
-            self.policy, limit, scope, amount, now=self._clock(), reason=reason, actor=actor
-        )
-        # The sum is checked before it is applied: the counter's cap and grants so far
-        # plus this one stay in the exact range, where every backend counts alike.
-        ((_, room_cap),) = await self._read((self._read_slot(limit, ctx),))
-        why = bounds.sum_problem("grant", room_cap, change.amount)
-        if why is not None:
-            raise InvalidInputError(
-                "amount",
-                amount,
-                f"the counter's cap and grants ({room_cap}) plus this one "
-                f"would leave the exact range (at most {bounds.MAX_AMOUNT})",
-            )
+        change, ctx = await changing.grant(
+            self.policy, self.backend, self._outage, limit, scope, amount,
+            now=self._clock(), reason=reason, actor=actor,
+        )  # fmt: skip
         return await self._apply_change(change, ctx)
 
     async def reset(self, limit: str, *, reason: str = "", actor: str = "", **scope: str) -> Change:
         """Restore the current period's room to the cap, keeping the recorded spend: the
         counter's grant becomes what it has spent now (replayed as that same value)."""
-        now = self._clock()
-        probe, _ = admin.grant_change(self.policy, limit, scope, 1, now=now)
-        (used,) = await self.backend.usage([probe.key])
-        change, ctx = admin.grant_change(
-            self.policy, limit, scope, None, now=now, used=used, reason=reason, actor=actor
-        )
+        change, ctx = await changing.reset(
+            self.policy, self.backend, limit, scope,
+            now=self._clock(), reason=reason, actor=actor,
+        )  # fmt: skip
         return await self._apply_change(change, ctx)
 
     async def _apply_change(self, change: Change, ctx: Context) -> Change:
-        if self.ledger is not None:
-            kind = EntryType(change.kind.value)
-            await self._append(new_id(), kind, self._clock(), ctx, (), change=change)
-            return change
-        writer = getattr(self.backend, "change", None)
-        if writer is None:
-            raise GovernorError(
-                f"{type(self.backend).__name__} stores no run-time changes; use a ledger"
-            )
-        await writer([change])
-        self._plans.clear()
+        if await changing.apply(change, ctx, self.ledger, self.backend, self._clock()):
+            self._plans.clear()
         return change
 
     # -- internals ----------------------------------------------------------
