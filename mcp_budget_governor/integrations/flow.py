@@ -22,7 +22,8 @@ failed, a cancelled or a completed call is charged is decided in one place:
   ``estimate``) is charged by the admission itself, in its one round trip
   (:meth:`Governor.admitted` ``price=``, on Redis and in memory): a price that
   does not fit a limit the check consults refuses the call, and an admitted
-  call has paid, so nothing is charged after the work, whatever it does;
+  call has paid, so nothing is charged after the work, whatever it does. A
+  hard cap's estimates are reserved by the admission the same way (``hold=``);
 - when the work completes, ``priced(result)`` is metered if it returns charges,
   else ``fixed``: a completed call is always charged, even past a cap. A
   ``priced`` callback that raises, or returns something that is not valid
