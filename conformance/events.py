@@ -39,6 +39,7 @@ from mcp_budget_governor import (
     Window,
     usd,
 )
+from mcp_budget_governor.approval import Approval
 from mcp_budget_governor.events import encode, json_schemas, parse, type_name
 from mcp_budget_governor.holds import Reservations
 from mcp_budget_governor.ledger import EntryType, LedgerEntry, new_id, partition_key
@@ -144,6 +145,10 @@ async def _entries() -> list[LedgerEntry]:
     async with Reservations(gov, {"spend": usd(1), "tokens": 5000}, alice) as held:
         tick()
         held.actual["spend"] = usd("0.375")
+    tick(60)
+    # A one-time approval spent with the admission: its event names it (data.decision.spent).
+    await gov.check(alice, approved=[Approval("askme", "5e" * 16, 4_102_444_800)])
+    assert ledger.entries[-1].approved and ledger.entries[-1].type is EntryType.ADMITTED
     entries = list(ledger.entries)
     # A recovered event (``mcpbg reconcile --fix``) carries a lost event's charges; and
     # a degraded admission (Redis down, OPEN fallback): built from the entries above.
@@ -229,6 +234,11 @@ def to_ts(entry: LedgerEntry) -> dict[str, Any]:
             "reason": change.reason,
         },
         "approved": list(entry.approved),
+        "spent": [
+            {"limit": str(a), "once": a.once, "until": a.until}
+            for a in entry.approved
+            if isinstance(a, Approval)
+        ],
     }
 
 

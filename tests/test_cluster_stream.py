@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import random
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,8 +26,9 @@ from redis.crc import key_slot
 
 from mcp_budget_governor import Governor, Plan, Policy
 from mcp_budget_governor.counters import AppliedCharge, AppliedEvent
+from mcp_budget_governor.errors import EventRefusedError
 from mcp_budget_governor.events import encode, parse
-from mcp_budget_governor.keys import WATERMARK_KEY
+from mcp_budget_governor.keys import SPENT_PREFIX, WATERMARK_KEY
 from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.producers.memory_ledger import MemoryLedger
 from mcp_budget_governor.projections.counters.cluster import ClusterBackend
@@ -451,3 +453,23 @@ async def test_the_worker_across_a_master_killed_mid_run_then_reconcile_fix(
     assert code == 0 and "no drift" in out, out
     await assert_exact(backend, records)
     assert stream.workers[0].terminate() == 0  # it ran through it all
+
+
+async def test_an_admission_marks_its_approval_spent_in_the_markers_slot(
+    backend: ClusterBackend,
+) -> None:
+    """The approval's marker lives in a slot of its own: the admission's share there
+    marks it spent; the same approval spent by another admission is refused."""
+    tag = new_tag()
+    now = time.time()
+    key = f"mcpbg:v1:{tag}:user=u1:20261202"
+    once = secrets.token_hex(16)
+    partition = f"{tag}.ledger:0"
+    first = AppliedEvent(
+        0, new_id(), now, (AppliedCharge(key, 1, int(now) + 3600),), spent=((once, int(now) + 60),)
+    )
+    assert await backend.apply(partition, [first]) == 1
+    assert (await backend.state(f"{SPENT_PREFIX}:{once}")).committed == 1
+    again = dataclasses.replace(first, offset=1, event_id=new_id())
+    with pytest.raises(EventRefusedError, match="spent already"):
+        await backend.apply(partition, [again])

@@ -61,7 +61,13 @@ from mcp_budget_governor.errors import (
     EpochMissingError,
     InvalidInputError,
 )
-from mcp_budget_governor.keys import EPOCH_KEY, EPOCH_VALUE, LEASE_PREFIX, WATERMARK_KEY
+from mcp_budget_governor.keys import (
+    EPOCH_KEY,
+    EPOCH_VALUE,
+    LEASE_PREFIX,
+    SPENT_PREFIX,
+    WATERMARK_KEY,
+)
 from mcp_budget_governor.settings import SETTINGS, checked
 from mcp_budget_governor.urls import CLUSTER_SCHEME, parse_cluster_url
 
@@ -694,12 +700,21 @@ class ClusterBackend:
                 parts.setdefault(key_slot(charge.key.encode()), ([], []))[0].append(charge)
             for change in event.changes:
                 parts.setdefault(key_slot(change.key.encode()), ([], []))[1].append(change)
+            # An approval's spent marker is applied in its own slot (lua/apply.lua).
+            spent: dict[int, list[tuple[str, int]]] = {}
+            for once, until in event.spent:
+                slot = key_slot(f"{SPENT_PREFIX}:{once}".encode())
+                parts.setdefault(slot, ([], []))
+                spent.setdefault(slot, []).append((once, until))
             for slot, (charges, changes) in parts.items():
                 if only is not None and slot not in only:
                     continue
                 by_slot.setdefault(slot, []).append(
                     dataclasses.replace(
-                        event, charges=tuple(charges), changes=tuple(changes), spent=()
+                        event,
+                        charges=tuple(charges),
+                        changes=tuple(changes),
+                        spent=tuple(spent.get(slot, ())),
                     )
                 )
         now_ms = str(int(self._node.clock() * 1000))

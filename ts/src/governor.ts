@@ -750,6 +750,8 @@ export class Governor {
         over: decision.over,
         degraded: decision.degraded,
         approved: ok ? approved : [],
+        // The projection marks it spent (Python: events.Spent), as the marker above.
+        spent: ok && plan.spends !== undefined && approved.includes(plan.spends.limit) ? [plan.spends] : [],
       }),
     );
   }
@@ -958,6 +960,7 @@ function entry(
     reservation: extra.reservation ?? null,
     change: null,
     approved: extra.approved ?? [],
+    spent: extra.spent ?? [],
   };
 }
 
@@ -985,7 +988,8 @@ function spending(plan: Plan, approval: Approval | null, now: number): Plan | nu
   if (approval === null) return plan;
   const wall = Date.now() / 1000;
   if (approval.until <= wall) return null;
-  return { ...plan, ops: [...plan.ops, spendOp(approval, now - wall)] };
+  const spends = { limit: approval.limit, once: approval.once, until: approval.until };
+  return { ...plan, ops: [...plan.ops, spendOp(approval, now - wall)], spends };
 }
 
 export { makeContext as context };

@@ -111,6 +111,8 @@ export interface Plan {
   readonly cost: number;
   /** The cost event's ledger charges. */
   readonly costCharges: readonly LedgerChargeFields[];
+  /** The one-time approval the plan's admission spends (its marker is the last op). */
+  readonly spends?: { readonly limit: string; readonly once: string; readonly until: number };
 }
 
 export function planOf(slots: readonly Slot[]): Plan {

@@ -243,12 +243,15 @@ describe("OnExceed.ASK on the 2026-07-28 protocol (SDK 2.x)", () => {
   it("the governor spends an approval with the admission, once, on Redis too", async () => {
     for (const backend of [new MemoryBackend(), redisBackend()]) {
       const user = fresh("ana");
-      const gov = new Governor(parsePolicy(POLICY), backend);
+      const ledger = new MemoryLedger();
+      const gov = new Governor(parsePolicy(POLICY), backend, { ledger });
       const ana = context({ user });
       const until = Math.floor(Date.now() / 1000) + 60;
       const approval = { limit: "daily", once: randomBytes(16).toString("hex"), until };
       assert.equal((await gov.check(ana)).admitted, true);
       assert.equal((await gov.check(ana, { approved: ["daily"], approval })).admitted, true);
+      // Its event names the one-time id: the projection marks it spent (Python: events.Spent).
+      assert.deepEqual(ledger.entries.at(-1)?.spent, [approval]);
       const refused = await gov.check(ana, { approved: ["daily"], approval });
       assert.deepEqual([refused.admitted, refused.limit, refused.status], [false, "daily", 429]);
       const lapsed = { ...approval, once: randomBytes(16).toString("hex"), until: until - 61 };

@@ -63,6 +63,7 @@ function minimal(entry: LedgerEntry): LedgerEntry {
   if (entry.reservation != null) out.reservation = entry.reservation;
   if (entry.change != null) out.change = entry.change;
   if (entry.approved?.length) out.approved = entry.approved;
+  if (entry.spent?.length) out.spent = entry.spent;
   return out as unknown as LedgerEntry;
 }
 

@@ -163,6 +163,10 @@ export function encode(entry: LedgerEntry, source: string): string {
     `"over":${strings(entry.over)},"degraded":${entry.degraded === true ? "true" : "false"}`;
   if (entry.approved !== undefined && entry.approved.length > 0) {
     decision += `,"approved":${JSON.stringify(entry.approved)}`; // only when any, as in Python
+    if (entry.spent !== undefined && entry.spent.length > 0) {
+      const spent = entry.spent.map((s) => ({ limit: s.limit, once: s.once, until: s.until }));
+      decision += `,"spent":${JSON.stringify(spent)}`;
+    }
   }
   decision += "}";
   const u = entry.usage;

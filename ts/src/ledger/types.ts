@@ -146,6 +146,8 @@ export interface LedgerEntry {
   readonly change?: LedgerChange | null;
   /** `OnExceed.ASK` limits the user approved going over for this call. */
   readonly approved?: readonly string[];
+  /** The one-time approvals the admission spent (Python: `data.decision.spent`). */
+  readonly spent?: readonly { readonly limit: string; readonly once: string; readonly until: number }[];
 }
 
 /** Somewhere entries are appended, in order, never lost (Python's `ledger.Ledger`). */
