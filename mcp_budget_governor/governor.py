@@ -54,8 +54,14 @@ from .shielding import finished, not_cancelled, to_the_end
 
 log = logging.getLogger("mcp_budget_governor")
 
-#: A fixed price as the plan cache keys it: (limit name, amount) pairs, validated.
-Price = tuple[tuple[str, int], ...]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Price:
+    """What an admission charges beyond the check, as the plan cache keys it: a fixed
+    price, or (``hold``) a hard cap's estimates; (limit name, amount) pairs, validated."""
+
+    pairs: tuple[tuple[str, int], ...]
+    hold: bool = False
 
 
 class Governor(Metering[MeterResult]):
@@ -355,6 +361,7 @@ class Governor(Metering[MeterResult]):
         approved: Sequence[str] = (),
         wait: float = 0,
         price: Mapping[str, int] | None = None,
+        hold: Mapping[str, int] | None = None,
     ) -> Admission:
         """:meth:`check` for the duration of a block: concurrency-cap leases the call
         takes are renewed while it runs and given back on exit, however it ends.
@@ -369,13 +376,23 @@ class Governor(Metering[MeterResult]):
         charged as a meter would. Once admitted, the price is paid, whatever the
         call does next: nothing is left to meter for it.
 
+        ``hold`` (``{limit: amount}``, instead of ``price``): a hard cap's estimates,
+        reserved by the admission in the same round trip (a ``reserved`` event after
+        the admission's), refused when one does not fit; ``Admission.held`` is then
+        the reservation's (event id, slots), which the caller settles.
+
         ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
         (a refused decision holds no lease).
         """
-        priced = self._price(price) if price and self.prices_at_admission else None
+        priced = None
+        if self.prices_at_admission:
+            if price:
+                priced = self._price(price)
+            elif hold:
+                priced = self._price(hold, hold=True)
         return Admission(self, ctx, amount, approved, _wait_seconds(wait), priced)
 
-    def _price(self, price: Mapping[str, int]) -> Price | None:
+    def _price(self, price: Mapping[str, int], *, hold: bool = False) -> Price | None:
         """``price`` validated whole before anything is charged (an unknown limit raises
         PolicyError), its zero amounts left out, hashable (the plan cache keys on it);
         a tool's price is validated once per policy, not once per call."""
@@ -383,19 +400,19 @@ class Governor(Metering[MeterResult]):
         known = None
         if isinstance(price, Mapping):
             # Keyed by type too: True == 1, and a bool is no amount.
-            given = tuple((k, v.__class__, v) for k, v in price.items())
+            given = (hold, *((k, v.__class__, v) for k, v in price.items()))
             try:
                 known = self._prices_seen.get(given)
             except TypeError:  # an unhashable amount: invalid, said below
                 given = None
         if known is None:
             valid = planning.charge_pairs(self.policy, price)
-            known = tuple((lim.name, n) for lim, n in valid if n)
+            known = Price(tuple((lim.name, n) for lim, n in valid if n), hold)
             if given is not None:
                 if len(self._prices_seen) >= 1024:
                     self._prices_seen.clear()
                 self._prices_seen[given] = known
-        return known or None
+        return known if known.pairs else None
 
     @property
     def prices_at_admission(self) -> bool:
@@ -722,9 +739,12 @@ class Governor(Metering[MeterResult]):
                 await self._log(event_id, kind, now, ctx, plan, decision, approved)
             if cost_id is not None and decision.admitted:  # the price's own event, after
                 await self._append(
-                    cost_id, EntryType.METERED, now, ctx, plan.cost_charges,
-                    degraded=decision.degraded,
+                    cost_id, EntryType.RESERVED if plan.holds else EntryType.METERED, now,
+                    ctx, plan.cost_charges, degraded=decision.degraded,
                 )  # fmt: skip
+        if plan.holds and decision.admitted:
+            held = (cost_id, plan.slots[len(plan.slots) - plan.cost :])
+            decision = dataclasses.replace(decision, held=held)
         return decision, event_id
 
     def _sent_ahead(
@@ -809,9 +829,11 @@ class Governor(Metering[MeterResult]):
         plan = planning.check_plan(self.policy, ctx, now, calls, allowed)
         if price is None:
             return plan
-        pairs = [(self.policy[name], amount) for name, amount in price]
+        pairs = [(self.policy[name], amount) for name, amount in price.pairs]
         return planning.with_price(
-            plan, planning.meter_slots(pairs, ctx, now, self.policy.tz, self.policy)
+            plan,
+            planning.meter_slots(pairs, ctx, now, self.policy.tz, self.policy),
+            hold=price.hold,
         )
 
     async def _charge(
