@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
+from typing import Any
 
 from .errors import BudgetExceeded, BudgetUnavailable, LimitExceeded
 
@@ -75,6 +76,9 @@ class Decision:
     degraded: bool = False
     remaining: Mapping[str, int] = field(default_factory=_no_headroom, compare=False)
     lease: Lease | None = field(default=None, compare=False)
+    #: What an admission reserved with it (Governor.admitted(hold=)): the reservation's
+    #: event id and its slots, for the integrations' Reservations to settle.
+    held: Any = field(default=None, compare=False, repr=False)
 
     @property
     def allowed(self) -> bool:

@@ -208,9 +208,13 @@ class _Event(_Model):
         )
         kind = _KINDS[self.type]  # type: ignore[attr-defined]
         decision = self.data.decision
-        if problem is None and decision.spent and (
+        if (
+            problem is None
+            and decision.spent
+            and (
                 kind is not EntryType.ADMITTED
-            or not {s.limit for s in decision.spent} <= set(decision.approved)
+                or not {s.limit for s in decision.spent} <= set(decision.approved)
+            )
         ):
             problem = "data.decision.spent: only an admission spends its approvals"
         change = self.data.change

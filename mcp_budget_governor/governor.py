@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import admin, bounds, planning, reading
+from . import admin, changing, planning, reading, recording
 from .approval import Approval, spend_op
 from .backends.base import adapted, epoch_clock
 from .caps import Change
@@ -36,7 +36,6 @@ from .decision import ADMITTED, NOTHING_METERED, Decision, Lease, MeterResult
 from .errors import (
     BackendBusyError,
     BackendUnavailableError,
-    GovernorError,
     InvalidInputError,
     LimitExceeded,
 )
@@ -55,8 +54,14 @@ from .shielding import finished, not_cancelled, to_the_end
 
 log = logging.getLogger("mcp_budget_governor")
 
-#: A fixed price as the plan cache keys it: (limit name, amount) pairs, validated.
-Price = tuple[tuple[str, int], ...]
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Price:
+    """What an admission charges beyond the check, as the plan cache keys it: a fixed
+    price, or (``hold``) a hard cap's estimates; (limit name, amount) pairs, validated."""
+
+    pairs: tuple[tuple[str, int], ...]
+    hold: bool = False
 
 
 class Governor(Metering[MeterResult]):
@@ -356,6 +361,7 @@ class Governor(Metering[MeterResult]):
         approved: Sequence[str] = (),
         wait: float = 0,
         price: Mapping[str, int] | None = None,
+        hold: Mapping[str, int] | None = None,
     ) -> Admission:
         """:meth:`check` for the duration of a block: concurrency-cap leases the call
         takes are renewed while it runs and given back on exit, however it ends.
@@ -370,13 +376,23 @@ class Governor(Metering[MeterResult]):
         charged as a meter would. Once admitted, the price is paid, whatever the
         call does next: nothing is left to meter for it.
 
+        ``hold`` (``{limit: amount}``, instead of ``price``): a hard cap's estimates,
+        reserved by the admission in the same round trip (a ``reserved`` event after
+        the admission's), refused when one does not fit; ``Admission.held`` is then
+        the reservation's (event id, slots), which the caller settles.
+
         ``async with gov.admitted(ctx) as decision: decision.raise_for_status(); ...``
         (a refused decision holds no lease).
         """
-        priced = self._price(price) if price and self.prices_at_admission else None
+        priced = None
+        if self.prices_at_admission:
+            if price:
+                priced = self._price(price)
+            elif hold:
+                priced = self._price(hold, hold=True)
         return Admission(self, ctx, amount, approved, _wait_seconds(wait), priced)
 
-    def _price(self, price: Mapping[str, int]) -> Price | None:
+    def _price(self, price: Mapping[str, int], *, hold: bool = False) -> Price | None:
         """``price`` validated whole before anything is charged (an unknown limit raises
         PolicyError), its zero amounts left out, hashable (the plan cache keys on it);
         a tool's price is validated once per policy, not once per call."""
@@ -384,19 +400,19 @@ class Governor(Metering[MeterResult]):
         known = None
         if isinstance(price, Mapping):
             # Keyed by type too: True == 1, and a bool is no amount.
-            given = tuple((k, v.__class__, v) for k, v in price.items())
+            given = (hold, *((k, v.__class__, v) for k, v in price.items()))
             try:
                 known = self._prices_seen.get(given)
             except TypeError:  # an unhashable amount: invalid, said below
                 given = None
         if known is None:
             valid = planning.charge_pairs(self.policy, price)
-            known = tuple((lim.name, n) for lim, n in valid if n)
+            known = Price(tuple((lim.name, n) for lim, n in valid if n), hold)
             if given is not None:
                 if len(self._prices_seen) >= 1024:
                     self._prices_seen.clear()
                 self._prices_seen[given] = known
-        return known or None
+        return known if known.pairs else None
 
     @property
     def prices_at_admission(self) -> bool:
@@ -592,45 +608,24 @@ class Governor(Metering[MeterResult]):
         self, limit: str, amount: int, *, reason: str = "", actor: str = "", **scope: str
     ) -> Change:
         """Extra room of ``amount`` on the current period's counter; spend unchanged."""
-        change, ctx = admin.grant_change(
-            self.policy, limit, scope, amount, now=self._clock(), reason=reason, actor=actor
-        )
-        # The sum is checked before it is applied: the counter's cap and grants so far
-        # plus this one stay in the exact range, where every backend counts alike.
-        ((_, room_cap),) = await self._read((self._read_slot(limit, ctx),))
-        why = bounds.sum_problem("grant", room_cap, change.amount)
-        if why is not None:
-            raise InvalidInputError(
-                "amount",
-                amount,
-                f"the counter's cap and grants ({room_cap}) plus this one "
-                f"would leave the exact range (at most {bounds.MAX_AMOUNT})",
-            )
+        change, ctx = await changing.grant(
+            self.policy, self.backend, self._outage, limit, scope, amount,
+            now=self._clock(), reason=reason, actor=actor,
+        )  # fmt: skip
         return await self._apply_change(change, ctx)
 
     async def reset(self, limit: str, *, reason: str = "", actor: str = "", **scope: str) -> Change:
         """Restore the current period's room to the cap, keeping the recorded spend: the
         counter's grant becomes what it has spent now (replayed as that same value)."""
-        now = self._clock()
-        probe, _ = admin.grant_change(self.policy, limit, scope, 1, now=now)
-        (used,) = await self.backend.usage([probe.key])
-        change, ctx = admin.grant_change(
-            self.policy, limit, scope, None, now=now, used=used, reason=reason, actor=actor
-        )
+        change, ctx = await changing.reset(
+            self.policy, self.backend, limit, scope,
+            now=self._clock(), reason=reason, actor=actor,
+        )  # fmt: skip
         return await self._apply_change(change, ctx)
 
     async def _apply_change(self, change: Change, ctx: Context) -> Change:
-        if self.ledger is not None:
-            kind = EntryType(change.kind.value)
-            await self._append(new_id(), kind, self._clock(), ctx, (), change=change)
-            return change
-        writer = getattr(self.backend, "change", None)
-        if writer is None:
-            raise GovernorError(
-                f"{type(self.backend).__name__} stores no run-time changes; use a ledger"
-            )
-        await writer([change])
-        self._plans.clear()
+        if await changing.apply(change, ctx, self.ledger, self.backend, self._clock()):
+            self._plans.clear()
         return change
 
     # -- internals ----------------------------------------------------------
@@ -744,19 +739,22 @@ class Governor(Metering[MeterResult]):
                 await self._log(event_id, kind, now, ctx, plan, decision, approved)
             if cost_id is not None and decision.admitted:  # the price's own event, after
                 await self._append(
-                    cost_id, EntryType.METERED, now, ctx, plan.cost_charges,
-                    degraded=decision.degraded,
+                    cost_id, EntryType.RESERVED if plan.holds else EntryType.METERED, now,
+                    ctx, plan.cost_charges, degraded=decision.degraded,
                 )  # fmt: skip
+        if plan.holds and decision.admitted:
+            held = (cost_id, plan.slots[len(plan.slots) - plan.cost :])
+            decision = dataclasses.replace(decision, held=held)
         return decision, event_id
 
     def _sent_ahead(
         self, ops: Sequence[CounterOp], event_id: str | None
     ) -> Awaitable[ChargeResult] | None:
-        """An admission's charge written at once, its reply to await (:meth:`_sent`),
+        """An admission's charge written at once, its reply to await (:func:`recording.sent`),
         when the ledger can prepare its event meanwhile (``prepare``); else None."""
         if event_id is None or getattr(self.ledger, "prepare", None) is None:
             return None
-        return self._sent(ops, event_id, None, want_used=True)
+        return recording.sent(self.backend, self._outage, ops, event_id, None, want_used=True)
 
     async def _log(
         self,
@@ -831,9 +829,11 @@ class Governor(Metering[MeterResult]):
         plan = planning.check_plan(self.policy, ctx, now, calls, allowed)
         if price is None:
             return plan
-        pairs = [(self.policy[name], amount) for name, amount in price]
+        pairs = [(self.policy[name], amount) for name, amount in price.pairs]
         return planning.with_price(
-            plan, planning.meter_slots(pairs, ctx, now, self.policy.tz, self.policy)
+            plan,
+            planning.meter_slots(pairs, ctx, now, self.policy.tz, self.policy),
+            hold=price.hold,
         )
 
     async def _charge(
@@ -899,106 +899,12 @@ class Governor(Metering[MeterResult]):
         want_used: bool = False,
         detach: bool = False,
     ) -> tuple[int | None, bool, int | None]:
-        """Charge ``slots`` in one call and append them as one ledger event, both
-        made even when the caller is cancelled meanwhile (then raised after).
-
-        Returns the first slot's total before the charge (with ``want_used``,
-        when a counter answered, else None), whether the shared counters
-        were unreachable, and the first slot's effective cap with grants (None:
-        its default).
-        """
-        got, cancelled = await finished(
-            self._record_now(
-                slots, ctx, kind, usage, now,
-                reservation=reservation, want_used=want_used, detach=detach,
-            )
+        """:func:`recording.record`: the slots charged and appended as one event."""
+        return await recording.record(
+            self.ledger, self.backend, self._outage, self._charge, self._detached,
+            slots, ctx, kind, usage, now,
+            reservation=reservation, want_used=want_used, detach=detach,
         )  # fmt: skip
-        if cancelled is not None:
-            raise cancelled
-        return got
-
-    async def _record_now(
-        self,
-        slots: Sequence[Slot],
-        ctx: Context,
-        kind: EntryType,
-        usage: TokenUsage | None,
-        now: float,
-        *,
-        reservation: str | None,
-        want_used: bool,
-        detach: bool,
-    ) -> tuple[int | None, bool, int | None]:
-        """:meth:`_record`, cancellable."""
-        cap: int | None = None
-        event_id = new_id() if self.ledger is not None else None
-        op_id = None if event_id is not None else new_id()
-        degraded = False
-        before: int | None = None
-        # Nothing to count or read (a settlement's zero delta): no round trip.
-        idle = not want_used and not any(s.amount for s in slots)
-        sent = self._sent([s.op for s in slots], event_id, op_id) if detach and not idle else None
-        if sent is not None:
-            task = asyncio.ensure_future(self._detached_reply(sent, slots, op_id))
-            self._detached.add(task)
-            task.add_done_callback(self._detached.discard)
-        elif not idle:
-            try:
-                result = await self._charge(
-                    [s.op for s in slots], event_id, want_used=want_used, op_id=op_id
-                )
-                if want_used and result.used:
-                    before = result.used[0]
-                    cap = result.caps[0] if result.caps else None
-            except BackendUnavailableError:
-                degraded = True
-                ledgered = self.ledger is not None
-                before = await self._outage.charge_failed(slots, op_id, ledgered=ledgered)
-            except BackendBusyError:
-                # A completed call is charged whatever the store's load: inline mode
-                # keeps it for the next charge to replay (the ledger carries it).
-                self._outage.keep_for_later(slots, op_id, ledgered=self.ledger is not None)
-        if event_id is not None:
-            await self._append(
-                event_id,
-                kind,
-                now,
-                ctx,
-                planning.ledger_charges(slots),
-                usage=usage,
-                degraded=degraded,
-                reservation=reservation,
-            )
-        return before, degraded, cap
-
-    def _sent(
-        self,
-        ops: Sequence[CounterOp],
-        event_id: str | None,
-        op_id: str | None,
-        *,
-        want_used: bool = False,
-    ) -> Awaitable[ChargeResult] | None:
-        """The charge written at once, its reply not awaited (``charge_sent``), or None."""
-        send = getattr(self.backend, "charge_sent", None)
-        if send is None or self._outage.down_until:
-            return None
-        sent: Awaitable[ChargeResult] | None = send(
-            ops, event_id=event_id, want_used=want_used, op_id=op_id
-        )
-        return sent
-
-    async def _detached_reply(
-        self, sent: Awaitable[ChargeResult], slots: Sequence[Slot], op_id: str | None
-    ) -> None:
-        """The reply of a charge nobody waits for: a failure goes where a waited one would."""
-        try:
-            await sent
-        except BackendUnavailableError:
-            self._outage.mark_down()
-            await self._outage.charge_failed(slots, op_id, ledgered=self.ledger is not None)
-        except Exception:
-            log.exception("a metered charge sent without waiting failed")
 
     async def meter_behind(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
         """:meth:`meter_charges`, without waiting for the counters' reply.

@@ -39,7 +39,7 @@ from .planning import Slot
 from .shielding import finished, not_cancelled, to_the_end
 
 if TYPE_CHECKING:
-    from .governor import Governor
+    from .governor import Governor, Price
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -64,7 +64,7 @@ class Admission:
         amount: int,
         approved: Sequence[str] = (),
         wait: float = 0.0,
-        price: tuple[tuple[str, int], ...] | None = None,
+        price: Price | None = None,
     ) -> None:
         self._gov = gov
         self._price = price
@@ -84,7 +84,8 @@ class Admission:
             self._ctx, self._amount, self._approved, self._wait, self._price
         )
         self.decision = decision
-        self.price_charged = self._price is not None and decision.admitted
+        price = self._price
+        self.price_charged = price is not None and not price.hold and decision.admitted
         if cancelled is not None:  # the block never runs: its slot back now
             await to_the_end(gov.release(decision))
             raise cancelled
@@ -248,6 +249,17 @@ class Reservations:
         self._slots: tuple[Slot, ...] = ()
         self._released = False
         self._settled = False
+
+    @classmethod
+    def taken(
+        cls, gov: Governor, estimates: Mapping[str, int], ctx: Context, decision: Decision
+    ) -> Reservations:
+        """The reservation an admission made with ``hold=`` (``decision.held``): held
+        already, settled on exit like one entered here."""
+        held = cls(gov, estimates, ctx)
+        held.decision = decision
+        held.id, held._slots = decision.held
+        return held
 
     @property
     def limit_names(self) -> frozenset[str]:

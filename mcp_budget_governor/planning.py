@@ -278,6 +278,8 @@ class Plan:
     #: the cost event's, whose ledger charges are ``cost_charges``.
     cost: int = 0
     cost_charges: tuple[LedgerCharge, ...] = ()
+    #: The cost slots reserve a hard cap's estimates (a ``reserved`` event), not a price.
+    holds: bool = False
 
     @classmethod
     def of(cls, slots: Sequence[Slot]) -> Plan:
@@ -302,14 +304,16 @@ def check_plan(
     return Plan.of(check_slots(policy, ctx, now, calls, approved))
 
 
-def with_price(plan: Plan, price: Sequence[Slot]) -> Plan:
+def with_price(plan: Plan, price: Sequence[Slot], *, hold: bool = False) -> Plan:
     """``plan`` that also charges a call's fixed price (``price``: :func:`meter_slots`)
     in the same all-or-nothing charge, as the slots of a second (cost) event.
 
     A priced limit the check consults refuses a price that does not fit, as the
     check would (the price replaces the check's read of it); a metered-only
     limit is charged without refusing, as a meter would. So concurrent calls
-    never take a consulted limit past its cap.
+    never take a consulted limit past its cap. ``hold``: the slots are a hard cap's
+    estimates (a ``reserved`` event), which every limit that refuses enforces, as
+    a reservation does.
     """
     if not price:
         return plan
@@ -317,7 +321,8 @@ def with_price(plan: Plan, price: Sequence[Slot]) -> Plan:
     priced = []
     for p in price:
         c = checked.get(p.key)
-        priced.append(p.with_amount(p.amount, enforce=c is not None and c.enforce))
+        enforce = enforces(p.limit) if hold else c is not None and c.enforce
+        priced.append(p.with_amount(p.amount, enforce=enforce))
     read = {p.key for p in priced if (c := checked.get(p.key)) is not None and not c.amount}
     kept = tuple(s for s in plan.slots if s.key not in read)
     slots = (*kept, *priced)
@@ -330,6 +335,7 @@ def with_price(plan: Plan, price: Sequence[Slot]) -> Plan:
         plan.leases,
         len(priced),
         ledger_charges(priced),
+        hold,
     )
 
 

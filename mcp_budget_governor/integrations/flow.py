@@ -22,7 +22,8 @@ failed, a cancelled or a completed call is charged is decided in one place:
   ``estimate``) is charged by the admission itself, in its one round trip
   (:meth:`Governor.admitted` ``price=``, on Redis and in memory): a price that
   does not fit a limit the check consults refuses the call, and an admitted
-  call has paid, so nothing is charged after the work, whatever it does;
+  call has paid, so nothing is charged after the work, whatever it does. A
+  hard cap's estimates are reserved by the admission the same way (``hold=``);
 - when the work completes, ``priced(result)`` is metered if it returns charges,
   else ``fixed``: a completed call is always charged, even past a cap. A
   ``priced`` callback that raises, or returns something that is not valid
@@ -150,8 +151,15 @@ async def governed_call(
     price = fixed if fixed and priced is None and not estimate else None
     if isinstance(governor, Governor):
         approved = list(approved)
+        if estimate:
+            estimate = _validated(governor, estimate)
         while True:
-            admission = governor.admitted(ctx, approved=approved, wait=wait, price=price)
+            # A hard cap's estimates are reserved by the admission too (one round trip),
+            # but not on a limit the user let this call go over.
+            hold = {k: v for k, v in estimate.items() if k not in approved} if estimate else None
+            admission = governor.admitted(
+                ctx, approved=approved, wait=wait, price=price, hold=hold or None
+            )
             try:
                 decision = await admission.__aenter__()  # refused: no lease held
             except asyncio.CancelledError as exc:
@@ -168,7 +176,10 @@ async def governed_call(
             owed = fixed = None
         if estimate:
             estimate = {k: v for k, v in estimate.items() if k not in approved}
-        if estimate and cancelled is not None:
+        if decision.held is not None:  # reserved with the admission: settled below
+            assert estimate
+            held = Reservations.taken(governor, estimate, ctx, decision)
+        elif estimate and cancelled is not None:
             # Cancelled before its reservation: the estimate is charged as a price.
             owed = {**_validated(governor, estimate), **(fixed or {})}
         elif estimate:

@@ -6,8 +6,12 @@
 //   unguarded   the tool alone
 //   redis_rtt   the tool doing one no-op EVALSHA itself (testing/noop.lua): one
 //               Redis round trip, the floor of any guard on a shared counter
-//   governed    governFastMCP, a count limit checked and the tool's fixed price
-//               (_meta.mcpbg cost_usd) charged on a USD limit, on the same Redis
+//   governed    governTool, a count limit checked and the tool's fixed price
+//               (_meta.mcpbg cost_usd) charged on a USD limit, on the same Redis,
+//               by the admission: one charge.lua call
+//   two_trips   the same, the price metered after the tool and its reply awaited
+//               (a backend without pricesAtAdmission and chargeSent: how every
+//               priced call went before issue 33), the baseline of the change
 //
 // Target (issue 33): governed <= 1.03x redis_rtt over streamable HTTP, and the
 // price counted exactly (the USD counter = governed calls x price, the count
@@ -43,7 +47,7 @@ import { governTool } from "../src/integrations/fastmcp.js";
 
 const TARGET = 1.03;
 const PRICE = "0.001";
-const KINDS = ["unguarded", "redis_rtt", "governed"] as const;
+const KINDS = ["unguarded", "redis_rtt", "governed", "two_trips"] as const;
 type Kind = (typeof KINDS)[number];
 
 const { values } = parseArgs({
@@ -90,8 +94,12 @@ function buildServer(kinds: readonly Kind[], rid: string): { server: FastMCP; cl
         return String(n);
       },
     };
-    if (kind === "governed") {
-      const governor = new Governor(policyOf(rid), RedisBackend.fromUrl(url, { timeout: 5 }));
+    if (kind === "governed" || kind === "two_trips") {
+      const redis = RedisBackend.fromUrl(url, { timeout: 5 });
+      // two_trips: the same backend, saying it can neither price at admission nor charge without waiting.
+      const backend: RedisBackend =
+        kind === "governed" ? redis : Object.create(redis, { pricesAtAdmission: { value: false }, chargeSent: { value: undefined } });
+      const governor = new Governor(policyOf(rid), backend);
       closers.push(() => governor.close());
       const priced = { ...tool, _meta: { mcpbg: { cost_usd: PRICE, limit: `bench_${rid}_spend` } } };
       server.addTool(governTool(governor, priced, { identify: () => context({ user: "bench_user" }) }));
@@ -151,9 +159,9 @@ type Call = () => Promise<void>;
 /** Serial calls to each target, interleaved `chunk` at a time; microseconds per call. */
 async function latency(targets: Record<Kind, Call>, counted: { governed: number; failed: number }): Promise<Record<Kind, number[]>> {
   const [calls, rounds, chunk, warmup] = [values.calls, values.rounds, values.chunk, values.warmup].map(Number) as [number, number, number, number];
-  const samples = { unguarded: [] as number[], redis_rtt: [] as number[], governed: [] as number[] };
+  const samples = { unguarded: [] as number[], redis_rtt: [] as number[], governed: [] as number[], two_trips: [] as number[] };
   const once = async (kind: Kind): Promise<void> => {
-    if (kind === "governed") counted.governed++;
+    if (kind === "governed" || kind === "two_trips") counted.governed++;
     try {
       await targets[kind]();
     } catch {
@@ -259,6 +267,7 @@ async function main(): Promise<void> {
   await governor.close();
 
   const http = results["streamable_http"]?.find((r) => r.kind === "governed")?.vs_redis_rtt ?? NaN;
+  // governed and two_trips charge the same counters: both count.
   const counters = { governed_calls: counted.governed, spend_micros: spend, expected_micros: counted.governed * price, calls_counted: calls, exact };
   if (values.json) {
     console.log(JSON.stringify({ url, node: process.version, apart: values.apart, results, counters, failed: counted.failed, ratio: http, target: TARGET }, null, 1));
@@ -275,6 +284,10 @@ async function main(): Promise<void> {
       }
     }
     console.log(`governed / one no-op EVALSHA in the tool, streamable HTTP: ${http.toFixed(3)}x (target <= ${TARGET}x): ${http <= TARGET ? "met" : "NOT met"}`);
+    for (const [transport, rows] of Object.entries(results)) {
+      const median = (kind: Kind): number => rows.find((r) => r.kind === kind)?.median_us ?? NaN;
+      console.log(`${transport}: governed ${(median("two_trips") - median("governed")).toFixed(0)} µs faster than two_trips (${(median("governed") / median("two_trips")).toFixed(3)}x)`);
+    }
     console.log(
       `price counted exactly: ${exact ? "yes" : "NO"} (${counted.governed} governed calls x ${price} µ$ = ${counted.governed * price}; ` +
         `spend counter ${spend}, count limit ${calls}); failed calls: ${counted.failed}`,
