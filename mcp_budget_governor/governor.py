@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from . import admin, changing, planning, reading
+from . import admin, changing, planning, reading, recording
 from .approval import Approval, spend_op
 from .backends.base import adapted, epoch_clock
 from .caps import Change
@@ -750,11 +750,11 @@ class Governor(Metering[MeterResult]):
     def _sent_ahead(
         self, ops: Sequence[CounterOp], event_id: str | None
     ) -> Awaitable[ChargeResult] | None:
-        """An admission's charge written at once, its reply to await (:meth:`_sent`),
+        """An admission's charge written at once, its reply to await (:func:`recording.sent`),
         when the ledger can prepare its event meanwhile (``prepare``); else None."""
         if event_id is None or getattr(self.ledger, "prepare", None) is None:
             return None
-        return self._sent(ops, event_id, None, want_used=True)
+        return recording.sent(self.backend, self._outage, ops, event_id, None, want_used=True)
 
     async def _log(
         self,
@@ -899,106 +899,12 @@ class Governor(Metering[MeterResult]):
         want_used: bool = False,
         detach: bool = False,
     ) -> tuple[int | None, bool, int | None]:
-        """Charge ``slots`` in one call and append them as one ledger event, both
-        made even when the caller is cancelled meanwhile (then raised after).
-
-        Returns the first slot's total before the charge (with ``want_used``,
-        when a counter answered, else None), whether the shared counters
-        were unreachable, and the first slot's effective cap with grants (None:
-        its default).
-        """
-        got, cancelled = await finished(
-            self._record_now(
-                slots, ctx, kind, usage, now,
-                reservation=reservation, want_used=want_used, detach=detach,
-            )
+        """:func:`recording.record`: the slots charged and appended as one event."""
+        return await recording.record(
+            self.ledger, self.backend, self._outage, self._charge, self._detached,
+            slots, ctx, kind, usage, now,
+            reservation=reservation, want_used=want_used, detach=detach,
         )  # fmt: skip
-        if cancelled is not None:
-            raise cancelled
-        return got
-
-    async def _record_now(
-        self,
-        slots: Sequence[Slot],
-        ctx: Context,
-        kind: EntryType,
-        usage: TokenUsage | None,
-        now: float,
-        *,
-        reservation: str | None,
-        want_used: bool,
-        detach: bool,
-    ) -> tuple[int | None, bool, int | None]:
-        """:meth:`_record`, cancellable."""
-        cap: int | None = None
-        event_id = new_id() if self.ledger is not None else None
-        op_id = None if event_id is not None else new_id()
-        degraded = False
-        before: int | None = None
-        # Nothing to count or read (a settlement's zero delta): no round trip.
-        idle = not want_used and not any(s.amount for s in slots)
-        sent = self._sent([s.op for s in slots], event_id, op_id) if detach and not idle else None
-        if sent is not None:
-            task = asyncio.ensure_future(self._detached_reply(sent, slots, op_id))
-            self._detached.add(task)
-            task.add_done_callback(self._detached.discard)
-        elif not idle:
-            try:
-                result = await self._charge(
-                    [s.op for s in slots], event_id, want_used=want_used, op_id=op_id
-                )
-                if want_used and result.used:
-                    before = result.used[0]
-                    cap = result.caps[0] if result.caps else None
-            except BackendUnavailableError:
-                degraded = True
-                ledgered = self.ledger is not None
-                before = await self._outage.charge_failed(slots, op_id, ledgered=ledgered)
-            except BackendBusyError:
-                # A completed call is charged whatever the store's load: inline mode
-                # keeps it for the next charge to replay (the ledger carries it).
-                self._outage.keep_for_later(slots, op_id, ledgered=self.ledger is not None)
-        if event_id is not None:
-            await self._append(
-                event_id,
-                kind,
-                now,
-                ctx,
-                planning.ledger_charges(slots),
-                usage=usage,
-                degraded=degraded,
-                reservation=reservation,
-            )
-        return before, degraded, cap
-
-    def _sent(
-        self,
-        ops: Sequence[CounterOp],
-        event_id: str | None,
-        op_id: str | None,
-        *,
-        want_used: bool = False,
-    ) -> Awaitable[ChargeResult] | None:
-        """The charge written at once, its reply not awaited (``charge_sent``), or None."""
-        send = getattr(self.backend, "charge_sent", None)
-        if send is None or self._outage.down_until:
-            return None
-        sent: Awaitable[ChargeResult] | None = send(
-            ops, event_id=event_id, want_used=want_used, op_id=op_id
-        )
-        return sent
-
-    async def _detached_reply(
-        self, sent: Awaitable[ChargeResult], slots: Sequence[Slot], op_id: str | None
-    ) -> None:
-        """The reply of a charge nobody waits for: a failure goes where a waited one would."""
-        try:
-            await sent
-        except BackendUnavailableError:
-            self._outage.mark_down()
-            await self._outage.charge_failed(slots, op_id, ledgered=self.ledger is not None)
-        except Exception:
-            log.exception("a metered charge sent without waiting failed")
 
     async def meter_behind(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:
         """:meth:`meter_charges`, without waiting for the counters' reply.

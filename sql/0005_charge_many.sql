@@ -125,8 +125,10 @@ BEGIN
     END IF;
     seen := '{}';
     IF cardinality(ops) > 0 THEN
+        -- (+ 0: by id, whatever the one plan of the session was made from; the
+        -- expiry index would read every live marker)
         SELECT coalesce(array_agg(o.op_id), '{}') INTO seen FROM mcpbg_op AS o
-         WHERE o.op_id = ANY(ops) AND o.expire_ms > now_ms;
+         WHERE o.op_id = ANY(ops) AND o.expire_ms + 0 > now_ms;
     END IF;
     FOR c IN 1 .. nchecks LOOP
         n := p_nops[c];
@@ -223,8 +225,8 @@ BEGIN
     -- The writes: each counter once, in the order of its key (as the locks).
     IF true = ANY(kend) THEN
         DELETE FROM mcpbg_pending AS p USING mcpbg_counter AS t
-         WHERE t.key = ANY(ks) AND t.expire_at <= now_s AND p.key = t.key;
-        DELETE FROM mcpbg_counter AS t WHERE t.key = ANY(ks) AND t.expire_at <= now_s;
+         WHERE t.key = ANY(ks) AND t.expire_at + 0 <= now_s AND p.key = t.key;
+        DELETE FROM mcpbg_counter AS t WHERE t.key = ANY(ks) AND t.expire_at + 0 <= now_s;
     END IF;
     IF true = ANY(kdirty) THEN
         INSERT INTO mcpbg_counter AS t (key, committed, in_flight, expire_at)

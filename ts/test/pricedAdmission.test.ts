@@ -103,9 +103,9 @@ for (const [name, open] of backends()) {
       for (let i = 0; i < 3; i++) await governedCall(gov, ctx, async () => "ok", { spend: PRICE }, null);
       assert.equal(charges(), 3);
       assert.equal(await gov.usage("spend", ctx), 3 * PRICE);
-      // A hard cap (an estimate to reserve) still reserves and settles: not charged at admission.
+      // A hard cap: its estimate is reserved by the admission, then settled to the price.
       await governedCall(gov, ctx, async () => "ok", { spend: PRICE }, { spend: 2 * PRICE });
-      assert.equal(charges(), 6, "check, reserve, settle");
+      assert.equal(charges(), 5, "admit and reserve, settle");
       assert.equal(await gov.usage("spend", ctx), 4 * PRICE);
     });
   });
