@@ -28,11 +28,16 @@ CREATE OR REPLACE FUNCTION mcpbg_apply_held(
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     now_s double precision := mcpbg_now();
+    n integer := coalesce(array_length(p_offsets, 1), 0);
     wm bigint;
-    ev record;
+    fresh boolean;
+    ci integer := 0;
+    e integer;
     j integer;
     est bigint;
-    held jsonb;
+    held integer;
+    live integer;
+    ids text[] := '{}';
 BEGIN
     IF p_require_epoch AND NOT mcpbg_epoch_ok() THEN
         RETURN -1;
@@ -45,53 +50,49 @@ BEGIN
             FOR UPDATE SKIP LOCKED);
         SELECT w.applied INTO wm FROM mcpbg_watermark AS w WHERE w.partition = p_partition;
         wm := coalesce(wm, -1);
-        -- Offsets rise through a batch, so an event is fresh when it is past the
-        -- watermark, the first of its id past it, and its id is not seen yet: what
-        -- mcpbg_apply finds one event at a time. ci: the event's charges start after.
-        FOR ev IN
-            SELECT x.* FROM (
-                SELECT u.ord, u.off, u.id, u.dy, u.r, u.h, u.nc,
-                       coalesce(sum(u.nc) OVER (ORDER BY u.ord ROWS BETWEEN UNBOUNDED
-                                                PRECEDING AND 1 PRECEDING), 0) AS ci,
-                       count(*) OVER (PARTITION BY u.id, u.off > wm ORDER BY u.ord) AS nth
-                FROM unnest(p_offsets, p_ids, p_days, p_roles, p_held, p_ncharges)
-                     WITH ORDINALITY AS u(off, id, dy, r, h, nc, ord)) AS x
-            WHERE x.r <> '-' AND x.off > wm AND x.nth = 1 AND NOT EXISTS (
-                SELECT 1 FROM mcpbg_seen AS s
-                WHERE s.day = x.dy AND s.event_id = x.id AND s.expire_at > now_s)
-            ORDER BY x.ord
-        LOOP
-            IF ev.r = 'c' THEN
-                SELECT jsonb_object_agg(h.key, h.estimate) INTO held FROM mcpbg_hold AS h
-                WHERE h.reservation = ev.h AND h.expire_at > now_s;
-                FOR j IN ev.ci + 1 .. ev.ci + ev.nc LOOP
+        FOR e IN 1 .. n LOOP
+            fresh := p_offsets[e] > wm;
+            IF fresh THEN
+                wm := p_offsets[e];
+                fresh := NOT p_ids[e] = ANY (ids) AND NOT EXISTS (
+                    SELECT 1 FROM mcpbg_seen AS s
+                    WHERE s.day = p_days[e] AND s.event_id = p_ids[e] AND s.expire_at > now_s);
+                ids := ids || p_ids[e];
+            END IF;
+            IF fresh AND p_roles[e] = 'c' THEN
+                SELECT count(*) INTO held FROM mcpbg_hold AS h
+                WHERE h.reservation = p_held[e] AND h.expire_at > now_s;
+                live := 0;
+                FOR j IN ci + 1 .. ci + p_ncharges[e] LOOP
                     CONTINUE WHEN p_cexpire[j] <= now_s;
-                    IF ev.h = '' THEN
-                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: data.reservation: names no reservation (its money moves only against one)', ev.off;
+                    live := live + 1;
+                    IF p_held[e] = '' THEN
+                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: data.reservation: names no reservation (its money moves only against one)', p_offsets[e];
                     END IF;
-                    IF held IS NULL THEN
-                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: reservation %: not one the ledger holds (never made, closed already or expired)', ev.off, ev.h;
+                    IF held = 0 THEN
+                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: reservation %: not one the ledger holds (never made, closed already or expired)', p_offsets[e], p_held[e];
                     END IF;
                     CONTINUE WHEN p_camounts[j] >= 0;
-                    est := (held ->> p_ckeys[j])::bigint;
-                    IF est IS NULL THEN
-                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: %: reservation % holds no estimate on this counter', ev.off, p_ckeys[j], ev.h;
+                    SELECT h.estimate INTO est FROM mcpbg_hold AS h
+                    WHERE h.reservation = p_held[e] AND h.key = p_ckeys[j];
+                    IF NOT FOUND THEN
+                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: %: reservation % holds no estimate on this counter', p_offsets[e], p_ckeys[j], p_held[e];
                     END IF;
                     IF -p_camounts[j] > est THEN
-                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: %: refund % is more than reservation %''s estimate (%)', ev.off, p_ckeys[j], -p_camounts[j], ev.h, est;
+                        RAISE EXCEPTION 'mcpbg apply: refused event at offset %: %: refund % is more than reservation %''s estimate (%)', p_offsets[e], p_ckeys[j], -p_camounts[j], p_held[e], est;
                     END IF;
                 END LOOP;
-                IF held IS NOT NULL THEN
-                    DELETE FROM mcpbg_hold WHERE reservation = ev.h;
-                END IF;
-            ELSE
-                INSERT INTO mcpbg_hold AS t (reservation, key, estimate, expire_at)
-                SELECT ev.id, p_ckeys[g.i], p_camounts[g.i], p_cexpire[g.i]
-                FROM generate_series(ev.ci + 1, ev.ci + ev.nc) AS g(i)
-                WHERE p_cexpire[g.i] > now_s
-                ON CONFLICT (reservation, key) DO UPDATE
-                SET estimate = excluded.estimate, expire_at = excluded.expire_at;
+                DELETE FROM mcpbg_hold WHERE reservation = p_held[e];
+            ELSIF fresh AND p_roles[e] = 'o' THEN
+                FOR j IN ci + 1 .. ci + p_ncharges[e] LOOP
+                    CONTINUE WHEN p_cexpire[j] <= now_s;
+                    INSERT INTO mcpbg_hold (reservation, key, estimate, expire_at)
+                    VALUES (p_ids[e], p_ckeys[j], p_camounts[j], p_cexpire[j])
+                    ON CONFLICT (reservation, key) DO UPDATE
+                    SET estimate = excluded.estimate, expire_at = excluded.expire_at;
+                END LOOP;
             END IF;
+            ci := ci + p_ncharges[e];
         END LOOP;
     END IF;
     RETURN mcpbg_apply(p_partition, p_require_epoch, p_through, p_offsets, p_ids, p_days,

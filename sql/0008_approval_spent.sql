@@ -32,9 +32,6 @@ BEGIN
     IF p_require_epoch AND NOT mcpbg_epoch_ok() THEN
         RETURN -1;
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM unnest(p_spent) AS v WHERE v <> '') THEN
-        n := 0;  -- the common batch: no approval spent, nothing to check here
-    END IF;
     FOR e IN 1 .. n LOOP
         CONTINUE WHEN coalesce(p_spent[e], '') = '';
         FOREACH item IN ARRAY string_to_array(p_spent[e], ',') LOOP
