@@ -267,7 +267,11 @@ export class Reservations {
     }
     const gov = this.gov;
     if (!deltas.length && gov.ledger === null) return; // every estimate stands and nothing records the close
-    await gov.record(deltas, this.ctx, kind, null, gov.now(), this.id, false);
+    // After the call, off its response's path: the charge is written at once on the
+    // shared connection (this process's next command reaches the store after it) and
+    // its reply awaited in the background; the ledger event is appended before this
+    // returns (the durable point), as meterBehind does (Python: holds.Reservations).
+    await gov.record(deltas, this.ctx, kind, null, gov.now(), this.id, false, true);
   }
 }
 
