@@ -10,7 +10,8 @@ left in flight, and each operation is exactly one event (a refusal too), but a c
 admitted with its fixed price charged in the same round trip (``admitted``'s ``price``),
 which is two: its admission and its cost, each moved out of flight under its own id;
 and a hard-capped call, whose estimate the admission reserves (three: admitted,
-reserved, settled to its price).
+reserved, settled to its price); the process is killed right after one, its
+settle's reply never awaited.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def _ops(rng: random.Random) -> list[dict[str, Any]]:
         else:
             ops.append({"op": "meter", "limit": "spend", "amount": rng.randrange(1, 50_000),
                         "ctx": ctx})  # fmt: skip
+    # The op the process is SIGKILLed right after: a hard-capped call of a fresh user
+    # (admitted), whose settle was written without its reply awaited.
+    ops[KILL_AFTER] = {"op": "held", "estimate": {"spend": 50_000}, "price": {"spend": 1_234},
+                       "ctx": {"user": "killed", "tenant": TENANTS[0]}}  # fmt: skip
     return ops
 
 
@@ -143,6 +148,7 @@ async def test_typescript_governor_events_are_projected_exactly_once(
     assert second[-1] == {"closed": 0}, (second[-3:], log)
     reports = [r for r in first + second if "i" in r]
     assert [r["i"] for r in reports] == list(range(N))  # every operation reported once
+    assert reports[KILL_AFTER] == {"i": KILL_AFTER, "status": 200}  # killed right after its settle
 
     # What TypeScript said it did, per limit and scope value.
     want: Counter[tuple[str, str]] = Counter()
