@@ -18,6 +18,7 @@ COPY stream ./stream
 COPY projections ./projections
 COPY lua ./lua
 COPY sql ./sql
+COPY edges ./edges
 RUN pip install ".[stream,kafka,redis,fastmcp,otel]"
 
 # The example server and its policy file.

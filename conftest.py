@@ -43,11 +43,16 @@ def module_name(path: Path) -> str | None:
         parts = path.resolve().relative_to(ROOT).with_suffix("").parts
     except ValueError:
         return None
-    if not parts or parts[0] not in FOLDERS:
+    # The longest folder that holds the file (edges/cli before edges).
+    for depth in range(len(parts) - 1, 0, -1):
+        folder = "/".join(parts[:depth])
+        if folder in FOLDERS:
+            break
+    else:
         return None
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    return ".".join((FOLDERS[parts[0]], *parts[1:]))
+    return ".".join((FOLDERS[folder], *parts[depth:]))
 
 
 class PackageDoctests(DoctestModule):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ["mcp_budget_governor", "producers", "stream", "projections", "lua"]
+FOLDERS = ["mcp_budget_governor", "edges", "producers", "stream", "projections", "lua"]
 #: The optional extras' modules; the core needs none of them.
 EXTRAS = [
     "duckdb",

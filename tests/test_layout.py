@@ -1,8 +1,9 @@
 """The repository layout: top-level architecture folders, one import name per module.
 
-``producers/``, ``stream/``, ``projections/``, ``lua/`` and ``sql/`` sit at the top of the
-repository and install as ``mcp_budget_governor.<folder>`` (pyproject's
-``package-dir``). These tests hold that: no symlinks, no second identity, and the
+``producers/``, ``stream/``, ``projections/``, ``lua/``, ``sql/`` and the user-facing
+``edges/`` (``cli``, ``console``, ``demo``, ``integrations``) sit at the top of the
+repository and install as ``mcp_budget_governor.<name>`` (pyproject's ``package-dir``).
+These tests hold that: no symlinks, no second identity, and the
 wheel, the sdist and the Dockerfile's build context all carry the same package.
 """
 
@@ -13,13 +14,20 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("producers", "stream", "projections", "lua", "sql")
+#: Subpackage (``cli``) -> the repository folder it installs from (``edges/cli``).
+_SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+MAPPED = {
+    name.removeprefix("mcp_budget_governor."): folder
+    for name, folder in _SETUPTOOLS["package-dir"].items()
+}
+FOLDERS = tuple(MAPPED.values())
 SKIP = {
     ".git",
     ".venv",
@@ -44,19 +52,20 @@ def test_the_repository_holds_no_symlink() -> None:
     assert links == []
 
 
-@pytest.mark.parametrize("folder", FOLDERS)
-def test_a_folder_under_its_bare_name_cannot_be_imported(folder: str) -> None:
+@pytest.mark.parametrize(("name", "folder"), MAPPED.items())
+def test_a_folder_under_its_bare_name_cannot_be_imported(name: str, folder: str) -> None:
     # From the repository root, the folder is on sys.path as a plain package: the
     # guard in its __init__ refuses, so no class ever gets a second identity.
     run = subprocess.run(
-        [sys.executable, "-c", f"import {folder}"],
+        [sys.executable, "-c", f"import {folder.replace('/', '.')}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
     )
     assert run.returncode == 1
-    assert f"ImportError: import mcp_budget_governor.{folder}, not {folder}" in run.stderr
+    bare = folder.replace("/", ".")
+    assert f"ImportError: import mcp_budget_governor.{name}, not {bare}" in run.stderr
 
 
 def test_each_module_has_one_identity() -> None:
@@ -115,8 +124,8 @@ def _check_wheel(wheel: Path, target: Path) -> None:
         name.split("/", 1)[0] for name in names if not name.split("/", 1)[0].endswith(".dist-info")
     }
     assert tops == {"mcp_budget_governor"}
-    for folder in FOLDERS:
-        assert f"mcp_budget_governor/{folder}/__init__.py" in names
+    for name in MAPPED:
+        assert f"mcp_budget_governor/{name}/__init__.py" in names
     assert "mcp_budget_governor/lua/apply.lua" in names
     assert "mcp_budget_governor/sql/0001_tables.sql" in names
     assert "mcp_budget_governor/sql/0002_functions.sql" in names
@@ -187,6 +196,6 @@ def test_the_dockerfile_copies_enough_to_build_the_image(tmp_path: Path) -> None
             shutil.copytree(src, context / source, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, context / source)
-    assert set(FOLDERS) <= set(_dockerfile_copies())
+    assert {folder.split("/")[0] for folder in FOLDERS} <= set(_dockerfile_copies())
     _, wheel = _build(context, tmp_path / "dist")
     _check_wheel(wheel, tmp_path / "site")

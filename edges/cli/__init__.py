@@ -12,6 +12,9 @@ is the one handler.
 
 from __future__ import annotations
 
+if __name__ != "mcp_budget_governor.cli":  # one name per module (docs/layout.md)
+    raise ImportError("import mcp_budget_governor.cli, not edges.cli")
+
 import argparse
 import contextlib
 import importlib

@@ -5,6 +5,9 @@ middleware (``asgi``) and the low-level MCP server hook (``lowlevel``) all run
 one governed call (``flow``): check, run the work, meter what it cost.
 """
 
+if __name__ != "mcp_budget_governor.integrations":  # one name per module (docs/layout.md)
+    raise ImportError("import mcp_budget_governor.integrations, not edges.integrations")
+
 
 def extra_missing(module: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:
     """The error an integration raises when its extra is not installed: which module

@@ -6,3 +6,6 @@
 - :mod:`.report`: self-contained HTML reports (``mcpbg demo``, ``mcpbg costs --html``);
 - ``static/``: Chart.js (MIT, its licence beside it), served and inlined, no CDN.
 """
+
+if __name__ != "mcp_budget_governor.console":  # one name per module (docs/layout.md)
+    raise ImportError("import mcp_budget_governor.console, not edges.console")
