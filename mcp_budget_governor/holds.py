@@ -327,7 +327,13 @@ class Reservations:
         gov = self._gov
         if not deltas and gov.ledger is None:
             return  # every estimate stands and nothing records the close
-        await gov._record(tuple(deltas), self.ctx, kind, None, gov._clock(), reservation=self.id)
+        # After the call, off its response's path: the charge is written at once on the
+        # shared connection (this process's next command reaches the store after it)
+        # and its reply is awaited in the background; the ledger event is appended
+        # before this returns (the durable point), as meter_behind does.
+        await gov._record(
+            tuple(deltas), self.ctx, kind, None, gov._clock(), reservation=self.id, detach=True
+        )
 
 
 async def _given_back(held: Reservation | Reservations, cancelled: BaseException) -> NoReturn:

@@ -269,3 +269,36 @@ async def test_an_approval_spent_before_the_store_lost_its_state_stays_spent(
         assert (await again.check(MALLORY, approved=[other])).admitted  # a fresh one works
     finally:
         await backend.aclose()
+
+
+@pytest.mark.parametrize("one_batch", [True, False], ids=["one batch", "batch by batch"])
+async def test_a_reservation_redelivered_after_its_settlement_stays_closed(
+    store_url: str, one_batch: bool
+) -> None:
+    """A producer retry of the reserved event (same id, a later offset) after its
+    settlement is skipped like any copy: it does not open the reservation again, so a
+    second settlement is still refused."""
+    await _fresh(store_url)
+    ledger = MemoryLedger()
+    gov = Governor(policy(), MemoryBackend(), ledger=ledger)
+    await gov.meter("spend", 10_000, MALLORY)
+    held = await gov.reserve("spend", 5_000, MALLORY)
+    await gov.settle(held, 1_000)
+    metered, reserved, settled = (parse(encode(e, SOURCE)) for e in ledger.entries)
+    again = parse(encode(ledger.entries[2], SOURCE).replace(
+        ledger.entries[2].id.encode(), new_id().encode()))  # fmt: skip
+    batch = [to_applied(metered, 0), to_applied(reserved, 1), to_applied(settled, 2),
+             to_applied(reserved, 3)]  # fmt: skip
+    backend = backend_for(store_url)
+    try:
+        await backend.mark_ready("test")
+        if one_batch:
+            assert await backend.apply("retry:0", batch) == 3
+        else:
+            for event in batch:
+                await backend.apply("retry:0", [event])
+        with pytest.raises(EventRefusedError, match="not one the ledger holds"):
+            await backend.apply("retry:0", [to_applied(again, 4)])
+    finally:
+        await backend.aclose()
+    assert (await _counters(store_url))["mallory"] == (11_000, 0)

@@ -8,7 +8,10 @@ the same outbox folder at the next operation. Then the Python worker projects th
 topic: every counter equals what TypeScript reported admitted and metered, nothing is
 left in flight, and each operation is exactly one event (a refusal too), but a call
 admitted with its fixed price charged in the same round trip (``admitted``'s ``price``),
-which is two: its admission and its cost, each moved out of flight under its own id.
+which is two: its admission and its cost, each moved out of flight under its own id;
+and a hard-capped call, whose estimate the admission reserves (three: admitted,
+reserved, settled to its price); the process is killed right after one, its
+settle's reply never awaited.
 """
 
 from __future__ import annotations
@@ -73,11 +76,19 @@ def _ops(rng: random.Random) -> list[dict[str, Any]]:
         draw = rng.random()
         if draw < 0.4:
             ops.append({"op": "check", "ctx": ctx})
-        elif draw < 0.6:
+        elif draw < 0.55:
             ops.append({"op": "priced", "price": {"spend": rng.randrange(1, 50_000)}, "ctx": ctx})
+        elif draw < 0.65:
+            price = rng.randrange(1, 50_000)
+            ops.append({"op": "held", "estimate": {"spend": 50_000}, "price": {"spend": price},
+                        "ctx": ctx})  # fmt: skip
         else:
             ops.append({"op": "meter", "limit": "spend", "amount": rng.randrange(1, 50_000),
                         "ctx": ctx})  # fmt: skip
+    # The op the process is SIGKILLed right after: a hard-capped call of a fresh user
+    # (admitted), whose settle was written without its reply awaited.
+    ops[KILL_AFTER] = {"op": "held", "estimate": {"spend": 50_000}, "price": {"spend": 1_234},
+                       "ctx": {"user": "killed", "tenant": TENANTS[0]}}  # fmt: skip
     return ops
 
 
@@ -137,10 +148,11 @@ async def test_typescript_governor_events_are_projected_exactly_once(
     assert second[-1] == {"closed": 0}, (second[-3:], log)
     reports = [r for r in first + second if "i" in r]
     assert [r["i"] for r in reports] == list(range(N))  # every operation reported once
+    assert reports[KILL_AFTER] == {"i": KILL_AFTER, "status": 200}  # killed right after its settle
 
     # What TypeScript said it did, per limit and scope value.
     want: Counter[tuple[str, str]] = Counter()
-    refused = metered = priced = 0
+    refused = metered = priced = held = 0
     for op, report in zip(ops, reports, strict=True):
         user, tenant = op["ctx"]["user"], op["ctx"]["tenant"]
         if op["op"] == "meter":
@@ -153,23 +165,29 @@ async def test_typescript_governor_events_are_projected_exactly_once(
                 assert report["paid"] is True, report
                 want["spend", f"tenant={tenant}"] += op["price"]["spend"]
                 priced += 1
+            elif op["op"] == "held":
+                want["spend", f"tenant={tenant}"] += op["price"]["spend"]
+                held += 1
         else:
             assert report["status"] == 429, report
             refused += 1
     assert refused > 0  # some users went past burst = 6
-    assert priced > 0
+    assert priced > 0 and held > 0
     assert sum(want["burst", f"user={u}"] for u in USERS) < N
 
     stream.start_worker()
     records = await stream.caught_up()
     events = unique_events(records)
-    # One event per operation, a priced admission two, a re-sent one counted once.
-    assert len(events) == N + priced
-    assert len(records) >= N + priced
+    # One event per operation, a priced admission two, a held one three, a re-sent one
+    # counted once.
+    extra = priced + 2 * held
+    assert len(events) == N + extra
+    assert len(records) >= N + extra
     kinds = Counter(e.type for e in events)
     assert kinds == {"mcpbg.admitted.v1": N - refused - metered, "mcpbg.rejected.v1": refused,
-                     "mcpbg.metered.v1": metered + priced}, kinds  # fmt: skip
-    assert await assert_exact(stream.backend, records) == N + priced
+                     "mcpbg.metered.v1": metered + priced, "mcpbg.reserved.v1": held,
+                     "mcpbg.settled.v1": held}, kinds  # fmt: skip
+    assert await assert_exact(stream.backend, records) == N + extra
     got = {(limit, scope): await _sum(stream, limit, scope) for limit, scope in want}
     assert got == dict(want)
     print(

@@ -5,6 +5,7 @@
  * const d = await governor.check(context({ user: "u_42" }));
  * d.raiseForStatus();  // throws LimitExceeded (status 429, Retry-After) when refused
  */
+import type { Slot } from "./planning.js";
 import { BudgetExceeded, BudgetUnavailable, LimitExceeded } from "./errors.js";
 import { isRepeat } from "./repeats.js";
 
@@ -31,6 +32,16 @@ export interface DecisionFields {
   degraded?: boolean;
   remaining?: Readonly<Record<string, number>>;
   lease?: Lease | null;
+  held?: Held | null;
+}
+
+/**
+ * What an admission reserved with it (Governor.admitted's `hold`): the `reserved`
+ * event's id (null without a ledger) and its slots, for Reservations.taken to settle.
+ */
+export interface Held {
+  readonly id: string | null;
+  readonly slots: readonly Slot[];
 }
 
 /** Admit or refuse, and why (fields as in Python's Decision, camelCase). */
@@ -46,6 +57,7 @@ export class Decision {
   readonly degraded: boolean;
   readonly remaining: Readonly<Record<string, number>>;
   readonly lease: Lease | null;
+  readonly held: Held | null;
 
   constructor(f: DecisionFields) {
     this.admitted = f.admitted;
@@ -58,6 +70,7 @@ export class Decision {
     this.degraded = f.degraded ?? false;
     this.remaining = f.remaining ?? {};
     this.lease = f.lease ?? null;
+    this.held = f.held ?? null;
     Object.freeze(this);
   }
 

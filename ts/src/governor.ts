@@ -84,12 +84,21 @@ export interface AdmittedOptions extends CheckOptions {
    * admitted, the price is paid, whatever the call does next.
    */
   price?: Readonly<Record<string, number>> | null;
+  /**
+   * `{limit: amount}`, instead of `price`: a hard cap's estimates, reserved by the
+   * admission in the same round trip (a `reserved` event after the admission's),
+   * refused when one does not fit; the decision's `held` is then the reservation,
+   * which the caller settles (Reservations.taken).
+   */
+  hold?: Readonly<Record<string, number>> | null;
 }
 
-/** A fixed price validated once (its limits resolved), and its plan cache key. */
+/** What an admission charges beyond the check, validated once (its limits resolved), and its plan cache key. */
 interface Price {
   readonly pairs: readonly (readonly [Limit, number])[];
   readonly key: string;
+  /** A hard cap's estimates to reserve, not a price. */
+  readonly hold: boolean;
 }
 
 /** @internal `wait` validated: seconds from 0 to MAX_WAIT, else the error naming it. */
@@ -207,6 +216,18 @@ export class Reservations {
     this.estimates = checked;
   }
 
+  /**
+   * The reservation an admission made with `hold` (`decision.held`): held
+   * already, settled by finish() like one entered here (Python: Reservations.taken).
+   */
+  static taken(gov: Governor, estimates: Readonly<Record<string, number>>, ctx: Context, decision: Decision): Reservations {
+    const held = new Reservations(gov, estimates, ctx);
+    held.decision = decision;
+    held.id = decision.held?.id ?? null;
+    held.slots = decision.held?.slots ?? [];
+    return held;
+  }
+
   get limitNames(): ReadonlySet<string> {
     return new Set(Object.keys(this.estimates));
   }
@@ -246,7 +267,11 @@ export class Reservations {
     }
     const gov = this.gov;
     if (!deltas.length && gov.ledger === null) return; // every estimate stands and nothing records the close
-    await gov.record(deltas, this.ctx, kind, null, gov.now(), this.id, false);
+    // After the call, off its response's path: the charge is written at once on the
+    // shared connection (this process's next command reaches the store after it) and
+    // its reply awaited in the background; the ledger event is appended before this
+    // returns (the durable point), as meterBehind does (Python: holds.Reservations).
+    await gov.record(deltas, this.ctx, kind, null, gov.now(), this.id, false, true);
   }
 }
 
@@ -287,6 +312,7 @@ export class Governor {
   private plans = new Map<string, Plan>();
   private byObject = new WeakMap<Context, { minute: number; calls: number; price: Price | null; plan: Plan }>();
   private validPrices = new WeakMap<object, Price | null>();
+  private validHolds = new WeakMap<object, Price | null>();
   policy: Policy;
   readonly backend: Backend;
 
@@ -321,6 +347,7 @@ export class Governor {
     this.plans = new Map();
     this.byObject = new WeakMap();
     this.validPrices = new WeakMap();
+    this.validHolds = new WeakMap();
     return old;
   }
 
@@ -441,7 +468,11 @@ export class Governor {
     work: (decision: Decision, priceCharged: boolean) => Promise<R>,
     options: AdmittedOptions = {},
   ): Promise<R> {
-    const price = options.price && this.pricesAtAdmission ? this.validPrice(options.price) : null;
+    let price: Price | null = null;
+    if (this.pricesAtAdmission) {
+      if (options.price) price = this.validPrice(options.price, false);
+      else if (options.hold) price = this.validPrice(options.hold, true);
+    }
     const decision = await this.checked(ctx, options, price);
     let timer: NodeJS.Timeout | undefined;
     if (decision.lease !== null) {
@@ -451,7 +482,7 @@ export class Governor {
       timer.unref();
     }
     try {
-      return await work(decision, price !== null && decision.admitted);
+      return await work(decision, price !== null && !price.hold && decision.admitted);
     } finally {
       if (timer !== undefined) clearInterval(timer);
       await this.release(decision);
@@ -468,14 +499,16 @@ export class Governor {
   }
 
   /** `price` validated whole before anything is charged (an unknown limit throws), its zeros left out; null when nothing is left. */
-  private validPrice(price: Readonly<Record<string, number>>): Price | null {
-    let valid = this.validPrices.get(price);
+  private validPrice(price: Readonly<Record<string, number>>, hold: boolean): Price | null {
+    const seen = hold ? this.validHolds : this.validPrices;
+    let valid = seen.get(price);
     if (valid === undefined) {
+      const field = hold ? "hold" : "price";
       const pairs = Object.entries(price)
-        .map(([name, amount]) => [planning.meteredLimit(this.policy, name), checkAmount(amount, `price['${name}']`)] as const)
+        .map(([name, amount]) => [planning.meteredLimit(this.policy, name), checkAmount(amount, `${field}['${name}']`)] as const)
         .filter(([, amount]) => amount !== 0);
-      valid = pairs.length ? { pairs, key: pairs.map(([l, n]) => `${l.name}=${n}`).join(",") } : null;
-      this.validPrices.set(price, valid);
+      valid = pairs.length ? { pairs, key: `${field}:${pairs.map(([l, n]) => `${l.name}=${n}`).join(",")}`, hold } : null;
+      seen.set(price, valid);
     }
     return valid;
   }
@@ -675,7 +708,7 @@ export class Governor {
   /** The check's plan, charging `price` too (planning.withPrice). */
   private freshPlan(ctx: Context, now: number, calls: number, allowed: ReadonlySet<string>, price: Price | null): Plan {
     const plan = planning.checkPlan(this.policy, ctx, now, calls, allowed);
-    return price === null ? plan : planning.withPrice(plan, planning.meterSlots(price.pairs, ctx, now, this.policy));
+    return price === null ? plan : planning.withPrice(plan, planning.meterSlots(price.pairs, ctx, now, this.policy), price.hold);
   }
 
   /**
@@ -725,9 +758,10 @@ export class Governor {
     if (lease !== null && decision.admitted) decision = decision.with({ lease: { id: lease, keys: plan.leases } });
     if (eventId !== null && (recordRefusal || decision.admitted)) await this.logAdmission(eventId, kind, now, ctx, plan, decision, approved);
     if (costId !== null && decision.admitted) {
-      // The price's own event, after the admission's.
-      await this.append(costId, EntryType.METERED, now, ctx, plan.costCharges, { degraded: decision.degraded });
+      // The price's (or the reservation's) own event, after the admission's.
+      await this.append(costId, plan.holds ? EntryType.RESERVED : EntryType.METERED, now, ctx, plan.costCharges, { degraded: decision.degraded });
     }
+    if (plan.holds && decision.admitted) decision = decision.with({ held: { id: costId, slots: plan.slots.slice(plan.slots.length - plan.cost) } });
     return [decision, eventId];
   }
 

@@ -111,6 +111,8 @@ export interface Plan {
   readonly cost: number;
   /** The cost event's ledger charges. */
   readonly costCharges: readonly LedgerChargeFields[];
+  /** The cost slots reserve a hard cap's estimates (a `reserved` event), not a price. */
+  readonly holds: boolean;
   /** The one-time approval the plan's admission spends (its marker is the last op). */
   readonly spends?: { readonly limit: string; readonly once: string; readonly until: number };
 }
@@ -124,6 +126,7 @@ export function planOf(slots: readonly Slot[]): Plan {
     leases: slots.filter((s) => s.limit.concurrent).map((s) => s.key),
     cost: 0,
     costCharges: [],
+    holds: false,
   });
 }
 
@@ -133,12 +136,14 @@ export function planOf(slots: readonly Slot[]): Plan {
  * planning.with_price). A priced limit the check consults refuses a price that
  * does not fit, as the check would (the price replaces the check's read of it);
  * a metered-only limit is charged without refusing, as a meter would. So
- * concurrent calls never take a consulted limit past its cap.
+ * concurrent calls never take a consulted limit past its cap. `hold`: the slots
+ * are a hard cap's estimates (a `reserved` event), which every limit that
+ * refuses enforces, as a reservation does.
  */
-export function withPrice(plan: Plan, price: readonly Slot[]): Plan {
+export function withPrice(plan: Plan, price: readonly Slot[], hold = false): Plan {
   if (!price.length) return plan;
   const checked = new Map(plan.slots.filter((s) => !s.limit.concurrent).map((s) => [s.key, s]));
-  const priced = price.map((p) => ({ ...p, enforce: checked.get(p.key)?.enforce ?? false }));
+  const priced = price.map((p) => ({ ...p, enforce: hold ? enforces(p.limit) : (checked.get(p.key)?.enforce ?? false) }));
   const read = new Set(priced.filter((p) => checked.get(p.key)?.amount === 0).map((p) => p.key));
   const kept = plan.slots.filter((s) => !read.has(s.key));
   const slots = [...kept, ...priced];
@@ -150,6 +155,7 @@ export function withPrice(plan: Plan, price: readonly Slot[]): Plan {
     leases: plan.leases,
     cost: priced.length,
     costCharges: ledgerCharges(priced),
+    holds: hold,
   });
 }
 

@@ -13,7 +13,7 @@ import type { Approval } from "../approval.js";
 import { contextKey, type Context } from "../context.js";
 import { EXCEEDED, REFUSAL_META_KEY, refusalBody, refusalMeta, refusalText, type Decision } from "../decision.js";
 import { LimitExceeded, InvalidInputError } from "../errors.js";
-import type { Governor, Reservations } from "../governor.js";
+import { Reservations, type Governor } from "../governor.js";
 import { Unit, checkAmount, usd } from "../money.js";
 import { OnExceed, type Policy } from "../policy.js";
 
@@ -308,7 +308,9 @@ export function approvalSeconds(timeout: unknown): number {
  * the admission itself, in its one round trip (Governor.admitted's `price`, on
  * Redis and in memory): a price that does not fit a limit the check consults
  * refuses the call, and an admitted call has paid, so nothing is charged after
- * the work, whatever it does (Python: flow.governed_call).
+ * the work, whatever it does (Python: flow.governed_call). A hard cap's estimates
+ * are reserved by the admission the same way (`hold`): one round trip to admit
+ * and reserve, one to settle.
  *
  * `estimate` (`{limit: amount}`) makes the call a hard cap: the estimates are
  * reserved after the check, all or nothing in one round trip (refused whole when
@@ -341,15 +343,19 @@ export async function governedCall<R>(
   if (signal?.aborted) throw signal.reason;
   const price = fixed !== null && Object.keys(fixed).length && !(estimate !== null && Object.keys(estimate).length) ? fixed : null;
   for (;;) {
+    // A hard cap's estimates, reserved by the admission too (one round trip), but not
+    // on a limit the user let this call go over: holding it there would refuse it again.
+    const wanted = held(estimate, over);
     // admitted() hands back the decision, refused or not; a refused one holds no lease.
     const outcome = await governor.admitted(
       caller,
       async (decision, paid): Promise<{ refused: Decision } | { result: R }> => {
         if (!decision.admitted) return { refused: decision };
+        const taken = decision.held !== null && wanted !== null ? Reservations.taken(governor, wanted, caller, decision) : null;
         // Paid with the admission: nothing is left to charge, whatever the work does.
-        return { result: await run(governor, caller, work, paid ? null : fixed, estimate, over, signal) };
+        return { result: await run(governor, caller, work, paid ? null : fixed, wanted, taken, signal) };
       },
-      { wait, approved: over, approval, price, ...(signal !== undefined && { signal }) },
+      { wait, approved: over, approval, price, hold: price === null ? wanted : null, ...(signal !== undefined && { signal }) },
     );
     if ("result" in outcome) return outcome.result;
     const decision = outcome.refused;
@@ -359,8 +365,17 @@ export async function governedCall<R>(
   }
 }
 
+/** The estimates a call holds: the non-zero ones not on an approved limit (`estimate` itself when that is all of them); null for none. */
+function held(estimate: Charges | null, approved: readonly string[]): Charges | null {
+  if (estimate === null) return null;
+  const wanted = Object.entries(estimate).filter(([limit, amount]) => amount !== 0 && !approved.includes(limit));
+  if (!wanted.length) return null;
+  return wanted.length === Object.keys(estimate).length ? estimate : Object.fromEntries(wanted);
+}
+
 /**
- * The admitted part of governedCall: reserve the estimates (one charge), run, charge.
+ * The admitted part of governedCall: reserve the estimates (one charge) unless the
+ * admission did (`taken`), run, charge.
  * An admission always runs to its end (nothing interrupts a promise); a call whose
  * signal aborted meanwhile does not start its work and pays as one cancelled while
  * it ran (its fixed price, its reservation kept or settled to it), its slot given
@@ -371,15 +386,13 @@ async function run<R>(
   caller: Context,
   work: () => Promise<R>,
   fixed: Charges | null,
-  estimate: Charges | null,
-  approved: readonly string[],
+  wanted: Charges | null,
+  taken: Reservations | null,
   signal?: AbortSignal,
 ): Promise<R> {
-  // An approved call goes over that limit: holding an estimate there would refuse it again.
-  const wanted = Object.entries(estimate ?? {}).filter(([limit, amount]) => amount !== 0 && !approved.includes(limit));
   // After the check: a reservation that fills its limit to the cap exactly must not
   // make that check refuse the very call it holds.
-  const held: Reservations | null = wanted.length ? await governor.reserveAll(Object.fromEntries(wanted), caller) : null;
+  const held: Reservations | null = taken ?? (wanted !== null ? await governor.reserveAll(wanted, caller) : null);
   const charge = async (): Promise<void> => {
     const rest: Charges = { ...(fixed ?? {}) };
     if (held !== null) {

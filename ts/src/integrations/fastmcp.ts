@@ -1,6 +1,7 @@
 /**
  * Middleware for the TypeScript `fastmcp` framework: every tool's `execute`
- * is checked before it runs and metered after, with the tool's name as
+ * is checked before it runs (a fixed price charged by that same admission on
+ * Redis and in memory; common.ts governedCall), with the tool's name as
  * `Context.tool`, the caller from `identify` (default: the session's
  * `authenticate` result when it has a `user`/`id`), the tool's `_meta.mcpbg`
  * price, and a refusal returned as an error result carrying the Python

@@ -1,6 +1,7 @@
 /**
  * Middleware for the official MCP TypeScript SDK (`@modelcontextprotocol/sdk`):
- * every tool call is checked before its handler runs and metered after, with
+ * every tool call is checked before its handler runs (a fixed price charged by
+ * that same admission on Redis and in memory; common.ts governedCall), with
  * the tool's name as `Context.tool`, the caller from `identify`, the tool's
  * `_meta.mcpbg` price, and a refusal returned as an error result whose text
  * (and status) are those of the Python middleware.

@@ -5,7 +5,9 @@
 //
 //   tsx test/cross/governed.ts POLICY.toml REDIS_URL BOOTSTRAP TOPIC OUTBOX OPS.json FROM [KILL_AFTER]
 //     OPS.json: [{"op": "check", "ctx": {...}}, {"op": "meter", "limit": "spend", "amount": 5, "ctx": {...}},
-//                {"op": "priced", "price": {"spend": 5}, "ctx": {...}}]  (admitted() charging its price)
+//                {"op": "priced", "price": {"spend": 5}, "ctx": {...}},  (admitted() charging its price)
+//                {"op": "held", "estimate": {"spend": 9}, "price": {"spend": 5}, "ctx": {...}}]  (a hard-capped
+//                governedCall: the estimate reserved by the admission, settled to the price)
 //     runs ops [FROM, end): {"i": 3, "status": 200} / {"i": 4, "total": 5} / {"i": 5, "status": 200, "paid": true};
 //     then close()
 //     and {"closed": <events left unshipped>}
@@ -14,15 +16,28 @@
 //     SIGKILL of this very process (its outbox then holds what it had not shipped)
 import { readFileSync } from "node:fs";
 
-import { Governor, RedisBackend, context, loadPolicyFile } from "../../src/index.js";
+import { Governor, LimitExceeded, RedisBackend, context, loadPolicyFile } from "../../src/index.js";
+import { governedCall } from "../../src/integrations/common.js";
 import { driverLedger } from "../driverLedger.js";
 
 interface Op {
-  op: "check" | "meter" | "priced";
+  op: "check" | "meter" | "priced" | "held";
   ctx: Record<string, string>;
   limit?: string;
   amount?: number;
   price?: Record<string, number>;
+  estimate?: Record<string, number>;
+}
+
+/** A hard-capped call through the integrations' flow: its status (a refusal's too). */
+async function heldCall(governor: Governor, op: Op): Promise<number> {
+  try {
+    await governedCall(governor, context(op.ctx), async () => "ok", op.price ?? null, op.estimate ?? null);
+    return 200;
+  } catch (err) {
+    if (err instanceof LimitExceeded) return err.decision.status;
+    throw err;
+  }
 }
 
 const args = process.argv.slice(2);
@@ -46,6 +61,7 @@ async function main(): Promise<void> {
     const op = ops[i]!;
     const ctx = context(op.ctx);
     if (op.op === "check") say({ i, status: (await governor.check(ctx)).status });
+    else if (op.op === "held") say({ i, status: await heldCall(governor, op) });
     else if (op.op === "priced") say({ i, ...(await governor.admitted(ctx, async (d, paid) => ({ status: d.status, paid }), { price: op.price ?? null })) });
     else say({ i, total: (await governor.meter(op.limit ?? "", op.amount ?? 0, ctx)).total });
     if (i === Math.floor(kill / 2)) {
