@@ -3,7 +3,7 @@
 The governor (``set_cap``, ``unset_cap``, ``assign_plan``, ``grant``, ``reset``)
 and the ``mcpbg`` verbs build a :class:`~mcp_budget_governor.caps.Change` here,
 then append it to the ledger (projected like a charge) or, with no ledger,
-write it to the counters directly.
+write it to the counters directly (the governor's side: :mod:`.changing`).
 
 >>> from mcp_budget_governor import Limit, Policy, Scope, Window
 >>> policy = Policy.of(Limit("burst", cap=30, window=Window.MINUTE, scope=Scope.USER))

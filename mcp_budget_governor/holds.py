@@ -26,20 +26,41 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
-from . import planning
+from . import admission, planning
+from .admission import Admitting, Price
 from .context import Context
 from .decision import ADMITTED, NOTHING_METERED, Decision, MeterResult
 from .errors import LimitExceeded
-from .ledger import EntryType
+from .ledger import EntryType, TokenUsage
 from .limits import Limit
 from .money import check_amount
 from .planning import Slot
 from .shielding import finished, not_cancelled, to_the_end
 
-if TYPE_CHECKING:
-    from .governor import Governor, Price
+
+class Holding(Admitting, Protocol):
+    """What a hold uses of the Governor: its admission, the leases' release and the
+    recording of a settlement (``Governor._record``)."""
+
+    async def release(self, decision: Decision) -> None: ...
+
+    async def renew(self, decision: Decision) -> bool: ...
+
+    async def _record(
+        self,
+        slots: Sequence[Slot],
+        ctx: Context,
+        kind: EntryType,
+        usage: TokenUsage | None,
+        now: float,
+        *,
+        reservation: str | None = None,
+        want_used: bool = False,
+        detach: bool = False,
+    ) -> tuple[int | None, bool, int | None]: ...
+
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -59,7 +80,7 @@ class Admission:
 
     def __init__(
         self,
-        gov: Governor,
+        gov: Holding,
         ctx: Context | None,
         amount: int,
         approved: Sequence[str] = (),
@@ -80,8 +101,8 @@ class Admission:
 
     async def __aenter__(self) -> Decision:
         gov = self._gov
-        decision, cancelled = await gov._checked(
-            self._ctx, self._amount, self._approved, self._wait, self._price
+        decision, cancelled = await admission.checked(
+            gov, self._ctx, self._amount, self._approved, self._wait, self._price
         )
         self.decision = decision
         price = self._price
@@ -139,7 +160,7 @@ class Reservation:
     a reservation settles once, so an explicit settle inside a block wins.
     """
 
-    def __init__(self, gov: Governor, limit: Limit, estimate: int, ctx: Context) -> None:
+    def __init__(self, gov: Holding, limit: Limit, estimate: int, ctx: Context) -> None:
         self._gov = gov
         self.limit = limit
         self.estimate = estimate
@@ -236,7 +257,7 @@ class Reservations:
     :meth:`release`.
     """
 
-    def __init__(self, gov: Governor, estimates: Mapping[str, int], ctx: Context) -> None:
+    def __init__(self, gov: Holding, estimates: Mapping[str, int], ctx: Context) -> None:
         self._gov = gov
         self.estimates = {
             name: check_amount(amount, f"estimate for {name!r}")
@@ -252,7 +273,7 @@ class Reservations:
 
     @classmethod
     def taken(
-        cls, gov: Governor, estimates: Mapping[str, int], ctx: Context, decision: Decision
+        cls, gov: Holding, estimates: Mapping[str, int], ctx: Context, decision: Decision
     ) -> Reservations:
         """The reservation an admission made with ``hold=`` (``decision.held``): held
         already, settled on exit like one entered here."""
@@ -324,7 +345,7 @@ async def _given_back(held: Reservation | Reservations, cancelled: BaseException
 
 
 async def _hold(
-    gov: Governor, ctx: Context, wanted: Sequence[tuple[Limit, int]]
+    gov: Holding, ctx: Context, wanted: Sequence[tuple[Limit, int]]
 ) -> tuple[Decision, str | None, tuple[Slot, ...]]:
     """Reserve each (limit, estimate) of ``wanted`` that applies to ``ctx`` in one charge,
     all or nothing, as one ``reserved`` event: the decision, the event's id and the
@@ -341,5 +362,7 @@ async def _hold(
     slots = tuple(found)
     if not slots:
         return ADMITTED, None, ()
-    decision, event_id = await gov._admit(planning.Plan.of(slots), ctx, now, EntryType.RESERVED)
+    decision, event_id = await admission.admit(
+        gov, planning.Plan.of(slots), ctx, now, EntryType.RESERVED
+    )
     return decision, event_id, slots if decision.admitted else ()
