@@ -3,7 +3,7 @@
 Variants, interleaved in chunks on one Redis and one client (see bench_check.py):
 
 - ``noop EVALSHA``: one EVALSHA of ``testing/noop.lua``, the floor of one round trip;
-- ``check() unhooked``: ``Governor._check``, the check without its observer
+- ``check() unhooked``: ``admission._check``, the check without its observer
   test: the hot path as it was before observability;
 - ``check() off``: ``Governor.check`` with no observer (the default): one
   ``is not None`` test and one more await;
@@ -40,7 +40,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mcp_budget_governor import Context, Governor, Limit, Policy, RedisBackend, Scope, Window
+from mcp_budget_governor import (
+    Context,
+    Governor,
+    Limit,
+    Policy,
+    RedisBackend,
+    Scope,
+    Window,
+    admission,
+)
 from mcp_budget_governor.observe import Observer
 from testing import bench
 
@@ -86,7 +95,7 @@ def make_variants(
         plain = Governor(policy(rid), backend)
 
         async def unhooked() -> Any:
-            return await plain._check(ctx, 1, ())
+            return await admission._check(plain, ctx, 1, ())
 
         async def off() -> Any:
             return await plain.check(ctx)
