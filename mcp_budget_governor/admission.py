@@ -480,7 +480,7 @@ def wait_seconds(wait: Any) -> float:
     return float(wait)
 
 
-#: What :meth:`Governor._admit` answers when the approval it was to spend was spent
+#: What :func:`admit` answers when the approval it was to spend was spent
 #: already (or cannot be spent: the counters unreachable): nothing was charged.
 _SPENT = Decision(admitted=False, reason="approval_spent")
 

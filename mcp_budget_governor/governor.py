@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import admin, admission, changing, planning, reading, recording
+from .admission import MAX_WAIT as MAX_WAIT  # importable from here, as before
 from .admission import Price
 from .backends.base import adapted, epoch_clock
 from .caps import Change

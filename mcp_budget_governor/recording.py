@@ -22,7 +22,7 @@ from .shielding import finished
 
 log = logging.getLogger("mcp_budget_governor")
 
-#: The governor's charge (``Governor._charge``): ops, event id, then keywords.
+#: The governor's charge (:func:`.admission.charge`, bound to it): ops, event id, keywords.
 Charge = Callable[..., Awaitable[ChargeResult]]
 
 
