@@ -1,5 +1,5 @@
 """Numbers, dates and names people type into the CLI and the admin API: one shape,
-one line of error naming the field (``numbers.py``, ``cli/caps.py``)."""
+one line of error naming the field (``numbers.py``, ``admin.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from mcp_budget_governor.cli.caps import _until
+from mcp_budget_governor.admin import parse_until
 from mcp_budget_governor.errors import InvalidInputError
 from mcp_budget_governor.money import MAX_AMOUNT, usd
 from mcp_budget_governor.numbers import dollars, whole
@@ -72,17 +72,17 @@ def test_usd_reads_ascii_digits_only(text: str) -> None:
 
 def test_every_until_date_form_is_read_in_the_policys_zone() -> None:
     start = datetime.combine(date(2030, 1, 1), time(), tzinfo=ZoneInfo(ZONE))
-    assert _until(POLICY, "2030-01-01") == start
-    assert _until(POLICY, "20300101") == start
+    assert parse_until(POLICY, "2030-01-01") == start
+    assert parse_until(POLICY, "20300101") == start
     # ISO week 1 of 2030 starts on Monday 2029-12-31.
     monday = datetime.combine(date(2029, 12, 31), time(), tzinfo=ZoneInfo(ZONE))
-    assert _until(POLICY, "2030-W01") == _until(POLICY, "2030W011") == monday
+    assert parse_until(POLICY, "2030-W01") == parse_until(POLICY, "2030W011") == monday
     # A time names its zone, or is UTC.
-    assert _until(POLICY, "2030-01-01T00:00:00+00:00") == datetime.fromisoformat(
+    assert parse_until(POLICY, "2030-01-01T00:00:00+00:00") == datetime.fromisoformat(
         "2030-01-01T00:00:00+00:00"
     )
     with pytest.raises(InvalidInputError, match=r"^--until: expected an ISO date or time"):
-        _until(POLICY, "\u0662\u0660\u0663\u0660-01-01")
+        parse_until(POLICY, "\u0662\u0660\u0663\u0660-01-01")
 
 
 @pytest.mark.parametrize(

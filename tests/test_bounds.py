@@ -78,9 +78,8 @@ async def test_set_cap_until_past_the_range_is_refused_at_the_door(until: Any) -
 def test_the_clis_latest_until_is_refused() -> None:
     """``--until 9999-12-31T23:59:59-12:00`` (year 10000 in UTC) never reaches a store."""
     from mcp_budget_governor import admin
-    from mcp_budget_governor.cli.caps import _until
 
-    when = _until(policy(), "9999-12-31T23:59:59-12:00")
+    when = admin.parse_until(policy(), "9999-12-31T23:59:59-12:00")
     with pytest.raises(InvalidInputError, match=r"^until: must be at most"):
         admin.cap_change(policy(), "calls", {"user": "a"}, 5, until=when, now=0.0)
 
