@@ -394,7 +394,7 @@ export class Governor {
 
   /**
    * check() retried while a concurrency cap refuses, holding a place in the
-   * caps' queues (Python: Governor._check_waiting): a slot that frees goes to
+   * caps' queues (Python: admission._waiting): a slot that frees goes to
    * the oldest waiter on every replica, whatever its language, because
    * lua/charge.lua admits nobody else while it waits ahead. The retries back
    * off from 5 ms to 100 ms; only the outcome reaches the ledger.
@@ -1001,7 +1001,7 @@ function entry(
 /**
  * `decision` without the metered-only limits its price went over: `over` names
  * shadow limits of the check; a price past a metered-only cap is charged, as a
- * meter charges it (Python: governor._not_over_on_price).
+ * meter charges it (Python: admission._not_over_on_price).
  */
 function notOverOnPrice(plan: Plan, decision: Decision): Decision {
   const meteredOnly = new Set(plan.slots.slice(plan.slots.length - plan.cost).filter((s) => !(s.limit.gated || s.limit.breaker)).map((s) => s.limit.name));
