@@ -7,6 +7,7 @@ import dataclasses
 import multiprocessing
 import time
 import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -142,3 +143,27 @@ async def test_a_burst_past_a_nodes_pool_queues_with_every_default(
         assert await gov.usage(f"cl_global{tag}") == 80
     finally:
         await gov.aclose()
+
+
+async def test_a_close_that_outlasts_its_timeout_is_no_error_of_the_caller(
+    redis_cluster: RedisClusterService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After such a burst, redis-py closes each of a node's pooled connections within
+    socket_connect_timeout; on a loaded machine some outlast it (seen in a full suite
+    run). The sockets are being let go either way: shutdown goes on; any other failure
+    of the close is still raised."""
+    for error, raised in ((redis.exceptions.TimeoutError("slow close"), False),
+                          (RuntimeError("a bug"), True)):  # fmt: skip
+        backend = RedisBackend.from_url(redis_cluster.url)
+        assert isinstance(backend, ClusterBackend)
+
+        async def failing(error: BaseException = error, real: Any = backend.client.aclose) -> None:
+            await real()
+            raise error
+
+        monkeypatch.setattr(backend.client, "aclose", failing)
+        if raised:
+            with pytest.raises(RuntimeError, match="a bug"):
+                await backend.aclose()
+        else:
+            await backend.aclose()

@@ -77,6 +77,7 @@ from .redis import (
     RedisBackend,
     apply_args,
     change_tokens,
+    close_best_effort,
     redis_failure,
 )
 
@@ -827,7 +828,7 @@ class ClusterBackend:
         return await self._node.counter_keys(limit, match=match)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await close_best_effort(self.client.aclose())
 
 
 class LostSlots(ApplyOnly):
