@@ -71,10 +71,10 @@ from mcp_budget_governor.keys import (
 from mcp_budget_governor.settings import SETTINGS, checked
 from mcp_budget_governor.urls import CLUSTER_SCHEME, parse_cluster_url
 
-from .redis import (
+from .redis_scripts import (
     _UNAVAILABLE,
     DEFAULT_TIMEOUT,
-    RedisBackend,
+    RedisScripts,
     apply_args,
     change_tokens,
     close_best_effort,
@@ -316,7 +316,7 @@ class _RunTime:
             await asyncio.shield(other)
 
 
-class _SlotScripts(RedisBackend):
+class _SlotScripts(RedisScripts):
     """The single-node scripts on a cluster client: redis-py routes each call to the
     master of its keys' slot. A listing (counters, lease sets, run-time caps) is a
     SCAN of every master in turn, each to its cursor's end."""
