@@ -8,8 +8,8 @@ A master that died before replicating some of them leaves them out, and no
 one re-reads them (docs/cluster.md): the committed amounts show such a loss
 as drift, these did not.
 
-**What should be live** is what the rebuild restores (``rebuild._plan`` for the
-counters, ``rebuild._run_time_change_rows`` for these): the ledger's changes,
+**What should be live** is what the rebuild restores (``rebuild_plan._plan`` for the
+counters, ``rebuild_plan._run_time_change_rows`` for these): the ledger's changes,
 each event once, in ledger order, those at offsets at or below the cut,
 folded by the one rule at the store's clock (``MemoryBackend.change_at``,
 the mirror of ``lua/lib.lua`` apply_change the golden vectors hold to it: a
@@ -74,7 +74,8 @@ from ..ledger_view import query_error
 from .cluster import slot_tag
 from .cluster_sync import read_slots, scan_keys
 from .memory import MemoryBackend
-from .rebuild import _run_time_change_rows, is_postgres
+from .rebuild import is_postgres
+from .rebuild_plan import _run_time_change_rows
 from .sync import (
     SEEN_DAY_SQL,
     SEEN_EXPIRE_SQL,

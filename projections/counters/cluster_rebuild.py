@@ -3,7 +3,7 @@
 The one-Redis rebuild (:func:`.rebuild.rebuild_from_ledger`) sets every live
 counter to its ledger total, with the watermarks, seen-id sets and epoch
 marker the worker resumes from. On a cluster each of those lives in the slot
-of the counters it guards (docs/cluster.md), so the same plan (``rebuild._plan``)
+of the counters it guards (docs/cluster.md), so the same plan (``rebuild_plan._plan``)
 is written slot by slot on the slot's master: its counters and its own
 watermark hash in ``lua/rewrite.lua`` blocks (nothing written if that slot's
 watermarks moved meanwhile), its seen-id sets and run-time changes, and last
@@ -35,7 +35,7 @@ from mcp_budget_governor.ledger import new_id
 from ..ledger_view import query_error
 from .cluster import SLOTS, _whole, epoch_key, in_slots, slot_tag
 from .cluster_sync import _node, resume_watermarks, scan_keys, slot_snapshots
-from .rebuild import (
+from .rebuild_plan import (
     _SEEN_CHUNK,
     Progress,
     RebuildReport,
@@ -44,6 +44,7 @@ from .rebuild import (
     _plan,
     _quiet,
     _restore_changes,
+    _run_time_change_rows,
 )
 from .sync import RedisCounter, Snapshot, _decode, ledger_totals, write_counters
 
@@ -188,8 +189,6 @@ def _set_markers(client: RedisCluster, slots: range | list[int], epoch: str | No
 def _seen_by_slot(con: duckdb.DuckDBPyConnection, now: int, slots: Set[int] | None) -> _Seen:
     """The event ids of each slot's seen-id sets still alive at ``now``: an event is in
     the sets of the slots its charges and run-time changes write (as apply puts it)."""
-    from .rebuild import _run_time_change_rows
-
     day = "strftime(\"time\", '%Y%m%d')"
     expire = '(CAST(floor(epoch("time") / 86400) AS BIGINT) + 2) * 86400'
     sql = f"""
