@@ -1,4 +1,4 @@
-"""Exceptions raised by the governor.
+"""Exceptions raised by the governor, and the :class:`Decision` a refusal carries.
 
 Every input error names the field and the offending value, so a bad policy or
 a bad call fails loudly at the point where it can be fixed.
@@ -6,13 +6,13 @@ a bad call fails loudly at the point where it can be fixed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import MappingProxyType
+from typing import Any
 
 from .redaction import redact
-
-if TYPE_CHECKING:
-    from .decision import Decision
 
 
 def _show(value: Any) -> str:
@@ -241,8 +241,6 @@ class LimitExceeded(GovernorError):
         self.total = total
         self.cap = cap
         if isinstance(decision, str):
-            from .decision import EXCEEDED, Decision
-
             decision = Decision(
                 admitted=False,
                 limit=decision,
@@ -316,6 +314,107 @@ class BudgetUnavailable(LimitExceeded, BackendUnavailableError):
     status = 503
     title = "Budget unavailable"
     slug = "budget-unavailable"
+
+
+# The answer to a check (decision.py re-exports it), here because a refusal carries one
+# and builds one by hand, while Decision.refusal_type names the refusal's class.
+
+#: Reason prefixes: a limit's counter refused, or could not be read (fail-closed).
+EXCEEDED = "budget_exceeded"
+UNAVAILABLE = "budget_unavailable"
+#: The reason when the ledger cannot record new work.
+LEDGER_UNAVAILABLE = "ledger_unavailable"
+
+_NO_HEADROOM: Mapping[str, int] = MappingProxyType({})
+
+
+def _no_headroom() -> Mapping[str, int]:
+    return _NO_HEADROOM
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The slots an admitted call holds on concurrency caps: lease ``id`` in each
+    lease set of ``keys`` (``keys.lease_key``), given back by
+    :meth:`Governor.release` (``Governor.admitted`` does it on exit)."""
+
+    id: str
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Admit or refuse, and why.
+
+    - ``limit``: the refusing limit's name (None when admitted).
+    - ``status``: 200 when admitted, else 429 (quota), 402 (spend), 503
+      (breaker or unreachable counters), 403 (an unnamed caller the policy
+      refuses, reason ``caller_unidentified``), or the limit's override.
+    - ``retry_after``: seconds until retrying can succeed; None on a 402,
+      because waiting a few seconds never restores a spend cap and an SDK
+      would retry in a loop (``resets_at`` still says when the window ends).
+    - ``over``: shadow-mode (``OnExceed.ALERT``) limits this call went over.
+    - ``degraded``: the shared counters were unreachable and process-local
+      fallback counters decided.
+    - ``remaining``: per limit the check read (gated limits and breakers),
+      what can still be charged before it is exhausted, after this call's
+      charge; empty when no counter answered. Not part of equality.
+    - ``lease``: the concurrency-cap leases an admitted call holds (None when
+      the policy has no concurrency cap for it). Not part of equality.
+    """
+
+    admitted: bool
+    limit: str | None = None
+    status: int = 200
+    retry_after: int | None = None
+    resets_at: datetime | None = None
+    reason: str = "ok"
+    over: tuple[str, ...] = field(default=())
+    degraded: bool = False
+    remaining: Mapping[str, int] = field(default_factory=_no_headroom, compare=False)
+    lease: Lease | None = field(default=None, compare=False)
+    #: What an admission reserved with it (Governor.admitted(hold=)): the reservation's
+    #: event id and its slots, for the integrations' Reservations to settle.
+    held: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def allowed(self) -> bool:
+        """``admitted``, under the name mcp-budget-governor 0.1.0 used."""
+        return self.admitted
+
+    def refusal_type(self) -> type[LimitExceeded]:
+        """The exception class a refusal with this decision raises.
+
+        Every one is a :class:`LimitExceeded`. A refusal by a limit's counter
+        with status 503 sheds everyone (a breaker): :class:`BudgetExceeded`;
+        unreachable fail-closed counters or ledger: :class:`BudgetUnavailable`;
+        anything else (a quota, a spend limit, an unnamed caller) plain
+        :class:`LimitExceeded`.
+        """
+        reason = self.reason
+        if reason.startswith(EXCEEDED):
+            return BudgetExceeded if self.status == 503 else LimitExceeded
+        if reason.startswith(UNAVAILABLE) or reason == LEDGER_UNAVAILABLE:
+            return BudgetUnavailable
+        return LimitExceeded
+
+    def raise_for_status(self) -> Decision:
+        """Raise :class:`LimitExceeded` (the class :meth:`refusal_type` names) if
+        refused; return self otherwise."""
+        if not self.admitted:
+            raise LimitExceeded(self)
+        return self
+
+    def __bool__(self) -> bool:
+        return self.admitted
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers a refusal should carry (``Retry-After`` where it helps)."""
+        out: dict[str, str] = {}
+        if self.retry_after is not None and not self.admitted:
+            out["Retry-After"] = str(self.retry_after)
+        return out
 
 
 # The names of mcp-budget-governor 0.1.0 (the reference package), on our classes;
