@@ -31,30 +31,59 @@ async def finished(
 
     ``on_cancel()`` is called when the first cancellation arrives, for a step
     that can end early on its own terms (a waiter giving up its place). The step
-    runs as its own task (``asyncio.shield``); under anyio (the MCP SDK cancels a
-    request's cancel scope and redelivers the cancellation at every await) a
-    shielded cancel scope keeps this task from being woken again and again.
-    A step that raises raises here (a cancellation that arrived meanwhile is
-    then redelivered by anyio's scope, or lost to the step's own error).
+    runs as its own task, so the timeouts inside it cancel the step, not its
+    caller; under anyio (the MCP SDK cancels a request's cancel scope and
+    redelivers the cancellation at every await) a shielded cancel scope keeps
+    this task from being woken again and again. A step that raises raises here
+    (a cancellation that arrived meanwhile is then redelivered by anyio's scope,
+    or lost to the step's own error).
     """
-    task = asyncio.ensure_future(step)
-    cancelled: asyncio.CancelledError | None = None
+    outcome = _Outcome(on_cancel)
+    outcome.step = asyncio.ensure_future(_into(step, outcome))
     with _anyio_shield():
-        while True:
-            try:
-                value = await asyncio.shield(task)
-                break
-            except asyncio.CancelledError as exc:
-                if task.done():
-                    if task.cancelled():
-                        raise  # the step itself was cancelled (the loop is closing)
-                    value = task.result()  # it ended as the cancellation arrived
-                    cancelled = exc
-                    break
-                if cancelled is None and on_cancel is not None:
-                    on_cancel()
-                cancelled = exc
-    return value, cancelled
+        try:
+            value = await outcome
+        except asyncio.CancelledError as exc:
+            if not outcome.done() or outcome.cancelled():
+                raise  # the step itself was cancelled (the loop is closing)
+            # The cancellation, deferred by _Outcome.cancel, arrived as the step ended.
+            return outcome.result(), exc
+    return value, None
+
+
+class _Outcome(asyncio.Future[Any]):
+    """The step's value, set by the step's own task as its last act, so its caller
+    wakes one loop turn after the step ends (``asyncio.shield`` takes two: a
+    check's Python time, measured in benchmarks/bench_check.py). Cancelling the
+    caller does not cancel this future: ``cancel()`` declines, so asyncio keeps
+    the cancellation and raises it in the caller once the value is here."""
+
+    step: asyncio.Future[None]  # held here: the loop keeps only weak references
+
+    def __init__(self, on_cancel: Callable[[], None] | None) -> None:
+        super().__init__()
+        self._on_cancel = on_cancel
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self._on_cancel is not None:
+            on_cancel, self._on_cancel = self._on_cancel, None
+            on_cancel()
+        return False
+
+
+async def _into(step: Awaitable[Any], outcome: _Outcome) -> None:
+    try:
+        value = await step
+    except asyncio.CancelledError:
+        asyncio.Future.cancel(outcome)  # the step itself was cancelled: so is its caller
+        raise
+    except Exception as exc:  # the caller raises it
+        outcome.set_exception(exc)
+        return
+    except BaseException as exc:  # KeyboardInterrupt, SystemExit: the loop's too
+        outcome.set_exception(exc)
+        raise
+    outcome.set_result(value)
 
 
 async def to_the_end(step: Awaitable[None]) -> None:
