@@ -38,7 +38,9 @@ async def finished(
     (a cancellation that arrived meanwhile is then redelivered by anyio's scope,
     or lost to the step's own error).
     """
-    outcome = _Outcome(on_cancel)
+    outcome = _Outcome()
+    if on_cancel is not None:
+        outcome.on_cancel = on_cancel
     outcome.step = asyncio.ensure_future(_into(step, outcome))
     with _anyio_shield():
         try:
@@ -59,14 +61,11 @@ class _Outcome(asyncio.Future[Any]):
     the cancellation and raises it in the caller once the value is here."""
 
     step: asyncio.Future[None]  # held here: the loop keeps only weak references
-
-    def __init__(self, on_cancel: Callable[[], None] | None) -> None:
-        super().__init__()
-        self._on_cancel = on_cancel
+    on_cancel: Callable[[], None] | None = None
 
     def cancel(self, msg: Any = None) -> bool:
-        if self._on_cancel is not None:
-            on_cancel, self._on_cancel = self._on_cancel, None
+        if self.on_cancel is not None:
+            on_cancel, self.on_cancel = self.on_cancel, None
             on_cancel()
         return False
 
@@ -104,9 +103,12 @@ async def not_cancelled() -> None:
         await anyio.lowlevel.checkpoint_if_cancelled()
 
 
+_NO_SCOPE = contextlib.nullcontext()  # reusable: it holds nothing
+
+
 def _anyio_shield() -> contextlib.AbstractContextManager[Any]:
     # Only a caller already running under anyio can be in one of its cancel scopes.
     anyio = sys.modules.get("anyio")
     if anyio is None:
-        return contextlib.nullcontext()
+        return _NO_SCOPE
     return anyio.CancelScope(shield=True)  # type: ignore[no-any-return]
