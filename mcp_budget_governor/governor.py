@@ -502,11 +502,13 @@ class Governor(Metering[MeterResult]):
         detach: bool = False,
     ) -> tuple[int | None, bool, int | None]:
         """:func:`recording.record`: the slots charged and appended as one event."""
-        return await recording.record(
-            self.ledger, self.backend, self._outage, functools.partial(admission.charge, self),
-            self._detached,
-            slots, ctx, kind, usage, now,
-            reservation=reservation, want_used=want_used, detach=detach,
+        return await to_the_end(
+            recording.record(
+                self.ledger, self.backend, self._outage, functools.partial(admission.charge, self),
+                self._detached,
+                slots, ctx, kind, usage, now,
+                reservation=reservation, want_used=want_used, detach=detach,
+            )
         )  # fmt: skip
 
     async def meter_behind(self, charges: Mapping[str, int], ctx: Context | None = None) -> None:

@@ -18,7 +18,6 @@ from .errors import BackendBusyError, BackendUnavailableError
 from .ledger import EntryType, Ledger, LedgerEntry, TokenUsage, new_id
 from .outage import Outage
 from .planning import Slot
-from .shielding import finished
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -38,12 +37,13 @@ async def record(
     usage: TokenUsage | None,
     now: float,
     *,
-    reservation: str | None = None,
-    want_used: bool = False,
-    detach: bool = False,
+    reservation: str | None,
+    want_used: bool,
+    detach: bool,
 ) -> tuple[int | None, bool, int | None]:
-    """Charge ``slots`` in one call and append them as one ledger event, both
-    made even when the caller is cancelled meanwhile (then raised after).
+    """Charge ``slots`` in one call and append them as one ledger event; the
+    caller runs it to its end (:func:`.shielding.to_the_end`), so both are made
+    even when it is cancelled meanwhile (then raised after).
 
     Returns the first slot's total before the charge (with ``want_used``,
     when a counter answered, else None), whether the shared counters
@@ -51,34 +51,6 @@ async def record(
     its default). ``detach``: the reply is awaited in the background, its task
     kept in ``detached`` meanwhile.
     """
-    got, cancelled = await finished(
-        _record_now(
-            ledger, backend, outage, charge, detached, slots, ctx, kind, usage, now,
-            reservation=reservation, want_used=want_used, detach=detach,
-        )
-    )  # fmt: skip
-    if cancelled is not None:
-        raise cancelled
-    return got
-
-
-async def _record_now(
-    ledger: Ledger | None,
-    backend: Backend,
-    outage: Outage,
-    charge: Charge,
-    detached: set[asyncio.Future[None]],
-    slots: Sequence[Slot],
-    ctx: Context,
-    kind: EntryType,
-    usage: TokenUsage | None,
-    now: float,
-    *,
-    reservation: str | None,
-    want_used: bool,
-    detach: bool,
-) -> tuple[int | None, bool, int | None]:
-    """:func:`record`, cancellable."""
     cap: int | None = None
     ledgered = ledger is not None
     event_id = new_id() if ledgered else None

@@ -85,12 +85,14 @@ async def _into(step: Awaitable[Any], outcome: _Outcome) -> None:
     outcome.set_result(value)
 
 
-async def to_the_end(step: Awaitable[None]) -> None:
+async def to_the_end(step: Awaitable[T]) -> T:
     """Await ``step`` to its end even if the calling task is cancelled meanwhile, then
-    raise the cancellation: a charge under way is never abandoned half-made."""
-    _, cancelled = await finished(step)
+    raise the cancellation, else return its value: a charge under way is never
+    abandoned half-made."""
+    value, cancelled = await finished(step)
     if cancelled is not None:
         raise cancelled
+    return value
 
 
 async def not_cancelled() -> None:
