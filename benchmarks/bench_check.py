@@ -63,6 +63,7 @@ from mcp_budget_governor import (
     Scope,
     Window,
 )
+from mcp_budget_governor.counters import Charge
 from mcp_budget_governor.ledger import new_id
 from mcp_budget_governor.projections.counters.autopipe import pack
 from testing import bench
@@ -134,7 +135,7 @@ def build_variants(backend: RedisBackend, rid: str) -> list[Variant]:
     gov3 = Governor(Policy.of(*gov_limits[:3]), backend)
     ops = gov3._plan(CTX, time.time()).ops
     placeholder = new_id()
-    args = backend.charge_args(ops, op_id=placeholder)
+    args = backend.charge_args(Charge(ops, op_id=placeholder))
     floor_sha = hashlib.sha1(FLOOR.read_bytes()).hexdigest()
     for name, short, sha, ok in (
         ("charge.lua alone, bare socket", "chargebare", backend._charge.sha, _charged),
@@ -377,7 +378,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
     slots = planning.check_slots(policy, CTX, now)
     ops = [s.op for s in slots]
     # The backend's own builder: numkeys, KEYS, ARGV exactly as charge() sends them.
-    command = backend.charge_args(ops)
+    command = backend.charge_args(Charge(ops))
     numkeys = int(command[0])
     keys, args = command[1 : 1 + numkeys], command[1 + numkeys :]
     noop_script, charge_script = bench.noop(backend.client), backend._charge
@@ -435,7 +436,7 @@ async def profile(backend: RedisBackend, rid: str, calls: int) -> dict[str, Any]
         return bench.median(ts) / 1000
 
     def build_args() -> list[Any]:  # what RedisBackend.charge does (its cache warm)
-        return backend.charge_args(ops)
+        return backend.charge_args(Charge(ops))
 
     class InstantBackend:
         """Answers charge() at once with the real reply: Governor.check's own Python cost."""

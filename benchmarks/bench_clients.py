@@ -55,6 +55,7 @@ import redis
 
 from benchmarks.bench_check import CTX, Variant, _server_usec, limits, measure, summarize
 from mcp_budget_governor import Governor, Policy, RedisBackend, planning
+from mcp_budget_governor.counters import Charge
 from mcp_budget_governor.keys import op_key
 from mcp_budget_governor.projections.counters.autopipe import Address, Pipe, pack
 from testing import bench
@@ -133,7 +134,7 @@ class ChargeArgs:
     SENTINEL = "__op__"
 
     def __init__(self, backend: RedisBackend, ops: Any, rid: str) -> None:
-        raw = backend.charge_args(ops, op_id=self.SENTINEL)
+        raw = backend.charge_args(Charge(ops, op_id=self.SENTINEL))
         self.template = [a if isinstance(a, bytes) else str(a).encode() for a in raw]
         self.key_at = self.template.index(op_key(self.SENTINEL).encode())
         self.id_at = self.template.index(self.SENTINEL.encode())

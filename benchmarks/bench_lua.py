@@ -46,6 +46,7 @@ import redis
 
 from benchmarks import bench_caps, bench_check
 from mcp_budget_governor import Context, Governor, Plan, Policy, RedisBackend, lua
+from mcp_budget_governor.counters import Charge
 from mcp_budget_governor.ledger import new_id
 from testing import bench
 from testing.services import free_port
@@ -87,8 +88,8 @@ async def plan_args(port: int, variant: str) -> Args:
     ops = gov._plan(ctx, time.time()).ops
     await backend.aclose()
     if variant == "ledger":
-        return lambda: backend.charge_args(ops, event_id=new_id())
-    return lambda: backend.charge_args(ops, op_id=new_id())
+        return lambda: backend.charge_args(Charge(ops, event_id=new_id()))
+    return lambda: backend.charge_args(Charge(ops, op_id=new_id()))
 
 
 def server_instructions(source: str, variant: str, calls: int, workdir: Path) -> int:

@@ -43,6 +43,7 @@ from mcp_budget_governor import (  # noqa: E402
     usd,
 )
 from mcp_budget_governor.caps import Change  # noqa: E402
+from mcp_budget_governor.counters import Charge  # noqa: E402
 from mcp_budget_governor.decision import Decision  # noqa: E402
 from mcp_budget_governor.integrations.fastmcp import tool_estimate, tool_price  # noqa: E402
 from mcp_budget_governor.integrations.flow import (  # noqa: E402
@@ -356,18 +357,13 @@ def charge_vectors() -> list[dict[str, Any]]:
             pairs = planning.charge_pairs(policy, {case["limit"]: case["amount"]})
             ops = tuple(s.op for s in planning.meter_slots(pairs, ctx, NOW, policy.tz, policy))
         lease = LEASE_ID if case.get("lease") else None
-        args = backend.charge_args(
-            ops, event_id=event_id, want_used=True, op_id=op_id, lease=lease, lease_ttl=LEASE_TTL,
-            ticket=case.get("ticket"),
-        )  # fmt: skip
+        charge = Charge(ops, event_id, True, op_id, lease, LEASE_TTL, case.get("ticket"))
+        args = backend.charge_args(charge)
         command = ["EVALSHA", backend._charge.sha] + [
             a.decode() if isinstance(a, bytes) else str(a) for a in args
         ]
         # The same charge on Postgres: mcpbg_charge's arguments, as PostgresBackend passes them.
-        sql_params = postgres.charge_params(
-            ops, event_id=event_id, want_used=True, op_id=op_id, lease=lease, lease_ttl=LEASE_TTL,
-            ticket=case.get("ticket"), require_epoch=bool(case.get("require_epoch")),
-        )  # fmt: skip
+        sql_params = postgres.charge_params(charge, require_epoch=bool(case.get("require_epoch")))
         out.append(
             {**case, "now": NOW, "ledger": ledger, "command": command, "sql": list(sql_params)}
         )
@@ -412,9 +408,7 @@ def priced_charge_vectors() -> list[dict[str, Any]]:
         ledger = bool(case.get("ledger"))
         first = len(plan.slots) - plan.cost
         event_id = with_cost(EVENT_ID, COST_ID, first) if ledger else None
-        args = backend.charge_args(
-            plan.ops, event_id=event_id, want_used=True, op_id=None if ledger else OP_ID
-        )
+        args = backend.charge_args(Charge(plan.ops, event_id, True, None if ledger else OP_ID))
         command = ["EVALSHA", backend._charge.sha] + [
             a.decode() if isinstance(a, bytes) else str(a) for a in args
         ]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .caps import CapRef, Change
-from .errors import CounterOverflowError, EventRefusedError
+from .errors import CounterOverflowError, EventRefusedError, InvalidInputError
 from .keys import parse_key
 from .money import MAX_AMOUNT
 
@@ -337,6 +337,53 @@ def split_cost(argument: str) -> tuple[str, str, int]:
     """:func:`with_cost` read back: (admission id, cost id, index of the first cost op)."""
     event_id, cost_id, j = argument.split(" ")
     return event_id, cost_id, int(j) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """One charge, as every backend's ``charge`` receives it, declared once: the
+    counters to move (``ops``) and how (:meth:`Backend.charge` says what each
+    part means; ``lease``, ``lease_ttl`` and ``ticket`` are the concurrency
+    caps' lease id, its time to live in seconds, and a waiting call's place).
+    A backend builds it from its keyword arguments and keeps only what its
+    technology needs to send it.
+
+    >>> Charge((), op_id="o1").inline_op, Charge((), event_id="e1", op_id="o1").inline_op
+    ('o1', None)
+    """
+
+    ops: Sequence[CounterOp]
+    event_id: str | None = None
+    want_used: bool = True
+    op_id: str | None = None
+    lease: str | None = None
+    lease_ttl: float = 0.0
+    ticket: str | None = None
+
+    @property
+    def inline_op(self) -> str | None:
+        """The operation id the store remembers: only an inline charge has one (a
+        ledger charge is made idempotent by its event id instead)."""
+        return self.op_id if self.event_id is None else None
+
+    def lease_id(self, leases: bool) -> str:
+        """The lease id of a charge whose ops take ``leases``; one clear error when
+        it has none ("" when it takes no lease).
+
+        >>> Charge(()).lease_id(True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        mcp_budget_governor.errors.InvalidInputError: lease: a charge taking leases needs a ...
+        """
+        if not leases:
+            return ""
+        if self.lease is None:
+            raise InvalidInputError("lease", None, "a charge taking leases needs a lease id")
+        return self.lease
+
+    @property
+    def lease_ttl_ms(self) -> int:
+        """The lease's time to live as the stores take it: whole milliseconds, at least 1."""
+        return max(1, round(self.lease_ttl * 1000))
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ from mcp_budget_governor.counters import (
     AppliedCharge,
     AppliedEvent,
     ApplyOnly,
+    Charge,
     ChargeResult,
     CounterOp,
     CounterState,
@@ -494,16 +495,13 @@ class ClusterBackend:
         lease_ttl: float = 0.0,
     ) -> ChargeResult:
         groups = await self._groups_of(ops)
+        whole = Charge(ops, event_id, want_used, op_id, lease, lease_ttl)
 
         async def one(g: _Group, tag_op: str | None) -> ChargeResult:
+            tagged = None if tag_op is None else tag_op + slot_tag(g.slot)
             async with self._slot():
-                return await self._node.charge(
-                    g.ops,
-                    event_id=event_id,
-                    want_used=want_used,
-                    op_id=None if tag_op is None else tag_op + slot_tag(g.slot),
-                    lease=lease,
-                    lease_ttl=lease_ttl,
+                return await self._node.charge_with(
+                    dataclasses.replace(whole, ops=g.ops, op_id=tagged)
                 )
 
         if len(groups) == 1:

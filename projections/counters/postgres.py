@@ -55,6 +55,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from mcp_budget_governor.caps import PLANS_KEY, Change, why_token
 from mcp_budget_governor.counters import (
     AppliedEvent,
+    Charge,
     ChargeResult,
     CounterOp,
     CounterState,
@@ -221,30 +222,18 @@ def like_pattern(match: str) -> str:
     return escaped.replace("*", "%")
 
 
-def charge_params(
-    ops: Sequence[CounterOp],
-    *,
-    event_id: str | None,
-    want_used: bool,
-    op_id: str | None,
-    lease: str | None,
-    lease_ttl: float,
-    ticket: str | None,
-    require_epoch: bool,
-) -> tuple[Any, ...]:
+def charge_params(c: Charge, *, require_epoch: bool) -> tuple[Any, ...]:
     """The arguments of one ``mcpbg_charge`` call (:data:`_CHARGE`), as every client
     passes them: the conformance vectors hold the TypeScript backend's to these."""
-    if op_id is None or event_id is not None:
-        op_id = None
+    ops = c.ops
     leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
-    if leases and lease is None:
-        raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
+    lease = c.lease_id(leases)
     resolve = any(op.ref is not None for op in ops)
     refs = [op.ref for op in ops]
     return (
-        event_id or "",
-        op_id or "",
-        want_used,
+        c.event_id or "",
+        c.inline_op or "",
+        c.want_used,
         require_epoch,
         [op.key for op in ops],
         [op.amount for op in ops],
@@ -257,11 +246,11 @@ def charge_params(
         ["" if r is None else r.field for r in refs],
         [None if r is None else r.value_cap for r in refs],
         ["" if r is None else ",".join(r.plan_fields) for r in refs],
-        ["" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs],
+        ["" if r is None else " ".join(f"{n} {cap}" for n, cap in r.plan_caps) for r in refs],
         ["" if r is None else r.file_plan or "" for r in refs],
-        lease or "" if leases else "",
-        max(1, round(lease_ttl * 1000)),
-        ticket or "" if leases else "",
+        lease,
+        c.lease_ttl_ms,
+        c.ticket or "" if leases else "",
     )
 
 
@@ -315,10 +304,10 @@ class _Coalescer:
         self.watch: asyncio.TimerHandle | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
-    async def charge(self, event_id: str, op_id: str, want_used: bool, resolve: bool,
-                     ops: Sequence[CounterOp]) -> list[int]:  # fmt: skip
+    async def charge(self, c: Charge, resolve: bool) -> list[int]:
         future: asyncio.Future[list[int]] = self.loop.create_future()
-        check = _Check(event_id, op_id, want_used, resolve, ops, future, self.loop.time())
+        check = _Check(c.event_id or "", c.inline_op or "", c.want_used, resolve, c.ops, future,
+                       self.loop.time())  # fmt: skip
         if not self.in_flight and not self.queue:  # alone: no task, no wait
             self.in_flight += 1
             try:
@@ -722,21 +711,14 @@ class PostgresBackend:
     ) -> ChargeResult:
         # ``ticket``: a call waiting for a concurrency slot (Governor.check(wait=)) holds
         # its place in mcpbg_wait, so a freed slot goes to the oldest waiter.
-        if op_id is None or event_id is not None:
-            op_id = None
-        leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
-        if leases and lease is None:
-            raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
+        c = Charge(ops, event_id, want_used, op_id, lease, lease_ttl, ticket)
         resolve = any(op.ref is not None for op in ops)
-        if leases:  # leases and wait tickets: mcpbg_charge, alone
-            params = charge_params(
-                ops, event_id=event_id, want_used=want_used, op_id=op_id, lease=lease,
-                lease_ttl=lease_ttl, ticket=ticket, require_epoch=self.require_epoch,
-            )  # fmt: skip
-            reply: list[int] = await self._call(_CHARGE, params)
+        if any(op.key.startswith(LEASE_PREFIX) for op in ops):  # leases: mcpbg_charge, alone
+            reply: list[int] = await self._call(
+                _CHARGE, charge_params(c, require_epoch=self.require_epoch)
+            )
         else:
-            reply = await self._batcher().charge(event_id or "", op_id or "", want_used,
-                                                 resolve, ops)  # fmt: skip
+            reply = await self._batcher().charge(c, resolve)
         head = reply[0]
         if head == 0 and len(reply) == 1:
             return _ADMITTED

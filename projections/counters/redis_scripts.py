@@ -28,6 +28,7 @@ from mcp_budget_governor.caps import CAPS_PREFIX, PLANS_KEY, Change, ChangeKind,
 from mcp_budget_governor.counters import (
     SECONDS_PER_DAY,
     AppliedEvent,
+    Charge,
     ChargeResult,
     CounterOp,
     CounterState,
@@ -470,65 +471,40 @@ class RedisScripts(KeyValueOps):
         self._prepared[cache_key] = entry
         return entry
 
-    def charge_args(
-        self,
-        ops: Sequence[CounterOp],
-        *,
-        event_id: str | None = None,
-        want_used: bool = True,
-        op_id: str | None = None,
-        lease: str | None = None,
-        lease_ttl: float = 0.0,
-        ticket: str | None = None,
-    ) -> list[Any]:
+    def charge_args(self, c: Charge) -> list[Any]:
         """What :meth:`charge` sends after ``EVALSHA <sha>``: numkeys, KEYS, ARGV
         (the one builder of lua/charge.lua's arguments; benchmarks use it too)."""
-        with_op = op_id is not None and event_id is None
-        p = self._prepare(ops, want_used, with_op)
-        lease_args = self._lease_args(p, lease, lease_ttl, ticket)
-        if with_op:
-            assert op_id is not None
+        op_id = c.inline_op
+        p = self._prepare(c.ops, c.want_used, op_id is not None)
+        lease_args = self._lease_args(p, c)
+        if op_id is not None:
             first: list[Any] = [op_key(op_id).encode(), *p.counters, op_id]
         else:
-            first = [event_id or ""]
+            first = [c.event_id or ""]
         return [*p.head, *first, p.flags, *lease_args, *p.tail, self._now_ms()]
 
     @staticmethod
-    def _lease_args(
-        p: _Prepared, lease: str | None, lease_ttl: float, ticket: str | None
-    ) -> list[Any]:
+    def _lease_args(p: _Prepared, c: Charge) -> list[Any]:
         """After the flags: the lease id, its time to live, the waiting ticket ('-'
         when the call does not wait) and the number of lease sets (lua/charge.lua 'l')."""
         if not p.leases:
             return []
-        if lease is None:
-            raise InvalidInputError("lease", lease, "a charge taking leases needs a lease id")
-        return [lease, str(max(1, round(lease_ttl * 1000))), ticket or "-", str(p.leases)]
+        return [c.lease_id(True), str(c.lease_ttl_ms), c.ticket or "-", str(p.leases)]
 
-    def _packed_charge(
-        self,
-        ops: Sequence[CounterOp],
-        event_id: str | None,
-        want_used: bool,
-        op_id: str | None,
-        lease: str | None,
-        lease_ttl: float,
-        ticket: str | None = None,
-    ) -> bytes:
+    def _packed_charge(self, c: Charge) -> bytes:
         """:meth:`charge_args` as one packed EVALSHA: the cached pieces spliced
         around what varies per call (event or operation id, lease, clock)."""
-        with_op = op_id is not None and event_id is None
-        p = self._prepare(ops, want_used, with_op)
-        lease_args = self._lease_args(p, lease, lease_ttl, ticket)
-        if with_op:
-            assert op_id is not None
+        op_id = c.inline_op
+        p = self._prepare(c.ops, c.want_used, op_id is not None)
+        lease_args = self._lease_args(p, c)
+        if op_id is not None:
             # op_key(op_id), the counters, op_id: formatted in one step (the hot
             # path of a check without a ledger; the rest is cached in ``p``).
             ob = op_id.encode()
             kb = _OP_KEY_HEAD + ob
             first = b"$%d\r\n%s\r\n%s$%d\r\n%s\r\n" % (len(kb), kb, p.counters_b, len(ob), ob)
         else:
-            eid = (event_id or "").encode()
+            eid = (c.event_id or "").encode()
             first = b"$%d\r\n%s\r\n" % (len(eid), eid)
         now = str(int(self.clock() * 1000)).encode()  # _now_ms, packed in one step
         return b"".join(
@@ -558,21 +534,15 @@ class RedisScripts(KeyValueOps):
         """Charge ``ops`` all or nothing (lua/charge.lua); ``lease``: the id concurrency
         caps hold for ``lease_ttl`` seconds; ``ticket``: the place of a call waiting for a
         slot (``"<id>/<wait ms>"``, keys.queue_key), which a refusal queues."""
-        if self._address is None:
-            args = self.charge_args(
-                ops,
-                event_id=event_id,
-                want_used=want_used,
-                op_id=op_id,
-                lease=lease,
-                lease_ttl=lease_ttl,
-                ticket=ticket,
-            )
-            return self._charged(ops, await self._eval(self._charge, args))
-        packed = self._packed_charge(ops, event_id, want_used, op_id, lease, lease_ttl, ticket)
-        return await self._reply_of(
-            self._pipe().call(packed), ops, event_id, want_used, op_id, lease, lease_ttl, ticket
+        return await self.charge_with(
+            Charge(ops, event_id, want_used, op_id, lease, lease_ttl, ticket)
         )
+
+    async def charge_with(self, c: Charge) -> ChargeResult:
+        """:meth:`charge` of one :class:`~mcp_budget_governor.counters.Charge`."""
+        if self._address is None:
+            return self._charged(c.ops, await self._eval(self._charge, self.charge_args(c)))
+        return await self._reply_of(self._pipe().call(self._packed_charge(c)), c)
 
     def charge_sent(
         self,
@@ -593,38 +563,20 @@ class RedisScripts(KeyValueOps):
         if self._address is None:
             return None
         pipe = self._pipe()
-        fut = pipe.send(self._packed_charge(ops, event_id, want_used, op_id, None, 0.0))
+        c = Charge(ops, event_id, want_used, op_id)
+        fut = pipe.send(self._packed_charge(c))
         if fut is None:
             return None
-        return self._reply_of(fut, ops, event_id, want_used, op_id, None, 0.0)
+        return self._reply_of(fut, c)
 
-    async def _reply_of(
-        self,
-        pending: Awaitable[Any],
-        ops: Sequence[CounterOp],
-        event_id: str | None,
-        want_used: bool,
-        op_id: str | None,
-        lease: str | None,
-        lease_ttl: float,
-        ticket: str | None = None,
-    ) -> ChargeResult:
+    async def _reply_of(self, pending: Awaitable[Any], c: Charge) -> ChargeResult:
         try:
             reply = await pending
         except redis_errors.NoScriptError:  # this node lost its scripts: EVAL, same arguments
-            args = self.charge_args(
-                ops,
-                event_id=event_id,
-                want_used=want_used,
-                op_id=op_id,
-                lease=lease,
-                lease_ttl=lease_ttl,
-                ticket=ticket,
-            )
-            reply = await self._eval(self._charge, args)
+            reply = await self._eval(self._charge, self.charge_args(c))
         except _UNAVAILABLE as exc:
             raise BackendUnavailableError.redis(exc) from exc
-        return self._charged(ops, reply)
+        return self._charged(c.ops, reply)
 
     @staticmethod
     def _charged(ops: Sequence[CounterOp], reply: Any) -> ChargeResult:
