@@ -23,7 +23,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from .caps import CapRef, Change
 from .errors import CounterOverflowError, EventRefusedError, InvalidInputError
@@ -339,14 +339,14 @@ def split_cost(argument: str) -> tuple[str, str, int]:
     return event_id, cost_id, int(j) - 1
 
 
-@dataclass(frozen=True, slots=True)
-class Charge:
+class Charge(NamedTuple):
     """One charge, as every backend's ``charge`` receives it, declared once: the
     counters to move (``ops``) and how (:meth:`Backend.charge` says what each
     part means; ``lease``, ``lease_ttl`` and ``ticket`` are the concurrency
     caps' lease id, its time to live in seconds, and a waiting call's place).
     A backend builds it from its keyword arguments and keeps only what its
-    technology needs to send it.
+    technology needs to send it. A tuple, not a frozen dataclass: it is made
+    on every check, and a frozen dataclass costs three times as much to make.
 
     >>> Charge((), op_id="o1").inline_op, Charge((), event_id="e1", op_id="o1").inline_op
     ('o1', None)

@@ -500,9 +500,7 @@ class ClusterBackend:
         async def one(g: _Group, tag_op: str | None) -> ChargeResult:
             tagged = None if tag_op is None else tag_op + slot_tag(g.slot)
             async with self._slot():
-                return await self._node.charge_with(
-                    dataclasses.replace(whole, ops=g.ops, op_id=tagged)
-                )
+                return await self._node.charge_with(whole._replace(ops=g.ops, op_id=tagged))
 
         if len(groups) == 1:
             result: ChargeResult = await one(groups[0], op_id)  # one slot: as on one Redis
