@@ -129,3 +129,45 @@ def test_docs_name_where_each_live_body_is() -> None:
     rows = re.findall(r"^\| `(mcpbg_\w+)` \| `sql/(\d{4}_\w+\.sql)` \|", section, re.MULTILINE)
     assert dict(rows) == {name: d.file for name, d in newest_definitions().items()}
     assert len(rows) == len(dict(rows))
+
+
+#: The longest run of statement lines two live bodies may share (6 today, rewrite and
+#: rewrite_staged's bucket filter): longer, and the shared part wants a function of its own.
+SHARED_RUN = 8
+
+
+def _statements(body: str) -> list[str]:
+    """A body's lines that say something: stripped, blanks and ``--`` comments left out."""
+    return [s for line in body.splitlines() if (s := line.strip()) and not s.startswith("--")]
+
+
+def _longest_shared_run(a: list[str], b: list[str]) -> int:
+    """The length of the longest run of consecutive lines ``a`` and ``b`` both hold.
+
+    >>> _longest_shared_run(["x", "y", "z", "w"], ["q", "y", "z", "r"])
+    2
+    """
+    best, previous = 0, [0] * (len(b) + 1)
+    for x in a:
+        current = [0] * (len(b) + 1)
+        for j, y in enumerate(b):
+            if x == y:
+                current[j + 1] = previous[j] + 1
+                best = max(best, current[j + 1])
+        previous = current
+    return best
+
+
+def test_the_live_functions_do_not_restate_each_other() -> None:
+    """The functions a migrated database runs share their common part instead of
+    copying it (a released migration may restate an older body whole: those are not
+    live, and stay as released)."""
+    bodies = {name: _statements(d.body) for name, d in newest_definitions().items()}
+    names = sorted(bodies)
+    shared = [
+        (a, b, n)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if (n := _longest_shared_run(bodies[a], bodies[b])) >= SHARED_RUN
+    ]
+    assert not shared, f"live bodies repeating {SHARED_RUN}+ lines: {shared}"
