@@ -92,7 +92,7 @@ QUEUE_TIMEOUT = 5.0
 #: A check refused by one slot group while another admitted it is tried again
 #: this many times (each attempt taken back first): the refusal may have come
 #: from other checks' transient holds, which would otherwise under-admit.
-RETRIES = 4
+RETRIES = 2
 
 #: Seconds a run-time value cap or plan assignment read from the cluster is used
 #: before it is read again: how long a run-time change that reached the cluster
