@@ -45,9 +45,9 @@ import json
 import logging
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -86,6 +86,9 @@ DEFAULT_QUEUE_TIMEOUT = 5.0
 DEFAULT_MAX_CONNECTIONS = 5
 # No reply this long after the server's own bound: the socket or the server is gone.
 REPLY_GRACE = 1.0
+
+_T = TypeVar("_T")
+
 # The most checks one coalesced call carries (the rest go in the next call).
 MAX_BATCH = 256
 _ADMITTED = ChargeResult(-1, ())
@@ -639,9 +642,29 @@ class PostgresBackend:
         self, query: str, params: Sequence[Any], *, fetch: str = "one", long: float = 0.0
     ) -> Any:
         """One statement through a pooled connection: its first value (``fetch="one"``)
-        or its rows. The round trip is bounded from the moment it is sent (the pool's
-        queue has its own bound); ``long`` (seconds): batch work, the server's statement
-        bound lifted to it."""
+        or its rows. ``long`` (seconds): batch work, the server's statement bound lifted
+        to it."""
+
+        async def statement(conn: psycopg.AsyncConnection[Any]) -> list[Any]:
+            if not long:
+                return await (await conn.execute(query, params)).fetchall()
+            async with conn.transaction():
+                await conn.execute(
+                    "SELECT set_config('statement_timeout', %s, true)", (str(round(long * 1000)),)
+                )
+                return await (await conn.execute(query, params)).fetchall()
+
+        rows = await self._on_connection(statement, long)
+        if fetch == "one":
+            return rows[0][0] if rows else None
+        return rows
+
+    async def _on_connection(
+        self, step: Callable[[psycopg.AsyncConnection[Any]], Awaitable[_T]], long: float = 0.0
+    ) -> _T:
+        """``step`` on a pooled connection: the round trip bounded from the moment it is
+        sent (the pool's queue has its own bound), ``long`` seconds for batch work, and
+        any failure raised as the backend's busy or unavailable error (:meth:`_failed`)."""
         loop = asyncio.get_running_loop()
         try:
             if not self._migrated:
@@ -649,17 +672,7 @@ class PostgresBackend:
             conn = await self._connection(loop.time() + max(self.queue_timeout, long))
             try:
                 async with asyncio.timeout(max(long, self.timeout) + REPLY_GRACE):
-                    if long:
-                        async with conn.transaction():
-                            await conn.execute(
-                                "SELECT set_config('statement_timeout', %s, true)",
-                                (str(round(long * 1000)),),
-                            )
-                            cur = await conn.execute(query, params)
-                            rows = await cur.fetchall()
-                    else:
-                        cur = await conn.execute(query, params)
-                        rows = await cur.fetchall()
+                    return await step(conn)
             finally:
                 await self._pool.putconn(conn)
         except Exception as exc:
@@ -667,9 +680,6 @@ class PostgresBackend:
             if failed is exc:
                 raise
             raise failed from exc
-        if fetch == "one":
-            return rows[0][0] if rows else None
-        return rows
 
     async def _call(self, query: str, params: Sequence[Any]) -> Any:
         """One statement's first value, bounded as a check is."""
@@ -728,31 +738,16 @@ class PostgresBackend:
         execute (a cursor, the query's conversion, every parameter's dump, the rows'
         load) took more time here than the rest of the check's Python."""
         values = [(b"t" if p else b"f") if isinstance(p, bool) else p.encode() for p in params]
-        loop = asyncio.get_running_loop()
-        try:
-            if not self._migrated:
-                await self._ensure()
-            conn = await self._connection(loop.time() + self.queue_timeout)
-            try:
-                async with asyncio.timeout(self.timeout + REPLY_GRACE):
-                    result = await self._prepared_call(conn, values)
-            finally:
-                await self._pool.putconn(conn)
-        except Exception as exc:
-            failed = self._failed(exc)
-            if failed is exc:
-                raise
-            raise failed from exc
-        return [_bigints(result.get_value(i, 0)) for i in range(result.ntuples)]
 
-    async def _prepared_call(
-        self, conn: psycopg.AsyncConnection[Any], values: Sequence[bytes]
-    ) -> pq.abc.PGresult:
-        if conn not in self._prepared_on:  # made before the schema was (a new database)
-            await self._configure(conn)
-        pgconn = conn.pgconn
-        pgconn.send_query_prepared(_CHARGE_MANY_NAME, values)
-        return _succeeded(conn, await conn.wait(generators.execute(pgconn)))
+        async def prepared(conn: psycopg.AsyncConnection[Any]) -> pq.abc.PGresult:
+            if conn not in self._prepared_on:  # made before the schema was (a new database)
+                await self._configure(conn)
+            pgconn = conn.pgconn
+            pgconn.send_query_prepared(_CHARGE_MANY_NAME, values)
+            return _succeeded(conn, await conn.wait(generators.execute(pgconn)))
+
+        result = await self._on_connection(prepared)
+        return [_bigints(result.get_value(i, 0)) for i in range(result.ntuples)]
 
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Ready a new pooled connection before a caller gets it (the pool's
