@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import multiprocessing
 import time
@@ -16,6 +17,7 @@ from redis.crc import key_slot
 from mcp_budget_governor import Context, Governor, RedisBackend, planning
 from mcp_budget_governor.counters import CounterOp
 from mcp_budget_governor.errors import InvalidInputError
+from mcp_budget_governor.projections.counters import cluster
 from mcp_budget_governor.projections.counters.cluster import ClusterBackend, parse_cluster_url
 from testing.services import RedisClusterService
 from testing.workers import cluster_checks, cluster_policy
@@ -127,10 +129,15 @@ async def test_a_burst_past_a_nodes_pool_queues_with_every_default(
     redis_cluster: RedisClusterService,
 ) -> None:
     """Busy is not down (issue 31): 1,500 concurrent checks in one process, every
-    setting at its default, hold more commands than a node's pool of 1,024
-    connections. redis-py refuses those at once (MaxConnectionsError); they wait for
-    a connection instead, so Redis decides every one: exactly the caps, none
-    degraded, none refused as busy."""
+    setting at its default, hold far more commands than may be in flight. redis-py
+    would refuse those at once (MaxConnectionsError); they wait for a slot instead, so
+    Redis decides them: none degraded, none "unavailable", the counter equal to the
+    admissions, and exactly the cap when none waited past the queue bound.
+
+    Whether a charge waits past the 5 s bound depends on the machine's speed (a full
+    run under coverage on two busy cores did), so a refusal as busy is allowed here,
+    with its own reason; test_a_charge_past_the_queue_bound_is_refused_as_busy
+    covers that refusal."""
     tag = uuid.uuid4().hex[:8]
     gov = Governor(cluster_policy(tag), RedisBackend.from_url(redis_cluster.url))
     try:
@@ -138,9 +145,42 @@ async def test_a_burst_past_a_nodes_pool_queues_with_every_default(
         decisions = await asyncio.gather(
             *(gov.check(Context(user=f"b{i % 40}")) for i in range(1500))
         )
-        assert [d for d in decisions if d.degraded or d.status == 503] == []
-        assert sum(d.admitted for d in decisions) == 80
-        assert await gov.usage(f"cl_global{tag}") == 80
+        assert [d for d in decisions if d.degraded] == []
+        refusals = collections.Counter((d.status, d.reason) for d in decisions if not d.admitted)
+        busy = refusals.pop((503, "budget_unavailable:redis busy"), 0)
+        assert {status for status, _ in refusals} <= {429}, refusals  # the caps refused
+        admitted = sum(d.admitted for d in decisions)
+        assert await gov.usage(f"cl_global{tag}") == admitted
+        assert admitted == 80 if busy == 0 else admitted <= 80
+    finally:
+        await gov.aclose()
+
+
+async def test_a_charge_past_the_queue_bound_is_refused_as_busy(
+    redis_cluster: RedisClusterService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot charge that cannot get one of the in-flight slots within the queue bound
+    is refused with 503 "redis busy" and charges nothing; the fail mode is not applied.
+    (The bound is shortened and the slots held, so the wait is certain to outlast it.)"""
+    tag = uuid.uuid4().hex[:8]
+    backend = RedisBackend.from_url(redis_cluster.url)
+    assert isinstance(backend, ClusterBackend)
+    gov = Governor(cluster_policy(tag), backend)
+    try:
+        await gov.usage(f"cl_global{tag}")
+        monkeypatch.setattr(cluster, "QUEUE_TIMEOUT", 0.2)
+        held = [backend._slot() for _ in range(backend._most)]
+        for slot in held:
+            await slot.__aenter__()
+        try:
+            decision = await gov.check(Context(user="waits"))
+        finally:
+            for slot in held:
+                await slot.__aexit__(None, None, None)
+        assert (decision.admitted, decision.status, decision.degraded) == (False, 503, False)
+        assert decision.reason == "budget_unavailable:redis busy"
+        assert await gov.usage(f"cl_global{tag}") == 0
+        assert (await gov.check(Context(user="waits"))).admitted  # the slots are free again
     finally:
         await gov.aclose()
 
