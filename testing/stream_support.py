@@ -453,6 +453,18 @@ async def wait_for(
         await asyncio.sleep(0.1)
 
 
+async def wait_epoch(
+    backend: RedisBackend, workers: list[Worker], within: float = CATCH_UP
+) -> None:
+    """Until the counters' epoch marker is set: a rebuild sets it after its last
+    apply, so a watermark at the end can be seen a moment before the marker is."""
+    deadline = time.monotonic() + within
+    while not await backend.has_epoch():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the epoch marker: not set within {within}s\n{worker_logs(workers)}")
+        await asyncio.sleep(0.1)
+
+
 @dataclass
 class Stream:
     """One test's broker, Redis, fresh topic and group, started workers and temp dir,
