@@ -121,11 +121,6 @@ for _n in range(1, _CHARGE_MANY.count("%s") + 1):
 del _n
 _PREPARE_HOT = f"PREPARE {_CHARGE_MANY_NAME.decode()} AS {_CHARGE_MANY_SQL}"
 
-#: mcpbg_charge_many's per-op arrays, in order (after the per-check ones).
-_OP_ARRAYS = (
-    "keys", "amounts", "caps", "enforce", "expire", "has_ref", "caps_keys", "fields",
-    "value_caps", "plan_fields", "plan_caps", "file_plans",
-)  # fmt: skip
 _APPLY = (
     "SELECT mcpbg_apply_spent(%s::text[], %s::text[], %s::text[], %s, %s, %s, %s::bigint[], "
     "%s::text[], %s::text[], %s::float8[], "
@@ -199,6 +194,13 @@ def flags(values: Iterable[bool]) -> str:
     return "{" + ",".join("t" if v else "f" for v in values) + "}"
 
 
+#: How mcpbg_charge_many's per-op arrays (:func:`op_columns`, in order) are written
+#: as array literals.
+_OP_LITERALS: tuple[Callable[[Iterable[Any]], str], ...] = (
+    texts, numbers, numbers, flags, numbers, flags, texts, texts, numbers, texts, texts, texts,
+)  # fmt: skip
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -263,25 +265,18 @@ def like_pattern(match: str) -> str:
     return escaped.replace("*", "%")
 
 
-def charge_params(c: Charge, *, require_epoch: bool) -> tuple[Any, ...]:
-    """The arguments of one ``mcpbg_charge`` call (:data:`_CHARGE`), as every client
-    passes them: the conformance vectors hold the TypeScript backend's to these."""
-    ops = c.ops
-    leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
-    lease = c.lease_id(leases)
-    resolve = any(op.ref is not None for op in ops)
+def op_columns(ops: Sequence[CounterOp]) -> tuple[list[Any], ...]:
+    """The per-op arrays both SQL charge functions take, in their order: keys,
+    amounts, caps, enforce, expire_at, has_ref, caps_key, field, value_cap,
+    plan_fields, plan_caps, file_plan (one home: ``mcpbg_charge`` gets them as lists,
+    ``mcpbg_charge_many`` as array literals)."""
     refs = [op.ref for op in ops]
     return (
-        c.event_id or "",
-        c.inline_op or "",
-        c.want_used,
-        require_epoch,
         [op.key for op in ops],
         [op.amount for op in ops],
         [op.cap for op in ops],
         [op.enforce for op in ops],
         [op.expire_at for op in ops],
-        resolve,
         [r is not None for r in refs],
         [PLANS_KEY if r is None else r.caps_key for r in refs],
         ["" if r is None else r.field for r in refs],
@@ -289,7 +284,26 @@ def charge_params(c: Charge, *, require_epoch: bool) -> tuple[Any, ...]:
         ["" if r is None else ",".join(r.plan_fields) for r in refs],
         ["" if r is None else " ".join(f"{n} {cap}" for n, cap in r.plan_caps) for r in refs],
         ["" if r is None else r.file_plan or "" for r in refs],
-        lease,
+    )
+
+
+def charge_params(c: Charge, *, require_epoch: bool, leases: bool | None = None) -> tuple[Any, ...]:
+    """The arguments of one ``mcpbg_charge`` call (:data:`_CHARGE`), as every client
+    passes them: the conformance vectors hold the TypeScript backend's to these.
+    ``leases``: whether the charge takes leases, when the caller has found out."""
+    ops = c.ops
+    if leases is None:
+        leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
+    columns = op_columns(ops)
+    return (
+        c.event_id or "",
+        c.inline_op or "",
+        c.want_used,
+        require_epoch,
+        *columns[:5],
+        any(op.ref is not None for op in ops),  # resolve
+        *columns[5:],
+        c.lease_id(leases),
         c.lease_ttl_ms,
         c.ticket or "" if leases else "",
     )
@@ -728,7 +742,7 @@ class PostgresBackend:
             each = [self._op_elements(c.ops) for c in checks if c.ops]
             per_op = ["{" + ",".join(column) + "}" for column in zip(*each, strict=True)]
             if not each:
-                per_op = ["{}"] * len(_OP_ARRAYS)
+                per_op = ["{}"] * len(_OP_LITERALS)
         return await self._charge_call((self.require_epoch, *head, *per_op))
 
     async def _charge_call(self, params: Sequence[str | bool]) -> list[list[int]]:
@@ -763,25 +777,15 @@ class PostgresBackend:
 
     def _op_elements(self, ops: Sequence[CounterOp]) -> tuple[str, ...]:
         """The elements of each per-op array of ``mcpbg_charge_many`` for ``ops`` (an
-        array literal's inside, in :data:`_OP_ARRAYS` order), made once per ops tuple:
+        array literal's inside, in :func:`op_columns` order), made once per ops tuple:
         the governor reuses one per context and minute (keyed by identity and checked
         with ``is``, as ``RedisScripts._prepare`` caches a charge's arguments)."""
         hit = self._elements.get(id(ops))
         if hit is not None and hit[0] is ops:
             return hit[1]
-        refs = [op.ref for op in ops]
-        literals = (
-            texts(op.key for op in ops), numbers(op.amount for op in ops),
-            numbers(op.cap for op in ops), flags(op.enforce for op in ops),
-            numbers(op.expire_at for op in ops), flags(r is not None for r in refs),
-            texts(PLANS_KEY if r is None else r.caps_key for r in refs),
-            texts("" if r is None else r.field for r in refs),
-            numbers(None if r is None else r.value_cap for r in refs),
-            texts("" if r is None else ",".join(r.plan_fields) for r in refs),
-            texts("" if r is None else " ".join(f"{n} {c}" for n, c in r.plan_caps) for r in refs),
-            texts("" if r is None else r.file_plan or "" for r in refs),
-        )  # fmt: skip
-        elements = tuple(literal[1:-1] for literal in literals)
+        elements = tuple(
+            write(column)[1:-1] for write, column in zip(_OP_LITERALS, op_columns(ops), strict=True)
+        )
         if len(self._elements) >= 8192:
             self._elements.clear()
         self._elements[id(ops)] = (ops, elements)
@@ -812,7 +816,7 @@ class PostgresBackend:
         resolve = any(op.ref is not None for op in ops)
         if any(op.key.startswith(LEASE_PREFIX) for op in ops):  # leases: mcpbg_charge, alone
             reply: list[int] = await self._call(
-                _CHARGE, charge_params(c, require_epoch=self.require_epoch)
+                _CHARGE, charge_params(c, require_epoch=self.require_epoch, leases=True)
             )
         else:
             reply = await self._batcher().charge(c, resolve)
