@@ -110,10 +110,16 @@ def tagged_policy(tag: str) -> Policy:
 
 
 async def tagged_workload(gov: Governor, tag: str, n: int, rng: random.Random) -> None:
-    """``n`` checks and meters of :func:`tagged_policy`'s limits."""
+    """``n`` checks, priced admissions (the price charged with the admission, two
+    events whose counters may lie on different slots) and meters of
+    :func:`tagged_policy`'s limits."""
     for _ in range(n):
         ctx = Context(user=f"u{rng.randrange(12)}", tenant=rng.choice(TENANTS))
-        if rng.random() < 0.6:
+        draw = rng.random()
+        if draw < 0.45:
             await gov.check(ctx)
+        elif draw < 0.65:
+            async with gov.admitted(ctx, price={f"{tag}_spend": rng.randrange(1, 40_000)}):
+                pass
         else:
             await gov.meter(f"{tag}_spend", rng.randrange(1, 40_000), ctx)

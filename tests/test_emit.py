@@ -512,7 +512,7 @@ async def test_a_price_that_would_leave_the_exact_range_refuses_before_the_call(
 
 
 class MetersAfter(MemoryBackend):
-    """A backend that cannot charge a price with the admission (as Postgres, a cluster):
+    """A backend that cannot charge a price with the admission (as Postgres):
     the integrations meter the fixed price after the call, the path these tests hold."""
 
     prices_at_admission = False

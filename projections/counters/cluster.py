@@ -55,6 +55,8 @@ from mcp_budget_governor.counters import (
     CounterOp,
     CounterState,
     refused_event,
+    split_cost,
+    with_cost,
 )
 from mcp_budget_governor.errors import (
     BackendBusyError,
@@ -112,7 +114,9 @@ _Entry = tuple[str, str]
 # A taken-back hold's in-flight entries, once they net to zero (ARGV[1]: e:<event id>).
 _FORGET = """
 for _, key in ipairs(KEYS) do
-  if redis.call('HGET', key, ARGV[1]) == '0' then redis.call('HDEL', key, ARGV[1]) end
+  for _, field in ipairs(ARGV) do
+    if redis.call('HGET', key, field) == '0' then redis.call('HDEL', key, field) end
+  end
 end
 return 1
 """
@@ -250,6 +254,24 @@ def _resolved(
     return tuple(caps), holds
 
 
+def _event_of(event_id: str | None, positions: Sequence[int]) -> str | None:
+    """The event id argument of the slot charge of the ops at ``positions`` (ascending)
+    of a whole charge made under ``event_id``: a fixed price charged with its
+    admission (counters.with_cost) names its cost's first counter within the slot's
+    ops, or only one of the two events when the slot holds counters of one.
+
+    >>> _event_of(with_cost("a1", "c2", 2), [0, 3]), _event_of(with_cost("a1", "c2", 2), [1])
+    ('a1 c2 2', 'a1')
+    >>> _event_of(with_cost("a1", "c2", 2), [2, 4]), _event_of("a1", [2])
+    ('a1 c2 1', 'a1')
+    """
+    if event_id is None or " " not in event_id:
+        return event_id
+    admission, cost, first = split_cost(event_id)
+    at = next((i for i, pos in enumerate(positions) if pos >= first), None)
+    return admission if at is None else with_cost(admission, cost, at)
+
+
 class _RunTime:
     """The run-time entries (value caps, plan assignments) this process's checks
     need, as last read from the cluster, each re-read once ``refresh`` seconds old.
@@ -366,6 +388,11 @@ class _Split:
 
 class ClusterBackend:
     """Counters on a Redis Cluster; see the module docstring."""
+
+    #: One slot charge may admit a call and charge its fixed price under two event
+    #: ids (counters.with_cost), the cost's first counter counted within each slot's
+    #: group (:func:`_event_of`): Governor.admitted(price=) takes one round trip.
+    prices_at_admission = True
 
     def __init__(
         self,
@@ -507,8 +534,11 @@ class ClusterBackend:
 
         async def one(g: _Group, tag_op: str | None) -> ChargeResult:
             tagged = None if tag_op is None else tag_op + slot_tag(g.slot)
+            event = _event_of(event_id, g.positions)
             async with self._slot():
-                return await self._node.charge_with(whole._replace(ops=g.ops, op_id=tagged))
+                return await self._node.charge_with(
+                    whole._replace(ops=g.ops, event_id=event, op_id=tagged)
+                )
 
         if len(groups) == 1:
             result: ChargeResult = await one(groups[0], op_id)  # one slot: as on one Redis
@@ -560,17 +590,20 @@ class ClusterBackend:
         """Undo the charges of ``groups`` (their check was refused elsewhere)."""
 
         async def undo(g: _Group) -> None:
-            back = tuple(
-                dataclasses.replace(op, amount=-op.amount, enforce=False)
-                for op in g.ops
+            kept = [
+                (pos, op)
+                for pos, op in zip(g.positions, g.ops, strict=True)
                 if op.amount and not op.key.startswith(LEASE_PREFIX)
+            ]
+            back = tuple(
+                dataclasses.replace(op, amount=-op.amount, enforce=False) for _, op in kept
             )
             leases = [op.key for op in g.ops if op.key.startswith(LEASE_PREFIX)]
             if back:
                 async with self._slot(bounded=False):
                     await self._node.charge(
                         back,
-                        event_id=event_id,
+                        event_id=_event_of(event_id, [pos for pos, _ in kept]),
                         want_used=False,
                         op_id=None if op_id is None else f"{op_id}-back{slot_tag(g.slot)}",
                     )
@@ -578,8 +611,9 @@ class ClusterBackend:
                     # The take-back leaves the event's in-flight entries at 0: drop them,
                     # or a refused check (in the ledger, charging nothing here) would
                     # leave entries no apply ever moves (stale in reconcile's eyes).
+                    ids = split_cost(event_id)[:2] if " " in event_id else (event_id,)
                     await self.client.eval(
-                        _FORGET, len(back), *(op.key for op in back), f"e:{event_id}"
+                        _FORGET, len(back), *(op.key for op in back), *(f"e:{e}" for e in ids)
                     )
             if leases and lease is not None:
                 await self._node.release(leases, lease)
