@@ -57,7 +57,7 @@ async def test_the_price_is_charged_with_the_admission_under_its_own_event(
     assert calls.pending == {admitted.id: 1}
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis"], indirect=True)
+@pytest.mark.parametrize("backend", ["memory", "redis", "postgres"], indirect=True)
 async def test_a_price_that_does_not_fit_a_checked_limit_refuses_and_charges_nothing(
     backend: Backend,
 ) -> None:
@@ -75,7 +75,7 @@ async def test_a_price_that_does_not_fit_a_checked_limit_refuses_and_charges_not
     assert [e.type for e in ledger.entries[-1:]] == [EntryType.REJECTED]
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis"], indirect=True)
+@pytest.mark.parametrize("backend", ["memory", "redis", "postgres"], indirect=True)
 async def test_a_metered_only_limit_is_charged_past_its_cap_as_a_meter_would(
     backend: Backend,
 ) -> None:

@@ -435,6 +435,11 @@ class _Coalescer:
 class PostgresBackend:
     """Counters in Postgres, shared by every replica (see the module docstring)."""
 
+    #: One charge may admit a call and charge its fixed price under two event ids
+    #: (counters.with_cost; sql/0010_priced_admission.sql): Governor.admitted(price=)
+    #: then takes one round trip.
+    prices_at_admission = True
+
     def __init__(
         self,
         url: str,

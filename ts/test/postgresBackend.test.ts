@@ -11,21 +11,25 @@ import pg from "pg";
 
 import {
   BackendUnavailableError,
+  EntryType,
   FailMode,
   Governor,
   InvalidInputError,
   Limit,
+  MemoryLedger,
   Policy,
   PostgresBackend,
   Scope,
   Unit,
   Window,
   context,
+  usd,
   type Backend,
   type ChargeOptions,
   type ChargeResult,
 } from "../src/index.js";
 import { classify, migrations } from "../src/backends/postgres.js";
+import { governedCall } from "../src/integrations/common.js";
 import { checkPlan, type CounterOp } from "../src/planning.js";
 import { freePort, fresh, postgresUrl } from "./services.js";
 
@@ -68,6 +72,40 @@ describe("PostgresBackend", () => {
     assert.equal(await gov.usage("burst", ctx), 7);
     assert.equal(await gov.usage("spend", ctx), 7);
     assert.deepEqual(await backend.usage([]), []);
+  });
+
+  it("charges a fixed price with its admission, in one call, each event's in-flight amounts under its own id", async () => {
+    assert.equal(backend.pricesAtAdmission, true);
+    const ledger = new MemoryLedger();
+    const policy = Policy.of(
+      day("calls", 100),
+      new Limit("spend", { cap: usd("0.02"), window: Window.DAY, scope: Scope.USER, unit: Unit.USD_MICROS }),
+    );
+    const gov = new Governor(policy, backend, { ledger });
+    const ctx = context({ user: fresh("priced") });
+    const price = { spend: usd("0.01") };
+    let charges = 0;
+    const real = backend.charge.bind(backend);
+    backend.charge = (...args: Parameters<Backend["charge"]>) => {
+      charges += 1;
+      return real(...args);
+    };
+    try {
+      for (let i = 0; i < 2; i++) assert.equal(await governedCall(gov, ctx, async () => "ok", price, null), "ok");
+      assert.equal(charges, 2, "one mcpbg_charge_many call a governed call: nothing charged after the tool");
+      await assert.rejects(governedCall(gov, ctx, async () => "ok", price, null), /budget_exceeded/); // the price does not fit
+    } finally {
+      backend.charge = real;
+    }
+    assert.deepEqual(ledger.entries.map((e) => e.type), [EntryType.ADMITTED, EntryType.METERED, EntryType.ADMITTED, EntryType.METERED, EntryType.REJECTED]);
+    const pending = async (limit: string): Promise<[string, number][]> => {
+      const key = ledger.entries.flatMap((e) => e.charges).find((c) => c?.limit === limit)?.key ?? "";
+      const rows = (await admin.query("SELECT event_id, amount FROM mcpbg_pending WHERE key = $1 ORDER BY event_id", [key])).rows as { event_id: string; amount: string }[];
+      return rows.map((r) => [r.event_id, Number(r.amount)]);
+    };
+    const ids = (type: EntryType): string[] => ledger.entries.filter((e) => e.type === type).map((e) => e.id).sort();
+    assert.deepEqual(await pending("calls"), ids(EntryType.ADMITTED).map((id) => [id, 1]));
+    assert.deepEqual(await pending("spend"), ids(EntryType.METERED).map((id) => [id, Number(usd("0.01"))]));
   });
 
   it("decides a burst of 125 concurrent checks on one counter in Postgres, exactly, with the defaults", async () => {

@@ -248,6 +248,8 @@ export interface PostgresBackendOptions {
 }
 
 export class PostgresBackend implements Backend {
+  /** One charge may admit a call and charge its fixed price under two event ids (withCost; sql/0010_priced_admission.sql). */
+  readonly pricesAtAdmission = true;
   readonly requireEpoch: boolean;
   readonly timeout: number;
   readonly durable: boolean;
