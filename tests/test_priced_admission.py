@@ -84,3 +84,29 @@ async def test_a_metered_only_limit_is_charged_past_its_cap_as_a_meter_would(
         async with gov.admitted(ANA, price={"spend": usd("0.01")}) as decision:
             assert decision.admitted and decision.over == ()
     assert await gov.usage("spend", ANA) == usd("0.07")
+
+
+async def test_the_projection_moves_each_events_in_flight_amounts_once(backend: Backend) -> None:
+    """Priced admissions (some refused) in ledger mode, then the ledger's events applied
+    to the same store, as the worker applies them: every counter committed at the sum
+    of its events' charges, nothing left in flight, on every store that prices at
+    admission. A cost event whose amounts sat under the admission's id would leave
+    them in flight for good."""
+    from mcp_budget_governor.events import encode, parse
+    from mcp_budget_governor.stream.projector import WatermarkBackend, to_applied
+
+    ledger = MemoryLedger()
+    gov = Governor(policy(), backend, ledger=ledger)
+    for _ in range(7):  # $0.05 of room: five admitted, two refused
+        async with gov.admitted(ANA, price={"spend": usd("0.01")}):
+            pass
+    assert [e.type for e in ledger.entries].count(EntryType.METERED) == 5
+    assert isinstance(backend, WatermarkBackend)
+    events = [
+        to_applied(parse(encode(entry, "test")), offset)
+        for offset, entry in enumerate(ledger.entries)
+    ]
+    await backend.apply("priced:0", events)
+    for limit, total in (("calls", 5), ("spend", usd("0.05"))):
+        state = await backend.state(gov._read_slot(limit, ANA).key)
+        assert (state.committed, state.in_flight, state.pending) == (total, 0, {}), limit
