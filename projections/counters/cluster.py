@@ -111,7 +111,8 @@ CAPS_REFRESH: float = SETTINGS["caps_refresh"].default
 #: A (hash, field) the run-time rule reads: a value cap or a plan assignment.
 _Entry = tuple[str, str]
 
-# A taken-back hold's in-flight entries, once they net to zero (ARGV[1]: e:<event id>).
+# A taken-back hold's in-flight entries, once they net to zero (ARGV: e:<event id> of
+# each event the hold was under: two for a price charged with its admission).
 _FORGET = """
 for _, key in ipairs(KEYS) do
   for _, field in ipairs(ARGV) do
