@@ -111,6 +111,41 @@ async def test_a_refusal_on_one_master_takes_back_the_other(
         await gov.aclose()
 
 
+async def test_a_retry_holds_the_shared_counter_only_once_the_others_admitted(
+    redis_cluster: RedisClusterService,
+) -> None:
+    """A check refused by its user's counter while the global one admitted it is tried
+    again in two steps, the global (broadest) counter last: its retries never hold the
+    global counter, which would refuse other users' checks meanwhile (the burst's
+    under-admission). Only the first attempt, all groups at once, charged it."""
+    tag = uuid.uuid4().hex[:8]
+    (user,) = _users_off_the_global_master(redis_cluster, 1, tag)
+    backend = RedisBackend.from_url(redis_cluster.url)
+    assert isinstance(backend, ClusterBackend)
+    gov = Governor(cluster_policy(tag), backend)
+    ctx = Context(user=user)
+    keys = _keys(ctx, tag)
+    try:
+        full = CounterOp(keys["cl_user"], 50, 50, False, int(time.time()) + 3 * 86_400)
+        await backend.charge([full])
+        sent: list[str] = []
+        real = backend._node.charge_with
+
+        async def recorded(c: Any) -> Any:
+            sent.extend(op.key for op in c.ops if op.amount > 0)
+            return await real(c)
+
+        backend._node.charge_with = recorded  # type: ignore[method-assign]
+        decision = await gov.check(ctx)
+        assert not decision.admitted and decision.limit == f"cl_user{tag}"
+        assert sent.count(keys["cl_global"]) == 1  # the first attempt's, taken back
+        # The retry's first step refused with nothing of it held: no further retry.
+        assert sent.count(keys["cl_user"]) == 2
+        assert await gov.usage(f"cl_global{tag}") == 0
+    finally:
+        await gov.aclose()
+
+
 def test_a_cluster_charge_keeps_the_policys_value_caps_and_plans() -> None:
     from mcp_budget_governor.caps import CapRef
     from mcp_budget_governor.projections.counters.cluster import _policy_capped

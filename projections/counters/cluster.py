@@ -273,6 +273,18 @@ def _event_of(event_id: str | None, positions: Sequence[int]) -> str | None:
     return admission if at is None else with_cost(admission, cost, at)
 
 
+def _broadest(groups: Sequence[_Group]) -> int:
+    """The index of the group holding the counter most checks share: the key with
+    the fewest scope dimensions (a global limit's has none; ``user=..,tool=..`` two).
+
+    >>> op = lambda key: CounterOp(key, 1, 9, True, 0)
+    >>> _broadest([_Group(1, (0,), (op("mcpbg:v1:u:user=a:d"),)),
+    ...            _Group(2, (1,), (op("mcpbg:v1:g:global:d"),))])
+    1
+    """
+    return min(range(len(groups)), key=lambda i: min(op.key.count("=") for op in groups[i].ops))
+
+
 class _RunTime:
     """The run-time entries (value caps, plan assignments) this process's checks
     need, as last read from the cluster, each re-read once ``refresh`` seconds old.
@@ -544,13 +556,36 @@ class ClusterBackend:
         if len(groups) == 1:
             result: ChargeResult = await one(groups[0], op_id)  # one slot: as on one Redis
             return result
+
+        async def in_two_steps(tag_op: str | None) -> list[ChargeResult | BaseException | None]:
+            """Every group but the broadest at once, then the broadest alone, only when
+            they all admitted: a hold on the counter every check shares is then never
+            taken back, so it refuses no other check (None: a group not sent)."""
+            last = _broadest(groups)
+            outcomes: list[ChargeResult | BaseException | None] = [None] * len(groups)
+            first = [i for i in range(len(groups)) if i != last]
+            got = await asyncio.gather(
+                *(one(groups[i], tag_op) for i in first), return_exceptions=True
+            )
+            for i, o in zip(first, got, strict=True):
+                outcomes[i] = o
+            if all(isinstance(o, ChargeResult) and o.admitted for o in got):
+                (outcomes[last],) = await asyncio.gather(
+                    one(groups[last], tag_op), return_exceptions=True
+                )
+            return outcomes
+
+        outcomes: list[ChargeResult | BaseException | None]
         for attempt in range(1 + RETRIES):
             # Each attempt (and its take-back) has operation markers of its own: a
             # marker left by a taken-back attempt must not make the next one a no-op.
             tag_op = op_id if op_id is None or attempt == 0 else f"{op_id}-{attempt}"
-            outcomes = await asyncio.gather(
-                *(one(g, tag_op) for g in groups), return_exceptions=True
-            )
+            if attempt == 0:  # all at once: one round trip of wall time
+                outcomes = list(
+                    await asyncio.gather(*(one(g, tag_op) for g in groups), return_exceptions=True)
+                )
+            else:  # contended: two round trips, no hold on the shared counter taken back
+                outcomes = await in_two_steps(tag_op)
             failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
             refused = [
                 g.positions[o.refused]
@@ -573,6 +608,8 @@ class ClusterBackend:
             # Mixed: the refusing counter may have been full of other checks'
             # transient holds; once they are taken back it may fit (docs/cluster.md).
             await asyncio.sleep(0)
+        if not want_used or None in outcomes:  # refused before the broadest was read
+            return ChargeResult(min(refused) if refused else -1, ())
         used = [0] * len(ops)
         caps = [0] * len(ops)
         for g, o in zip(groups, outcomes, strict=True):
@@ -581,8 +618,6 @@ class ClusterBackend:
                 used[pos] = u
             for pos, c in zip(g.positions, o.caps, strict=False):
                 caps[pos] = c  # the effective cap plus the grant, as the script compared
-        if not want_used:
-            return ChargeResult(min(refused) if refused else -1, ())
         return ChargeResult(min(refused) if refused else -1, tuple(used), tuple(caps))
 
     async def _take_back(
