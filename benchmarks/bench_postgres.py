@@ -49,8 +49,10 @@ from mcp_budget_governor import (
     Policy,
     PostgresBackend,
     Scope,
+    Unit,
     Window,
 )
+from mcp_budget_governor.integrations.flow import governed_call
 from testing import bench
 from testing.postgres import find_postgres, scratch_database
 
@@ -68,6 +70,12 @@ def three_limits(rid: str) -> Policy:
         Limit(f"b{rid}_tenant", cap=MAX_AMOUNT, window=Window.MONTH, scope=Scope.TENANT),
         Limit(f"b{rid}_tool", cap=MAX_AMOUNT, window=Window.HOUR, scope=(Scope.USER, Scope.TOOL)),
     )
+
+
+def priced_limits(rid: str) -> Policy:
+    """:func:`three_limits` and a spend limit that a tool's fixed price is charged to."""
+    spend = Limit(f"b{rid}_spend", cap=MAX_AMOUNT, window=Window.DAY, unit=Unit.USD_MICROS)
+    return Policy.of(*three_limits(rid).limits, spend)
 
 
 def one_global(rid: str) -> Policy:
@@ -172,6 +180,18 @@ async def run(args: argparse.Namespace, pg_url: str) -> dict[str, Any]:
     gov = Governor(three_limits(rid), pg)
     gov_fast = Governor(three_limits(rid), fast)
     c0 = ctx(0)
+    # A governed call with a fixed price (issue 33): charged with its admission, one
+    # round trip, against the same call with the price metered after it (the path
+    # before sql/0010, and what a store without prices_at_admission still takes).
+    after = PostgresBackend.from_url(pg_url)
+    after.prices_at_admission = False
+    gov_priced = Governor(priced_limits(rid), pg)
+    gov_after = Governor(priced_limits(rid), after)
+    price = {f"b{rid}_spend": 100}  # $0.0001
+
+    async def tool() -> str:
+        return "ok"
+
     samples = await serial(
         {
             "select1": select1,
@@ -179,6 +199,8 @@ async def run(args: argparse.Namespace, pg_url: str) -> dict[str, Any]:
             "check": lambda: gov.check(c0),
             "select1_fast": select1_fast,
             "check_fast": lambda: gov_fast.check(c0),
+            "priced": lambda: governed_call(gov_priced, c0, tool, fixed=price),
+            "priced_after": lambda: governed_call(gov_after, c0, tool, fixed=price),
         },
         args.rounds,
         args.calls,
@@ -189,6 +211,7 @@ async def run(args: argparse.Namespace, pg_url: str) -> dict[str, Any]:
             "durable_check_vs_select1": ratio(samples, "check", "select1"),
             "upsert_vs_select1": ratio(samples, "upsert", "select1"),
             "fast_check_vs_select1": ratio(samples, "check_fast", "select1_fast"),
+            "priced_after_vs_admission": ratio(samples, "priced_after", "priced"),
         }
     }
     n = args.concurrent_calls
@@ -212,7 +235,7 @@ async def run(args: argparse.Namespace, pg_url: str) -> dict[str, Any]:
     }
     bench.progress(f"{CALLERS} callers, one hot counter: {conc['hot']}")
     results["concurrent"] = conc
-    for g in (gov, gov_fast, hot):
+    for g in (gov, gov_fast, hot, gov_priced, gov_after):
         with contextlib.suppress(Exception):
             await g.aclose()
     await pg.aclose()
@@ -247,7 +270,9 @@ def render(results: dict[str, Any]) -> str:
         row("check() durable=False / SELECT 1", s["fast_check_vs_select1"], "<= 2x"),
         row("check() durable / SELECT 1", s["durable_check_vs_select1"], "-"),
         row("one durable upsert / SELECT 1", s["upsert_vs_select1"], "-"),
-    ]
+        row("fixed-price call: metered after / charged with its admission",
+            s["priced_after_vs_admission"], "-"),
+    ]  # fmt: skip
     us = {
         "SELECT 1": s["durable_check_vs_select1"]["select1_us"],
         "upsert": s["durable_check_vs_upsert"]["upsert_us"],
