@@ -2,8 +2,8 @@
 // each opened fresh per test and closed once the test file's tests are done.
 import { after } from "node:test";
 
-import { MemoryBackend, RedisBackend, type Backend } from "../src/index.js";
-import { REDIS_URL } from "./services.js";
+import { MemoryBackend, PostgresBackend, RedisBackend, type Backend } from "../src/index.js";
+import { REDIS_URL, postgresUrl } from "./services.js";
 
 /** A function that hands back the backend it is given and closes it after the file's tests. */
 export function closer(): <B extends Backend>(backend: B) => B {
@@ -23,4 +23,11 @@ export function backends(close = closer()): [string, () => Backend][] {
     ["memory", () => close(new MemoryBackend())],
     ["redis", () => close(RedisBackend.fromUrl(REDIS_URL, { timeout: 2 }))],
   ];
+}
+
+/** backends() and a PostgresBackend (every setting at its default) on services.ts's database:
+ * for the suites of what a store prices or holds with its admission. */
+export async function backendsWithPostgres(close = closer()): Promise<[string, () => Backend][]> {
+  const url = await postgresUrl();
+  return [...backends(close), ["postgres", () => close(PostgresBackend.fromUrl(url))]];
 }

@@ -20,7 +20,7 @@ import {
 } from "../src/index.js";
 import { governedCall } from "../src/integrations/common.js";
 import { governHandler } from "../src/integrations/sdk.js";
-import { backends } from "./backends.js";
+import { backendsWithPostgres } from "./backends.js";
 import { fresh } from "./services.js";
 
 
@@ -33,7 +33,7 @@ function twoLimits(): Policy {
 
 type Result = { isError?: boolean; content: { text: string }[] };
 
-for (const [name, backend] of backends()) {
+for (const [name, backend] of await backendsWithPostgres()) {
   describe(`hard caps on ${name}`, () => {
     it("holds estimates on several limits all or nothing in one round trip", async () => {
       const ledger = new MemoryLedger();

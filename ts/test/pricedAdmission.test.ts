@@ -8,7 +8,7 @@ import { describe, it } from "node:test";
 
 import { EntryType, Governor, Limit, MemoryLedger, Policy, RedisBackend, Scope, Unit, Window, context, usd, type Backend } from "../src/index.js";
 import { governedCall } from "../src/integrations/common.js";
-import { backends } from "./backends.js";
+import { backends, backendsWithPostgres } from "./backends.js";
 import { fresh } from "./services.js";
 
 const PRICE = usd("0.01");
@@ -34,7 +34,7 @@ function counted(b: Backend): { backend: Backend; charges: () => number } {
   return { backend: b, charges: () => n };
 }
 
-for (const [name, open] of backends()) {
+for (const [name, open] of await backendsWithPostgres()) {
   describe(`a fixed price charged at admission on ${name}`, () => {
     it("admits and charges in one round trip, ledger events unchanged, failures paid once, refused when it does not fit", async () => {
       const { backend, charges } = counted(open());
