@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence, Set
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Set
 from functools import cache
 from typing import Any
 
@@ -283,6 +283,25 @@ def _broadest(groups: Sequence[_Group]) -> int:
     1
     """
     return min(range(len(groups)), key=lambda i: min(op.key.count("=") for op in groups[i].ops))
+
+
+async def _in_two_steps(
+    groups: Sequence[_Group],
+    one: Callable[[_Group, str | None], Awaitable[ChargeResult]],
+    tag_op: str | None,
+) -> list[ChargeResult | BaseException | None]:
+    """A retry's slot charges: every group but the broadest at once, then the broadest
+    alone, only when they all admitted: a hold on the counter every check shares is
+    then never taken back, so it refuses no other check (None: a group not sent)."""
+    last = _broadest(groups)
+    outcomes: list[ChargeResult | BaseException | None] = [None] * len(groups)
+    first = [i for i in range(len(groups)) if i != last]
+    got = await asyncio.gather(*(one(groups[i], tag_op) for i in first), return_exceptions=True)
+    for i, o in zip(first, got, strict=True):
+        outcomes[i] = o
+    if all(isinstance(o, ChargeResult) and o.admitted for o in got):
+        (outcomes[last],) = await asyncio.gather(one(groups[last], tag_op), return_exceptions=True)
+    return outcomes
 
 
 class _RunTime:
@@ -557,24 +576,6 @@ class ClusterBackend:
             result: ChargeResult = await one(groups[0], op_id)  # one slot: as on one Redis
             return result
 
-        async def in_two_steps(tag_op: str | None) -> list[ChargeResult | BaseException | None]:
-            """Every group but the broadest at once, then the broadest alone, only when
-            they all admitted: a hold on the counter every check shares is then never
-            taken back, so it refuses no other check (None: a group not sent)."""
-            last = _broadest(groups)
-            outcomes: list[ChargeResult | BaseException | None] = [None] * len(groups)
-            first = [i for i in range(len(groups)) if i != last]
-            got = await asyncio.gather(
-                *(one(groups[i], tag_op) for i in first), return_exceptions=True
-            )
-            for i, o in zip(first, got, strict=True):
-                outcomes[i] = o
-            if all(isinstance(o, ChargeResult) and o.admitted for o in got):
-                (outcomes[last],) = await asyncio.gather(
-                    one(groups[last], tag_op), return_exceptions=True
-                )
-            return outcomes
-
         outcomes: list[ChargeResult | BaseException | None]
         for attempt in range(1 + RETRIES):
             # Each attempt (and its take-back) has operation markers of its own: a
@@ -585,7 +586,7 @@ class ClusterBackend:
                     await asyncio.gather(*(one(g, tag_op) for g in groups), return_exceptions=True)
                 )
             else:  # contended: two round trips, no hold on the shared counter taken back
-                outcomes = await in_two_steps(tag_op)
+                outcomes = await _in_two_steps(groups, one, tag_op)
             failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
             refused = [
                 g.positions[o.refused]
