@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from . import planning, recording
 from .approval import Approval, spend_op
 from .context import EMPTY, Context, cacheable
-from .counters import Backend, ChargeResult, CounterOp, with_cost
+from .counters import Backend, Charge, ChargeResult, CounterOp, with_cost
 from .decision import ADMITTED, Decision, Lease
 from .errors import BackendBusyError, BackendUnavailableError, InvalidInputError
 from .ledger import EntryType, Ledger, LedgerEntry, new_id
@@ -29,7 +29,7 @@ from .observe import Observer
 from .outage import Outage
 from .planning import Slot
 from .policy import Policy
-from .shielding import finished, not_cancelled
+from .shielding import Held, finished, not_cancelled, reply_of
 
 log = logging.getLogger("mcp_budget_governor")
 
@@ -83,6 +83,10 @@ async def checked(
     cancellation, for the caller to settle the decision and raise it. A waiting
     call gives up its place in the queues as the cancellation arrives."""
     await not_cancelled()  # a caller cancelled before its check: nothing to settle
+    if gov.ledger is None and gov._obs is None and not (wait or approved or price):
+        written = _written(gov, ctx, amount)
+        if written is not None:
+            return await _inline(gov, *written)
     gave_up: asyncio.Event | None = asyncio.Event() if wait else None
     if gov._obs is not None:
         check: Any = (
@@ -94,6 +98,79 @@ async def checked(
     else:
         step = _check(gov, ctx, amount, approved, wait, gave_up, price)
     return await finished(step, None if gave_up is None else gave_up.set)
+
+
+# The backend classes that write a charge at once and let its caller await the
+# reply (charge_held), by whether their charge is the one charge_held writes.
+_HOLDING: dict[type, bool] = {}
+_HELD = ("charge_held", "charge")
+
+
+def _holder(backend: Backend) -> Any:
+    """``backend.charge_held``, unless ``charge`` is not the charge it writes (a
+    subclass or an instance that overrides ``charge``: a wrapper's charge stays in
+    the path); else None."""
+    kind = backend.__class__
+    ok = _HOLDING.get(kind)
+    if ok is None:
+        owners = [next((k for k in kind.__mro__ if n in k.__dict__), None) for n in _HELD]
+        ok = _HOLDING[kind] = owners[0] is not None and owners[0] is owners[1]
+    if not ok or "charge" in getattr(backend, "__dict__", ()):
+        return None
+    return backend.charge_held  # type: ignore[attr-defined]
+
+
+def _written(
+    gov: Admitting, ctx: Context | None, amount: int
+) -> tuple[planning.Plan, Context, float, str, Charge, Held[Any]] | None:
+    """A plain check without a ledger, its charge written at once (one round trip,
+    as :func:`_check` would send it) when the backend can and nothing waits to be
+    replayed: what :func:`_inline` needs; else None, and the check runs as a step
+    of its own (:func:`finished`). A written charge needs no task to run to its
+    end: it reaches the counters whatever its caller does next."""
+    hold = _holder(gov.backend)
+    outage = gov._outage
+    if hold is None or outage.down_until or outage.pending:
+        return None
+    if amount.__class__ is not int or amount != 1:
+        check_amount(amount, "amount")
+    ctx = ctx or EMPTY
+    now = gov._clock()
+    plan = plan_of(gov, ctx, now, amount)
+    if not plan.slots or plan.leases:  # nothing to charge, or leases to give back
+        return None
+    op_id = new_id()
+    c = Charge(plan.ops, None, True, op_id)
+    reply = hold(c)
+    return None if reply is None else (plan, ctx, now, op_id, c, reply)
+
+
+async def _inline(
+    gov: Admitting,
+    plan: planning.Plan,
+    ctx: Context,
+    now: float,
+    op_id: str,
+    c: Charge,
+    reply: Held[Any],
+) -> tuple[Decision, asyncio.CancelledError | None]:
+    """The rest of a written check in its caller's own task: the reply awaited
+    whatever instant a cancellation arrives, then decided. An error (lost scripts,
+    an unreachable store) goes through :func:`admit`'s rules, as a step of its own."""
+    cancelled = await reply_of(reply)
+    try:
+        got = gov.backend.held_result(reply, c)  # type: ignore[attr-defined]
+    except Exception as exc:  # the reply read: the store lost its state
+        got = _raising(exc)
+    if isinstance(got, ChargeResult):
+        return _decided(gov, plan, got, now), cancelled
+    step = admit(gov, plan, ctx, now, EntryType.ADMITTED, written=(op_id, got))
+    (decision, _), late = await finished(step)
+    return decision, cancelled or late
+
+
+async def _raising(exc: Exception) -> ChargeResult:
+    raise exc
 
 
 async def _check(
@@ -234,6 +311,7 @@ async def admit(
     *,
     ticket: str | None = None,
     record_refusal: bool = True,
+    written: tuple[str, Awaitable[ChargeResult]] | None = None,
 ) -> tuple[Decision, str | None]:
     """The admission step of check() and reserved(), one round trip.
 
@@ -242,12 +320,13 @@ async def admit(
     mode when the backend is down), and the outcome goes to the ledger as
     ``kind`` or as a rejection (not ``record_refusal``: an admission only).
     ``ticket``: a waiting call's place in the concurrency caps' queues.
-    Returns the decision and the event id.
+    ``written``: (operation id, reply) of a charge of the plan written already
+    (:func:`_written`, no ledger). Returns the decision and the event id.
     """
     if gov.ledger is not None and not getattr(gov.ledger, "accepting", True):
         return planning.ledger_full(gov._retry_interval), None
     event_id = new_id() if gov.ledger is not None else None
-    op_id = None if event_id is not None else new_id()
+    op_id = None if event_id is not None else new_id() if written is None else written[0]
     lease = new_id() if plan.leases else None
     # A fixed price charged with the admission: its in-flight amounts belong to
     # the cost event (its own id), so the projection moves each exactly once.
@@ -261,21 +340,27 @@ async def admit(
     refused = gov._refused
     behind = refused.get(id(plan)) is plan if refused else False
     try:
-        sent = None if lease or ticket or behind else _sent_ahead(gov, plan.ops, charged)
+        sent = (
+            written[1]
+            if written is not None
+            else None
+            if lease or ticket or behind
+            else _sent_ahead(gov, plan.ops, charged)
+        )
         if sent is not None:
-            assert event_id is not None  # (_sent_ahead is None without one)
             # The reply is a round trip away: meanwhile the ledger encodes the
             # event of the common outcome (admitted, nothing over), which
             # _log appends if that is the outcome. Nothing is written yet.
-            ahead = LedgerEntry(
-                event_id, kind, now, ctx, plan.charges, None, 200, (), None, False,
-                None, None, approved,
-            )  # fmt: skip
-            try:
-                gov.ledger.prepare(ahead)  # type: ignore[union-attr]
-            except Exception:  # an optimisation only: the append encodes as before
-                log.debug("ledger prepare() failed", exc_info=True)
-                ahead = None
+            if event_id is not None:
+                ahead = LedgerEntry(
+                    event_id, kind, now, ctx, plan.charges, None, 200, (), None, False,
+                    None, None, approved,
+                )  # fmt: skip
+                try:
+                    gov.ledger.prepare(ahead)  # type: ignore[union-attr]
+                except Exception:  # an optimisation only: the append encodes as before
+                    log.debug("ledger prepare() failed", exc_info=True)
+                    ahead = None
             try:
                 result = await sent
             except BackendUnavailableError:
@@ -296,19 +381,9 @@ async def admit(
     except BackendBusyError as exc:  # overload, not an outage: refused, no fail mode
         decision = planning.busy(exc.store, gov._retry_interval)
     else:
-        ops = plan.ops
-        if len(ops) > len(plan.slots):  # an approval's marker came last
-            if result.refused >= len(plan.slots):
-                return _SPENT, None
-            n = len(plan.slots)
-            ops = ops[:n]
-            result = ChargeResult(result.refused, result.used[:n], result.caps[:n])
-        if result.caps:
-            gov._outage.saw_caps(ops, result.caps)
-        if result.admitted:
-            decision = planning.admitted_by(plan, result.used, result.caps)
-        else:
-            decision = _decide(gov, plan.slots, result, now)
+        decision = _decided(gov, plan, result, now)
+        if decision is _SPENT:
+            return _SPENT, None
     if plan.cost and decision.over:
         decision = _not_over_on_price(plan, decision)
     if lease is not None and decision.admitted:
@@ -342,6 +417,23 @@ async def admit(
         held = (cost_id, plan.slots[len(plan.slots) - plan.cost :])
         decision = dataclasses.replace(decision, held=held)
     return decision, event_id
+
+
+def _decided(gov: Admitting, plan: planning.Plan, result: ChargeResult, now: float) -> Decision:
+    """The decision of the plan's charge, from its reply (``_SPENT``: the approval
+    it spends was spent already)."""
+    ops = plan.ops
+    if len(ops) > len(plan.slots):  # an approval's marker came last
+        if result.refused >= len(plan.slots):
+            return _SPENT
+        n = len(plan.slots)
+        ops = ops[:n]
+        result = ChargeResult(result.refused, result.used[:n], result.caps[:n])
+    if result.caps:
+        gov._outage.saw_caps(ops, result.caps)
+    if result.admitted:
+        return planning.admitted_by(plan, result.used, result.caps)
+    return _decide(gov, plan.slots, result, now)
 
 
 def _sent_ahead(

@@ -6,7 +6,10 @@ the caller's task is cancelled meanwhile: an MCP client's
 ``notifications/cancelled``, a read timeout, a closed session. A step awaited
 through :func:`finished` runs as its own task that the cancellation does not
 reach; the caller gets the step's value *and* the cancellation that arrived,
-settles what the value holds, then raises it.
+settles what the value holds, then raises it. A step whose only wait is one
+reply to a request already written needs no task: its caller awaits the reply
+as a :class:`Held` future through :func:`reply_of` (a plain check without a
+ledger on Redis, ``admission._inline``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["finished", "not_cancelled", "to_the_end"]
+__all__ = ["Held", "finished", "not_cancelled", "reply_of", "to_the_end"]
 
 T = TypeVar("T")
 
@@ -51,6 +54,36 @@ async def finished(
             # The cancellation, deferred by _Outcome.cancel, arrived as the step ended.
             return outcome.result(), exc
     return value, None
+
+
+class Held(asyncio.Future[T]):
+    """A reply its awaiter's cancellation does not drop: ``cancel()`` declines, so
+    asyncio keeps the cancellation and raises it in the awaiting task once the
+    reply is here, and the reply can still be read (:func:`reply_of`). The task
+    per step that :func:`finished` runs is then not needed: a charge written at
+    once awaits its reply in its caller's own task."""
+
+    __slots__ = ()
+
+    def cancel(self, msg: Any = None) -> bool:
+        return False
+
+
+async def reply_of(reply: asyncio.Future[Any]) -> asyncio.CancelledError | None:
+    """Wait until ``reply`` (a :class:`Held` future) is done, whatever instant a
+    cancellation arrives: the cancellation that arrived meanwhile (None: none
+    did), for the caller to raise once it has settled what the reply holds. The
+    reply's value or error stays in ``reply``."""
+    with _anyio_shield():
+        try:
+            await reply
+        except asyncio.CancelledError as exc:
+            if not reply.done() or reply.cancelled():
+                raise  # the loop is closing: nothing will answer
+            return exc
+        except Exception:  # the reply's own error: the caller reads it from ``reply``
+            pass
+    return None
 
 
 class _Outcome(asyncio.Future[Any]):

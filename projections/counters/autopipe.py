@@ -220,13 +220,16 @@ class Pipe:
                 raise ConnectionError(f"redis connection to {self._where()} closed at once")
         return await fut
 
-    def send(self, packed: bytes) -> asyncio.Future[Any] | None:
+    def send(
+        self, packed: bytes, future: type[asyncio.Future[Any]] | None = None
+    ) -> asyncio.Future[Any] | None:
         """Queue one packed command now (its write keeps its place in the order of
-        this connection); the future of its reply, or None when not connected."""
+        this connection); the future of its reply (of class ``future``, if given),
+        or None when not connected."""
         transport = self._transport
         if transport is None or transport.is_closing() or self._connecting is not None:
             return None
-        fut = self.loop.create_future()
+        fut = self.loop.create_future() if future is None else future(loop=self.loop)
         waiters = self.waiters
         if self._buffer:
             self._buffer.append(packed)

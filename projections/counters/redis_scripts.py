@@ -55,6 +55,7 @@ from mcp_budget_governor.keys import (
     slides,
 )
 from mcp_budget_governor.lua import source
+from mcp_budget_governor.shielding import Held
 
 from .autopipe import Address, Pipe, pack, pack_args
 
@@ -568,6 +569,23 @@ class RedisScripts(KeyValueOps):
         if fut is None:
             return None
         return self._reply_of(fut, c)
+
+    def charge_held(self, c: Charge) -> Held[Any] | None:
+        """Write the charge ``c`` now, on this loop's shared connection: the future
+        of its raw reply, which its awaiter's cancellation does not drop
+        (:class:`~mcp_budget_governor.shielding.Held`), for :meth:`held_result`;
+        None when it cannot be written at once (then :meth:`charge` it)."""
+        if self._address is None:
+            return None
+        return self._pipe().send(self._packed_charge(c), Held)  # type: ignore[return-value]
+
+    def held_result(self, reply: Held[Any], c: Charge) -> ChargeResult | Awaitable[ChargeResult]:
+        """The :class:`ChargeResult` of :meth:`charge_held`'s ``reply``, done: read at
+        once from a reply, or (an error: lost scripts, a dropped connection) what
+        :meth:`charge` would give, to await."""
+        if reply.exception() is None:
+            return self._charged(c.ops, reply.result())
+        return self._reply_of(reply, c)
 
     async def _reply_of(self, pending: Awaitable[Any], c: Charge) -> ChargeResult:
         try:
