@@ -339,6 +339,18 @@ def split_cost(argument: str) -> tuple[str, str, int]:
     return event_id, cost_id, int(j) - 1
 
 
+def owners(argument: str) -> tuple[str, str | None, int | None]:
+    """The events a charge's event id argument names: :func:`split_cost` when it
+    names two (a price charged with its admission), else (``argument``, None, None).
+
+    >>> owners("a1"), owners(with_cost("a1", "c2", 1))
+    (('a1', None, None), ('a1', 'c2', 1))
+    """
+    if " " not in argument:
+        return argument, None, None
+    return split_cost(argument)
+
+
 class Charge(NamedTuple):
     """One charge, as every backend's ``charge`` receives it, declared once: the
     counters to move (``ops``) and how (:meth:`Backend.charge` says what each

@@ -32,7 +32,7 @@ from mcp_budget_governor.counters import (
     grant_problem,
     hold_problem,
     overflow,
-    split_cost,
+    owners,
     stays_exact,
 )
 from mcp_budget_governor.errors import EpochMissingError, EventRefusedError, InvalidInputError
@@ -244,16 +244,16 @@ class MemoryBackend(KeyValueOps):
         wrote = False
         # An admission charging the call's price too: ops from cost_from on are the
         # cost event's in-flight amounts (lua/charge.lua, counters.with_cost).
-        cost_id, cost_from = None, len(ops)
-        if event_id is not None and " " in event_id:
-            event_id, cost_id, cost_from = split_cost(event_id)
+        cost_id, cost_from = None, None
+        if event_id is not None:
+            event_id, cost_id, cost_from = owners(event_id)
         for i, op in enumerate(ops):
             if lease is not None and op.key.startswith(LEASE_PREFIX):
                 self._leases.setdefault(op.key, {})[lease] = now + lease_ttl
                 if ticket is not None:
                     self._queues.get(op.key, {}).pop(ticket, None)
             elif op.amount:
-                owner = cost_id if i >= cost_from else event_id
+                owner = cost_id if cost_from is not None and i >= cost_from else event_id
                 self._add(op.key, op.amount, owner, op.expire_at, now)
                 wrote = True
         if op_id is not None and wrote:

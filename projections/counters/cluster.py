@@ -54,8 +54,8 @@ from mcp_budget_governor.counters import (
     ChargeResult,
     CounterOp,
     CounterState,
+    owners,
     refused_event,
-    split_cost,
     with_cost,
 )
 from mcp_budget_governor.errors import (
@@ -266,9 +266,11 @@ def _event_of(event_id: str | None, positions: Sequence[int]) -> str | None:
     >>> _event_of(with_cost("a1", "c2", 2), [2, 4]), _event_of("a1", [2])
     ('a1 c2 1', 'a1')
     """
-    if event_id is None or " " not in event_id:
+    if event_id is None:
+        return None
+    admission, cost, first = owners(event_id)
+    if cost is None or first is None:
         return event_id
-    admission, cost, first = split_cost(event_id)
     at = next((i for i, pos in enumerate(positions) if pos >= first), None)
     return admission if at is None else with_cost(admission, cost, at)
 
@@ -648,7 +650,7 @@ class ClusterBackend:
                     # The take-back leaves the event's in-flight entries at 0: drop them,
                     # or a refused check (in the ledger, charging nothing here) would
                     # leave entries no apply ever moves (stale in reconcile's eyes).
-                    ids = split_cost(event_id)[:2] if " " in event_id else (event_id,)
+                    ids = [e for e in owners(event_id)[:2] if e is not None]
                     await self.client.eval(
                         _FORGET, len(back), *(op.key for op in back), *(f"e:{e}" for e in ids)
                     )
