@@ -287,13 +287,18 @@ def op_columns(ops: Sequence[CounterOp]) -> tuple[list[Any], ...]:
     )
 
 
-def charge_params(c: Charge, *, require_epoch: bool, leases: bool | None = None) -> tuple[Any, ...]:
+def charge_params(
+    c: Charge, *, require_epoch: bool, leases: bool | None = None, resolve: bool | None = None
+) -> tuple[Any, ...]:
     """The arguments of one ``mcpbg_charge`` call (:data:`_CHARGE`), as every client
     passes them: the conformance vectors hold the TypeScript backend's to these.
-    ``leases``: whether the charge takes leases, when the caller has found out."""
+    ``leases`` (whether the charge takes leases) and ``resolve`` (whether a counter
+    has a run-time cap to look up): when the caller has found out."""
     ops = c.ops
     if leases is None:
         leases = any(op.key.startswith(LEASE_PREFIX) for op in ops)
+    if resolve is None:
+        resolve = any(op.ref is not None for op in ops)
     columns = op_columns(ops)
     return (
         c.event_id or "",
@@ -301,7 +306,7 @@ def charge_params(c: Charge, *, require_epoch: bool, leases: bool | None = None)
         c.want_used,
         require_epoch,
         *columns[:5],
-        any(op.ref is not None for op in ops),  # resolve
+        resolve,
         *columns[5:],
         c.lease_id(leases),
         c.lease_ttl_ms,
@@ -821,7 +826,8 @@ class PostgresBackend:
         resolve = any(op.ref is not None for op in ops)
         if any(op.key.startswith(LEASE_PREFIX) for op in ops):  # leases: mcpbg_charge, alone
             reply: list[int] = await self._call(
-                _CHARGE, charge_params(c, require_epoch=self.require_epoch, leases=True)
+                _CHARGE,
+                charge_params(c, require_epoch=self.require_epoch, leases=True, resolve=resolve),
             )
         else:
             reply = await self._batcher().charge(c, resolve)
