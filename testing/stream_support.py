@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import inspect
 import os
 import random
 import re
@@ -446,8 +447,15 @@ async def assert_exact(backend: RedisBackend, records: TopicRecords) -> int:
 async def wait_for(
     condition: Callable[[], object], what: str, workers: list[Worker], within: float
 ) -> None:
+    """Until ``condition()`` holds (awaited when it gives an awaitable), else fail with
+    the workers' logs."""
     deadline = time.monotonic() + within
-    while not condition():
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not within {within}s\n{worker_logs(workers)}")
         await asyncio.sleep(0.1)
@@ -458,11 +466,7 @@ async def wait_epoch(
 ) -> None:
     """Until the counters' epoch marker is set: a rebuild sets it after its last
     apply, so a watermark at the end can be seen a moment before the marker is."""
-    deadline = time.monotonic() + within
-    while not await backend.has_epoch():
-        if time.monotonic() > deadline:
-            pytest.fail(f"the epoch marker: not set within {within}s\n{worker_logs(workers)}")
-        await asyncio.sleep(0.1)
+    await wait_for(backend.has_epoch, "the epoch marker", workers, within)
 
 
 @dataclass
