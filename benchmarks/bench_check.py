@@ -206,14 +206,19 @@ async def rates(backend: RedisBackend, rid: str, *, per_caller: int, trials: int
     async def check_call() -> Any:
         return await gov.check(CTX)
 
-    async def rate(call: Callable[[], Awaitable[Any]]) -> float:
+    cpu: dict[str, list[float]] = {"noop": [], "check": []}
+
+    async def rate(call: Callable[[], Awaitable[Any]], name: str = "") -> float:
         async def caller() -> None:
             for _ in range(per_caller):
                 await call()
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(caller() for _ in range(CALLERS)))
-        return CALLERS * per_caller / (time.perf_counter() - t0)
+        calls = CALLERS * per_caller
+        if name:  # this process's CPU a call (Redis' is the server's own)
+            cpu[name].append((time.process_time() - c0) / calls * 1e6)
+        return calls / (time.perf_counter() - t0)
 
     await rate(noop_call)
     await rate(check_call)  # warm: connections, scripts
@@ -221,7 +226,7 @@ async def rates(backend: RedisBackend, rid: str, *, per_caller: int, trials: int
     for t in range(trials):
         order = [("noop", noop_call), ("check", check_call)]
         for name, call in order if t % 2 == 0 else order[::-1]:
-            got[name].append(await rate(call))
+            got[name].append(await rate(call, name))
     ratios = [c / n for c, n in zip(got["check"], got["noop"], strict=True)]
     return {
         "callers": CALLERS,
@@ -231,6 +236,7 @@ async def rates(backend: RedisBackend, rid: str, *, per_caller: int, trials: int
         "ratios": ratios,
         "ratio_median": bench.median(ratios),
         "ratio_worst": min(ratios),
+        "cpu_us_per_call": {k: bench.median(v) for k, v in cpu.items()},
     }
 
 
@@ -655,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
             f"(check {bench.median(r['check_per_s']):.0f}/s, noop "
             f"{bench.median(r['noop_per_s']):.0f}/s) -> "
             f"{'MET' if r['ratio_median'] >= CONCURRENT_TARGET else 'MISSED'}"
+        )
+        print(
+            f"this process's CPU a call at {CALLERS} callers (median of the trials): "
+            f"check() {r['cpu_us_per_call']['check']:.1f} us, no-op EVALSHA "
+            f"{r['cpu_us_per_call']['noop']:.1f} us"
         )
     failed = {k: v["failed_checks"] for k, v in variants.items() if v["failed_checks"]}
     if failed:
