@@ -85,8 +85,28 @@ class _Counting(RedisBackend):
 async def test_a_backend_that_overrides_charge_keeps_its_charge(redis_url: str) -> None:
     gov = Governor(policy(), _Counting.from_url(redis_url))
     try:
-        assert (await gov.check(Context(user="wrapped"))).admitted
-        assert _Counting.charges == 1
+        for _ in range(3):  # the first connects; the others would be written at once
+            assert (await gov.check(Context(user="wrapped"))).admitted
+        assert _Counting.charges == 3
+    finally:
+        await gov.aclose()
+
+
+async def test_an_instance_whose_charge_is_replaced_keeps_it(redis_url: str) -> None:
+    backend = RedisBackend.from_url(redis_url)
+    gov = Governor(policy(), backend)
+    calls: list[object] = []
+    original = backend.charge
+
+    async def charge(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return await original(*args, **kwargs)
+
+    backend.charge = charge  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            assert (await gov.check(Context(user="replaced"))).admitted
+        assert len(calls) == 3
     finally:
         await gov.aclose()
 
