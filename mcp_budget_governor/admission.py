@@ -340,13 +340,12 @@ async def admit(
     refused = gov._refused
     behind = refused.get(id(plan)) is plan if refused else False
     try:
-        sent = (
-            written[1]
-            if written is not None
-            else None
-            if lease or ticket or behind
-            else _sent_ahead(gov, plan.ops, charged)
-        )
+        if written is not None:  # sent already (_written): only its reply is left
+            sent: Awaitable[ChargeResult] | None = written[1]
+        elif lease or ticket or behind:
+            sent = None
+        else:
+            sent = _sent_ahead(gov, plan.ops, charged)
         if sent is not None:
             # The reply is a round trip away: meanwhile the ledger encodes the
             # event of the common outcome (admitted, nothing over), which
