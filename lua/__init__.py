@@ -158,3 +158,13 @@ def source(name: str) -> str:
     """The full source of script ``name``: its prelude of shared helpers, then its body."""
     _known(name)
     return assemble(_read("lib.lua"), _read(f"{name}.lua"))
+
+
+@cache
+def many_source() -> str:
+    """charge_many.lua: several charges in one script call, each decided by
+    charge.lua's whole source (:func:`source`), put where ``CHARGE_LUA`` stands."""
+    wrapper = _read("charge_many.lua")
+    if wrapper.count("\nCHARGE_LUA\n") != 1:
+        raise LibLayoutError("charge_many.lua must hold the line CHARGE_LUA once")
+    return wrapper.replace("\nCHARGE_LUA\n", "\n" + source("charge") + "\n")

@@ -22,10 +22,15 @@ if (!existsSync(from)) {
   process.exit(1);
 }
 mkdirSync(to, { recursive: true });
-const names = readdirSync(from).filter((f) => f.endsWith(".lua"));
-for (const file of names) copyFileSync(new URL(file, from), new URL(file, to));
 const vectors = JSON.parse(readFileSync(vectorsFile, "utf8"));
 const { prefix, joiner, prelude } = vectors.script_layout;
+// The scripts the package loads and their prelude; not lua/charge_many.lua (Python's
+// batched checks, built around charge.lua by lua/__init__.py), nor a copy it left here.
+const names = [prefix, ...vectors.script_layout.names.map((n) => `${n}.lua`)];
+for (const file of readdirSync(to).filter((f) => f.endsWith(".lua") && !names.includes(f))) {
+  rmSync(new URL(file, to));
+}
+for (const file of names) copyFileSync(new URL(file, from), new URL(file, to));
 const layout = { prefix, joiner, prelude };
 writeFileSync(new URL("layout.json", to), JSON.stringify(layout) + "\n");
 // The same splice as src/scripts.ts (this runs before tsc): each range's lines,
