@@ -54,10 +54,10 @@ from mcp_budget_governor.keys import (
     queue_key,
     slides,
 )
-from mcp_budget_governor.lua import source
+from mcp_budget_governor.lua import many_source, source
 from mcp_budget_governor.shielding import Held
 
-from .autopipe import Address, Pipe, pack, pack_args
+from .autopipe import Address, Batched, Part, Pipe, pack, pack_args
 
 _UNAVAILABLE = (
     redis_errors.ConnectionError,
@@ -147,6 +147,7 @@ class _Prepared:
     flags_b: bytes
     tail_b: bytes
     count: int  # elements of the packed command, without lease arguments
+    keys_b: bytes  # head_b without numkeys: the keys before an operation marker
 
 
 def caps_value(raw: str) -> tuple[int, int, str]:
@@ -334,7 +335,11 @@ class RedisScripts(KeyValueOps):
         self.timeout = timeout
         self._address = Address.of_client(client) if coalesce else None
         self._pipe_now: Pipe | None = None
-        self._charge_prefix = pack_args([b"EVALSHA", self._charge.sha])
+        # A turn's checks on the shared connection go to Redis as one call of
+        # charge_many.lua once it is loaded (autopipe.Batched; _load_many).
+        self._many = _Script(many_source())
+        self._batched = Batched(self._charge.sha, self._many.sha)
+        self._loading_many = False
 
     @property
     def _client(self) -> aioredis.Redis:
@@ -466,6 +471,7 @@ class RedisScripts(KeyValueOps):
             pack_args(tail),
             # EVALSHA, sha, head, [op marker, counters,] event id, flags, tail, clock
             4 + len(head) + len(counters) + len(tail) + (1 if with_op else 0) + 1,
+            pack_args(head[1:]),
         )
         if len(self._prepared) >= 8192:
             self._prepared.clear()
@@ -493,26 +499,31 @@ class RedisScripts(KeyValueOps):
         return [c.lease_id(True), str(c.lease_ttl_ms), c.ticket or "-", str(p.leases)]
 
     def _packed_charge(self, c: Charge) -> bytes:
-        """:meth:`charge_args` as one packed EVALSHA: the cached pieces spliced
-        around what varies per call (event or operation id, lease, clock)."""
+        """:meth:`charge_args` as one packed EVALSHA."""
+        return self._batched.one(self._charge_part(c))
+
+    def _charge_part(self, c: Charge) -> Part:
+        """:meth:`charge_args` packed, keys and arguments apart (autopipe.Part): the
+        cached pieces spliced around what varies per call (event or operation
+        id, lease, clock)."""
         op_id = c.inline_op
         p = self._prepare(c.ops, c.want_used, op_id is not None)
         lease_args = self._lease_args(p, c)
+        now = str(int(self.clock() * 1000)).encode()  # _now_ms, packed in one step
+        nkeys = p.head[0]
         if op_id is not None:
-            # op_key(op_id), the counters, op_id: formatted in one step (the hot
-            # path of a check without a ledger; the rest is cached in ``p``).
+            # op_key(op_id) and the counters, then op_id: formatted in one step (the
+            # hot path of a check without a ledger; the rest is cached in ``p``).
             ob = op_id.encode()
             kb = _OP_KEY_HEAD + ob
-            first = b"$%d\r\n%s\r\n%s$%d\r\n%s\r\n" % (len(kb), kb, p.counters_b, len(ob), ob)
+            keys = b"%s$%d\r\n%s\r\n%s" % (p.keys_b, len(kb), kb, p.counters_b)
+            first = b"$%d\r\n%s\r\n" % (len(ob), ob)
         else:
+            keys = p.keys_b
             eid = (c.event_id or "").encode()
             first = b"$%d\r\n%s\r\n" % (len(eid), eid)
-        now = str(int(self.clock() * 1000)).encode()  # _now_ms, packed in one step
-        return b"".join(
+        args = b"".join(
             (
-                b"*%d\r\n" % (p.count + len(lease_args)),
-                self._charge_prefix,
-                p.head_b,
                 first,
                 p.flags_b,
                 pack_args(lease_args) if lease_args else b"",
@@ -520,6 +531,7 @@ class RedisScripts(KeyValueOps):
                 b"$%d\r\n%s\r\n" % (len(now), now),
             )
         )
+        return keys, nkeys, args, p.count - 3 - nkeys + len(lease_args)
 
     async def charge(
         self,
@@ -577,7 +589,34 @@ class RedisScripts(KeyValueOps):
         None when it cannot be written at once (then :meth:`charge` it)."""
         if self._address is None:
             return None
-        return self._pipe().send(self._packed_charge(c), Held)  # type: ignore[return-value]
+        pipe = self._pipe()
+        if not self._batched.ready:
+            self._load_many(pipe)
+        return pipe.send_part(self._charge_part(c), self._batched, Held)  # type: ignore[return-value]
+
+    def _load_many(self, pipe: Pipe) -> None:
+        """Load charge_many.lua on ``pipe`` (once at a time), and batch once it is
+        in; a Redis that refuses it (SCRIPT LOAD not allowed) is not asked again."""
+        if self._loading_many:
+            return
+        fut = pipe.send(pack(["SCRIPT", "LOAD", self._many.script]))
+        if fut is None:
+            return
+        self._loading_many = True
+
+        def loaded(f: asyncio.Future[Any]) -> None:
+            # A lost connection may load it next time; a refusal, or a Redis that
+            # names it by another SHA, would answer the same again.
+            error = asyncio.CancelledError() if f.cancelled() else f.exception()
+            if error is None:
+                sha = f.result()
+                ready = (sha.decode() if isinstance(sha, bytes) else sha) == self._many.sha
+                self._batched.ready = ready
+                self._loading_many = not ready
+            else:
+                self._loading_many = not isinstance(error, (OSError, asyncio.CancelledError))
+
+        fut.add_done_callback(loaded)
 
     def held_result(self, reply: Held[Any], c: Charge) -> ChargeResult | Awaitable[ChargeResult]:
         """The :class:`ChargeResult` of :meth:`charge_held`'s ``reply``, done: read at
