@@ -196,9 +196,16 @@ def backend_url(backend: RedisBackend) -> str:
 
 async def rates(backend: RedisBackend, rid: str, *, per_caller: int, trials: int) -> dict[str, Any]:
     """Calls per second of ``CALLERS`` concurrent callers: check() (3 limits) on the
-    backend, and the no-op EVALSHA on the same client (its pool), interleaved."""
+    backend, and the no-op EVALSHA on the same client (its pool), interleaved; and
+    check() on a second backend that sends each check as its own charge.lua call
+    (``alone``: the same backend before charge_many.lua), with Redis' own time a
+    check (INFO commandstats) for both."""
     gov = Governor(Policy.of(*limits(rid, "conc")[:3]), backend)
     noop = bench.noop(backend.client)
+    single = RedisBackend.from_url(backend_url(backend), timeout=5.0)
+    # Never loads charge_many.lua (as if Redis refused it): one EVALSHA a check.
+    single._loading_many = True
+    gov_alone = Governor(Policy.of(*limits(rid, "conc")[:3]), single)
 
     async def noop_call() -> Any:
         return await noop()
@@ -206,37 +213,58 @@ async def rates(backend: RedisBackend, rid: str, *, per_caller: int, trials: int
     async def check_call() -> Any:
         return await gov.check(CTX)
 
-    cpu: dict[str, list[float]] = {"noop": [], "check": []}
+    async def alone_call() -> Any:
+        return await gov_alone.check(CTX)
+
+    async def evalsha_usec() -> float:
+        st = (await backend.client.info("commandstats")).get("cmdstat_evalsha", {})
+        return float(st.get("usec", 0))
+
+    cpu: dict[str, list[float]] = {"noop": [], "check": [], "alone": []}
+    server: dict[str, list[float]] = {"check": [], "alone": []}
 
     async def rate(call: Callable[[], Awaitable[Any]], name: str = "") -> float:
         async def caller() -> None:
             for _ in range(per_caller):
                 await call()
 
+        u0 = await evalsha_usec() if name in server else 0.0
         t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(caller() for _ in range(CALLERS)))
+        elapsed, used = time.perf_counter() - t0, time.process_time() - c0
         calls = CALLERS * per_caller
         if name:  # this process's CPU a call (Redis' is the server's own)
-            cpu[name].append((time.process_time() - c0) / calls * 1e6)
-        return calls / (time.perf_counter() - t0)
+            cpu[name].append(used / calls * 1e6)
+        if name in server:
+            server[name].append((await evalsha_usec() - u0) / calls)
+        return calls / elapsed
 
-    await rate(noop_call)
-    await rate(check_call)  # warm: connections, scripts
-    got: dict[str, list[float]] = {"noop": [], "check": []}
-    for t in range(trials):
-        order = [("noop", noop_call), ("check", check_call)]
-        for name, call in order if t % 2 == 0 else order[::-1]:
-            got[name].append(await rate(call, name))
+    try:
+        await rate(noop_call)
+        await rate(check_call)  # warm: connections, scripts
+        await rate(alone_call)
+        got: dict[str, list[float]] = {"noop": [], "check": [], "alone": []}
+        for t in range(trials):
+            order = [("noop", noop_call), ("check", check_call), ("alone", alone_call)]
+            for name, call in order[t % 3 :] + order[: t % 3]:
+                got[name].append(await rate(call, name))
+    finally:
+        await single.aclose()
     ratios = [c / n for c, n in zip(got["check"], got["noop"], strict=True)]
+    alone = [c / n for c, n in zip(got["alone"], got["noop"], strict=True)]
     return {
         "callers": CALLERS,
         "per_caller": per_caller,
         "noop_per_s": got["noop"],
         "check_per_s": got["check"],
+        "alone_per_s": got["alone"],
         "ratios": ratios,
         "ratio_median": bench.median(ratios),
         "ratio_worst": min(ratios),
+        "alone_ratio_median": bench.median(alone),
+        "alone_ratio_worst": min(alone),
         "cpu_us_per_call": {k: bench.median(v) for k, v in cpu.items()},
+        "redis_us_per_check": {k: bench.median(v) for k, v in server.items()},
     }
 
 
@@ -663,9 +691,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{'MET' if r['ratio_median'] >= CONCURRENT_TARGET else 'MISSED'}"
         )
         print(
+            f"each check its own charge.lua call (no charge_many.lua): "
+            f"{r['alone_ratio_median']:.2f}x median, worst {r['alone_ratio_worst']:.2f}x "
+            f"(check {bench.median(r['alone_per_s']):.0f}/s)"
+        )
+        print(
             f"this process's CPU a call at {CALLERS} callers (median of the trials): "
-            f"check() {r['cpu_us_per_call']['check']:.1f} us, no-op EVALSHA "
-            f"{r['cpu_us_per_call']['noop']:.1f} us"
+            f"check() {r['cpu_us_per_call']['check']:.1f} us, alone "
+            f"{r['cpu_us_per_call']['alone']:.1f} us, no-op EVALSHA "
+            f"{r['cpu_us_per_call']['noop']:.1f} us; Redis' time a check: "
+            f"{r['redis_us_per_check']['check']:.1f} us batched, "
+            f"{r['redis_us_per_check']['alone']:.1f} us alone"
         )
     failed = {k: v["failed_checks"] for k, v in variants.items() if v["failed_checks"]}
     if failed:

@@ -17,6 +17,9 @@ Variants (the bench_check and bench_caps plans, 3 limits each):
 - ``floor: charge's Redis operations``: ``testing/charge_floor.lua`` with the inline
   plan's arguments, the very commands charge.lua makes and a reply of the same size,
   no logic: what any script doing that work atomically costs on this Redis;
+- ``charge_many, inline`` and ``charge_many, caps hit``: the same checks
+  ``autopipe.BATCH_CALLS`` (16) to one call of lua/charge_many.lua, as a burst of
+  checks on one connection sends them; reported per check;
 - ``--script FILE``: a candidate charge script (its prelude of lib.lua prepended, as
   lua/__init__.py assembles every script) beside the shipped one, inline plan: for
   work on the scripts.
@@ -48,6 +51,7 @@ from benchmarks import bench_caps, bench_check
 from mcp_budget_governor import Context, Governor, Plan, Policy, RedisBackend, lua
 from mcp_budget_governor.counters import Charge
 from mcp_budget_governor.ledger import new_id
+from mcp_budget_governor.projections.counters.autopipe import BATCH_CALLS
 from testing import bench
 from testing.services import free_port
 
@@ -92,6 +96,23 @@ async def plan_args(port: int, variant: str) -> Args:
     return lambda: backend.charge_args(Charge(ops, op_id=new_id()))
 
 
+def batched(one: Args) -> Args:
+    """``BATCH_CALLS`` fresh calls of ``one`` as charge_many.lua's arguments."""
+
+    def make() -> list[Any]:
+        keys: list[Any] = []
+        argv: list[Any] = []
+        for _ in range(BATCH_CALLS):
+            call = one()
+            nkeys = int(call[0])
+            keys += call[1 : 1 + nkeys]
+            rest = call[1 + nkeys :]
+            argv += [nkeys, len(rest), *rest]
+        return [len(keys), *keys, *argv]
+
+    return make
+
+
 def server_instructions(source: str, variant: str, calls: int, workdir: Path) -> int:
     """Instructions of one fresh redis-server that ran ``calls`` EVALSHAs of ``source``."""
     port = free_port()
@@ -110,7 +131,12 @@ def server_instructions(source: str, variant: str, calls: int, workdir: Path) ->
                 break
             except redis.ConnectionError:
                 time.sleep(0.1)
-        make = (lambda: [0]) if variant == "noop" else asyncio.run(plan_args(port, variant))
+        if variant == "noop":
+            make: Args = lambda: [0]  # noqa: E731
+        elif variant.startswith("many:"):
+            make = batched(asyncio.run(plan_args(port, variant.removeprefix("many:"))))
+        else:
+            make = asyncio.run(plan_args(port, variant))
         sha = client.script_load(source)
         for _ in range(calls):
             client.evalsha(sha, *make())
@@ -126,9 +152,10 @@ def server_instructions(source: str, variant: str, calls: int, workdir: Path) ->
 
 
 def per_call(source: str, variant: str, calls: int, workdir: Path) -> float:
+    """Per check: a charge_many call's count is divided by the checks it carries."""
     one = server_instructions(source, variant, calls, workdir)
     two = server_instructions(source, variant, 2 * calls, workdir)
-    return (two - one) / calls
+    return (two - one) / calls / (BATCH_CALLS if variant.startswith("many:") else 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         ("charge, ledger", shipped, "ledger"),
         ("charge, caps hit", shipped, "caps"),
         ("floor: charge's Redis operations", FLOOR.read_text("utf-8"), "inline"),
+        (f"charge_many, inline, per check of {BATCH_CALLS}", lua.many_source(), "many:inline"),
+        (f"charge_many, caps hit, per check of {BATCH_CALLS}", lua.many_source(), "many:caps"),
     ]
     if args.script is not None:
         name = f"candidate {args.script.name}, inline"
@@ -168,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"caps hit / inline: {caps_ratio:.3f}x")
     logic = got["charge, inline"] / got["floor: charge's Redis operations"]
     print(f"charge, inline / its Redis operations alone: {logic:.3f}x")
+    many = got[f"charge_many, inline, per check of {BATCH_CALLS}"] / got["charge, inline"]
+    print(f"charge_many / charge, inline, per check: {many:.3f}x")
     if args.script is not None:
         cand = got[f"candidate {args.script.name}, inline"]
         print(f"candidate / shipped (inline): {cand / got['charge, inline']:.3f}x")
