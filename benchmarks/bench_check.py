@@ -204,7 +204,7 @@ async def rates(backend: RedisBackend, rid: str, *, per_caller: int, trials: int
     noop = bench.noop(backend.client)
     single = RedisBackend.from_url(backend_url(backend), timeout=5.0)
     # Never loads charge_many.lua (as if Redis refused it): one EVALSHA a check.
-    single._loading_many = True
+    single._many_not_before = float("inf")
     gov_alone = Governor(Policy.of(*limits(rid, "conc")[:3]), single)
 
     async def noop_call() -> Any:

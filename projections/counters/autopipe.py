@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 from redis import exceptions as redis_errors
 
@@ -164,6 +164,14 @@ class Address:
             password=kw.get("password"),
             tls=tls,
         )
+
+
+class _Waiter(Protocol):
+    """What awaits a reply in order: a future, or a batch (:class:`_Batch`)."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: Any, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
 
 
 class _Protocol(asyncio.Protocol):
@@ -316,7 +324,7 @@ class Pipe:
         self.address = address
         self.timeout = timeout
         self.loop = asyncio.get_running_loop()
-        self.waiters: deque[asyncio.Future[Any]] = deque()
+        self.waiters: deque[_Waiter] = deque()
         self.sent: deque[float] = deque()
         self._transport: asyncio.Transport | None = None
         self._protocol: _Protocol | None = None
@@ -377,7 +385,7 @@ class Pipe:
             if not self._buffer:
                 self.loop.call_soon(self._flush)
             self._buffer.append(batch)
-            self.waiters.append(batch)  # type: ignore[arg-type]
+            self.waiters.append(batch)
             self.sent.append(self.loop.time())
             if self._watch is None:
                 self._watch = self.loop.call_later(self.timeout, self._check_timeouts)
@@ -391,7 +399,7 @@ class Pipe:
         buf, self._buffer = self._buffer, []
         self._batch = None
         if buf and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(b"".join(x if type(x) is bytes else x.packed() for x in buf))  # type: ignore[union-attr]
+            self._transport.write(b"".join(x if isinstance(x, bytes) else x.packed() for x in buf))
 
     def _check_timeouts(self) -> None:
         self._watch = None

@@ -122,6 +122,10 @@ def _ref_arg(op: CounterOp) -> bytes:
     return " ".join(parts).rstrip().encode()
 
 
+#: Seconds before a Redis that refused charge_many.lua is asked for it again.
+MANY_RETRY = 60.0
+
+
 class _Script:
     """One script of ``lua/``: its source and SHA1 (what EVALSHA names)."""
 
@@ -340,6 +344,7 @@ class RedisScripts(KeyValueOps):
         self._many = _Script(many_source())
         self._batched = Batched(self._charge.sha, self._many.sha)
         self._loading_many = False
+        self._many_not_before = 0.0  # a refused load is tried again from then (loop time)
 
     @property
     def _client(self) -> aioredis.Redis:
@@ -596,8 +601,10 @@ class RedisScripts(KeyValueOps):
 
     def _load_many(self, pipe: Pipe) -> None:
         """Load charge_many.lua on ``pipe`` (once at a time), and batch once it is
-        in; a Redis that refuses it (SCRIPT LOAD not allowed) is not asked again."""
-        if self._loading_many:
+        in. A Redis that refuses it (an ACL, a managed service, a server still
+        loading its data) is asked again after :data:`MANY_RETRY` seconds, not on
+        every check; one whose connection was lost, at the next check."""
+        if self._loading_many or pipe.loop.time() < self._many_not_before:
             return
         fut = pipe.send(pack(["SCRIPT", "LOAD", self._many.script]))
         if fut is None:
@@ -605,16 +612,15 @@ class RedisScripts(KeyValueOps):
         self._loading_many = True
 
         def loaded(f: asyncio.Future[Any]) -> None:
-            # A lost connection may load it next time; a refusal, or a Redis that
-            # names it by another SHA, would answer the same again.
+            self._loading_many = False
             error = asyncio.CancelledError() if f.cancelled() else f.exception()
             if error is None:
                 sha = f.result()
-                ready = (sha.decode() if isinstance(sha, bytes) else sha) == self._many.sha
-                self._batched.ready = ready
-                self._loading_many = not ready
-            else:
-                self._loading_many = not isinstance(error, (OSError, asyncio.CancelledError))
+                self._batched.ready = (sha.decode() if isinstance(sha, bytes) else sha) == (
+                    self._many.sha
+                )
+            if not self._batched.ready and not isinstance(error, (OSError, asyncio.CancelledError)):
+                self._many_not_before = pipe.loop.time() + MANY_RETRY
 
         fut.add_done_callback(loaded)
 
