@@ -1,5 +1,5 @@
 -- Several charges in one script call: the checks of one coalesced write
--- (projections/counters/autopipe.py, Batch), each decided by charge.lua itself,
+-- (projections/counters/autopipe.py, Batched), each decided by charge.lua itself,
 -- in arrival order, as if each were its own EVALSHA. Not loaded on its own:
 -- mcp_budget_governor.lua.many_source puts charge.lua's whole source (prelude
 -- and body) where the line CHARGE_LUA stands, so charge.lua stays the one
