@@ -174,6 +174,17 @@ class _Waiter(Protocol):
     def set_exception(self, exception: BaseException, /) -> None: ...
 
 
+def _hand(waiter: _Waiter, reply: Any) -> None:
+    """A reply to what awaits it (an error reply as its exception), unless that
+    is done already (a call that timed out, a batch handed on)."""
+    if waiter.done():
+        return
+    if isinstance(reply, _ReplyError):
+        waiter.set_exception(reply_error(str(reply)))
+    else:
+        waiter.set_result(reply)
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, pipe: Pipe) -> None:
         self.pipe = pipe
@@ -195,14 +206,8 @@ class _Protocol(asyncio.Protocol):
             if not waiters:
                 self.pipe.fail(ConnectionError("redis sent a reply nobody asked for"))
                 return
-            fut = waiters.popleft()
             sent.popleft()
-            if fut.done():
-                continue
-            if isinstance(reply, _ReplyError):
-                fut.set_exception(reply_error(str(reply)))
-            else:
-                fut.set_result(reply)
+            _hand(waiters.popleft(), reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.pipe._protocol is self:
@@ -301,12 +306,7 @@ class _Batch:
             return
         self._done = True
         for fut, reply in zip(calls, replies, strict=True):
-            if fut.done():
-                continue
-            if isinstance(reply, _ReplyError):
-                fut.set_exception(reply_error(str(reply)))
-            else:
-                fut.set_result(reply)
+            _hand(fut, reply)
 
     def set_exception(self, exception: BaseException) -> None:
         if isinstance(exception, redis_errors.NoScriptError) and len(self.calls) > 1:
