@@ -21,7 +21,9 @@ Variants, all through the same redis-py async client (one pool) on the same Redi
 
 Then, unless ``--no-concurrency``: 64 concurrent callers of ``check()`` (3
 limits) against 64 concurrent callers of the no-op EVALSHA on the same
-client, as rates (calls/s), interleaved trials; and the 500-call demo.
+client, as rates (calls/s), interleaved trials, beside the same checks on a
+backend that sends each alone (charge.lua, no charge_many.lua), with Redis'
+time a check for both; and the 500-call demo.
 
 Variants are interleaved: each round runs ``--calls`` calls of every variant in
 chunks of ``--chunk``, rotating the order, so drift on a busy machine hits all
