@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,21 +96,23 @@ async def plan_args(port: int, variant: str) -> Args:
     return lambda: backend.charge_args(Charge(ops, op_id=new_id()))
 
 
+def many_args(charges: Sequence[list[Any]]) -> list[Any]:
+    """charge_many.lua's arguments for ``charges`` (each charge.lua's numkeys, KEYS,
+    ARGV): every charge's keys, then per charge its number of keys, its number of
+    arguments and its arguments (tests/test_charge_many.py uses it too)."""
+    keys: list[Any] = []
+    argv: list[Any] = []
+    for call in charges:
+        nkeys = int(call[0])
+        keys += call[1 : 1 + nkeys]
+        rest = call[1 + nkeys :]
+        argv += [nkeys, len(rest), *rest]
+    return [len(keys), *keys, *argv]
+
+
 def batched(one: Args) -> Args:
     """``BATCH_CALLS`` fresh calls of ``one`` as charge_many.lua's arguments."""
-
-    def make() -> list[Any]:
-        keys: list[Any] = []
-        argv: list[Any] = []
-        for _ in range(BATCH_CALLS):
-            call = one()
-            nkeys = int(call[0])
-            keys += call[1 : 1 + nkeys]
-            rest = call[1 + nkeys :]
-            argv += [nkeys, len(rest), *rest]
-        return [len(keys), *keys, *argv]
-
-    return make
+    return lambda: many_args([one() for _ in range(BATCH_CALLS)])
 
 
 def server_instructions(source: str, variant: str, calls: int, workdir: Path) -> int:

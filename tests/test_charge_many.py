@@ -37,6 +37,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from benchmarks.bench_lua import many_args
 from mcp_budget_governor.caps import PLANS_KEY, CapRef, caps_key
 from mcp_budget_governor.counters import Charge, CounterOp, with_cost
 from mcp_budget_governor.keys import EPOCH_KEY, LEASE_PREFIX, lease_key, queue_key
@@ -88,19 +89,6 @@ def twin() -> Iterator[Twin]:
 
 
 # -- the two runs ------------------------------------------------------------------
-
-
-def many_args(charges: Sequence[Args]) -> Args:
-    """charge_many's arguments: every charge's keys, then per charge its number of
-    keys, its number of arguments and its arguments."""
-    keys: Args = []
-    argv: Args = []
-    for args in charges:
-        n = int(args[0])
-        keys += args[1 : 1 + n]
-        rest = args[1 + n :]
-        argv += [n, len(rest), *rest]
-    return [len(keys), *keys, *argv]
 
 
 _WHERE = re.compile(r" script: [0-9a-f]{40}, on @user_script:\d+\.$")

@@ -161,10 +161,7 @@ async def test_a_redis_that_lost_the_script_serves_each_check_and_gets_it_again(
         assert sum(admitted) == 30
         assert not backend._batched.ready
         await burst(gov, 2)  # the next check loads it again
-        for _ in range(100):
-            if backend._batched.ready:
-                break
-            await asyncio.sleep(0.01)
+        await loaded(backend)
         assert backend._batched.ready
         assert client.script_exists(backend._many.sha) == [True]
         admitted = await burst(Governor(policy(30), backend), 10)
